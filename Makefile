@@ -1,0 +1,66 @@
+# rtserve: the same words everywhere — make run, make test, make lint, make bench.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+REPO := examples/repository
+HOST ?= 127.0.0.1
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+export LD_LIBRARY_PATH := $(CURDIR)/$(VENV)/lib/python3.11/site-packages/nvidia/cuda_runtime/lib:$(LD_LIBRARY_PATH)
+
+.PHONY: setup system-deps examples run test test-fast lint format bench bench-quick optimize-report clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e '.[dev,optimize]'
+	$(BIN)/pip install -q --no-deps efficientnet-lite-pytorch
+	touch $@
+
+setup: $(STAMP) system-deps
+
+# redis-server (cache tests), wrk (benchmarks), libb64 (perf_analyzer) come from Debian.
+system-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v wrk >/dev/null || missing="$$missing wrk"; \
+	ldconfig -p | grep -q libb64.so.0d || missing="$$missing libb64-0d"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi; \
+	fi
+
+$(REPO)/.built: $(STAMP) examples/build_repository.py
+	$(BIN)/python examples/build_repository.py --out $(REPO)
+	touch $@
+
+examples: $(REPO)/.built
+
+run: setup examples
+	$(BIN)/rtserve serve --model-repository $(REPO) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT)
+
+test: setup examples
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
+	$(BIN)/mypy src
+
+format: setup
+	$(BIN)/ruff format src tests bench examples
+	$(BIN)/ruff check --fix src tests bench examples
+
+bench-quick: setup examples
+	$(BIN)/python -m bench.run --quick
+
+bench: setup examples
+	$(BIN)/python -m bench.run
+
+optimize-report: setup
+	$(BIN)/python -m rtserve.cli optimize-report --out docs/optimization.md
+
+clean:
+	rm -rf $(VENV) $(REPO) bench/.peers bench/.work optimize-out

@@ -1,0 +1,3 @@
+"""rtserve: a real-time ML inference server and model-optimization toolkit."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,73 @@
+"""The ``rtserve`` command: ``rtserve serve | export | optimize | ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rtserve import __version__
+from rtserve.errors import ConfigError
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from rtserve.config import load_server_config
+    from rtserve.server.app import serve
+
+    try:
+        config = load_server_config(
+            args.config,
+            model_repository=args.model_repository,
+            host=args.host,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            max_request_bytes=args.max_request_bytes,
+            grace_period_s=args.grace_period,
+            log_level=args.log_level,
+            access_log=True if args.access_log else None,
+        )
+    except ConfigError as exc:
+        print(f"rtserve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        serve(config, args.ports_file)
+    except (ConfigError, OSError) as exc:
+        print(f"rtserve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rtserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"rtserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve a model repository over HTTP and gRPC (KServe V2)")
+    s.add_argument("--model-repository", type=Path, help="directory of <model>/config.yaml + <version>/model.onnx")
+    s.add_argument("--config", type=Path, help="server config YAML (flags override it)")
+    s.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--http-port", type=int, help="HTTP port (default 8000; 0 picks a free one)")
+    s.add_argument("--grpc-port", type=int, help="gRPC port (default 8001; 0 picks a free one)")
+    s.add_argument("--max-request-bytes", type=int, help="largest accepted request body")
+    s.add_argument("--grace-period", type=float, help="seconds to finish requests on SIGTERM")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--access-log", action="store_true", help="log every request (off by default)")
+    s.add_argument("--ports-file", type=Path, help="write the bound ports as JSON once ready")
+    s.set_defaults(func=_serve)
+
+    try:
+        from rtserve.optimize.cli import register
+    except ImportError:
+        pass
+    else:
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Typed, validated model and server configuration.
+
+Config is data (YAML). Every error names the file and the field, e.g.
+``models/mlp/config.yaml: dynamic_batching.max_queue_size: expected an integer >= 1, got 0``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rtserve.errors import ConfigError
+from rtserve.protocol.types import DATATYPE_TO_NUMPY
+
+
+class _Fields:
+    """Reads typed fields out of one mapping, collecting the names it has seen."""
+
+    def __init__(self, data: Any, where: str, prefix: str = "") -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: {prefix or 'config'}: expected a mapping, got {data!r}")
+        self.data: dict[str, Any] = data
+        self.where = where
+        self.prefix = prefix
+        self.seen: set[str] = set()
+
+    def path(self, key: str) -> str:
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def fail(self, key: str, expected: str, value: Any) -> ConfigError:
+        return ConfigError(f"{self.where}: {self.path(key)}: expected {expected}, got {value!r}")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.seen.add(key)
+        return self.data.get(key, default)
+
+    def int(self, key: str, default: int, minimum: int = 0) -> int:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.fail(key, f"an integer >= {minimum}", value)
+        return value
+
+    def float(self, key: str, default: float, minimum: float = 0.0) -> float:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
+            raise self.fail(key, f"a number >= {minimum}", value)
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise self.fail(key, "true or false", value)
+        return value
+
+    def str(self, key: str, default: str, choices: tuple[str, ...] | None = None) -> str:
+        value = self.get(key, default)
+        if not isinstance(value, str) or (choices and value not in choices):
+            expected = f"one of {', '.join(choices)}" if choices else "a string"
+            raise self.fail(key, expected, value)
+        return value
+
+    def int_list(self, key: str, minimum: int = 1) -> list[int]:
+        value = self.get(key, [])
+        if not isinstance(value, list) or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in value
+        ):
+            raise self.fail(key, f"a list of integers >= {minimum}", value)
+        return list(value)
+
+    def sub(self, key: str) -> _Fields:
+        return _Fields(self.get(key), self.where, self.path(key))
+
+    def check_unknown(self) -> None:
+        unknown = sorted(set(self.data) - self.seen)
+        if unknown:
+            known = ", ".join(sorted(self.seen))
+            raise ConfigError(
+                f"{self.where}: {self.path(unknown[0])}: unknown field (known fields: {known})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One input or output. ``shape`` is per row (no batch dimension) when batching."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DynamicBatching:
+    max_queue_delay_us: int = 0
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_size: int = 1024
+    default_timeout_us: int = 0  # 0: no server-side timeout unless the request sets one
+
+
+@dataclass(frozen=True, slots=True)
+class OrtOptions:
+    intra_op_threads: int = 1
+    inter_op_threads: int = 1
+    graph_optimization_level: str = "all"
+    execution_providers: tuple[str, ...] = ("CUDA", "CPU")
+    # "auto" decides from the measured batch time whether to run on the event loop thread
+    # (tiny models: a thread hop costs more than the compute) or on executor threads.
+    execution: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class Warmup:
+    batch_sizes: tuple[int, ...] = (1,)
+    iterations: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    backend: str = "onnxruntime"
+    max_batch_size: int = 0
+    inputs: tuple[TensorSpec, ...] | None = None
+    outputs: tuple[TensorSpec, ...] | None = None
+    dynamic_batching: DynamicBatching = field(default_factory=DynamicBatching)
+    instance_count: int = 1
+    onnxruntime: OrtOptions = field(default_factory=OrtOptions)
+    warmup: Warmup = field(default_factory=Warmup)
+    version_policy: str = "all"  # all | latest | specific
+    versions: tuple[int, ...] = ()  # for version_policy specific
+    response_cache: dict[str, Any] | None = None
+    source: str = ""
+
+
+_LEVELS = ("disable", "basic", "extended", "layout", "all")
+_PROVIDERS = ("CPU", "CUDA", "TensorRT")
+
+
+def _tensor_specs(value: Any, where: str, key: str) -> tuple[TensorSpec, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: {key}: expected a non-empty list of tensors, got {value!r}")
+    specs = []
+    for i, item in enumerate(value):
+        f = _Fields(item, where, f"{key}[{i}]")
+        name = f.str("name", "")
+        if not name:
+            raise f.fail("name", "a non-empty string", name)
+        datatype = f.str("datatype", "", tuple(DATATYPE_TO_NUMPY))
+        shape = f.get("shape")
+        if not isinstance(shape, list) or any(
+            isinstance(d, bool) or not isinstance(d, int) or d < -1 for d in shape
+        ):
+            raise f.fail("shape", "a list of dimensions (integers >= -1; -1 = any)", shape)
+        f.check_unknown()
+        specs.append(TensorSpec(name, datatype, tuple(shape)))
+    return tuple(specs)
+
+
+def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
+    f = _Fields(data, where)
+    cfg_name = f.str("name", name)
+    if cfg_name != name:
+        raise f.fail("name", f"the directory name {name!r}", cfg_name)
+    backend = f.str("backend", "onnxruntime", ("onnxruntime",))
+    max_batch_size = f.int("max_batch_size", 0)
+    inputs = _tensor_specs(f.get("inputs"), where, "inputs")
+    outputs = _tensor_specs(f.get("outputs"), where, "outputs")
+
+    db = f.sub("dynamic_batching")
+    preferred = db.int_list("preferred_batch_sizes")
+    if max_batch_size and any(p > max_batch_size for p in preferred):
+        raise db.fail("preferred_batch_sizes", f"sizes <= max_batch_size ({max_batch_size})", preferred)
+    batching = DynamicBatching(
+        max_queue_delay_us=db.int("max_queue_delay_us", 0),
+        preferred_batch_sizes=tuple(sorted(preferred)),
+        max_queue_size=db.int("max_queue_size", 1024, minimum=1),
+        default_timeout_us=db.int("default_timeout_us", 0),
+    )
+    db.check_unknown()
+
+    ort = f.sub("onnxruntime")
+    providers = ort.get("execution_providers", ["CUDA", "CPU"])
+    if not isinstance(providers, list) or any(p not in _PROVIDERS for p in providers):
+        raise ort.fail("execution_providers", f"a list drawn from {', '.join(_PROVIDERS)}", providers)
+    ort_options = OrtOptions(
+        intra_op_threads=ort.int("intra_op_threads", 1),
+        inter_op_threads=ort.int("inter_op_threads", 1),
+        graph_optimization_level=ort.str("graph_optimization_level", "all", _LEVELS),
+        execution_providers=tuple(providers),
+        execution=ort.str("execution", "auto", ("auto", "inline", "thread")),
+    )
+    ort.check_unknown()
+
+    wu = f.sub("warmup")
+    warmup = Warmup(
+        batch_sizes=tuple(wu.int_list("batch_sizes") or [1]),
+        iterations=wu.int("iterations", 2),
+    )
+    if max_batch_size and any(b > max_batch_size for b in warmup.batch_sizes):
+        raise wu.fail("batch_sizes", f"sizes <= max_batch_size ({max_batch_size})", warmup.batch_sizes)
+    wu.check_unknown()
+
+    policy_value = f.get("version_policy", "all")
+    versions: tuple[int, ...] = ()
+    if isinstance(policy_value, dict) and set(policy_value) == {"specific"}:
+        vp = _Fields(policy_value, where, "version_policy")
+        versions = tuple(vp.int_list("specific"))
+        policy = "specific"
+    elif policy_value in ("all", "latest"):
+        policy = str(policy_value)
+    else:
+        raise f.fail("version_policy", "all, latest or {specific: [versions]}", policy_value)
+
+    cache = f.get("response_cache")
+    if cache is not None and not isinstance(cache, dict):
+        raise f.fail("response_cache", "a mapping", cache)
+    instance_count = f.int("instance_count", 1, minimum=1)
+    f.check_unknown()
+    return ModelConfig(
+        name=name,
+        backend=backend,
+        max_batch_size=max_batch_size,
+        inputs=inputs,
+        outputs=outputs,
+        dynamic_batching=batching,
+        instance_count=instance_count,
+        onnxruntime=ort_options,
+        warmup=warmup,
+        version_policy=policy,
+        versions=versions,
+        response_cache=cache,
+        source=where,
+    )
+
+
+def load_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text()) if path.exists() else {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model_repository: Path
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    max_request_bytes: int = 64 * 1024 * 1024
+    grace_period_s: float = 30.0
+    response_cache: dict[str, Any] | None = None  # server-wide default for every model
+    access_log: bool = False
+    log_level: str = "info"
+
+
+def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
+    """Server settings: the YAML file (optional), then command-line overrides that are set."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not path.exists():
+            raise ConfigError(f"{path}: server config file not found")
+        raw = load_yaml(path)
+        f = _Fields(raw, str(path))
+        data = {
+            "model_repository": f.get("model_repository"),
+            "host": f.str("host", "127.0.0.1"),
+            "http_port": f.int("http_port", 8000),
+            "grpc_port": f.int("grpc_port", 8001),
+            "max_request_bytes": f.int("max_request_bytes", 64 * 1024 * 1024, minimum=1),
+            "grace_period_s": f.float("grace_period_s", 30.0),
+            "response_cache": f.get("response_cache"),
+            "access_log": f.bool("access_log", False),
+            "log_level": f.str("log_level", "info"),
+        }
+        f.check_unknown()
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    if not data.get("model_repository"):
+        raise ConfigError("model_repository: expected a directory (--model-repository)")
+    data["model_repository"] = Path(data["model_repository"])
+    return ServerConfig(**{k: v for k, v in data.items() if v is not None})

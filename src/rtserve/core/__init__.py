@@ -1,0 +1,1 @@
+"""The dataplane: the one place both frontends call."""

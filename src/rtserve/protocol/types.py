@@ -1,0 +1,80 @@
+"""In-memory request and response types shared by the HTTP and gRPC frontends.
+
+Tensors are numpy arrays already shaped and typed (BYTES tensors are object arrays of
+``bytes``); frontends decode into these and the dataplane never sees wire formats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# V2 datatype name -> numpy dtype. BYTES is an object array of bytes.
+DATATYPE_TO_NUMPY: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+    "BYTES": np.dtype(np.object_),
+}
+NUMPY_TO_DATATYPE: dict[np.dtype[Any], str] = {v: k for k, v in DATATYPE_TO_NUMPY.items()}
+
+
+@dataclass(slots=True)
+class Tensor:
+    """A named tensor: V2 datatype, full shape (batch dimension included) and its data."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+    parameters: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    name: str
+    binary: bool | None = None  # None: the request-wide default applies
+
+
+@dataclass(slots=True)
+class Timings:
+    """Per-stage timestamps (time.perf_counter_ns) of one request; read by metrics after send."""
+
+    received: int = 0
+    enqueued: int = 0
+    batch_start: int = 0
+    batch_end: int = 0
+    done: int = 0
+    batch_size: int = 0
+    cache: str = ""  # "", "memory", "redis"
+
+
+@dataclass(slots=True)
+class InferRequest:
+    model_name: str
+    model_version: str  # "" means the default (latest ready) version
+    inputs: list[Tensor]
+    outputs: list[RequestedOutput] | None = None  # None: every output
+    id: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass(slots=True)
+class InferResponse:
+    model_name: str
+    model_version: str
+    outputs: list[Tensor]
+    id: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)

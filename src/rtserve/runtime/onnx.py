@@ -1,0 +1,156 @@
+"""ONNX Runtime backend: one InferenceSession per instance, threads fixed by config."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from rtserve.config import ModelConfig, TensorSpec
+from rtserve.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_ORT_TYPES = {
+    "tensor(bool)": "BOOL",
+    "tensor(uint8)": "UINT8",
+    "tensor(uint16)": "UINT16",
+    "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64",
+    "tensor(int8)": "INT8",
+    "tensor(int16)": "INT16",
+    "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16",
+    "tensor(float)": "FP32",
+    "tensor(double)": "FP64",
+    "tensor(string)": "BYTES",
+}
+_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "layout": getattr(
+        ort.GraphOptimizationLevel, "ORT_ENABLE_LAYOUT", ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    ),
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+_PROVIDER_NAMES = {
+    "CPU": "CPUExecutionProvider",
+    "CUDA": "CUDAExecutionProvider",
+    "TensorRT": "TensorrtExecutionProvider",
+}
+
+
+def available_providers(wanted: tuple[str, ...]) -> list[str]:
+    """The configured providers this onnxruntime build has, CPU always last."""
+    have = set(ort.get_available_providers())
+    chosen = [_PROVIDER_NAMES[p] for p in wanted if p != "CPU" and _PROVIDER_NAMES[p] in have]
+    return [*chosen, "CPUExecutionProvider"]
+
+
+def _graph_specs(args: list[Any], batched: bool) -> list[TensorSpec]:
+    specs = []
+    for arg in args:
+        dims = [d if isinstance(d, int) and d >= 0 else -1 for d in (arg.shape or [])]
+        if batched:
+            dims = dims[1:]
+        datatype = _ORT_TYPES.get(arg.type)
+        if datatype is None:
+            raise ConfigError(f"tensor {arg.name!r} has unsupported type {arg.type}")
+        specs.append(TensorSpec(arg.name, datatype, tuple(dims)))
+    return specs
+
+
+def _reconcile(
+    configured: tuple[TensorSpec, ...] | None, graph: list[TensorSpec], kind: str, where: str
+) -> tuple[TensorSpec, ...]:
+    """Config entries override the graph's, but must name real tensors of the same type."""
+    if configured is None:
+        return tuple(graph)
+    by_name = {s.name: s for s in graph}
+    for i, spec in enumerate(configured):
+        real = by_name.get(spec.name)
+        if real is None:
+            raise ConfigError(
+                f"{where}: {kind}[{i}].name: {spec.name!r} is not a model {kind[:-1]} "
+                f"(the model has {', '.join(by_name)})"
+            )
+        if real.datatype != spec.datatype:
+            raise ConfigError(
+                f"{where}: {kind}[{i}].datatype: the model's {spec.name!r} is "
+                f"{real.datatype}, config says {spec.datatype}"
+            )
+    if kind == "inputs":
+        missing = set(by_name) - {s.name for s in configured}
+        if missing:
+            raise ConfigError(f"{where}: inputs: model inputs missing from config: {sorted(missing)}")
+    return configured
+
+
+class OnnxRuntimeModel:
+    platform = "onnxruntime_onnx"
+
+    def __init__(
+        self,
+        sessions: list[ort.InferenceSession],
+        inputs: tuple[TensorSpec, ...],
+        outputs: tuple[TensorSpec, ...],
+        providers: list[str],
+    ) -> None:
+        self._sessions = sessions
+        self.inputs = inputs
+        self.outputs = outputs
+        self.instance_count = len(sessions)
+        self.providers = providers
+        self._output_names = [o.name for o in outputs]
+        self._runs = [s.run for s in sessions]
+
+    @classmethod
+    def load(cls, config: ModelConfig, version_dir: Path) -> OnnxRuntimeModel:
+        path = version_dir / "model.onnx"
+        if not path.exists():
+            raise ConfigError(f"{version_dir}: model.onnx not found")
+        opts = config.onnxruntime
+        providers = available_providers(opts.execution_providers)
+        sessions = []
+        for _ in range(config.instance_count):
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = opts.intra_op_threads
+            so.inter_op_num_threads = opts.inter_op_threads
+            so.graph_optimization_level = _LEVELS[opts.graph_optimization_level]
+            so.log_severity_level = 3
+            if opts.intra_op_threads == 1:
+                # No thread pool to spin: keeps the event loop's core free between batches.
+                so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            try:
+                sessions.append(ort.InferenceSession(str(path), so, providers=providers))
+            except Exception as exc:  # onnxruntime raises several unrelated types
+                raise ConfigError(f"{path}: onnxruntime could not load the model: {exc}") from exc
+        batched = config.max_batch_size > 0
+        s0 = sessions[0]
+        graph_inputs = _graph_specs(s0.get_inputs(), batched)
+        graph_outputs = _graph_specs(s0.get_outputs(), batched)
+        if batched:
+            for arg in [*s0.get_inputs(), *s0.get_outputs()]:
+                first = arg.shape[0] if arg.shape else None
+                if isinstance(first, int) and first > 0 and config.max_batch_size > 1:
+                    raise ConfigError(
+                        f"{config.source}: max_batch_size: {arg.name!r} has a fixed first "
+                        f"dimension {first}; batching needs a dynamic batch axis "
+                        "(or set max_batch_size: 0)"
+                    )
+        inputs = _reconcile(config.inputs, graph_inputs, "inputs", config.source)
+        outputs = _reconcile(config.outputs, graph_outputs, "outputs", config.source)
+        return cls(sessions, inputs, outputs, providers)
+
+    def run(self, instance: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        results = self._runs[instance](self._output_names, feeds)
+        return dict(zip(self._output_names, results, strict=True))
+
+    def close(self) -> None:
+        self._sessions.clear()
+        self._runs.clear()

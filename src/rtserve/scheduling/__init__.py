@@ -1,0 +1,1 @@
+"""Request scheduling: the batching policy (decides) and the batcher (does)."""

@@ -1,0 +1,1 @@
+"""Protocol frontends (HTTP, gRPC) and the server lifecycle."""
