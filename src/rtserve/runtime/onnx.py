@@ -108,6 +108,8 @@ class OnnxRuntimeModel:
         self.providers = providers
         self._output_names = [o.name for o in outputs]
         self._runs = [s.run for s in sessions]
+        self._string_inputs = [i.name for i in inputs if i.datatype == "BYTES"]
+        self._string_outputs = [o.name for o in outputs if o.datatype == "BYTES"]
 
     @classmethod
     def load(cls, config: ModelConfig, version_dir: Path) -> OnnxRuntimeModel:
@@ -148,9 +150,35 @@ class OnnxRuntimeModel:
         return cls(sessions, inputs, outputs, providers)
 
     def run(self, instance: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._string_inputs:
+            feeds = dict(feeds)
+            for name in self._string_inputs:
+                feeds[name] = _to_str_array(feeds[name])
         results = self._runs[instance](self._output_names, feeds)
-        return dict(zip(self._output_names, results, strict=True))
+        out = dict(zip(self._output_names, results, strict=True))
+        for name in self._string_outputs:
+            out[name] = _to_bytes_array(out[name])
+        return out
 
     def close(self) -> None:
         self._sessions.clear()
         self._runs.clear()
+
+
+def _to_str_array(arr: np.ndarray) -> np.ndarray:
+    """BYTES tensors hold bytes; onnxruntime's string tensors want str."""
+    out = np.empty(arr.shape, dtype=object)
+    flat_in = arr.reshape(-1)
+    flat_out = out.reshape(-1)
+    for i, item in enumerate(flat_in):
+        flat_out[i] = item.decode("utf-8", "surrogateescape") if isinstance(item, bytes) else str(item)
+    return out
+
+
+def _to_bytes_array(arr: np.ndarray) -> np.ndarray:
+    out = np.empty(arr.shape, dtype=object)
+    flat_in = arr.reshape(-1)
+    flat_out = out.reshape(-1)
+    for i, item in enumerate(flat_in):
+        flat_out[i] = item.encode("utf-8", "surrogateescape") if isinstance(item, str) else item
+    return out

@@ -1,0 +1,156 @@
+"""L2: Redis through redis-py's asyncio client. Redis trouble never fails a request.
+
+Every call is bounded by the tier's short timeout and never retried; a failure counts as a
+miss (reads) or a dropped write. A circuit breaker skips Redis after repeated failures and
+probes it with PING in the background once per cool-down, so no request waits on a dead
+Redis. Writes go through a bounded queue drained by one background task that pipelines
+``SET key value PX ttl``: a miss pays a deque append, never a Redis round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from rtserve.cache.breaker import BreakerState, CircuitBreaker
+from rtserve.cache.config import RedisTierConfig
+from rtserve.cache.metrics import ModelCacheMetrics
+
+_WRITE_BATCH = 128
+
+
+def key_prefix(namespace: str, model_name: str, version: str) -> bytes:
+    """Every key of one model version starts with this, so a new version never reads old ones."""
+    return f"rtserve:{namespace}:{model_name}:{version}:".encode()
+
+
+class RedisTier:
+    def __init__(
+        self, config: RedisTierConfig, model_name: str, version: str, metrics: ModelCacheMetrics
+    ) -> None:
+        timeout_s = config.timeout_ms / 1000.0
+        self.prefix = key_prefix(config.namespace, model_name, version)
+        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
+        self._timeout_s = timeout_s
+        self._ttl_ms = max(1, int(config.ttl_s * 1000))
+        self._max_pending = config.max_pending_writes
+        self._metrics = metrics
+        self._client = aioredis.Redis.from_url(
+            config.url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        self._pending: deque[tuple[bytes, bytes]] = deque()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._writer: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None
+        self._closed = False
+        metrics.breaker_open.set(0)
+
+    def redis_key(self, key: bytes) -> bytes:
+        return self.prefix + key.hex().encode()
+
+    async def get(self, key: bytes) -> bytes | None:
+        """The stored value, or None on a miss, an error, or while the breaker is open."""
+        if not self._usable():
+            return None
+        try:
+            async with asyncio.timeout(self._timeout_s * 2):
+                value = await self._client.get(self.redis_key(key))
+        except Exception:
+            self._failed()
+            return None
+        self._succeeded()
+        return value if isinstance(value, bytes) else None
+
+    def put(self, key: bytes, value: bytes) -> None:
+        """Queue a write; returns at once. Dropped (and counted) if the queue is full."""
+        if self._closed or not self._usable() or len(self._pending) >= self._max_pending:
+            self._metrics.redis_dropped_writes.inc()
+            return
+        self._pending.append((self.redis_key(key), value))
+        self._idle.clear()
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+        self._wake.set()
+
+    async def flush(self) -> None:
+        """Wait until the queued writes have been sent (or dropped); for tests and close."""
+        if self._writer is not None and not self._writer.done():
+            await self._idle.wait()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._writer is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.1, self._timeout_s * 4)):
+                    await self.flush()
+        for task in (self._writer, self._probe):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        with contextlib.suppress(Exception):
+            await self._client.aclose()
+
+    def _usable(self) -> bool:
+        breaker = self.breaker
+        if breaker.state is BreakerState.CLOSED:
+            return True
+        if breaker.probe_due() and not self._closed:
+            self._probe = asyncio.get_running_loop().create_task(self._run_probe())
+        return False
+
+    async def _run_probe(self) -> None:
+        try:
+            async with asyncio.timeout(self._timeout_s * 2):
+                await self._client.ping()
+        except Exception:
+            self._failed()
+        else:
+            self._succeeded()
+
+    def _succeeded(self) -> None:
+        if self.breaker.state is not BreakerState.CLOSED:
+            self._metrics.breaker_open.set(0)
+        self.breaker.record_success()
+
+    def _failed(self) -> None:
+        self._metrics.redis_errors.inc()
+        if self.breaker.record_failure():
+            self._metrics.breaker_open.set(1)
+            dropped = len(self._pending)
+            self._pending.clear()
+            if dropped:
+                self._metrics.redis_dropped_writes.inc(dropped)
+
+    async def _write_loop(self) -> None:
+        pending = self._pending
+        px = self._ttl_ms
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while pending:
+                n = min(len(pending), _WRITE_BATCH)
+                pipe = self._client.pipeline(transaction=False)
+                for _ in range(n):
+                    k, v = pending.popleft()
+                    pipe.set(k, v, px=px)
+                try:
+                    async with asyncio.timeout(self._timeout_s * 2):
+                        await pipe.execute()
+                except Exception:
+                    self._failed()
+                    self._metrics.redis_dropped_writes.inc(n)
+                else:
+                    self._succeeded()
+            self._idle.set()

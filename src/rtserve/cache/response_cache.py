@@ -1,0 +1,181 @@
+"""The response cache of one model version: L1 (memory) then L2 (Redis) then the model.
+
+Lookup order: L1 → (single-flight on the key) → L2 → run the model. A miss stores the
+answer in L1 at once and queues the L2 write, so Redis never delays a response. Cached
+arrays are private read-only copies; every caller gets fresh Tensor objects over them, so
+a frontend that sets ``parameters`` on an output cannot change what the next caller sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from rtserve.cache.codec import CacheDecodeError, decode, encode
+from rtserve.cache.config import CacheConfig
+from rtserve.cache.keys import cache_key
+from rtserve.cache.memory import MemoryCache
+from rtserve.cache.metrics import CacheMetrics
+from rtserve.cache.redis_tier import RedisTier
+from rtserve.cache.singleflight import SingleFlight
+from rtserve.errors import InvalidInput
+from rtserve.protocol.types import InferRequest, Tensor
+
+# The tier a response came from, as returned by ResponseCache.lookup_or_run.
+TIER_MEMORY = "memory"
+TIER_REDIS = "redis"
+TIER_MISS = ""
+TIER_BYPASS = "bypass"
+
+# Request parameter that opts one call out of the cache: {"parameters": {"cache": false}}.
+OPT_OUT_PARAMETER = "cache"
+
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+
+_Stored = list[Tensor]
+
+
+class ResponseCache:
+    """Create one per loaded model version whose merged config is enabled."""
+
+    def __init__(
+        self, config: CacheConfig, model_name: str, version: str, metrics: CacheMetrics
+    ) -> None:
+        if not config.enabled:
+            raise ValueError(f"model {model_name!r}: response cache config has no tier enabled")
+        self.model_name = model_name
+        self.version = version
+        self._round = config.round_floats
+        self._metrics = m = metrics.for_model(model_name, version)
+        self._memory: MemoryCache[_Stored] | None = None
+        if config.memory is not None:
+            memory: MemoryCache[_Stored] = MemoryCache(config.memory.max_bytes, config.memory.ttl_s)
+            self._memory = memory
+            m.track_bytes(lambda: memory.size_bytes)
+        self._redis: RedisTier | None = None
+        if config.redis is not None:
+            self._redis = RedisTier(config.redis, model_name, version, m)
+        self._flights: SingleFlight[bytes, tuple[_Stored, str]] = SingleFlight()
+
+    @property
+    def memory(self) -> MemoryCache[_Stored] | None:
+        return self._memory
+
+    @property
+    def redis(self) -> RedisTier | None:
+        return self._redis
+
+    async def lookup_or_run(
+        self, request: InferRequest, run: Callable[[], Awaitable[list[Tensor]]]
+    ) -> tuple[list[Tensor], str]:
+        """``(outputs, tier)``; tier is "memory", "redis", "" (the model ran) or "bypass".
+
+        ``run`` must return the outputs the request asked for, in the order asked. A
+        request with ``parameters: {cache: false}`` runs directly and touches no tier.
+        Callers waiting on an identical request in flight get its tier.
+        """
+        params = request.parameters
+        if params and OPT_OUT_PARAMETER in params and not wants_cache(params[OPT_OUT_PARAMETER]):
+            return await run(), TIER_BYPASS
+        key = cache_key(self.model_name, self.version, request.inputs, request.outputs, self._round)
+        memory = self._memory
+        if memory is not None:
+            stored = memory.get(key)
+            if stored is not None:
+                self._metrics.memory_hit.inc()
+                return _fresh(stored), TIER_MEMORY
+            self._metrics.memory_miss.inc()
+
+        async def fill() -> tuple[_Stored, str]:
+            return await self._fill(key, request, run)
+
+        (stored, tier), shared = await self._flights.do(key, fill)
+        if shared:
+            self._metrics.coalesced.inc()
+        return _fresh(stored), tier
+
+    async def close(self) -> None:
+        """Send queued Redis writes (briefly), close the client, drop L1 and its series."""
+        if self._redis is not None:
+            await self._redis.close()
+        if self._memory is not None:
+            self._memory.clear()
+        self._metrics.release()
+
+    async def _fill(
+        self, key: bytes, request: InferRequest, run: Callable[[], Awaitable[list[Tensor]]]
+    ) -> tuple[_Stored, str]:
+        redis = self._redis
+        if redis is not None:
+            value = await redis.get(key)
+            if value is not None:
+                stored = self._decode(value, request)
+                if stored is not None:
+                    self._metrics.redis_hit.inc()
+                    if self._memory is not None:
+                        self._memory.put(key, stored, len(value))
+                    return stored, TIER_REDIS
+            self._metrics.redis_miss.inc()
+        stored, nbytes = _freeze(await run())
+        if self._memory is not None:
+            self._memory.put(key, stored, nbytes)
+        if redis is not None:
+            try:
+                value = encode(stored)
+            except ValueError:
+                self._metrics.redis_dropped_writes.inc()
+            else:
+                redis.put(key, value)
+        return stored, TIER_MISS
+
+    def _decode(self, value: bytes, request: InferRequest) -> _Stored | None:
+        try:
+            stored = decode(value)
+        except CacheDecodeError:
+            self._metrics.invalid_values.inc()
+            return None
+        if request.outputs and [t.name for t in stored] != [o.name for o in request.outputs]:
+            self._metrics.invalid_values.inc()
+            return None
+        return stored
+
+
+def wants_cache(value: Any) -> bool:
+    """Parse the ``cache`` request parameter; a value that is not a boolean is a 400."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in _TRUE:
+            return True
+        if v in _FALSE:
+            return False
+    elif isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise InvalidInput(f"parameters.{OPT_OUT_PARAMETER}: expected true or false, got {value!r}")
+
+
+def _freeze(outputs: Sequence[Tensor]) -> tuple[_Stored, int]:
+    """Private read-only copies of the outputs (a batch's views would pin the whole batch)."""
+    stored: _Stored = []
+    nbytes = 0
+    for t in outputs:
+        data = np.array(t.data, copy=True, order="C")
+        data.flags.writeable = False
+        if data.dtype == np.object_:
+            nbytes += 8 * data.size + sum(len(e) for e in data.reshape(-1))
+        else:
+            nbytes += data.nbytes
+        params = dict(t.parameters) if t.parameters else None
+        stored.append(Tensor(t.name, t.datatype, tuple(data.shape), data, params))
+    return stored, nbytes
+
+
+def _fresh(stored: _Stored) -> list[Tensor]:
+    return [
+        Tensor(t.name, t.datatype, t.shape, t.data, dict(t.parameters) if t.parameters else None)
+        for t in stored
+    ]

@@ -1,0 +1,273 @@
+"""``rtserve export`` and ``rtserve optimize`` (and ``optimize-report``) subcommands.
+
+Heavy modules (torch, onnxruntime) are imported inside the handlers so that other
+subcommands start fast. Every :class:`OptimizeError` is printed without a traceback and
+the command exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rtserve.optimize.errors import OptimizeError
+
+EXIT_USAGE = 2
+
+
+def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except OptimizeError as exc:
+            print(f"error: {exc.message}", file=sys.stderr)
+            return EXIT_USAGE
+
+    return wrapped
+
+
+def _parse_shape(text: str) -> tuple[str, list[int], str]:
+    """``name:2x3x224x224[:dtype]`` -> (name, shape, dtype)."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise OptimizeError(
+            f"--input {text!r}: expected NAME:DIMS[:DTYPE], e.g. image:2x3x224x224:float32"
+        )
+    try:
+        shape = [int(d) for d in parts[1].lower().split("x")]
+    except ValueError:
+        raise OptimizeError(f"--input {text!r}: dims must be integers joined by 'x'") from None
+    return parts[0], shape, parts[2] if len(parts) == 3 else "float32"
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from rtserve.optimize.data import load_data
+    from rtserve.optimize.export import export_and_verify, load_module
+
+    model = load_module(args.model)
+    if not args.input:
+        raise OptimizeError(
+            "give at least one --input NAME:DIMS[:DTYPE] (batch >= 2 for the example)"
+        )
+    example: dict[str, np.ndarray] = {}
+    for spec in args.input:
+        name, shape, dtype = _parse_shape(spec)
+        if shape[0] < 2:
+            shape[0] = 2
+        try:
+            example[name] = np.zeros(shape, dtype=np.dtype(dtype))
+        except TypeError:
+            raise OptimizeError(f"--input {spec!r}: unknown dtype {dtype!r}") from None
+    given = []
+    if args.given:
+        from rtserve.optimize.data import InputSpec
+
+        specs = [InputSpec(n, a.dtype.type, tuple(a.shape)) for n, a in example.items()]
+        data, _ = load_data(pathlib.Path(args.given), specs)
+        given.append({k: v[: args.given_rows] for k, v in data.items()})
+    out = pathlib.Path(args.out)
+    result = export_and_verify(
+        model, out, example, args.output_name or ["output"], given=given,
+        dynamic_axes=None if args.sequence_axis else _batch_only(example, args.output_name),
+    )  # fmt: skip
+    for name, diff in result.max_abs_diff.items():
+        print(
+            f"{out}: output {name}: max abs diff vs torch {diff:.3g} over {result.batches} batches"
+        )
+    if not result.ok(args.tolerance):
+        print(
+            f"error: max abs diff {result.worst:.3g} exceeds --tolerance {args.tolerance}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _batch_only(
+    example: dict[str, Any], outputs: Sequence[str] | None
+) -> dict[str, dict[int, str]]:
+    axes = {n: {0: "batch"} for n in example}
+    axes.update({n: {0: "batch"} for n in (outputs or ["output"])})
+    return axes
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from rtserve.optimize.data import load_data, model_inputs
+    from rtserve.optimize.pipeline import OptimizeOptions, PruneSpec, TorchSources, run_optimize
+    from rtserve.optimize.publish import publish
+    from rtserve.optimize.report import markdown_table, plot
+
+    model = pathlib.Path(args.model)
+    specs = model_inputs(model)
+    eval_data, labels = load_data(pathlib.Path(args.eval), specs, args.labels, args.seq_len)
+    calibration = None
+    if args.calibration:
+        calibration, _ = load_data(pathlib.Path(args.calibration), specs, seq_len=args.seq_len)
+    torch_sources = None
+    if args.torch_model:
+        from rtserve.optimize.export import load_module
+
+        prune_specs = []
+        for spec in args.prune or []:
+            method, _, amount = spec.partition(":")
+            try:
+                prune_specs.append(PruneSpec(method, float(amount), args.fine_tune_epochs))
+            except ValueError:
+                raise OptimizeError(
+                    f"--prune {spec!r}: expected METHOD:AMOUNT, e.g. structured:0.5"
+                ) from None
+        train_inputs = train_labels = None
+        if args.train:
+            train_inputs, train_labels = load_data(
+                pathlib.Path(args.train), specs, args.train_labels, args.seq_len
+            )
+        torch_sources = TorchSources(
+            model=load_module(args.torch_model),
+            student=load_module(args.student) if args.student else None,
+            train_inputs=train_inputs,
+            train_labels=train_labels,
+            prune=prune_specs,
+            distill_temperature=args.temperature,
+            distill_alpha=args.alpha,
+            distill_epochs=args.distill_epochs,
+        )
+    options = OptimizeOptions(
+        max_accuracy_drop=args.max_accuracy_drop,
+        variants=args.variants.split(",") if args.variants else OptimizeOptions.variants,
+        calibration_methods=args.calibration_methods.split(","),
+        task=args.task,
+        iterations=args.iterations,
+        threads=args.threads,
+        progress=not args.no_progress,
+    )
+    out = pathlib.Path(args.out)
+    work = pathlib.Path(args.work) if args.work else pathlib.Path("optimize-out") / out.name
+    result = run_optimize(model, work, calibration, eval_data, labels, options, torch_sources)
+    chosen = result.chosen.name if result.chosen else None
+    table = markdown_table(
+        result.measurements, result.baseline, result.reference_score, args.max_accuracy_drop, chosen
+    )
+    png = plot(
+        result.measurements, work / "report.png", f"{model.name}: accuracy vs latency", chosen
+    )
+    (work / "report.md").write_text(table + f"\n![accuracy vs latency]({png.name})\n")
+    print(table)
+    print(f"report: {work / 'report.md'} and {png}")
+    if result.chosen is None:
+        print(
+            f"error: no variant stays within --max-accuracy-drop {args.max_accuracy_drop}; nothing written",
+            file=sys.stderr,
+        )
+        return 1
+    dst = publish(
+        out, result.chosen, result.measurements, args.max_accuracy_drop, args.max_batch_size
+    )
+    print(f"chose {result.chosen.name}: wrote {dst} and {out / 'config.yaml'}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rtserve.optimize.showcase import main as showcase_main
+
+    argv = ["--out", args.out]
+    if args.quick:
+        argv.append("--quick")
+    return showcase_main(argv)
+
+
+def register(subparsers: Any) -> None:
+    """Add ``export``, ``optimize`` and ``optimize-report`` to an argparse subparsers action."""
+    p = subparsers.add_parser(
+        "export", help="export a PyTorch model to ONNX and verify it against torch"
+    )
+    p.add_argument(
+        "model",
+        help="import path 'pkg.module:name' or a TorchScript (.pt) / ExportedProgram (.pt2) file",
+    )
+    p.add_argument("--out", required=True, help="ONNX file to write")
+    p.add_argument(
+        "--input", action="append", help="NAME:DIMS[:DTYPE], e.g. x:2x64:float32 (repeat per input)"
+    )
+    p.add_argument("--output-name", action="append", help="output name(s), default 'output'")
+    p.add_argument("--given", help="data file (.npz/.npy) with real inputs to verify on as well")
+    p.add_argument("--given-rows", type=int, default=32)
+    p.add_argument(
+        "--sequence-axis", action="store_true", help="make axis 1 of 2-D integer inputs dynamic"
+    )
+    p.add_argument(
+        "--tolerance", type=float, default=1e-3, help="max abs diff accepted (exit 1 above it)"
+    )
+    p.set_defaults(func=_guard(cmd_export))
+
+    o = subparsers.add_parser(
+        "optimize", help="build, measure and choose faster variants of an ONNX model"
+    )
+    o.add_argument("model", help="the FP32 ONNX model")
+    o.add_argument(
+        "--calibration", help="calibration data (.npz by input name, .npy, or .txt sentences)"
+    )
+    o.add_argument("--eval", required=True, help="evaluation data, same formats")
+    o.add_argument(
+        "--labels", type=pathlib.Path, help="labels for --eval (.npy or .txt), for task accuracy"
+    )
+    o.add_argument(
+        "--max-accuracy-drop",
+        type=float,
+        default=0.01,
+        help="budget, in score units (0.01 = 1 point)",
+    )
+    o.add_argument("--out", required=True, help="REPO/NAME: where the chosen variant is written")
+    o.add_argument("--work", help="folder for the variants (default optimize-out/NAME)")
+    o.add_argument(
+        "--variants",
+        help="comma list of fp32-opt,fp16,int8-dynamic,int8-weight,int8-static,pruned,distilled",
+    )
+    o.add_argument("--calibration-methods", default="minmax,percentile,entropy")
+    o.add_argument("--task", choices=["classification", "embedding", "regression"])
+    o.add_argument("--seq-len", type=int, default=32, help="token length for .txt data")
+    o.add_argument(
+        "--torch-model", help="the torch model behind MODEL, for pruning and distillation"
+    )
+    o.add_argument(
+        "--student", help="import path of the student to distill (needs --torch-model, --train)"
+    )
+    o.add_argument("--train", help="training data for fine-tuning and distillation")
+    o.add_argument("--train-labels", type=pathlib.Path)
+    o.add_argument(
+        "--prune", action="append", help="METHOD:AMOUNT, e.g. magnitude:0.3 or structured:0.5"
+    )
+    o.add_argument("--fine-tune-epochs", type=int, default=0)
+    o.add_argument("--temperature", type=float, default=4.0)
+    o.add_argument("--alpha", type=float, default=0.7)
+    o.add_argument("--distill-epochs", type=int, default=60)
+    o.add_argument("--iterations", type=int, default=100, help="latency runs per batch size")
+    o.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
+    o.add_argument("--max-batch-size", type=int, default=32)
+    o.add_argument("--no-progress", action="store_true")
+    o.set_defaults(func=_guard(cmd_optimize))
+
+    r = subparsers.add_parser(
+        "optimize-report", help="regenerate docs/optimization.md for the three showcase models"
+    )
+    r.add_argument("--out", default="docs/optimization.md")
+    r.add_argument(
+        "--quick", action="store_true", help="small eval sets and few iterations (smoke run)"
+    )
+    r.set_defaults(func=_guard(cmd_report))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rtserve")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,387 @@
+"""``rtserve optimize``: build every variant of a model, measure it, choose and publish.
+
+The baseline is the FP32 file run by ONNX Runtime with its default (online) graph
+optimization; every ratio in the report is against it, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rtserve.optimize import quantize
+from rtserve.optimize.check import check_operators
+from rtserve.optimize.errors import OptimizeError
+from rtserve.optimize.evaluate import (
+    Measurement,
+    Task,
+    accuracy_metrics,
+    infer_task,
+    measure_variant,
+    open_session,
+    run_batched,
+)
+from rtserve.optimize.report import choose
+
+if TYPE_CHECKING:
+    import torch
+
+ALL_VARIANTS = (
+    "fp32-opt",
+    "fp16",
+    "int8-dynamic",
+    "int8-weight",
+    "int8-static",
+    "pruned",
+    "distilled",
+)
+
+
+@dataclass
+class PruneSpec:
+    method: str  # magnitude | structured
+    amount: float
+    fine_tune_epochs: int = 0
+
+
+@dataclass
+class TorchSources:
+    """Torch models for the variants made before export (pruning, distillation)."""
+
+    model: torch.nn.Module | None = None
+    student: torch.nn.Module | None = None
+    train_inputs: dict[str, np.ndarray] | None = None
+    train_labels: np.ndarray | None = None
+    prune: list[PruneSpec] = field(default_factory=list)
+    distill_temperature: float = 4.0
+    distill_alpha: float = 0.7
+    distill_epochs: int = 60
+
+
+@dataclass
+class FallbackStep:
+    excluded: int
+    score: float
+    within_budget: bool
+
+
+@dataclass
+class OptimizeResult:
+    measurements: list[Measurement]
+    reference_score: float
+    baseline: str
+    chosen: Measurement | None
+    task: Task
+    max_accuracy_drop: float
+    fallback: dict[str, list[FallbackStep]] = field(default_factory=dict)
+    excluded_nodes: dict[str, list[str]] = field(default_factory=dict)
+
+    def get(self, name: str) -> Measurement | None:
+        return next((m for m in self.measurements if m.name == name), None)
+
+
+@dataclass
+class OptimizeOptions:
+    max_accuracy_drop: float = 0.01
+    variants: Sequence[str] = ALL_VARIANTS
+    calibration_methods: Sequence[str] = ("minmax", "percentile", "entropy")
+    static_op_types: Sequence[str] | None = None
+    fallback_max_steps: int = 8
+    task: Task | None = None
+    batch_sizes: Sequence[int] = (1, 8, 32)
+    iterations: int = 100
+    max_seconds: float = 3.0
+    threads: int = 2
+    progress: bool = True
+
+
+def _progress(enabled: bool) -> Any:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        disable=not enabled,
+        transient=False,
+    )
+
+
+def _score(
+    path: pathlib.Path,
+    eval_data: Mapping[str, np.ndarray],
+    reference: np.ndarray,
+    task: Task,
+    labels: np.ndarray | None,
+    threads: int,
+) -> float:
+    session = open_session(path, threads=threads)
+    out = run_batched(session, eval_data, batch_size=32)
+    return accuracy_metrics(task, out, reference, labels)[0]
+
+
+def static_with_fallback(
+    src: pathlib.Path,
+    work: pathlib.Path,
+    name: str,
+    calibration: Mapping[str, np.ndarray],
+    method: str,
+    eval_data: Mapping[str, np.ndarray],
+    reference: np.ndarray,
+    task: Task,
+    labels: np.ndarray | None,
+    reference_score: float,
+    max_drop: float,
+    op_types: Sequence[str] | None = None,
+    max_steps: int = 8,
+    threads: int = 2,
+) -> tuple[pathlib.Path, list[FallbackStep], list[str]]:
+    """Static INT8, then keep the most sensitive nodes in float until the budget holds.
+
+    Step k keeps the top 2^(k-1) nodes of :func:`quantize.sensitivity_ranking` in float
+    (1, 2, 4, ...). Calibration ranges are computed once and cached. Returns the last
+    model built (within budget if any step was), the steps, and the nodes kept in float.
+    """
+    prepared = work / "static-prepared.onnx"
+    if not prepared.exists():
+        quantize.prepare_for_static(src, prepared)
+    cache = work / f"{name}.calib.json"
+    cache.unlink(missing_ok=True)
+    dst = work / f"{name}.onnx"
+    quantize.quantize_static_int8(
+        prepared, dst, calibration, method, op_types=op_types, cache=cache
+    )
+    score = _score(dst, eval_data, reference, task, labels, threads)
+    steps = [FallbackStep(0, score, reference_score - score <= max_drop)]
+    excluded: list[str] = []
+    if steps[-1].within_budget:
+        return dst, steps, excluded
+    sample = {k: v[: min(32, len(v))] for k, v in calibration.items()}
+    ranking = [n for n, _ in quantize.sensitivity_ranking(prepared, dst, sample)]
+    k = 1
+    for _ in range(max_steps):
+        k = min(k, len(ranking))
+        excluded = ranking[:k]
+        quantize.quantize_static_int8(
+            prepared, dst, None, method, op_types=op_types, nodes_to_exclude=excluded, cache=cache
+        )
+        score = _score(dst, eval_data, reference, task, labels, threads)
+        steps.append(FallbackStep(k, score, reference_score - score <= max_drop))
+        if steps[-1].within_budget or k >= len(ranking):
+            break
+        k *= 2
+    return dst, steps, excluded
+
+
+def _torch_example(
+    eval_data: Mapping[str, np.ndarray], input_names: Sequence[str]
+) -> dict[str, np.ndarray]:
+    return {n: np.ascontiguousarray(eval_data[n][:2]) for n in input_names}
+
+
+def run_optimize(
+    model_path: pathlib.Path,
+    work: pathlib.Path,
+    calibration: Mapping[str, np.ndarray] | None,
+    eval_data: Mapping[str, np.ndarray],
+    labels: np.ndarray | None = None,
+    options: OptimizeOptions | None = None,
+    torch_sources: TorchSources | None = None,
+    log: Callable[[str], None] = print,
+) -> OptimizeResult:
+    """Build and measure the requested variants of ``model_path`` in ``work``."""
+    from rtserve.optimize.fp16 import convert_fp16
+
+    opts = options or OptimizeOptions()
+    unknown = set(opts.variants) - set(ALL_VARIANTS)
+    if unknown:
+        raise OptimizeError(
+            f"unknown variant(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_VARIANTS)}"
+        )
+    model_path = pathlib.Path(model_path)
+    check_operators(model_path)
+    work.mkdir(parents=True, exist_ok=True)
+    baseline_path = work / "fp32.onnx"
+    shutil.copyfile(model_path, baseline_path)
+    session = open_session(baseline_path, threads=opts.threads)
+    input_names = [i.name for i in session.get_inputs()]
+    output_name = session.get_outputs()[0].name
+    missing = [n for n in input_names if n not in eval_data]
+    if missing:
+        raise OptimizeError(f"evaluation data lacks model input(s) {', '.join(missing)}")
+    reference = run_batched(session, eval_data, batch_size=32)
+    del session
+    task: Task = opts.task or infer_task(reference, output_name, labels)
+    ref_score = accuracy_metrics(task, reference, reference, labels)[0]
+    transformer = quantize.is_transformer(model_path)
+
+    def measure(name: str, path: pathlib.Path, notes: Sequence[str] = ()) -> Measurement:
+        m = measure_variant(
+            name, path, eval_data, reference, task, labels,
+            opts.batch_sizes, opts.iterations, opts.max_seconds, opts.threads,
+        )  # fmt: skip
+        m.notes.extend(notes)
+        return m
+
+    jobs: list[tuple[str, Callable[[], list[Measurement]]]] = [
+        (
+            "fp32",
+            lambda: [measure("fp32", baseline_path, ["baseline: ORT default online optimization"])],
+        )
+    ]
+    result = OptimizeResult([], ref_score, "fp32", None, task, opts.max_accuracy_drop)
+    opt_path = work / "fp32-opt.onnx"
+
+    def fp32_opt() -> list[Measurement]:
+        quantize.optimize_graph(baseline_path, opt_path, transformer)
+        note = (
+            "transformer fusions (Attention, SkipLayerNorm, Gelu)"
+            if transformer
+            else "ORT extended level, offline"
+        )
+        return [measure("fp32-opt", opt_path, [note])]
+
+    def fused_or_base() -> pathlib.Path:
+        if transformer:
+            if not opt_path.exists():
+                quantize.optimize_graph(baseline_path, opt_path, transformer)
+            return opt_path
+        return baseline_path
+
+    def fp16() -> list[Measurement]:
+        dst = convert_fp16(fused_or_base(), work / "fp16.onnx")
+        return [measure("fp16", dst, ["FP32 IO; for GPU serving, CPU casts back to float"])]
+
+    def int8_dynamic() -> list[Measurement]:
+        dst = quantize.quantize_dynamic_int8(fused_or_base(), work / "int8-dynamic.onnx")
+        notes = ["per-channel"]
+        if not transformer and _has_conv(baseline_path):
+            notes.append("ConvInteger is slow on CPU: not for CNNs")
+        return [measure("int8-dynamic", dst, notes)]
+
+    def int8_weight() -> list[Measurement]:
+        dst = quantize.quantize_weight_only_int8(baseline_path, work / "int8-weight.onnx")
+        return [measure("int8-weight", dst, ["int8 weights, float compute"])]
+
+    def int8_static() -> list[Measurement]:
+        if calibration is None:
+            raise OptimizeError("static INT8 needs calibration data (--calibration)")
+        out = []
+        for method in opts.calibration_methods:
+            name = f"int8-static-{method}"
+            dst, steps, excluded = static_with_fallback(
+                baseline_path, work, name, calibration, method, eval_data, reference, task,
+                labels, ref_score, opts.max_accuracy_drop, opts.static_op_types,
+                opts.fallback_max_steps, opts.threads,
+            )  # fmt: skip
+            result.fallback[name] = steps
+            result.excluded_nodes[name] = excluded
+            note = (
+                f"QDQ per-channel, {len(excluded)} node(s) kept float"
+                if excluded
+                else "QDQ per-channel"
+            )
+            if not steps[-1].within_budget:
+                note += f"; fallback stopped after {len(steps) - 1} step(s) over budget"
+            out.append(measure(name, dst, [note]))
+        return out
+
+    def pruned() -> list[Measurement]:
+        src = torch_sources
+        if src is None or src.model is None or not src.prune:
+            return []
+        from rtserve.optimize.export import export_module
+        from rtserve.optimize.prune import fine_tune, prune
+
+        out = []
+        for spec in src.prune:
+            model = prune(src.model, spec.method, spec.amount)  # type: ignore[arg-type]
+            notes = [f"{spec.method} {spec.amount:.0%}"]
+            if spec.fine_tune_epochs and src.train_inputs is not None:
+                fine_tune(
+                    model, src.train_inputs, src.train_labels,
+                    reference=src.model, epochs=spec.fine_tune_epochs,
+                )  # fmt: skip
+                if spec.method == "magnitude":
+                    from rtserve.optimize.prune import prune_magnitude
+
+                    prune_magnitude(model, spec.amount)
+                notes.append(f"fine-tuned {spec.fine_tune_epochs} epochs")
+            if spec.method == "magnitude":
+                notes.append("zeros only: dense kernels, no speed-up")
+            name = f"pruned-{spec.method}-{int(spec.amount * 100)}"
+            dst = export_module(
+                model, work / f"{name}.onnx", _torch_example(eval_data, input_names), [output_name]
+            )
+            out.append(measure(name, dst, notes))
+        return out
+
+    def distilled() -> list[Measurement]:
+        src = torch_sources
+        if src is None or src.model is None or src.student is None or src.train_inputs is None:
+            return []
+        from rtserve.optimize.distill import distill
+        from rtserve.optimize.export import export_module
+
+        if len(src.train_inputs) != 1:
+            raise OptimizeError("distillation supports single-input models")
+        x = next(iter(src.train_inputs.values()))
+        student = distill(
+            src.model, src.student, x, src.train_labels,
+            src.distill_temperature, src.distill_alpha, src.distill_epochs,
+        )  # fmt: skip
+        dst = export_module(
+            student, work / "distilled.onnx", _torch_example(eval_data, input_names), [output_name]
+        )
+        params = sum(p.numel() for p in student.parameters())
+        notes = [
+            f"student {params:,} params, T={src.distill_temperature}, alpha={src.distill_alpha}"
+        ]
+        return [measure("distilled", dst, notes)]
+
+    builders: dict[str, Callable[[], list[Measurement]]] = {
+        "fp32-opt": fp32_opt,
+        "fp16": fp16,
+        "int8-dynamic": int8_dynamic,
+        "int8-weight": int8_weight,
+        "int8-static": int8_static,
+        "pruned": pruned,
+        "distilled": distilled,
+    }
+    jobs += [(v, builders[v]) for v in ALL_VARIANTS if v in opts.variants]
+    with _progress(opts.progress) as bar:
+        task_id = bar.add_task(f"optimizing {model_path.name}", total=len(jobs))
+        for name, job in jobs:
+            bar.update(task_id, description=f"{model_path.name}: {name}")
+            try:
+                result.measurements.extend(job())
+            except OptimizeError as exc:
+                if name == "fp32":
+                    raise
+                log(f"variant {name} skipped: {exc.message}")
+            bar.advance(task_id)
+    result.chosen = choose(result.measurements, ref_score, opts.max_accuracy_drop)
+    return result
+
+
+def _has_conv(path: pathlib.Path) -> bool:
+    from rtserve.optimize.check import load_model
+
+    return any(n.op_type == "Conv" for n in load_model(path).graph.node)
+
+
+def ratio(result: OptimizeResult, name: str, batch: int | None = None) -> float:
+    """Speed-up of ``name`` over the baseline: p50 at batch 1, or rows/s at ``batch``."""
+    base, m = result.get(result.baseline), result.get(name)
+    if base is None or m is None:
+        return math.nan
+    if batch is None:
+        return base.p50_ms / m.p50_ms
+    return m.throughput.get(batch, math.nan) / base.throughput.get(batch, math.nan)

@@ -1,0 +1,104 @@
+"""Shared fixtures: real rtserve servers in subprocesses on 127.0.0.1 with ephemeral ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.models import build_test_repository
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class RunningServer:
+    proc: subprocess.Popen[bytes]
+    http_port: int
+    grpc_port: int
+    log_path: Path
+
+    @property
+    def http(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def base(self) -> str:
+        return f"http://{self.http}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start_server(repo: Path, workdir: Path, *extra: str, timeout: float = 90.0) -> RunningServer:
+    workdir.mkdir(parents=True, exist_ok=True)
+    ports = workdir / "ports.json"
+    ports.unlink(missing_ok=True)
+    log_path = workdir / "server.log"
+    cmd = [
+        sys.executable, "-m", "rtserve.cli", "serve",
+        "--model-repository", str(repo), "--host", "127.0.0.1",
+        "--http-port", "0", "--grpc-port", "0", "--ports-file", str(ports), *extra,
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+        if ports.exists() and ports.stat().st_size:
+            info = json.loads(ports.read_text())
+            server = RunningServer(proc, info["http_port"], info["grpc_port"], log_path)
+            with urllib.request.urlopen(f"{server.base}/v2/health/ready", timeout=5) as r:
+                assert r.status == 200
+            return server
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"server not ready within {timeout} s:\n{log_path.read_text()}")
+
+
+@pytest.fixture(scope="session")
+def test_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_test_repository(tmp_path_factory.mktemp("repo"))
+
+
+@pytest.fixture(scope="session")
+def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    s = start_server(test_repo, tmp_path_factory.mktemp("server"), "--max-request-bytes", "1000000")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def perf_analyzer_env() -> dict[str, str]:
+    """Environment in which the perf_analyzer binary from the tritonclient wheel runs."""
+    import nvidia.cuda_runtime
+
+    lib = Path(list(nvidia.cuda_runtime.__path__)[0]) / "lib"
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
+    return env

@@ -1,0 +1,89 @@
+"""Small ONNX models and repositories built for the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto, helper
+
+from examples.build_repository import build_digits, build_mlp
+
+ALL_TYPES = {
+    "FP32": TensorProto.FLOAT,
+    "FP16": TensorProto.FLOAT16,
+    "FP64": TensorProto.DOUBLE,
+    "INT8": TensorProto.INT8,
+    "INT16": TensorProto.INT16,
+    "INT32": TensorProto.INT32,
+    "INT64": TensorProto.INT64,
+    "UINT8": TensorProto.UINT8,
+    "BOOL": TensorProto.BOOL,
+    "BYTES": TensorProto.STRING,
+}
+
+
+def build_identity_all_types(path: Path) -> Path:
+    """One Identity per datatype: input ``in_<T>`` [batch, 3] -> output ``out_<T>``."""
+    nodes, inputs, outputs = [], [], []
+    for name, elem in ALL_TYPES.items():
+        inputs.append(helper.make_tensor_value_info(f"in_{name}", elem, ["batch", 3]))
+        outputs.append(helper.make_tensor_value_info(f"out_{name}", elem, ["batch", 3]))
+        nodes.append(helper.make_node("Identity", [f"in_{name}"], [f"out_{name}"]))
+    graph = helper.make_graph(nodes, "identity_all_types", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def build_scale(path: Path, factor: float) -> Path:
+    """y = x * factor, x FP32 [batch, 4]: distinguishes model versions by their answer."""
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "k"], ["y"])],
+        "scale",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor("k", TensorProto.FLOAT, [], [factor])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def build_test_repository(root: Path) -> Path:
+    build_mlp(root / "mlp" / "1" / "model.onnx")
+    (root / "mlp" / "config.yaml").write_text(
+        "max_batch_size: 32\n"
+        "dynamic_batching: {max_queue_delay_us: 2000, preferred_batch_sizes: [32]}\n"
+        "warmup: {batch_sizes: [1, 32], iterations: 1}\n"
+    )
+    build_digits(root / "digits" / "1" / "model.onnx")
+    (root / "digits" / "config.yaml").write_text("max_batch_size: 64\n")
+    build_identity_all_types(root / "dtypes" / "1" / "model.onnx")
+    (root / "dtypes" / "config.yaml").write_text("max_batch_size: 8\n")
+    build_scale(root / "scale" / "1" / "model.onnx", 1.0)
+    build_scale(root / "scale" / "2" / "model.onnx", 2.0)
+    (root / "scale" / "config.yaml").write_text(
+        "max_batch_size: 4\ndynamic_batching: {max_queue_delay_us: 100}\n"
+    )
+    # A model whose config is wrong: it must not load, and must not stop the others.
+    build_scale(root / "broken" / "1" / "model.onnx", 1.0)
+    (root / "broken" / "config.yaml").write_text(
+        "max_batch_size: 4\ndynamic_batching: {max_queue_size: 0}\n"
+    )
+    return root
+
+
+def build_slow_repository(root: Path, max_queue_size: int, delay_us: int) -> Path:
+    """A model whose requests wait ``delay_us`` in the queue: in flight long enough to test
+    overload, timeouts and draining."""
+    build_scale(root / "slow" / "1" / "model.onnx", 3.0)
+    (root / "slow" / "config.yaml").write_text(
+        "max_batch_size: 4\n"
+        f"dynamic_batching: {{max_queue_delay_us: {delay_us}, max_queue_size: {max_queue_size}}}\n"
+    )
+    return root

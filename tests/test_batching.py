@@ -1,0 +1,173 @@
+"""Dynamic batching under concurrency, overload, timeouts and draining, on real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from tests.conftest import RunningServer, start_server
+from tests.models import build_slow_repository
+
+
+def _batch_histogram(metrics: str, model: str) -> dict[str, float]:
+    pattern = rf'rtserve_batch_size_bucket{{le="([^"]+)",model="{model}",version="1"}} (\S+)'
+    return {le: float(v) for le, v in re.findall(pattern, metrics)}
+
+
+async def _fire(base: str, bodies: list[dict], model: str, timeout: float = 60.0) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=timeout) as client:
+        return await asyncio.gather(*(client.post(f"/v2/models/{model}/infer", json=b) for b in bodies))
+
+
+def test_200_concurrent_requests_each_get_their_own_output(server: RunningServer, test_repo: Path) -> None:
+    rng = np.random.default_rng(7)
+    xs = rng.normal(size=(200, 256)).astype(np.float32)
+    bodies = [
+        {"id": str(i), "inputs": [{"name": "input", "shape": [1, 256], "datatype": "FP32", "data": xs[i].tolist()}]}
+        for i in range(200)
+    ]
+    responses = asyncio.run(_fire(server.base, bodies, "mlp"))
+    session = ort.InferenceSession(str(test_repo / "mlp" / "1" / "model.onnx"))
+    want = session.run(None, {"input": xs})[0]
+    for i, r in enumerate(responses):
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["id"] == str(i)
+        np.testing.assert_allclose(doc["outputs"][0]["data"], want[i], rtol=1e-4, atol=1e-5)
+    hist = _batch_histogram(httpx.get(f"{server.base}/metrics").text, "mlp")
+    assert hist["+Inf"] > 0
+    assert hist["1.0"] < hist["+Inf"], f"no batch larger than 1: {hist}"
+
+
+def test_multi_row_requests_are_split_back(server: RunningServer, test_repo: Path) -> None:
+    rng = np.random.default_rng(8)
+    sizes = [1, 3, 2, 5, 1, 4, 7, 2]
+    xs = [rng.normal(size=(n, 256)).astype(np.float32) for n in sizes]
+    bodies = [
+        {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
+        for x in xs
+    ]
+    responses = asyncio.run(_fire(server.base, bodies, "mlp"))
+    session = ort.InferenceSession(str(test_repo / "mlp" / "1" / "model.onnx"))
+    for x, r in zip(xs, responses, strict=True):
+        out = r.json()["outputs"][0]
+        assert out["shape"] == [x.shape[0], 10]
+        np.testing.assert_allclose(
+            np.array(out["data"]).reshape(-1, 10), session.run(None, {"input": x})[0], rtol=1e-4, atol=1e-5
+        )
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory: pytest.TempPathFactory):
+    repo = build_slow_repository(tmp_path_factory.mktemp("slow-repo"), max_queue_size=3, delay_us=300_000)
+    s = start_server(repo, tmp_path_factory.mktemp("slow-server"))
+    yield s
+    s.stop()
+
+
+def _slow_body(i: int, **params: object) -> dict:
+    body: dict = {"id": str(i), "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [i, i, i, i]}]}
+    if params:
+        body["parameters"] = params
+    return body
+
+
+def test_overload_returns_503_with_retry_after_while_admitted_complete(slow_server: RunningServer) -> None:
+    async def scenario() -> list[tuple[float, httpx.Response]]:
+        async with httpx.AsyncClient(base_url=slow_server.base, timeout=30) as client:
+            start = time.perf_counter()
+
+            async def one(i: int) -> tuple[float, httpx.Response]:
+                r = await client.post("/v2/models/slow/infer", json=_slow_body(i))
+                return time.perf_counter() - start, r
+
+            return await asyncio.gather(*(one(i) for i in range(20)))
+
+    results = asyncio.run(scenario())
+    ok = [(t, r) for t, r in results if r.status_code == 200]
+    refused = [(t, r) for t, r in results if r.status_code == 503]
+    assert len(ok) + len(refused) == 20
+    assert 1 <= len(ok) <= 6, [r.status_code for _, r in results]
+    assert len(refused) >= 14
+    for t, r in refused:
+        assert r.headers["retry-after"] == "1"
+        assert "queue is full" in r.json()["error"]
+        assert t < 0.25, f"refusal took {t:.3f} s; admitted requests wait 0.3 s"
+    for _, r in ok:
+        i = float(r.json()["id"])
+        assert r.json()["outputs"][0]["data"] == [3 * i] * 4
+
+
+def test_request_timeout_is_answered_with_504(slow_server: RunningServer) -> None:
+    start = time.perf_counter()
+    r = httpx.post(f"{slow_server.base}/v2/models/slow/infer", json=_slow_body(1, timeout=20_000), timeout=10)
+    elapsed = time.perf_counter() - start
+    assert r.status_code == 504
+    assert "timed out after 20 ms" in r.json()["error"]
+    assert elapsed < 0.25
+    ok = httpx.post(f"{slow_server.base}/v2/models/slow/infer", json=_slow_body(2), timeout=10)
+    assert ok.status_code == 200
+
+
+def test_grpc_overload_is_unavailable(slow_server: RunningServer) -> None:
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    async def scenario() -> list[grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(slow_server.grpc) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+            async def one(i: int) -> grpc.StatusCode:
+                request = pb.ModelInferRequest(model_name="slow")
+                request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+                request.raw_input_contents.append(np.full(4, i, np.float32).tobytes())
+                try:
+                    await stub.ModelInfer(request, timeout=10)
+                    return grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+
+            return await asyncio.gather(*(one(i) for i in range(12)))
+
+    codes = asyncio.run(scenario())
+    assert grpc.StatusCode.UNAVAILABLE in codes and grpc.StatusCode.OK in codes
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
+
+
+def test_drain_finishes_in_flight_requests_and_refuses_new_ones(tmp_path: Path) -> None:
+    repo = build_slow_repository(tmp_path / "repo", max_queue_size=64, delay_us=400_000)
+    s = start_server(repo, tmp_path / "server", "--grace-period", "10")
+
+    async def scenario() -> tuple[list[httpx.Response], list[int]]:
+        async with httpx.AsyncClient(base_url=s.base, timeout=30) as client:
+            in_flight = [asyncio.create_task(client.post("/v2/models/slow/infer", json=_slow_body(i))) for i in range(3)]
+            await asyncio.sleep(0.15)  # all three admitted and waiting for their batch
+            s.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.05)
+            late: list[int] = []
+            async with httpx.AsyncClient(base_url=s.base, timeout=5) as fresh:
+                try:
+                    late.append((await fresh.post("/v2/models/slow/infer", json=_slow_body(9))).status_code)
+                    late.append((await fresh.get("/v2/health/ready")).status_code)
+                except httpx.TransportError:
+                    late.append(-1)  # listener already closed: also a refusal
+            return list(await asyncio.gather(*in_flight)), late
+
+    try:
+        done, late = asyncio.run(scenario())
+        assert [r.status_code for r in done] == [200, 200, 200]
+        assert [r.json()["outputs"][0]["data"][0] for r in done] == [0.0, 3.0, 6.0]
+        assert late and all(code in (503, -1) for code in late), late
+        assert s.proc.wait(15) == 0
+    finally:
+        s.stop()
