@@ -17,9 +17,13 @@ from tests.conftest import RunningServer
 GOOD = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
 
 
-def post(server: RunningServer, body: bytes | dict, model: str = "scale", headers: dict | None = None) -> httpx.Response:
+def post(
+    server: RunningServer, body: bytes | dict, model: str = "scale", headers: dict | None = None
+) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{server.base}/v2/models/{model}/infer", content=content, headers=headers or {})
+    return httpx.post(
+        f"{server.base}/v2/models/{model}/infer", content=content, headers=headers or {}
+    )
 
 
 def assert_still_serving(server: RunningServer) -> None:
@@ -53,7 +57,9 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("body", "headers", "status", "needle"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "needle"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_bad_http_request_is_a_4xx_naming_the_problem(
     server: RunningServer, body: bytes | dict, headers: dict | None, status: int, needle: str
 ) -> None:
@@ -74,7 +80,16 @@ def test_unknown_model_and_version_are_404(server: RunningServer) -> None:
 
 def test_binary_size_mismatch_is_400(server: RunningServer) -> None:
     header = json.dumps(
-        {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "parameters": {"binary_data_size": 12}}]}
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "shape": [1, 4],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": 12},
+                }
+            ]
+        }
     ).encode()
     body = header + np.zeros(3, np.float32).tobytes()
     r = post(server, body, headers={"Inference-Header-Content-Length": str(len(header))})
@@ -82,9 +97,20 @@ def test_binary_size_mismatch_is_400(server: RunningServer) -> None:
     assert "12 bytes do not match shape [1, 4] of FP32 (16 bytes)" in r.json()["error"]
     # More binary bytes than the header claims.
     header = json.dumps(
-        {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "parameters": {"binary_data_size": 16}}]}
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "shape": [1, 4],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": 16},
+                }
+            ]
+        }
     ).encode()
-    r = post(server, header + bytes(20), headers={"Inference-Header-Content-Length": str(len(header))})
+    r = post(
+        server, header + bytes(20), headers={"Inference-Header-Content-Length": str(len(header))}
+    )
     assert r.status_code == 400 and "4 bytes after the last input" in r.json()["error"]
     r = post(server, header + bytes(16), headers={"Inference-Header-Content-Length": "99999"})
     assert r.status_code == 400 and "Inference-Header-Content-Length" in r.json()["error"]
@@ -120,10 +146,14 @@ def _grpc_infer(server: RunningServer, request: pb.ModelInferRequest) -> grpc.Rp
     return info.value
 
 
-def _request(model: str = "scale", shape: tuple = (1, 4), datatype: str = "FP32", raw: bytes | None = None) -> pb.ModelInferRequest:
+def _request(
+    model: str = "scale", shape: tuple = (1, 4), datatype: str = "FP32", raw: bytes | None = None
+) -> pb.ModelInferRequest:
     request = pb.ModelInferRequest(model_name=model)
     request.inputs.add(name="x", datatype=datatype, shape=list(shape))
-    request.raw_input_contents.append(raw if raw is not None else np.zeros(shape, np.float32).tobytes())
+    request.raw_input_contents.append(
+        raw if raw is not None else np.zeros(shape, np.float32).tobytes()
+    )
     return request
 
 
@@ -155,5 +185,7 @@ def test_broken_model_config_names_file_and_field(server: RunningServer) -> None
     assert "dynamic_batching.max_queue_size: expected an integer >= 1, got 0" in message
     assert httpx.get(f"{server.base}/v2/models/broken/ready").status_code in (404, 503)
     index = httpx.post(f"{server.base}/v2/repository/index").json()
-    assert {"name": "broken", "state": "UNAVAILABLE"}.items() <= next(m for m in index if m["name"] == "broken").items()
+    assert {"name": "broken", "state": "UNAVAILABLE"}.items() <= next(
+        m for m in index if m["name"] == "broken"
+    ).items()
     assert_still_serving(server)

@@ -22,17 +22,28 @@ def _batch_histogram(metrics: str, model: str) -> dict[str, float]:
     return {le: float(v) for le, v in re.findall(pattern, metrics)}
 
 
-async def _fire(base: str, bodies: list[dict], model: str, timeout: float = 60.0) -> list[httpx.Response]:
+async def _fire(
+    base: str, bodies: list[dict], model: str, timeout: float = 60.0
+) -> list[httpx.Response]:
     limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
     async with httpx.AsyncClient(base_url=base, limits=limits, timeout=timeout) as client:
-        return await asyncio.gather(*(client.post(f"/v2/models/{model}/infer", json=b) for b in bodies))
+        return await asyncio.gather(
+            *(client.post(f"/v2/models/{model}/infer", json=b) for b in bodies)
+        )
 
 
-def test_200_concurrent_requests_each_get_their_own_output(server: RunningServer, test_repo: Path) -> None:
+def test_200_concurrent_requests_each_get_their_own_output(
+    server: RunningServer, test_repo: Path
+) -> None:
     rng = np.random.default_rng(7)
     xs = rng.normal(size=(200, 256)).astype(np.float32)
     bodies = [
-        {"id": str(i), "inputs": [{"name": "input", "shape": [1, 256], "datatype": "FP32", "data": xs[i].tolist()}]}
+        {
+            "id": str(i),
+            "inputs": [
+                {"name": "input", "shape": [1, 256], "datatype": "FP32", "data": xs[i].tolist()}
+            ],
+        }
         for i in range(200)
     ]
     responses = asyncio.run(_fire(server.base, bodies, "mlp"))
@@ -53,7 +64,16 @@ def test_multi_row_requests_are_split_back(server: RunningServer, test_repo: Pat
     sizes = [1, 3, 2, 5, 1, 4, 7, 2]
     xs = [rng.normal(size=(n, 256)).astype(np.float32) for n in sizes]
     bodies = [
-        {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
+        {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": list(x.shape),
+                    "datatype": "FP32",
+                    "data": x.ravel().tolist(),
+                }
+            ]
+        }
         for x in xs
     ]
     responses = asyncio.run(_fire(server.base, bodies, "mlp"))
@@ -62,26 +82,36 @@ def test_multi_row_requests_are_split_back(server: RunningServer, test_repo: Pat
         out = r.json()["outputs"][0]
         assert out["shape"] == [x.shape[0], 10]
         np.testing.assert_allclose(
-            np.array(out["data"]).reshape(-1, 10), session.run(None, {"input": x})[0], rtol=1e-4, atol=1e-5
+            np.array(out["data"]).reshape(-1, 10),
+            session.run(None, {"input": x})[0],
+            rtol=1e-4,
+            atol=1e-5,
         )
 
 
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory: pytest.TempPathFactory):
-    repo = build_slow_repository(tmp_path_factory.mktemp("slow-repo"), max_queue_size=3, delay_us=300_000)
+    repo = build_slow_repository(
+        tmp_path_factory.mktemp("slow-repo"), max_queue_size=3, delay_us=300_000
+    )
     s = start_server(repo, tmp_path_factory.mktemp("slow-server"))
     yield s
     s.stop()
 
 
 def _slow_body(i: int, **params: object) -> dict:
-    body: dict = {"id": str(i), "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [i, i, i, i]}]}
+    body: dict = {
+        "id": str(i),
+        "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [i, i, i, i]}],
+    }
     if params:
         body["parameters"] = params
     return body
 
 
-def test_overload_returns_503_with_retry_after_while_admitted_complete(slow_server: RunningServer) -> None:
+def test_overload_returns_503_with_retry_after_while_admitted_complete(
+    slow_server: RunningServer,
+) -> None:
     async def scenario() -> list[tuple[float, httpx.Response]]:
         async with httpx.AsyncClient(base_url=slow_server.base, timeout=30) as client:
             start = time.perf_counter()
@@ -109,7 +139,9 @@ def test_overload_returns_503_with_retry_after_while_admitted_complete(slow_serv
 
 def test_request_timeout_is_answered_with_504(slow_server: RunningServer) -> None:
     start = time.perf_counter()
-    r = httpx.post(f"{slow_server.base}/v2/models/slow/infer", json=_slow_body(1, timeout=20_000), timeout=10)
+    r = httpx.post(
+        f"{slow_server.base}/v2/models/slow/infer", json=_slow_body(1, timeout=20_000), timeout=10
+    )
     elapsed = time.perf_counter() - start
     assert r.status_code == 504
     assert "timed out after 20 ms" in r.json()["error"]
@@ -150,14 +182,19 @@ def test_drain_finishes_in_flight_requests_and_refuses_new_ones(tmp_path: Path) 
 
     async def scenario() -> tuple[list[httpx.Response], list[int]]:
         async with httpx.AsyncClient(base_url=s.base, timeout=30) as client:
-            in_flight = [asyncio.create_task(client.post("/v2/models/slow/infer", json=_slow_body(i))) for i in range(3)]
+            in_flight = [
+                asyncio.create_task(client.post("/v2/models/slow/infer", json=_slow_body(i)))
+                for i in range(3)
+            ]
             await asyncio.sleep(0.15)  # all three admitted and waiting for their batch
             s.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.05)
             late: list[int] = []
             async with httpx.AsyncClient(base_url=s.base, timeout=5) as fresh:
                 try:
-                    late.append((await fresh.post("/v2/models/slow/infer", json=_slow_body(9))).status_code)
+                    late.append(
+                        (await fresh.post("/v2/models/slow/infer", json=_slow_body(9))).status_code
+                    )
                     late.append((await fresh.get("/v2/health/ready")).status_code)
                 except httpx.TransportError:
                     late.append(-1)  # listener already closed: also a refusal

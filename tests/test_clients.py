@@ -34,7 +34,9 @@ def reference(repo: Path, model: str, feeds: dict[str, np.ndarray], version: str
 
 def sample(datatype: str, rng: np.random.Generator, rows: int = 2) -> np.ndarray:
     if datatype == "BYTES":
-        return np.array([[f"r{r}c{c}-ü".encode() for c in range(3)] for r in range(rows)], dtype=object)
+        return np.array(
+            [[f"r{r}c{c}-ü".encode() for c in range(3)] for r in range(rows)], dtype=object
+        )
     if datatype == "BOOL":
         return rng.integers(0, 2, size=(rows, 3)).astype(bool)
     if datatype.startswith(("INT", "UINT")):
@@ -43,16 +45,23 @@ def sample(datatype: str, rng: np.random.Generator, rows: int = 2) -> np.ndarray
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
-def test_http_client_matches_onnxruntime(server: RunningServer, test_repo: Path, binary: bool) -> None:
+def test_http_client_matches_onnxruntime(
+    server: RunningServer, test_repo: Path, binary: bool
+) -> None:
     x = np.random.default_rng(1).random((5, 64), dtype=np.float32)
     client = thttp.InferenceServerClient(server.http)
     inp = thttp.InferInput("pixels", list(x.shape), "FP32")
     inp.set_data_from_numpy(x, binary_data=binary)
-    outputs = [thttp.InferRequestedOutput(n, binary_data=binary) for n in ("logits", "probabilities", "label")]
+    outputs = [
+        thttp.InferRequestedOutput(n, binary_data=binary)
+        for n in ("logits", "probabilities", "label")
+    ]
     result = client.infer("digits", [inp], outputs=outputs)
     want = reference(test_repo, "digits", {"pixels": x})
     np.testing.assert_allclose(result.as_numpy("logits"), want["logits"], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(result.as_numpy("probabilities"), want["probabilities"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        result.as_numpy("probabilities"), want["probabilities"], rtol=1e-5, atol=1e-6
+    )
     np.testing.assert_array_equal(result.as_numpy("label"), want["label"])
 
 
@@ -80,7 +89,9 @@ def test_every_datatype_round_trips(server: RunningServer, datatype: str, transp
             gi = tgrpc.InferInput(name, list(arr.shape), name.removeprefix("in_"))
             gi.set_data_from_numpy(arr)
             ginputs.append(gi)
-        got = gclient.infer("dtypes", ginputs, outputs=[tgrpc.InferRequestedOutput(name_out)]).as_numpy(name_out)
+        got = gclient.infer(
+            "dtypes", ginputs, outputs=[tgrpc.InferRequestedOutput(name_out)]
+        ).as_numpy(name_out)
     else:
         binary = transport == "http-binary"
         if datatype == "FP16" and not binary:
@@ -97,7 +108,9 @@ def test_every_datatype_round_trips(server: RunningServer, datatype: str, transp
     assert got is not None
     assert got.shape == x.shape
     if datatype == "BYTES":
-        assert [v if isinstance(v, bytes) else v.encode() for v in got.reshape(-1)] == list(x.reshape(-1))
+        assert [v if isinstance(v, bytes) else v.encode() for v in got.reshape(-1)] == list(
+            x.reshape(-1)
+        )
     else:
         assert got.dtype == x.dtype
         np.testing.assert_array_equal(got, x)

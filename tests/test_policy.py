@@ -6,8 +6,12 @@ from rtserve.scheduling.policy import DynamicBatchPolicy
 MS = 1_000_000
 
 
-def policy(max_batch: int = 8, delay_us: int = 1000, preferred: tuple[int, ...] = ()) -> DynamicBatchPolicy:
-    return DynamicBatchPolicy(max_batch, DynamicBatching(max_queue_delay_us=delay_us, preferred_batch_sizes=preferred))
+def policy(
+    max_batch: int = 8, delay_us: int = 1000, preferred: tuple[int, ...] = ()
+) -> DynamicBatchPolicy:
+    return DynamicBatchPolicy(
+        max_batch, DynamicBatching(max_queue_delay_us=delay_us, preferred_batch_sizes=preferred)
+    )
 
 
 def test_waits_for_the_delay_while_the_batch_is_not_full() -> None:

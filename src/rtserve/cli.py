@@ -43,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve a model repository over HTTP and gRPC (KServe V2)")
-    s.add_argument("--model-repository", type=Path, help="directory of <model>/config.yaml + <version>/model.onnx")
+    s.add_argument(
+        "--model-repository",
+        type=Path,
+        help="directory of <model>/config.yaml + <version>/model.onnx",
+    )
     s.add_argument("--config", type=Path, help="server config YAML (flags override it)")
     s.add_argument("--host", help="address to bind (default 127.0.0.1)")
     s.add_argument("--http-port", type=int, help="HTTP port (default 8000; 0 picks a free one)")

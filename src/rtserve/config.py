@@ -39,25 +39,25 @@ class _Fields:
         self.seen.add(key)
         return self.data.get(key, default)
 
-    def int(self, key: str, default: int, minimum: int = 0) -> int:
+    def integer(self, key: str, default: int, minimum: int = 0) -> int:
         value = self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise self.fail(key, f"an integer >= {minimum}", value)
         return value
 
-    def float(self, key: str, default: float, minimum: float = 0.0) -> float:
+    def number(self, key: str, default: float, minimum: float = 0.0) -> float:
         value = self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
             raise self.fail(key, f"a number >= {minimum}", value)
         return float(value)
 
-    def bool(self, key: str, default: bool) -> bool:
+    def boolean(self, key: str, default: bool) -> bool:
         value = self.get(key, default)
         if not isinstance(value, bool):
             raise self.fail(key, "true or false", value)
         return value
 
-    def str(self, key: str, default: str, choices: tuple[str, ...] | None = None) -> str:
+    def string(self, key: str, default: str, choices: tuple[str, ...] | None = None) -> str:
         value = self.get(key, default)
         if not isinstance(value, str) or (choices and value not in choices):
             expected = f"one of {', '.join(choices)}" if choices else "a string"
@@ -147,10 +147,10 @@ def _tensor_specs(value: Any, where: str, key: str) -> tuple[TensorSpec, ...] | 
     specs = []
     for i, item in enumerate(value):
         f = _Fields(item, where, f"{key}[{i}]")
-        name = f.str("name", "")
+        name = f.string("name", "")
         if not name:
             raise f.fail("name", "a non-empty string", name)
-        datatype = f.str("datatype", "", tuple(DATATYPE_TO_NUMPY))
+        datatype = f.string("datatype", "", tuple(DATATYPE_TO_NUMPY))
         shape = f.get("shape")
         if not isinstance(shape, list) or any(
             isinstance(d, bool) or not isinstance(d, int) or d < -1 for d in shape
@@ -163,46 +163,52 @@ def _tensor_specs(value: Any, where: str, key: str) -> tuple[TensorSpec, ...] | 
 
 def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
     f = _Fields(data, where)
-    cfg_name = f.str("name", name)
+    cfg_name = f.string("name", name)
     if cfg_name != name:
         raise f.fail("name", f"the directory name {name!r}", cfg_name)
-    backend = f.str("backend", "onnxruntime", ("onnxruntime",))
-    max_batch_size = f.int("max_batch_size", 0)
+    backend = f.string("backend", "onnxruntime", ("onnxruntime",))
+    max_batch_size = f.integer("max_batch_size", 0)
     inputs = _tensor_specs(f.get("inputs"), where, "inputs")
     outputs = _tensor_specs(f.get("outputs"), where, "outputs")
 
     db = f.sub("dynamic_batching")
     preferred = db.int_list("preferred_batch_sizes")
     if max_batch_size and any(p > max_batch_size for p in preferred):
-        raise db.fail("preferred_batch_sizes", f"sizes <= max_batch_size ({max_batch_size})", preferred)
+        raise db.fail(
+            "preferred_batch_sizes", f"sizes <= max_batch_size ({max_batch_size})", preferred
+        )
     batching = DynamicBatching(
-        max_queue_delay_us=db.int("max_queue_delay_us", 0),
+        max_queue_delay_us=db.integer("max_queue_delay_us", 0),
         preferred_batch_sizes=tuple(sorted(preferred)),
-        max_queue_size=db.int("max_queue_size", 1024, minimum=1),
-        default_timeout_us=db.int("default_timeout_us", 0),
+        max_queue_size=db.integer("max_queue_size", 1024, minimum=1),
+        default_timeout_us=db.integer("default_timeout_us", 0),
     )
     db.check_unknown()
 
     ort = f.sub("onnxruntime")
     providers = ort.get("execution_providers", ["CUDA", "CPU"])
     if not isinstance(providers, list) or any(p not in _PROVIDERS for p in providers):
-        raise ort.fail("execution_providers", f"a list drawn from {', '.join(_PROVIDERS)}", providers)
+        raise ort.fail(
+            "execution_providers", f"a list drawn from {', '.join(_PROVIDERS)}", providers
+        )
     ort_options = OrtOptions(
-        intra_op_threads=ort.int("intra_op_threads", 1),
-        inter_op_threads=ort.int("inter_op_threads", 1),
-        graph_optimization_level=ort.str("graph_optimization_level", "all", _LEVELS),
+        intra_op_threads=ort.integer("intra_op_threads", 1),
+        inter_op_threads=ort.integer("inter_op_threads", 1),
+        graph_optimization_level=ort.string("graph_optimization_level", "all", _LEVELS),
         execution_providers=tuple(providers),
-        execution=ort.str("execution", "auto", ("auto", "inline", "thread")),
+        execution=ort.string("execution", "auto", ("auto", "inline", "thread")),
     )
     ort.check_unknown()
 
     wu = f.sub("warmup")
     warmup = Warmup(
         batch_sizes=tuple(wu.int_list("batch_sizes") or [1]),
-        iterations=wu.int("iterations", 2),
+        iterations=wu.integer("iterations", 2),
     )
     if max_batch_size and any(b > max_batch_size for b in warmup.batch_sizes):
-        raise wu.fail("batch_sizes", f"sizes <= max_batch_size ({max_batch_size})", warmup.batch_sizes)
+        raise wu.fail(
+            "batch_sizes", f"sizes <= max_batch_size ({max_batch_size})", warmup.batch_sizes
+        )
     wu.check_unknown()
 
     policy_value = f.get("version_policy", "all")
@@ -219,7 +225,7 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
     cache = f.get("response_cache")
     if cache is not None and not isinstance(cache, dict):
         raise f.fail("response_cache", "a mapping", cache)
-    instance_count = f.int("instance_count", 1, minimum=1)
+    instance_count = f.integer("instance_count", 1, minimum=1)
     f.check_unknown()
     return ModelConfig(
         name=name,
@@ -268,14 +274,14 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
         f = _Fields(raw, str(path))
         data = {
             "model_repository": f.get("model_repository"),
-            "host": f.str("host", "127.0.0.1"),
-            "http_port": f.int("http_port", 8000),
-            "grpc_port": f.int("grpc_port", 8001),
-            "max_request_bytes": f.int("max_request_bytes", 64 * 1024 * 1024, minimum=1),
-            "grace_period_s": f.float("grace_period_s", 30.0),
+            "host": f.string("host", "127.0.0.1"),
+            "http_port": f.integer("http_port", 8000),
+            "grpc_port": f.integer("grpc_port", 8001),
+            "max_request_bytes": f.integer("max_request_bytes", 64 * 1024 * 1024, minimum=1),
+            "grace_period_s": f.number("grace_period_s", 30.0),
             "response_cache": f.get("response_cache"),
-            "access_log": f.bool("access_log", False),
-            "log_level": f.str("log_level", "info"),
+            "access_log": f.boolean("access_log", False),
+            "log_level": f.string("log_level", "info"),
         }
         f.check_unknown()
     data.update({k: v for k, v in overrides.items() if v is not None})

@@ -125,7 +125,9 @@ class ModelRepository:
                     )
                 versions = [v for v in versions if v in config.versions]
             if not versions:
-                raise ConfigError(f"{model_dir}: no version directories (expected e.g. 1/model.onnx)")
+                raise ConfigError(
+                    f"{model_dir}: no version directories (expected e.g. 1/model.onnx)"
+                )
             for v in versions:
                 mv = await self._load_version(config, model_dir / str(v), str(v))
                 model.versions[mv.version] = mv
@@ -136,7 +138,9 @@ class ModelRepository:
             log.error("model %s not loaded: %s", name, exc)
         return model
 
-    async def _load_version(self, config: ModelConfig, version_dir: Path, version: str) -> ModelVersion:
+    async def _load_version(
+        self, config: ModelConfig, version_dir: Path, version: str
+    ) -> ModelVersion:
         loop = asyncio.get_running_loop()
         runtime = await loop.run_in_executor(None, load_runtime, config, version_dir)
         try:
@@ -170,7 +174,9 @@ class ModelRepository:
             inputs={s.name: s for s in runtime.inputs},
             outputs={s.name: s for s in runtime.outputs},
         )
-        cache_cfg = config.response_cache if config.response_cache is not None else self.cache_default
+        cache_cfg = (
+            config.response_cache if config.response_cache is not None else self.cache_default
+        )
         if cache_cfg:
             mv.cache = self._make_cache(cache_cfg, config, version)
         mv.ready = True

@@ -52,7 +52,9 @@ def _timeout_s(request: InferRequest, mv: ModelVersion) -> float:
     if value is None:
         return mv.config.dynamic_batching.default_timeout_us / 1e6
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise InvalidInput(f"parameters.timeout: expected microseconds (a number >= 0), got {value!r}")
+        raise InvalidInput(
+            f"parameters.timeout: expected microseconds (a number >= 0), got {value!r}"
+        )
     return float(value) / 1e6
 
 
@@ -111,11 +113,19 @@ class DataPlane:
             "backend": "onnxruntime",
             "max_batch_size": cfg.max_batch_size,
             "input": [
-                {"name": s.name, "data_type": f"TYPE_{_config_type(s.datatype)}", "dims": list(s.shape) or [1]}
+                {
+                    "name": s.name,
+                    "data_type": f"TYPE_{_config_type(s.datatype)}",
+                    "dims": list(s.shape) or [1],
+                }
                 for s in mv.inputs.values()
             ],
             "output": [
-                {"name": s.name, "data_type": f"TYPE_{_config_type(s.datatype)}", "dims": list(s.shape) or [1]}
+                {
+                    "name": s.name,
+                    "data_type": f"TYPE_{_config_type(s.datatype)}",
+                    "dims": list(s.shape) or [1],
+                }
                 for s in mv.outputs.values()
             ],
             "dynamic_batching": {
@@ -129,10 +139,19 @@ class DataPlane:
         rows: list[dict[str, Any]] = []
         for model in self.repository.models.values():
             if model.error:
-                rows.append({"name": model.name, "version": "", "state": "UNAVAILABLE", "reason": model.error})
+                rows.append(
+                    {
+                        "name": model.name,
+                        "version": "",
+                        "state": "UNAVAILABLE",
+                        "reason": model.error,
+                    }
+                )
             for v in model.versions.values():
                 state = "READY" if v.ready else "UNAVAILABLE"
-                rows.append({"name": model.name, "version": v.version, "state": state, "reason": ""})
+                rows.append(
+                    {"name": model.name, "version": v.version, "state": state, "reason": ""}
+                )
         return rows
 
     # ------------------------------------------------------------------ inference
@@ -153,7 +172,11 @@ class DataPlane:
             cache_request = request
 
             async def run() -> list[Tensor]:
-                return self._select(mv, await mv.batcher.submit(feeds, rows, cache_request.timings, timeout_s), wanted)
+                return self._select(
+                    mv,
+                    await mv.batcher.submit(feeds, rows, cache_request.timings, timeout_s),
+                    wanted,
+                )
 
             outputs, tier = await mv.cache.lookup_or_run(request, run)
             request.timings.cache = tier or "miss"
@@ -168,7 +191,9 @@ class DataPlane:
         )
 
     @staticmethod
-    def _select(mv: ModelVersion, results: dict[str, np.ndarray], wanted: list[str]) -> list[Tensor]:
+    def _select(
+        mv: ModelVersion, results: dict[str, np.ndarray], wanted: list[str]
+    ) -> list[Tensor]:
         specs = mv.outputs
         out = []
         for name in wanted:
@@ -244,7 +269,9 @@ class DataPlane:
             feeds[t.name] = t.data
         if len(feeds) != len(specs):
             missing = [n for n in specs if n not in feeds]
-            raise InvalidInput(f"missing input(s) {', '.join(repr(m) for m in missing)} for model '{mv.name}'")
+            raise InvalidInput(
+                f"missing input(s) {', '.join(repr(m) for m in missing)} for model '{mv.name}'"
+            )
         return feeds, rows
 
 

@@ -82,7 +82,9 @@ def decode_model_infer(request: pb.ModelInferRequest) -> InferRequest:
         else:
             field = _CONTENTS_FIELD.get(datatype)
             if field is None:
-                raise InvalidInput(f"{where}: {datatype} tensors must be sent in raw_input_contents")
+                raise InvalidInput(
+                    f"{where}: {datatype} tensors must be sent in raw_input_contents"
+                )
             values = getattr(inp.contents, field)
             if len(values) != count:
                 raise InvalidInput(

@@ -86,7 +86,9 @@ def _json_array(data: Any, datatype: str, shape: tuple[int, ...], where: str) ->
     if datatype == "BYTES":
         flat = _flatten(data)
         if len(flat) != count:
-            raise _fail(f"{where}.data", f"has {len(flat)} elements, shape {list(shape)} needs {count}")
+            raise _fail(
+                f"{where}.data", f"has {len(flat)} elements, shape {list(shape)} needs {count}"
+            )
         arr = np.empty(count, dtype=object)
         for i, item in enumerate(flat):
             if isinstance(item, str):
@@ -97,7 +99,9 @@ def _json_array(data: Any, datatype: str, shape: tuple[int, ...], where: str) ->
     try:
         arr = np.array(data, dtype=DATATYPE_TO_NUMPY[datatype])
     except (ValueError, TypeError, OverflowError) as exc:
-        raise _fail(f"{where}.data", f"expected a (nested) list of {datatype} numbers: {exc}") from None
+        raise _fail(
+            f"{where}.data", f"expected a (nested) list of {datatype} numbers: {exc}"
+        ) from None
     if arr.size != count:
         raise _fail(f"{where}.data", f"has {arr.size} elements, shape {list(shape)} needs {count}")
     if datatype != "BOOL" and arr.dtype.kind in "iu" and arr.size and _has_non_numbers(data):
@@ -149,12 +153,15 @@ def decode_infer_request(
                 f"{where}.datatype",
                 f"expected one of {', '.join(DATATYPE_TO_NUMPY)}, got {datatype!r}",
             )
+        assert isinstance(datatype, str)
         shape = _shape(item.get("shape"), where)
         params = item.get("parameters")
         size = params.get("binary_data_size") if isinstance(params, dict) else None
         if size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise _fail(f"{where}.parameters.binary_data_size", f"expected a byte count, got {size!r}")
+                raise _fail(
+                    f"{where}.parameters.binary_data_size", f"expected a byte count, got {size!r}"
+                )
             if offset + size > len(binary):
                 raise _fail(
                     f"{where}.parameters.binary_data_size",
@@ -211,10 +218,14 @@ def decode_infer_request(
     )
 
 
-def encode_infer_response(response: InferResponse, request: InferRequest) -> tuple[bytes, int | None]:
+def encode_infer_response(
+    response: InferResponse, request: InferRequest
+) -> tuple[bytes, int | None]:
     """The response body and, when it carries binary tensors, the JSON header's length."""
     binary_default = request.parameters.get("binary_data_output") is True
-    flags: dict[str, bool | None] = {o.name: o.binary for o in request.outputs} if request.outputs else {}
+    flags: dict[str, bool | None] = (
+        {o.name: o.binary for o in request.outputs} if request.outputs else {}
+    )
     blobs: list[bytes] = []
     outs: list[dict[str, Any]] = []
     for t in response.outputs:
@@ -223,12 +234,17 @@ def encode_infer_response(response: InferResponse, request: InferRequest) -> tup
         as_binary = binary_default if flag is None else flag
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": arr.shape}
         if as_binary:
-            blob = encode_bytes_elements(arr) if t.datatype == "BYTES" else np.ascontiguousarray(arr).tobytes()
+            blob = (
+                encode_bytes_elements(arr)
+                if t.datatype == "BYTES"
+                else np.ascontiguousarray(arr).tobytes()
+            )
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         elif t.datatype == "BYTES":
             entry["data"] = [
-                b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b) for b in arr.reshape(-1)
+                b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b)
+                for b in arr.reshape(-1)
             ]
         else:
             entry["data"] = np.ascontiguousarray(arr).reshape(-1)

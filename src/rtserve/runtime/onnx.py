@@ -87,7 +87,9 @@ def _reconcile(
     if kind == "inputs":
         missing = set(by_name) - {s.name for s in configured}
         if missing:
-            raise ConfigError(f"{where}: inputs: model inputs missing from config: {sorted(missing)}")
+            raise ConfigError(
+                f"{where}: inputs: model inputs missing from config: {sorted(missing)}"
+            )
     return configured
 
 
@@ -171,7 +173,9 @@ def _to_str_array(arr: np.ndarray) -> np.ndarray:
     flat_in = arr.reshape(-1)
     flat_out = out.reshape(-1)
     for i, item in enumerate(flat_in):
-        flat_out[i] = item.decode("utf-8", "surrogateescape") if isinstance(item, bytes) else str(item)
+        flat_out[i] = (
+            item.decode("utf-8", "surrogateescape") if isinstance(item, bytes) else str(item)
+        )
     return out
 
 

@@ -10,6 +10,7 @@ threads, and each batch completes all its futures with a single ``call_soon_thre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -114,10 +115,8 @@ class Batcher:
         if self._task is not None:
             self._wake()
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
@@ -239,10 +238,8 @@ class Batcher:
     def _compute_threaded(self, batch: list[_Pending], instance: int) -> None:
         result = self._compute(batch, instance)
         assert self._loop is not None
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
             self._loop.call_soon_threadsafe(self._finish, batch, instance, *result)
-        except RuntimeError:  # loop closed during shutdown
-            pass
 
     def _finish(
         self,

@@ -83,7 +83,9 @@ class Server:
             await asyncio.sleep(0.01)
         self.http_port = uv.servers[0].sockets[0].getsockname()[1]
         grpc_server, self.grpc_port = await start_grpc_server(self.grpc, cfg.host, cfg.grpc_port)
-        log.info("listening: http://%s:%d grpc %s:%d", cfg.host, self.http_port, cfg.host, self.grpc_port)
+        log.info(
+            "listening: http://%s:%d grpc %s:%d", cfg.host, self.http_port, cfg.host, self.grpc_port
+        )
 
         await self.repository.load_all()
         self.dataplane.started = True
@@ -127,7 +129,9 @@ class Server:
         while busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if busy():
-            log.error("grace period of %.1f s ended with requests still in flight", cfg.grace_period_s)
+            log.error(
+                "grace period of %.1f s ended with requests still in flight", cfg.grace_period_s
+            )
         uv.should_exit = True
         remaining = max(0.0, deadline - time.monotonic())
         await grpc_server.stop(remaining)  # type: ignore[attr-defined]

@@ -22,10 +22,6 @@ from rtserve.protocol.types import InferRequest, Timings
 from rtserve.server.stats import model_statistics
 
 _now = time.perf_counter_ns
-_DATA_TYPES = {
-    "BOOL": 1, "UINT8": 2, "UINT16": 3, "UINT32": 4, "UINT64": 5, "INT8": 6, "INT16": 7,
-    "INT32": 8, "INT64": 9, "FP16": 10, "FP32": 11, "FP64": 12, "BYTES": 13,
-}  # fmt: skip
 
 
 class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
@@ -82,11 +78,11 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
             backend=cfg["backend"],
             max_batch_size=cfg["max_batch_size"],
             input=[
-                pb.ModelInput(name=t["name"], data_type=_config_type(t["data_type"]), dims=t["dims"])
+                pb.ModelInput(name=t["name"], data_type=t["data_type"], dims=t["dims"])
                 for t in cfg["input"]
             ],
             output=[
-                pb.ModelOutput(name=t["name"], data_type=_config_type(t["data_type"]), dims=t["dims"])
+                pb.ModelOutput(name=t["name"], data_type=t["data_type"], dims=t["dims"])
                 for t in cfg["output"]
             ],
             dynamic_batching=pb.ModelDynamicBatching(
@@ -94,7 +90,9 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
                 max_queue_delay_microseconds=db["max_queue_delay_microseconds"],
             ),
             instance_group=[
-                pb.ModelInstanceGroup(name=g["name"], kind=pb.ModelInstanceGroup.KIND_CPU, count=g["count"])
+                pb.ModelInstanceGroup(
+                    name=g["name"], kind=pb.ModelInstanceGroup.KIND_CPU, count=g["count"]
+                )
                 for g in cfg["instance_group"]
             ],
         )
@@ -189,10 +187,6 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
                 )
             finally:
                 self.in_flight -= 1
-
-
-def _config_type(name: str) -> int:
-    return _DATA_TYPES.get(name.removeprefix("TYPE_").replace("STRING", "BYTES"), 0)
 
 
 async def start_grpc_server(

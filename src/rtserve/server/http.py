@@ -157,7 +157,9 @@ class HttpFrontend:
         try:
             out = d.decompress(body, self.max_request_bytes + 1)
         except zlib.error as exc:
-            raise InvalidInput(f"Content-Encoding {encoding.decode()}: corrupt body: {exc}") from None
+            raise InvalidInput(
+                f"Content-Encoding {encoding.decode()}: corrupt body: {exc}"
+            ) from None
         if len(out) > self.max_request_bytes or d.unconsumed_tail:
             raise PayloadTooLarge(
                 f"decompressed body exceeds the limit of {self.max_request_bytes} bytes"
