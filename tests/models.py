@@ -61,6 +61,13 @@ def build_test_repository(root: Path) -> Path:
         "dynamic_batching: {max_queue_delay_us: 2000, preferred_batch_sizes: [32]}\n"
         "warmup: {batch_sizes: [1, 32], iterations: 1}\n"
     )
+    build_mlp(root / "mlp_threads" / "1" / "model.onnx")
+    (root / "mlp_threads" / "config.yaml").write_text(
+        "max_batch_size: 16\n"
+        "dynamic_batching: {max_queue_delay_us: 1000}\n"
+        "instance_count: 2\n"
+        "onnxruntime: {execution: thread}\n"
+    )
     build_digits(root / "digits" / "1" / "model.onnx")
     (root / "digits" / "config.yaml").write_text("max_batch_size: 64\n")
     build_identity_all_types(root / "dtypes" / "1" / "model.onnx")

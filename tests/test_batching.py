@@ -32,8 +32,9 @@ async def _fire(
         )
 
 
+@pytest.mark.parametrize("model", ["mlp", "mlp_threads"], ids=["inline", "two-threaded-instances"])
 def test_200_concurrent_requests_each_get_their_own_output(
-    server: RunningServer, test_repo: Path
+    server: RunningServer, test_repo: Path, model: str
 ) -> None:
     rng = np.random.default_rng(7)
     xs = rng.normal(size=(200, 256)).astype(np.float32)
@@ -46,15 +47,15 @@ def test_200_concurrent_requests_each_get_their_own_output(
         }
         for i in range(200)
     ]
-    responses = asyncio.run(_fire(server.base, bodies, "mlp"))
-    session = ort.InferenceSession(str(test_repo / "mlp" / "1" / "model.onnx"))
+    responses = asyncio.run(_fire(server.base, bodies, model))
+    session = ort.InferenceSession(str(test_repo / model / "1" / "model.onnx"))
     want = session.run(None, {"input": xs})[0]
     for i, r in enumerate(responses):
         assert r.status_code == 200, r.text
         doc = r.json()
         assert doc["id"] == str(i)
         np.testing.assert_allclose(doc["outputs"][0]["data"], want[i], rtol=1e-4, atol=1e-5)
-    hist = _batch_histogram(httpx.get(f"{server.base}/metrics").text, "mlp")
+    hist = _batch_histogram(httpx.get(f"{server.base}/metrics").text, model)
     assert hist["+Inf"] > 0
     assert hist["1.0"] < hist["+Inf"], f"no batch larger than 1: {hist}"
 

@@ -96,8 +96,15 @@ def _json_array(data: Any, datatype: str, shape: tuple[int, ...], where: str) ->
             else:
                 raise _fail(f"{where}.data", f"BYTES elements must be strings, got {item!r}")
         return arr.reshape(shape)
+    dtype = DATATYPE_TO_NUMPY[datatype]
+    if type(data) is list and len(data) == count and count and type(data[0]) is float:
+        # The common case, a flat list of floats: fromiter skips numpy's nesting checks.
+        try:
+            return np.fromiter(data, dtype=dtype, count=count).reshape(shape)
+        except (ValueError, TypeError):
+            pass  # mixed content: let np.array report it below
     try:
-        arr = np.array(data, dtype=DATATYPE_TO_NUMPY[datatype])
+        arr = np.array(data, dtype=dtype)
     except (ValueError, TypeError, OverflowError) as exc:
         raise _fail(
             f"{where}.data", f"expected a (nested) list of {datatype} numbers: {exc}"

@@ -73,6 +73,8 @@ class Server:
                 log_level="warning",
                 timeout_graceful_shutdown=max(1, int(cfg.grace_period_s)),
                 timeout_keep_alive=30,
+                proxy_headers=False,
+                server_header=False,
             )
         )
         uv_task = loop.create_task(uv.serve())
