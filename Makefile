@@ -39,6 +39,9 @@ $(REPO)/.built: $(STAMP) examples/build_repository.py
 examples: $(REPO)/.built
 
 run: setup examples
+	@echo "Serving $(REPO) (Ctrl-C drains and stops). Try, from another shell:"
+	@echo "  curl -s http://$(HOST):$(HTTP_PORT)/v2/models/digits/infer -d @$(REPO)/digits/example_request.json"
+	@echo "  $(BIN)/python examples/client.py --url $(HOST):$(HTTP_PORT)     # tritonclient, HTTP and gRPC"
 	$(BIN)/rtserve serve --model-repository $(REPO) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT)
 
 test: setup examples

@@ -41,7 +41,9 @@ def _dense_graph(
         ]
         last = i == len(weights) - 1
         out = output_name if last else f"h{i}"
-        nodes.append(helper.make_node("Gemm", [current, f"W{i}", f"B{i}"], [out if last else f"g{i}"]))
+        nodes.append(
+            helper.make_node("Gemm", [current, f"W{i}", f"B{i}"], [out if last else f"g{i}"])
+        )
         if not last:
             nodes.append(helper.make_node("Relu", [f"g{i}"], [out]))
         current = out
@@ -54,9 +56,7 @@ def _dense_graph(
             helper.make_tensor_value_info(softmax_output, TensorProto.FLOAT, ["batch", n_out])
         )
     if argmax_output:
-        nodes.append(
-            helper.make_node("ArgMax", [output_name], [argmax_output], axis=1, keepdims=0)
-        )
+        nodes.append(helper.make_node("ArgMax", [output_name], [argmax_output], axis=1, keepdims=0))
         outputs.append(helper.make_tensor_value_info(argmax_output, TensorProto.INT64, ["batch"]))
     graph = helper.make_graph(
         nodes,
@@ -108,6 +108,13 @@ def build_digits(path: Path, seed: int = 0) -> tuple[Path, float]:
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
     np.savez(path.parent.parent / "test_set.npz", x=x_test, y=y_test)
+    example = {
+        "inputs": [
+            {"name": "pixels", "shape": [1, 64], "datatype": "FP32", "data": x_test[0].tolist()}
+        ],
+        "outputs": [{"name": "label"}, {"name": "probabilities"}],
+    }
+    (path.parent.parent / "example_request.json").write_text(json.dumps(example))
     return path, accuracy
 
 
