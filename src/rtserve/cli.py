@@ -24,7 +24,6 @@ def _serve(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
             grace_period_s=args.grace_period,
             log_level=args.log_level,
-            access_log=True if args.access_log else None,
         )
     except ConfigError as exc:
         print(f"rtserve: {exc}", file=sys.stderr)
@@ -55,7 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, help="largest accepted request body")
     s.add_argument("--grace-period", type=float, help="seconds to finish requests on SIGTERM")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    s.add_argument("--access-log", action="store_true", help="log every request (off by default)")
     s.add_argument("--ports-file", type=Path, help="write the bound ports as JSON once ready")
     s.set_defaults(func=_serve)
 

@@ -260,7 +260,6 @@ class ServerConfig:
     max_request_bytes: int = 64 * 1024 * 1024
     grace_period_s: float = 30.0
     response_cache: dict[str, Any] | None = None  # server-wide default for every model
-    access_log: bool = False
     log_level: str = "info"
 
 
@@ -280,7 +279,6 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
             "max_request_bytes": f.integer("max_request_bytes", 64 * 1024 * 1024, minimum=1),
             "grace_period_s": f.number("grace_period_s", 30.0),
             "response_cache": f.get("response_cache"),
-            "access_log": f.boolean("access_log", False),
             "log_level": f.string("log_level", "info"),
         }
         f.check_unknown()

@@ -7,6 +7,7 @@ response cache, and submits to the model's batcher.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -21,7 +22,7 @@ from rtserve.errors import (
     RTServeError,
     ShuttingDown,
 )
-from rtserve.protocol.types import InferRequest, InferResponse, Tensor
+from rtserve.protocol.types import InferRequest, InferResponse, Tensor, Timings
 from rtserve.repository import ModelRepository, ModelVersion
 
 EXTENSIONS = [
@@ -156,39 +157,56 @@ class DataPlane:
 
     # ------------------------------------------------------------------ inference
     def resolve(self, request: InferRequest) -> ModelVersion:
+        return self.resolve_name(request.model_name, request.model_version, request.timings)
+
+    def resolve_name(self, name: str, version: str, timings: Timings) -> ModelVersion:
         """Find the model version; during a drain only requests received before it began
         are accepted."""
-        if self.draining and request.timings.received >= self.drain_started_ns:
+        if self.draining and timings.received >= self.drain_started_ns:
             raise ShuttingDown("server is shutting down; not accepting new requests")
-        return self.repository.get(request.model_name, request.model_version)
+        return self.repository.get(name, version)
+
+    def submit(
+        self, request: InferRequest, mv: ModelVersion
+    ) -> tuple[asyncio.Future[dict[str, np.ndarray]], list[str]]:
+        """Check the request against the model and queue it; no cache. Returns the batch
+        future and the names of the outputs to answer with."""
+        feeds, rows = self._check_inputs(request, mv)
+        wanted = self._check_outputs(request, mv)
+        timeout_s = _timeout_s(request, mv)
+        return mv.batcher.submit(feeds, rows, request.timings, timeout_s), wanted
+
+    @staticmethod
+    def wants_cache(request: InferRequest, mv: ModelVersion) -> bool:
+        return mv.cache is not None and request.parameters.get("cache", True) is not False
+
+    def response(
+        self,
+        request: InferRequest,
+        mv: ModelVersion,
+        results: dict[str, np.ndarray],
+        wanted: list[str],
+    ) -> InferResponse:
+        return InferResponse(mv.name, mv.version, self._select(mv, results, wanted), request.id)
 
     async def infer(self, request: InferRequest, mv: ModelVersion | None = None) -> InferResponse:
         if mv is None:
             mv = self.resolve(request)
+        if not self.wants_cache(request, mv):
+            future, wanted = self.submit(request, mv)
+            return self.response(request, mv, await future, wanted)
         feeds, rows = self._check_inputs(request, mv)
         wanted = self._check_outputs(request, mv)
         timeout_s = _timeout_s(request, mv)
-        if mv.cache is not None and request.parameters.get("cache", True) is not False:
-            cache_request = request
+        timings = request.timings
 
-            async def run() -> list[Tensor]:
-                return self._select(
-                    mv,
-                    await mv.batcher.submit(feeds, rows, cache_request.timings, timeout_s),
-                    wanted,
-                )
+        async def run() -> list[Tensor]:
+            results = await mv.batcher.submit(feeds, rows, timings, timeout_s)
+            return self._select(mv, results, wanted)
 
-            outputs, tier = await mv.cache.lookup_or_run(request, run)
-            request.timings.cache = tier or "miss"
-        else:
-            results = await mv.batcher.submit(feeds, rows, request.timings, timeout_s)
-            outputs = self._select(mv, results, wanted)
-        return InferResponse(
-            model_name=mv.name,
-            model_version=mv.version,
-            outputs=outputs,
-            id=request.id,
-        )
+        outputs, tier = await mv.cache.lookup_or_run(request, run)
+        timings.cache = tier or "miss"
+        return InferResponse(mv.name, mv.version, outputs, request.id)
 
     @staticmethod
     def _select(

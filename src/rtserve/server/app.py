@@ -15,10 +15,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Generator
 from pathlib import Path
-
-import uvicorn
 
 from rtserve.config import ServerConfig
 from rtserve.core.dataplane import DataPlane
@@ -26,16 +23,9 @@ from rtserve.observability.metrics import Metrics
 from rtserve.repository import ModelRepository
 from rtserve.server.grpc import GrpcFrontend, start_grpc_server
 from rtserve.server.http import HttpFrontend
+from rtserve.server.httpserver import HttpServer
 
 log = logging.getLogger("rtserve")
-
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the lifecycle below owns the signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
 
 
 class Server:
@@ -62,28 +52,8 @@ class Server:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
         cfg = self.config
-        uv = _Uvicorn(
-            uvicorn.Config(
-                self.http,
-                host=cfg.host,
-                port=cfg.http_port,
-                http="httptools",
-                lifespan="off",
-                access_log=cfg.access_log,
-                log_level="warning",
-                timeout_graceful_shutdown=max(1, int(cfg.grace_period_s)),
-                timeout_keep_alive=30,
-                proxy_headers=False,
-                server_header=False,
-            )
-        )
-        uv_task = loop.create_task(uv.serve())
-        while not uv.started:
-            if uv_task.done():
-                uv_task.result()
-                raise OSError(f"HTTP server did not start on {cfg.host}:{cfg.http_port}")
-            await asyncio.sleep(0.01)
-        self.http_port = uv.servers[0].sockets[0].getsockname()[1]
+        self.http_server = HttpServer(self.http.handle, cfg.max_request_bytes)
+        self.http_port = await self.http_server.start(cfg.host, cfg.http_port)
         grpc_server, self.grpc_port = await start_grpc_server(self.grpc, cfg.host, cfg.grpc_port)
         log.info(
             "listening: http://%s:%d grpc %s:%d", cfg.host, self.http_port, cfg.host, self.grpc_port
@@ -94,8 +64,8 @@ class Server:
         self._announce()
         await self._stop.wait()
 
-        await self._drain(uv, grpc_server)
-        await uv_task
+        await self._drain(grpc_server)
+        await self.http_server.close()
         await self.repository.stop()
         log.info("stopped")
 
@@ -115,15 +85,16 @@ class Server:
             flush=True,
         )
 
-    async def _drain(self, uv: uvicorn.Server, grpc_server: object) -> None:
+    async def _drain(self, grpc_server: object) -> None:
         cfg = self.config
         deadline = time.monotonic() + cfg.grace_period_s
         self.dataplane.begin_drain()
+        self.http_server.begin_drain()
         log.info("draining: readiness false, finishing accepted requests")
 
         def busy() -> bool:
             return (
-                self.http.in_flight > 0
+                self.http_server.busy
                 or self.grpc.in_flight > 0
                 or any(mv.batcher.busy for mv in self.repository.loaded_versions())
             )
@@ -134,7 +105,6 @@ class Server:
             log.error(
                 "grace period of %.1f s ended with requests still in flight", cfg.grace_period_s
             )
-        uv.should_exit = True
         remaining = max(0.0, deadline - time.monotonic())
         await grpc_server.stop(remaining)  # type: ignore[attr-defined]
 

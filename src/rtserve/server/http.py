@@ -1,42 +1,69 @@
-"""The V2 HTTP/REST frontend: a plain ASGI app served by uvicorn (uvloop + httptools).
+"""The V2 HTTP/REST frontend on the lean HTTP server (``server/httpserver.py``).
 
-The infer route is dispatched straight from the path (no router, no middleware); the other
-routes are cheap and rare. Every response is one ``http.response.start`` and one body.
+Inference without a cache runs with no task and no coroutine: the request is decoded,
+checked and queued synchronously, and the batch future's callback encodes and writes the
+answer. The cache path and nothing else runs as a task. Other routes are synchronous.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
+from urllib.parse import unquote
 
+import numpy as np
 import orjson
 
 from rtserve.core.dataplane import DataPlane, outcome_of
 from rtserve.errors import InvalidInput, Overloaded, PayloadTooLarge, RTServeError
 from rtserve.observability.metrics import Metrics, server_timing
 from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
-from rtserve.protocol.types import InferRequest, Timings
+from rtserve.protocol.types import InferRequest, InferResponse, Timings
+from rtserve.repository import ModelVersion
+from rtserve.server.httpserver import Connection, Request
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-
+Headers = list[tuple[bytes, bytes]]
 _JSON = (b"content-type", b"application/json")
 _OCTET = (b"content-type", b"application/octet-stream")
 _now = time.perf_counter_ns
 
 
-def _json_response(status: int, doc: Any) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+class _NotFound(RTServeError):
+    http_status = 404
+
+
+def _json(status: int, doc: Any) -> tuple[int, bytes, Headers]:
     return status, orjson.dumps(doc), [_JSON]
 
 
-def _error(exc: RTServeError) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-    status, body, headers = _json_response(exc.http_status, {"error": exc.message})
+def _error(exc: RTServeError) -> tuple[int, bytes, Headers]:
+    status, body, headers = _json(exc.http_status, {"error": exc.message})
     if isinstance(exc, Overloaded):
         headers.append((b"retry-after", str(max(1, round(exc.retry_after_s))).encode()))
     return status, body, headers
+
+
+def _int_header(value: bytes, name: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidInput(f"{name}: expected an integer, got {value!r}") from None
+
+
+def _infer_target(path: str) -> tuple[str, str]:
+    """(model, version) of ``/v2/models/{m}[/versions/{v}]/infer``."""
+    if "%" in path:
+        path = unquote(path)
+    parts = path.split("/")
+    n = len(parts)
+    if n == 5 and parts[1] == "v2" and parts[2] == "models":
+        return parts[3], ""
+    if n == 7 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "versions":
+        return parts[3], parts[5]
+    raise _NotFound(f"no route for POST {path}")
 
 
 class HttpFrontend:
@@ -44,107 +71,109 @@ class HttpFrontend:
         self.dataplane = dataplane
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
-        self.in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            if scope["type"] == "lifespan":
-                await self._lifespan(receive, send)
-            return
-        path: str = scope["path"]
-        if scope["method"] == "POST" and path.endswith("/infer"):
-            await self._infer(scope, receive, send, path)
+    def handle(self, conn: Connection, request: Request) -> None:
+        if request.method == b"POST" and request.path.endswith("/infer"):
+            self._infer(conn, request)
             return
         try:
-            status, body, headers = await self._route(scope, receive, path)
+            status, body, headers = self._route(request)
         except RTServeError as exc:
             status, body, headers = _error(exc)
-        await _send(send, status, body, headers)
-
-    @staticmethod
-    async def _lifespan(receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        conn.respond(status, body, headers)
 
     # ------------------------------------------------------------------ infer (hot path)
-    async def _infer(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
-        timings = Timings(received=_now())
-        self.in_flight += 1
-        mm = None
+    def _infer(self, conn: Connection, raw: Request) -> None:
+        timings = Timings(received=raw.received_ns)
+        mv: ModelVersion | None = None
         try:
-            parts = path.split("/")
-            # /v2/models/{m}/infer or /v2/models/{m}/versions/{v}/infer
-            n = len(parts)
-            if n == 5 and parts[1] == "v2" and parts[2] == "models":
-                name, version = parts[3], ""
-            elif n == 7 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "versions":
-                name, version = parts[3], parts[5]
-            else:
-                raise _NotFound(f"no route for POST {path}")
-            header_length = None
-            encoding = b""
-            declared = -1
-            for key, value in scope["headers"]:
-                if key == b"inference-header-content-length":
-                    header_length = _int_header(value, "Inference-Header-Content-Length")
-                elif key == b"content-length":
-                    declared = _int_header(value, "Content-Length")
-                elif key == b"content-encoding":
-                    encoding = value.lower()
-            body = await self._read_body(receive, declared)
-            if encoding and encoding != b"identity":
-                body = self._decompress(body, encoding)
-            probe = InferRequest(name, version, [], timings=timings)
-            mv = self.dataplane.resolve(probe)
-            mm = mv.metrics
-            request = decode_infer_request(body, header_length, name, version)
-            request.timings = timings
-            response = await self.dataplane.infer(request, mv)
-            out, json_length = encode_infer_response(response, request)
-            headers = [_OCTET if json_length is not None else _JSON]
-            if json_length is not None:
-                headers.append((b"inference-header-content-length", str(json_length).encode()))
-            end = _now()
-            headers.append((b"server-timing", server_timing(timings, end).encode()))
-            if timings.cache:
-                headers.append((b"x-rtserve-cache", timings.cache.encode()))
-            await _send(send, 200, out, headers)
-            mm.observe_success(timings, _rows(request) if mv.config.max_batch_size else 1, end)
-        except RTServeError as exc:
-            status, body, headers = _error(exc)
-            await _send(send, status, body, headers)
-            if mm is not None:
-                mm.observe_failure(outcome_of(exc), timings, _now())
-            else:
-                self.metrics.unrouted.labels(outcome_of(exc)).inc()
-        finally:
-            self.in_flight -= 1
-
-    async def _read_body(self, receive: Receive, declared: int) -> bytes:
-        limit = self.max_request_bytes
-        if declared > limit:
-            raise PayloadTooLarge(
-                f"request body of {declared} bytes exceeds the limit of {limit} bytes"
+            name, version = _infer_target(raw.path)
+            mv = self.dataplane.resolve_name(name, version, timings)
+            headers = raw.headers
+            body = raw.body
+            encoding = headers.get(b"content-encoding")
+            if encoding is not None and encoding.lower() != b"identity":
+                body = self._decompress(body, encoding.lower())
+            header_length = headers.get(b"inference-header-content-length")
+            request = decode_infer_request(
+                body,
+                None
+                if header_length is None
+                else _int_header(header_length, "Inference-Header-Content-Length"),
+                name,
+                version,
             )
-        message = await receive()
-        body: bytes = message.get("body", b"")
-        if not message.get("more_body", False):
-            return body
-        chunks = [body]
-        size = len(body)
-        while message.get("more_body", False):
-            message = await receive()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
+            request.timings = timings
+            if self.dataplane.wants_cache(request, mv):
+                task = asyncio.get_running_loop().create_task(self._infer_cached(conn, request, mv))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                return
+            future, wanted = self.dataplane.submit(request, mv)
+        except RTServeError as exc:
+            self._fail(conn, exc, mv, timings)
+            return
+        future.add_done_callback(partial(self._complete, conn, request, mv, wanted))
+
+    def _complete(
+        self,
+        conn: Connection,
+        request: InferRequest,
+        mv: ModelVersion,
+        wanted: list[str],
+        future: asyncio.Future[dict[str, np.ndarray]],
+    ) -> None:
+        try:
+            results = future.result()
+        except RTServeError as exc:
+            self._fail(conn, exc, mv, request.timings)
+            return
+        self._send(conn, request, mv, self.dataplane.response(request, mv, results, wanted))
+
+    async def _infer_cached(
+        self, conn: Connection, request: InferRequest, mv: ModelVersion
+    ) -> None:
+        try:
+            response = await self.dataplane.infer(request, mv)
+        except RTServeError as exc:
+            self._fail(conn, exc, mv, request.timings)
+            return
+        self._send(conn, request, mv, response)
+
+    def _send(
+        self, conn: Connection, request: InferRequest, mv: ModelVersion, response: InferResponse
+    ) -> None:
+        timings = request.timings
+        try:
+            body, json_length = encode_infer_response(response, request)
+        except (TypeError, ValueError) as exc:
+            self._fail(conn, InvalidInput(f"could not encode the response: {exc}"), mv, timings)
+            return
+        end = _now()
+        if json_length is None:
+            headers = [_JSON, (b"server-timing", server_timing(timings, end).encode())]
+        else:
+            headers = [
+                _OCTET,
+                (b"inference-header-content-length", b"%d" % json_length),
+                (b"server-timing", server_timing(timings, end).encode()),
+            ]
+        if timings.cache:
+            headers.append((b"x-rtserve-cache", timings.cache.encode()))
+        conn.respond(200, body, headers)
+        rows = request.inputs[0].shape[0] if mv.config.max_batch_size and request.inputs else 1
+        mv.metrics.observe_success(timings, rows, end)
+
+    def _fail(
+        self, conn: Connection, exc: RTServeError, mv: ModelVersion | None, timings: Timings
+    ) -> None:
+        status, body, headers = _error(exc)
+        conn.respond(status, body, headers)
+        if mv is not None:
+            mv.metrics.observe_failure(outcome_of(exc), timings, _now())
+        else:
+            self.metrics.unrouted.labels(outcome_of(exc)).inc()
 
     def _decompress(self, body: bytes, encoding: bytes) -> bytes:
         if encoding not in (b"gzip", b"deflate"):
@@ -152,8 +181,7 @@ class HttpFrontend:
                 f"Content-Encoding: {encoding.decode(errors='replace')!r} is not supported "
                 "(expected gzip, deflate or identity)"
             )
-        wbits = 31 if encoding == b"gzip" else 15
-        d = zlib.decompressobj(wbits)
+        d = zlib.decompressobj(31 if encoding == b"gzip" else 15)
         try:
             out = d.decompress(body, self.max_request_bytes + 1)
         except zlib.error as exc:
@@ -167,69 +195,48 @@ class HttpFrontend:
         return out
 
     # ------------------------------------------------------------------ other routes
-    async def _route(
-        self, scope: Scope, receive: Receive, path: str
-    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        method = scope["method"]
+    def _route(self, request: Request) -> tuple[int, bytes, Headers]:
+        method = request.method
+        if method == b"HEAD":
+            method = b"GET"
+        path = unquote(request.path)
         dp = self.dataplane
         parts = [p for p in path.split("/") if p]
-        if method == "GET" and parts == ["metrics"]:
+        if method == b"GET" and parts == ["metrics"]:
             body, content_type = self.metrics.exposition()
             return 200, body, [(b"content-type", content_type.encode())]
         if not parts or parts[0] != "v2":
-            raise _NotFound(f"no route for {method} {path}")
+            raise _NotFound(f"no route for {method.decode()} {path}")
         rest = parts[1:]
-        if method == "GET" and not rest:
-            return _json_response(200, dp.server_metadata())
-        if method == "GET" and rest == ["health", "live"]:
-            return _json_response(200, {"live": True})
-        if method == "GET" and rest == ["health", "ready"]:
+        if method == b"GET" and not rest:
+            return _json(200, dp.server_metadata())
+        if method == b"GET" and rest == ["health", "live"]:
+            return _json(200, {"live": True})
+        if method == b"GET" and rest == ["health", "ready"]:
             ready = dp.ready()
-            return _json_response(200 if ready else 503, {"ready": ready})
-        if method == "POST" and rest in (["repository", "index"], ["repository", "index", ""]):
-            return _json_response(200, dp.repository_index())
-        if method == "GET" and rest == ["models", "stats"]:
-            return _json_response(200, {"model_stats": self._stats(None, "")})
+            return _json(200 if ready else 503, {"ready": ready})
+        if method == b"POST" and rest == ["repository", "index"]:
+            return _json(200, dp.repository_index())
+        if method == b"GET" and rest == ["models", "stats"]:
+            return _json(200, {"model_stats": self._stats(None, "")})
         if len(rest) >= 2 and rest[0] == "models":
             name = rest[1]
             tail = rest[2:]
             version = ""
             if len(tail) >= 2 and tail[0] == "versions":
                 version, tail = tail[1], tail[2:]
-            if method == "GET" and not tail:
-                return _json_response(200, dp.model_metadata(name, version))
-            if method == "GET" and tail == ["ready"]:
+            if method == b"GET" and not tail:
+                return _json(200, dp.model_metadata(name, version))
+            if method == b"GET" and tail == ["ready"]:
                 ready = dp.model_ready(name, version)
-                return _json_response(200 if ready else 503, {"name": name, "ready": ready})
-            if method == "GET" and tail == ["config"]:
-                return _json_response(200, dp.model_config(name, version))
-            if method == "GET" and tail == ["stats"]:
-                return _json_response(200, {"model_stats": self._stats(name, version)})
-        raise _NotFound(f"no route for {method} {path}")
+                return _json(200 if ready else 503, {"name": name, "ready": ready})
+            if method == b"GET" and tail == ["config"]:
+                return _json(200, dp.model_config(name, version))
+            if method == b"GET" and tail == ["stats"]:
+                return _json(200, {"model_stats": self._stats(name, version)})
+        raise _NotFound(f"no route for {method.decode()} {path}")
 
     def _stats(self, name: str | None, version: str) -> list[dict[str, Any]]:
         from rtserve.server.stats import model_statistics
 
         return model_statistics(self.dataplane, name, version)
-
-
-class _NotFound(RTServeError):
-    http_status = 404
-
-
-def _rows(request: InferRequest) -> int:
-    shape = request.inputs[0].shape if request.inputs else ()
-    return shape[0] if shape else 1
-
-
-def _int_header(value: bytes, name: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise InvalidInput(f"{name}: expected an integer, got {value!r}") from None
-
-
-async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    headers.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
