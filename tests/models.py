@@ -54,6 +54,22 @@ def build_scale(path: Path, factor: float) -> Path:
     return path
 
 
+def build_row_sum(path: Path) -> Path:
+    """y[b] = sum(x[b, :]) with x FP32 [batch, seq]: a dynamic non-batch dimension."""
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)],
+        "row_sum",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
 def build_test_repository(root: Path) -> Path:
     build_mlp(root / "mlp" / "1" / "model.onnx")
     (root / "mlp" / "config.yaml").write_text(
@@ -76,6 +92,12 @@ def build_test_repository(root: Path) -> Path:
     build_scale(root / "scale" / "2" / "model.onnx", 2.0)
     (root / "scale" / "config.yaml").write_text(
         "max_batch_size: 4\ndynamic_batching: {max_queue_delay_us: 100}\n"
+    )
+    # No config.yaml at all: everything is read from the graph, batching detected.
+    build_scale(root / "noconfig" / "1" / "model.onnx", 5.0)
+    build_row_sum(root / "ragged" / "1" / "model.onnx")
+    (root / "ragged" / "config.yaml").write_text(
+        "max_batch_size: 16\ndynamic_batching: {max_queue_delay_us: 5000}\n"
     )
     # A model whose config is wrong: it must not load, and must not stop the others.
     build_scale(root / "broken" / "1" / "model.onnx", 1.0)

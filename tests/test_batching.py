@@ -209,3 +209,36 @@ def test_drain_finishes_in_flight_requests_and_refuses_new_ones(tmp_path: Path) 
         assert s.proc.wait(15) == 0
     finally:
         s.stop()
+
+
+def test_requests_with_different_sequence_lengths_batch_separately(server: RunningServer) -> None:
+    rng = np.random.default_rng(11)
+    xs = [rng.normal(size=(1 + i % 2, 3 + i % 3)).astype(np.float32) for i in range(24)]
+    bodies = [
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "shape": list(x.shape),
+                    "datatype": "FP32",
+                    "data": x.ravel().tolist(),
+                }
+            ]
+        }
+        for x in xs
+    ]
+    responses = asyncio.run(_fire(server.base, bodies, "ragged"))
+    for x, r in zip(xs, responses, strict=True):
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(r.json()["outputs"][0]["data"], x.sum(axis=1), rtol=1e-5)
+    hist = _batch_histogram(httpx.get(f"{server.base}/metrics").text, "ragged")
+    assert hist["1.0"] < hist["+Inf"], f"no batch larger than 1: {hist}"
+
+
+def test_model_without_config_batches_by_default(server: RunningServer) -> None:
+    config = httpx.get(f"{server.base}/v2/models/noconfig/config").json()
+    assert config["max_batch_size"] == 32
+    assert config["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}]
+    body = {"inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32", "data": [1.0] * 8}]}
+    r = httpx.post(f"{server.base}/v2/models/noconfig/infer", json=body)
+    assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [5.0] * 8

@@ -118,11 +118,15 @@ class Warmup:
     iterations: int = 2
 
 
+AUTO_BATCH = -1
+DEFAULT_MAX_BATCH = 32
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
     backend: str = "onnxruntime"
-    max_batch_size: int = 0
+    max_batch_size: int = AUTO_BATCH  # AUTO_BATCH: decided from the model's first dimensions
     inputs: tuple[TensorSpec, ...] | None = None
     outputs: tuple[TensorSpec, ...] | None = None
     dynamic_batching: DynamicBatching = field(default_factory=DynamicBatching)
@@ -167,13 +171,16 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
     if cfg_name != name:
         raise f.fail("name", f"the directory name {name!r}", cfg_name)
     backend = f.string("backend", "onnxruntime", ("onnxruntime",))
-    max_batch_size = f.integer("max_batch_size", 0)
+    max_batch_size = (
+        f.integer("max_batch_size", 0) if "max_batch_size" in f.data else AUTO_BATCH
+    )
+    f.seen.add("max_batch_size")
     inputs = _tensor_specs(f.get("inputs"), where, "inputs")
     outputs = _tensor_specs(f.get("outputs"), where, "outputs")
 
     db = f.sub("dynamic_batching")
     preferred = db.int_list("preferred_batch_sizes")
-    if max_batch_size and any(p > max_batch_size for p in preferred):
+    if max_batch_size > 0 and any(p > max_batch_size for p in preferred):
         raise db.fail(
             "preferred_batch_sizes", f"sizes <= max_batch_size ({max_batch_size})", preferred
         )
@@ -205,7 +212,7 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
         batch_sizes=tuple(wu.int_list("batch_sizes") or [1]),
         iterations=wu.integer("iterations", 2),
     )
-    if max_batch_size and any(b > max_batch_size for b in warmup.batch_sizes):
+    if max_batch_size > 0 and any(b > max_batch_size for b in warmup.batch_sizes):
         raise wu.fail(
             "batch_sizes", f"sizes <= max_batch_size ({max_batch_size})", warmup.batch_sizes
         )

@@ -8,6 +8,7 @@ model's readiness and the repository index) without stopping the other models.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import statistics
 import time
@@ -143,6 +144,8 @@ class ModelRepository:
     ) -> ModelVersion:
         loop = asyncio.get_running_loop()
         runtime = await loop.run_in_executor(None, load_runtime, config, version_dir)
+        if runtime.max_batch_size != config.max_batch_size:
+            config = dataclasses.replace(config, max_batch_size=runtime.max_batch_size)
         try:
             batch_ns = await loop.run_in_executor(None, warmup, runtime, config)
         except Exception as exc:

@@ -21,6 +21,7 @@ class Runtime(Protocol):
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     instance_count: int
+    max_batch_size: int  # resolved: the config's, or detected from the model when unset
 
     def run(self, instance: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one batch on one instance; thread-safe across different instances."""

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from rtserve.config import ModelConfig, TensorSpec
+from rtserve.config import AUTO_BATCH, DEFAULT_MAX_BATCH, ModelConfig, TensorSpec
 from rtserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,14 @@ def _graph_specs(args: list[Any], batched: bool) -> list[TensorSpec]:
     return specs
 
 
+def _batchable(session: ort.InferenceSession) -> bool:
+    """Every input and output has a dynamic first dimension: requests can be stacked."""
+    args = [*session.get_inputs(), *session.get_outputs()]
+    return all(
+        a.shape and not (isinstance(a.shape[0], int) and a.shape[0] > 0) for a in args
+    )
+
+
 def _reconcile(
     configured: tuple[TensorSpec, ...] | None, graph: list[TensorSpec], kind: str, where: str
 ) -> tuple[TensorSpec, ...]:
@@ -102,8 +110,10 @@ class OnnxRuntimeModel:
         inputs: tuple[TensorSpec, ...],
         outputs: tuple[TensorSpec, ...],
         providers: list[str],
+        max_batch_size: int,
     ) -> None:
         self._sessions = sessions
+        self.max_batch_size = max_batch_size
         self.inputs = inputs
         self.outputs = outputs
         self.instance_count = len(sessions)
@@ -134,14 +144,17 @@ class OnnxRuntimeModel:
                 sessions.append(ort.InferenceSession(str(path), so, providers=providers))
             except Exception as exc:  # onnxruntime raises several unrelated types
                 raise ConfigError(f"{path}: onnxruntime could not load the model: {exc}") from exc
-        batched = config.max_batch_size > 0
         s0 = sessions[0]
+        max_batch = config.max_batch_size
+        if max_batch == AUTO_BATCH:
+            max_batch = DEFAULT_MAX_BATCH if _batchable(s0) else 0
+        batched = max_batch > 0
         graph_inputs = _graph_specs(s0.get_inputs(), batched)
         graph_outputs = _graph_specs(s0.get_outputs(), batched)
         if batched:
             for arg in [*s0.get_inputs(), *s0.get_outputs()]:
                 first = arg.shape[0] if arg.shape else None
-                if isinstance(first, int) and first > 0 and config.max_batch_size > 1:
+                if isinstance(first, int) and first > 0 and max_batch > 1:
                     raise ConfigError(
                         f"{config.source}: max_batch_size: {arg.name!r} has a fixed first "
                         f"dimension {first}; batching needs a dynamic batch axis "
@@ -149,7 +162,7 @@ class OnnxRuntimeModel:
                     )
         inputs = _reconcile(config.inputs, graph_inputs, "inputs", config.source)
         outputs = _reconcile(config.outputs, graph_outputs, "outputs", config.source)
-        return cls(sessions, inputs, outputs, providers)
+        return cls(sessions, inputs, outputs, providers, max_batch)
 
     def run(self, instance: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._string_inputs:
