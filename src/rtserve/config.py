@@ -171,9 +171,7 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
     if cfg_name != name:
         raise f.fail("name", f"the directory name {name!r}", cfg_name)
     backend = f.string("backend", "onnxruntime", ("onnxruntime",))
-    max_batch_size = (
-        f.integer("max_batch_size", 0) if "max_batch_size" in f.data else AUTO_BATCH
-    )
+    max_batch_size = f.integer("max_batch_size", 0) if "max_batch_size" in f.data else AUTO_BATCH
     f.seen.add("max_batch_size")
     inputs = _tensor_specs(f.get("inputs"), where, "inputs")
     outputs = _tensor_specs(f.get("outputs"), where, "outputs")

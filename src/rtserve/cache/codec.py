@@ -82,7 +82,7 @@ def encode(tensors: Sequence[Tensor]) -> bytes:
         parts.append(_U16.pack(len(name)) + name)
         parts.append(struct.pack(f"<BB{len(shape)}Q", code, len(shape), *shape))
         if t.datatype == "BYTES":
-            payload = _encode_bytes_elements(t.data)
+            payload = encode_bytes_elements(t.data)
             parts.append(_U64.pack(len(payload)))
             parts.append(payload)
         else:
@@ -121,7 +121,8 @@ def _decode_parameters(raw: memoryview, name: str) -> dict[str, Any] | None:
     return params
 
 
-def _encode_bytes_elements(data: np.ndarray[Any, Any]) -> bytes:
+def encode_bytes_elements(data: np.ndarray[Any, Any]) -> bytes:
+    """Each element of a BYTES tensor as (u32 length, bytes); str elements as UTF-8."""
     parts: list[bytes] = []
     for e in data.reshape(-1):
         b = e.encode() if isinstance(e, str) else bytes(e)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
+from rtserve.cache.codec import encode_bytes_elements
 from rtserve.protocol.types import DATATYPE_TO_NUMPY, RequestedOutput, Tensor
 
 KEY_FORMAT = b"rtserve-cache-key/1"
@@ -48,7 +48,8 @@ def cache_key(
         update(struct.pack(f"<I{len(shape)}q", len(shape), *shape))
         data = t.data
         if t.datatype == "BYTES":
-            update(_bytes_elements(data))
+            update(_U64.pack(data.size))
+            update(encode_bytes_elements(data))
             continue
         if round_floats is not None and t.datatype in _FLOAT_DATATYPES:
             data = np.round(data, round_floats) + data.dtype.type(0.0)
@@ -76,14 +77,3 @@ def _by_name(t: Tensor) -> str:
 def _str(s: str) -> bytes:
     b = s.encode()
     return _U32.pack(len(b)) + b
-
-
-def _bytes_elements(data: np.ndarray[Any, Any]) -> bytes:
-    """Length-prefix each element of a BYTES tensor (str elements count as their UTF-8)."""
-    parts: list[bytes] = [_U64.pack(data.size)]
-    append = parts.append
-    for e in data.reshape(-1):
-        b = e.encode() if isinstance(e, str) else bytes(e)
-        append(_U32.pack(len(b)))
-        append(b)
-    return b"".join(parts)

@@ -147,10 +147,14 @@ class _ModelCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         models = list(self.metrics.models())
         requests = CounterMetricFamily(
-            "rtserve_requests", "Inference requests by outcome", labels=["model", "version", "outcome"]
+            "rtserve_requests",
+            "Inference requests by outcome",
+            labels=["model", "version", "outcome"],
         )
         depth = GaugeMetricFamily(
-            "rtserve_queue_depth", "Requests waiting in the model's queue", labels=["model", "version"]
+            "rtserve_queue_depth",
+            "Requests waiting in the model's queue",
+            labels=["model", "version"],
         )
         for mm in models:
             for outcome, count in mm.outcomes.items():

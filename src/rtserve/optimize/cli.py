@@ -141,6 +141,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         variants=args.variants.split(",") if args.variants else OptimizeOptions.variants,
         calibration_methods=args.calibration_methods.split(","),
         task=args.task,
+        num_heads=args.num_heads,
+        hidden_size=args.hidden_size,
         iterations=args.iterations,
         threads=args.threads,
         progress=not args.no_progress,
@@ -229,6 +231,15 @@ def register(subparsers: Any) -> None:
     )
     o.add_argument("--calibration-methods", default="minmax,percentile,entropy")
     o.add_argument("--task", choices=["classification", "embedding", "regression"])
+    o.add_argument(
+        "--num-heads",
+        type=int,
+        default=0,
+        help="attention heads, for transformer fusion (0: detect)",
+    )
+    o.add_argument(
+        "--hidden-size", type=int, default=0, help="hidden size, for transformer fusion (0: detect)"
+    )
     o.add_argument("--seq-len", type=int, default=32, help="token length for .txt data")
     o.add_argument(
         "--torch-model", help="the torch model behind MODEL, for pruning and distillation"

@@ -245,8 +245,9 @@ def measure_variant(
     iterations: int = 100,
     max_seconds: float = 3.0,
     threads: int = DEFAULT_THREADS,
+    latency: bool = True,
 ) -> Measurement:
-    """Size, accuracy, latency and peak memory of one ONNX file."""
+    """Size, accuracy, peak memory and (unless ``latency`` is false) latency of one ONNX file."""
     path = pathlib.Path(path)
     size = path.stat().st_size
     data_file = path.with_name(path.name + ".data")
@@ -256,9 +257,51 @@ def measure_variant(
     session = open_session(path, threads=threads)
     outputs = run_batched(session, eval_data, batch_size=max(batch_sizes))
     m.score, m.score_name, m.metrics = accuracy_metrics(task, outputs, reference, labels)
-    m.p50_ms, m.p99_ms, m.throughput = measure_latency(
-        session, eval_data, batch_sizes, iterations, max_seconds
-    )
+    if latency:
+        m.p50_ms, m.p99_ms, m.throughput = measure_latency(
+            session, eval_data, batch_sizes, iterations, max_seconds
+        )
     del session
     m.peak_mem_mb = peak_memory_mb(path, eval_data, max(batch_sizes), threads)
     return m
+
+
+def measure_latencies(
+    measurements: Sequence[Measurement],
+    data: Mapping[str, np.ndarray],
+    batch_sizes: Sequence[int] = (1, 8, 32),
+    rounds: int = 3,
+    iterations: int = 100,
+    max_seconds: float = 3.0,
+    threads: int = DEFAULT_THREADS,
+) -> None:
+    """Latency and throughput of all variants in alternating rounds, filled in place.
+
+    Variants take turns (round 1: a, b, c; round 2: a, b, c; ...) and the timings of all
+    rounds are pooled, so a slow spell of a shared machine hits every variant alike and the
+    ratios between them stay fair. Each variant gets ``iterations / rounds`` runs per batch
+    size and round, cut short after ``max_seconds / rounds``.
+    """
+    sessions = [open_session(m.path, threads=threads) for m in measurements]
+    feeds = {bs: _take_rows(data, bs) for bs in batch_sizes}
+    times: dict[tuple[int, int], list[float]] = {}
+    per_round = max(1, iterations // rounds)
+    budget = max_seconds / rounds
+    for _ in range(rounds):
+        for i, session in enumerate(sessions):
+            for bs in batch_sizes:
+                feed = feeds[bs]
+                session.run(None, feed)  # warm the arena for this shape
+                got = times.setdefault((i, bs), [])
+                start = time.perf_counter()
+                n = 0
+                while n < per_round and (time.perf_counter() - start) < budget:
+                    t0 = time.perf_counter()
+                    session.run(None, feed)
+                    got.append(time.perf_counter() - t0)
+                    n += 1
+    for i, m in enumerate(measurements):
+        first = np.asarray(times[(i, batch_sizes[0])])
+        m.p50_ms = float(np.percentile(first, 50) * 1e3)
+        m.p99_ms = float(np.percentile(first, 99) * 1e3)
+        m.throughput = {bs: float(bs / np.median(times[(i, bs)])) for bs in batch_sizes}

@@ -23,6 +23,7 @@ from rtserve.optimize.evaluate import (
     Task,
     accuracy_metrics,
     infer_task,
+    measure_latencies,
     measure_variant,
     open_session,
     run_batched,
@@ -92,11 +93,14 @@ class OptimizeOptions:
     variants: Sequence[str] = ALL_VARIANTS
     calibration_methods: Sequence[str] = ("minmax", "percentile", "entropy")
     static_op_types: Sequence[str] | None = None
-    fallback_max_steps: int = 8
+    fallback_max_steps: int = 7
     task: Task | None = None
     batch_sizes: Sequence[int] = (1, 8, 32)
     iterations: int = 100
     max_seconds: float = 3.0
+    rounds: int = 3
+    num_heads: int = 0  # transformer fusion hints (0: detect)
+    hidden_size: int = 0
     threads: int = 2
     progress: bool = True
 
@@ -225,7 +229,7 @@ def run_optimize(
     def measure(name: str, path: pathlib.Path, notes: Sequence[str] = ()) -> Measurement:
         m = measure_variant(
             name, path, eval_data, reference, task, labels,
-            opts.batch_sizes, opts.iterations, opts.max_seconds, opts.threads,
+            opts.batch_sizes, opts.iterations, opts.max_seconds, opts.threads, latency=False,
         )  # fmt: skip
         m.notes.extend(notes)
         return m
@@ -240,7 +244,9 @@ def run_optimize(
     opt_path = work / "fp32-opt.onnx"
 
     def fp32_opt() -> list[Measurement]:
-        quantize.optimize_graph(baseline_path, opt_path, transformer)
+        quantize.optimize_graph(
+            baseline_path, opt_path, transformer, opts.num_heads, opts.hidden_size
+        )
         note = (
             "transformer fusions (Attention, SkipLayerNorm, Gelu)"
             if transformer
@@ -251,7 +257,9 @@ def run_optimize(
     def fused_or_base() -> pathlib.Path:
         if transformer:
             if not opt_path.exists():
-                quantize.optimize_graph(baseline_path, opt_path, transformer)
+                quantize.optimize_graph(
+                    baseline_path, opt_path, transformer, opts.num_heads, opts.hidden_size
+                )
             return opt_path
         return baseline_path
 
@@ -367,6 +375,13 @@ def run_optimize(
                     raise
                 log(f"variant {name} skipped: {exc.message}")
             bar.advance(task_id)
+        bar.update(
+            task_id, description=f"{model_path.name}: latency, {opts.rounds} alternating rounds"
+        )
+        measure_latencies(
+            result.measurements, eval_data, opts.batch_sizes, opts.rounds,
+            opts.iterations, opts.max_seconds, opts.threads,
+        )  # fmt: skip
     result.chosen = choose(result.measurements, ref_score, opts.max_accuracy_drop)
     return result
 

@@ -36,14 +36,19 @@ def is_transformer(path: pathlib.Path) -> bool:
 
 
 def optimize_graph(
-    src: pathlib.Path, dst: pathlib.Path, transformer: bool | None = None
+    src: pathlib.Path,
+    dst: pathlib.Path,
+    transformer: bool | None = None,
+    num_heads: int = 0,
+    hidden_size: int = 0,
 ) -> pathlib.Path:
     """Write the offline-optimized graph of ``src`` to ``dst``.
 
     Transformers go through ``onnxruntime.transformers.optimizer`` (fused Attention,
     SkipLayerNormalization, BiasGelu); other models through ORT's extended level, which
     is portable across CPUs (the 'all' level adds layout changes tied to this machine,
-    and those are applied again when the server loads the file).
+    and those are applied again when the server loads the file). ``num_heads`` and
+    ``hidden_size`` (0: detect) help the attention fusion when detection fails.
     """
     import onnxruntime as ort
 
@@ -56,7 +61,9 @@ def optimize_graph(
         from onnxruntime.transformers.optimizer import optimize_model
 
         logging.getLogger("onnxruntime.transformers").setLevel(logging.ERROR)
-        optimized = optimize_model(str(src), model_type="bert", num_heads=0, hidden_size=0)
+        optimized = optimize_model(
+            str(src), model_type="bert", num_heads=num_heads, hidden_size=hidden_size
+        )
         optimized.save_model_to_file(str(dst))
         return dst
     open_session(
@@ -233,7 +240,8 @@ def quantize_static_int8(
         raise OptimizeError(
             f"unknown calibration method {method!r}; choose one of {', '.join(methods)}"
         )
-    extra: dict[str, Any] = {"CalibMovingAverage": False}
+    # Keep Clip/Relu: once removed, a consumer later kept in float would see unclipped values.
+    extra: dict[str, Any] = {"CalibMovingAverage": False, "QDQKeepRemovableActivations": True}
     if method == "percentile":
         extra["CalibPercentile"] = 99.999
     if method == "entropy":
@@ -259,14 +267,88 @@ def quantize_static_int8(
         raise
     except Exception as exc:
         raise OptimizeError(f"static INT8 quantization of {src} ({method}) failed: {exc}") from exc
+    excluded = set(nodes_to_exclude)
+    if excluded:
+        _feed_float(dst, excluded)
     return dst
 
 
-def _fake_quant_error(x: np.ndarray, scale: float, zero_point: int, qmin: int, qmax: int) -> float:
-    q = np.clip(np.round(x / scale) + zero_point, qmin, qmax)
-    deq = (q - zero_point) * scale
-    signal = float(np.mean(x.astype(np.float64) ** 2)) or 1e-12
-    return float(np.mean((x - deq) ** 2) / signal)
+def _feed_float(path: pathlib.Path, nodes: set[str]) -> None:
+    """Rewire the excluded nodes to read the float tensors instead of DQ(Q(x)).
+
+    The quantizer leaves an excluded node behind a DequantizeLinear when its producer is
+    quantized. ONNX Runtime's WeightBiasQuantization pass then quantizes that node's float
+    weights per tensor at load time, which wrecks depthwise convolutions; a node fed by
+    float tensors keeps its float weights, so it truly stays in float.
+    """
+    import onnx
+
+    model = load_model(path)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    inits = {t.name for t in model.graph.initializer}
+    changed = False
+    for node in model.graph.node:
+        if node.name not in nodes:
+            continue
+        for i, name in enumerate(node.input):
+            dq = producer.get(name)
+            if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] in inits:
+                continue
+            q = producer.get(dq.input[0])
+            if q is not None and q.op_type == "QuantizeLinear":
+                node.input[i] = q.input[0]
+                changed = True
+    if changed:
+        used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+        dead = [
+            n
+            for n in model.graph.node
+            if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+            and not any(o in used for o in n.output)
+        ]
+        while dead:
+            for n in dead:
+                model.graph.node.remove(n)
+            used = {i for n in model.graph.node for i in n.input} | {
+                o.name for o in model.graph.output
+            }
+            dead = [
+                n
+                for n in model.graph.node
+                if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+                and not any(o in used for o in n.output)
+            ]
+        onnx.save(model, str(path))
+
+
+def _rel_error(a: np.ndarray, b: np.ndarray) -> float:
+    ref = b.astype(np.float64)
+    return float(np.mean((a.astype(np.float64) - ref) ** 2) / (np.mean(ref**2) or 1e-12))
+
+
+def _all_outputs(
+    path: pathlib.Path, tensors: Sequence[str], sample: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Values of ``tensors`` in the model at ``path`` for ``sample`` (exposed as outputs)."""
+    import onnx
+    import onnxruntime as ort
+
+    from rtserve.optimize.evaluate import open_session
+
+    proto = load_model(path)
+    present = {o.name for o in proto.graph.output} | {i.name for i in proto.graph.input}
+    produced = {o for n in proto.graph.node for o in n.output}
+    for t in tensors:
+        if t in produced and t not in present:
+            proto.graph.output.append(onnx.ValueInfoProto(name=t))
+    session = open_session(
+        proto.SerializeToString(),
+        graph_optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    )
+    names = [o.name for o in session.get_outputs()]
+    values = dict(zip(names, session.run(None, dict(sample)), strict=True))
+    values.update(sample)
+    return {t: values[t] for t in tensors if t in values}
 
 
 def sensitivity_ranking(
@@ -274,84 +356,61 @@ def sensitivity_ranking(
     qdq_model: pathlib.Path,
     sample: Mapping[str, np.ndarray],
 ) -> list[tuple[str, float]]:
-    """Quantized float nodes, most sensitive first, by their local quantization noise.
+    """Quantized nodes, most sensitive first, by how much error each one adds.
 
-    For each node of the float graph that the QDQ graph quantized, the noise is the
-    relative mean squared error of fake-quantizing its activation inputs (with the
-    calibrated scales, on float activations of ``sample``) plus that of its weights.
-    Local noise does not pile up along the graph, so early and late layers compare fairly.
+    Both graphs run on ``sample`` with every node's output exposed. For each node the
+    QDQ graph quantized, its added error is the relative squared error (QDQ against
+    float) of its output minus the largest one among its activation inputs: a node that
+    turns small input noise into large output noise (a depthwise convolution with few
+    weights per channel, the first convolution, the classifier) ranks high, while error
+    merely carried along from earlier layers does not count against later ones.
     """
-    import onnx
-    from onnx import numpy_helper
-
-    from rtserve.optimize.evaluate import open_session
-
     qdq = load_model(qdq_model)
-    inits = {t.name: numpy_helper.to_array(t) for t in qdq.graph.initializer}
+    inits = {t.name for t in qdq.graph.initializer}
     producer = {o: n for n in qdq.graph.node for o in n.output}
-
-    # tensor (float name) -> (scale, zp, qmin, qmax) for activations quantized by Q nodes
-    act_q: dict[str, tuple[float, int, int, int]] = {}
-    for n in qdq.graph.node:
-        if n.op_type == "QuantizeLinear" and n.input[0] not in inits:
-            scale = inits.get(n.input[1])
-            zp = inits.get(n.input[2]) if len(n.input) > 2 else None
-            if scale is None or scale.size != 1:
-                continue
-            zpv = int(zp.reshape(-1)[0]) if zp is not None else 0
-            lo, hi = (0, 255) if zp is not None and zp.dtype == np.uint8 else (-128, 127)
-            act_q[n.input[0]] = (float(scale.reshape(-1)[0]), zpv, lo, hi)
-
-    # float nodes fed through DequantizeLinear: their activation inputs and weight error
-    node_inputs: dict[str, list[str]] = {}
-    node_weight_err: dict[str, float] = {}
+    float_names = {o for n in load_model(float_model).graph.node for o in n.output}
+    float_names |= {i.name for i in load_model(float_model).graph.input}
+    nodes: dict[str, tuple[list[str], list[str]]] = {}
     for n in qdq.graph.node:
         if n.op_type in ("QuantizeLinear", "DequantizeLinear") or not n.name:
             continue
+        inputs = []
+        quantized = False
         for inp in n.input:
             dq = producer.get(inp)
             if dq is None or dq.op_type != "DequantizeLinear":
                 continue
-            src = dq.input[0]
-            if src in inits:  # quantized weight
-                w_q = inits[src].astype(np.float64)
-                scale = inits[dq.input[1]].astype(np.float64)
-                axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
-                if scale.size > 1:
-                    shape = [1] * w_q.ndim
-                    shape[axis] = -1
-                    scale = scale.reshape(shape)
-                # the float weight is gone from the QDQ graph; estimate rounding noise
-                w = w_q * scale
-                noise = float(np.mean((scale**2) / 12.0 * np.ones_like(w)))
-                node_weight_err[n.name] = noise / (float(np.mean(w**2)) or 1e-12)
-            else:
-                q = producer.get(src)
-                if q is not None and q.op_type == "QuantizeLinear":
-                    node_inputs.setdefault(n.name, []).append(q.input[0])
-    wanted = sorted({t for ts in node_inputs.values() for t in ts if t in act_q})
-    float_proto = load_model(float_model)
-    graph_outputs = {o.name for o in float_proto.graph.output}
-    graph_inputs = {i.name for i in float_proto.graph.input}
-    for t in wanted:
-        if t not in graph_outputs and t not in graph_inputs:
-            float_proto.graph.output.append(onnx.ValueInfoProto(name=t))
-    import onnxruntime as ort
-
-    session = open_session(
-        float_proto.SerializeToString(),
-        threads=2,
-        graph_optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-    )
-    out_names = [o.name for o in session.get_outputs()]
-    values = dict(zip(out_names, session.run(None, dict(sample)), strict=True))
-    values.update({k: v for k, v in sample.items()})
+            quantized = True
+            q = producer.get(dq.input[0])
+            if dq.input[0] not in inits and q is not None and q.op_type == "QuantizeLinear":
+                inputs.append(q.input[0])
+        outputs = [o for o in n.output if o in float_names]
+        if quantized and outputs:
+            nodes[n.name] = ([i for i in inputs if i in float_names], outputs)
+    # What downstream nodes see of tensor T in the QDQ graph is DQ(Q(T)): Q may also do
+    # the clipping of an activation the quantizer removed, so compare that, not T itself.
+    seen_as: dict[str, str] = {}
+    consumers: dict[str, list[Any]] = {}
+    for n in qdq.graph.node:
+        for inp in n.input:
+            consumers.setdefault(inp, []).append(n)
+    for n in qdq.graph.node:
+        if n.op_type == "QuantizeLinear":
+            dqs = [c for c in consumers.get(n.output[0], []) if c.op_type == "DequantizeLinear"]
+            if dqs:
+                seen_as[n.input[0]] = dqs[0].output[0]
+    tensors = sorted({t for ins, outs in nodes.values() for t in ins + outs})
+    ref = _all_outputs(float_model, tensors, sample)
+    raw = _all_outputs(qdq_model, sorted({seen_as.get(t, t) for t in tensors}), sample)
+    got = {t: raw[seen_as.get(t, t)] for t in tensors if seen_as.get(t, t) in raw}
     ranking = []
-    for name in set(node_inputs) | set(node_weight_err):
-        err = node_weight_err.get(name, 0.0)
-        for t in node_inputs.get(name, []):
-            if t in act_q and t in values:
-                err += _fake_quant_error(values[t], *act_q[t])
-        ranking.append((name, err))
+    for name, (ins, outs) in nodes.items():
+        out_err = max(
+            (_rel_error(got[t], ref[t]) for t in outs if t in got and t in ref), default=0.0
+        )
+        in_err = max(
+            (_rel_error(got[t], ref[t]) for t in ins if t in got and t in ref), default=0.0
+        )
+        ranking.append((name, out_err - in_err))
     ranking.sort(key=lambda kv: kv[1], reverse=True)
     return ranking

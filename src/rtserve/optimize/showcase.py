@@ -114,6 +114,8 @@ def run_minilm(settings: Settings) -> Section:
         calibration_methods=("minmax",),
         static_op_types=("MatMul",),
         fallback_max_steps=4,
+        num_heads=12,
+        hidden_size=384,
     )
     result = run_optimize(model, work / "variants", calib, eval_data, None, opts, sources)
     q = result.get("int8-dynamic")

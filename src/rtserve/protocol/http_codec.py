@@ -111,13 +111,13 @@ def _json_array(data: Any, datatype: str, shape: tuple[int, ...], where: str) ->
         ) from None
     if arr.size != count:
         raise _fail(f"{where}.data", f"has {arr.size} elements, shape {list(shape)} needs {count}")
-    if datatype != "BOOL" and arr.dtype.kind in "iu" and arr.size and _has_non_numbers(data):
+    if datatype != "BOOL" and arr.size and _has_non_numbers(data):
         raise _fail(f"{where}.data", f"expected {datatype} numbers")
     return arr.reshape(shape)
 
 
 def _has_non_numbers(data: Any) -> bool:
-    """numpy quietly turns True into 1; V2 integer tensors must hold numbers."""
+    """numpy quietly turns True into 1; V2 numeric tensors must hold numbers."""
     first = data
     while isinstance(first, list) and first:
         first = first[0]

@@ -68,9 +68,7 @@ def _graph_specs(args: list[Any], batched: bool) -> list[TensorSpec]:
 def _batchable(session: ort.InferenceSession) -> bool:
     """Every input and output has a dynamic first dimension: requests can be stacked."""
     args = [*session.get_inputs(), *session.get_outputs()]
-    return all(
-        a.shape and not (isinstance(a.shape[0], int) and a.shape[0] > 0) for a in args
-    )
+    return all(a.shape and not (isinstance(a.shape[0], int) and a.shape[0] > 0) for a in args)
 
 
 def _reconcile(

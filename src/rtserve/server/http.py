@@ -8,6 +8,7 @@ answer. The cache path and nothing else runs as a task. Other routes are synchro
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import zlib
 from functools import partial
@@ -18,7 +19,13 @@ import numpy as np
 import orjson
 
 from rtserve.core.dataplane import DataPlane, outcome_of
-from rtserve.errors import InvalidInput, Overloaded, PayloadTooLarge, RTServeError
+from rtserve.errors import (
+    InferenceFailed,
+    InvalidInput,
+    Overloaded,
+    PayloadTooLarge,
+    RTServeError,
+)
 from rtserve.observability.metrics import Metrics, server_timing
 from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
@@ -29,6 +36,7 @@ Headers = list[tuple[bytes, bytes]]
 _JSON = (b"content-type", b"application/json")
 _OCTET = (b"content-type", b"application/octet-stream")
 _now = time.perf_counter_ns
+log = logging.getLogger(__name__)
 
 
 class _NotFound(RTServeError):
@@ -81,6 +89,9 @@ class HttpFrontend:
             status, body, headers = self._route(request)
         except RTServeError as exc:
             status, body, headers = _error(exc)
+        except Exception as exc:  # a bug must still produce an answer
+            log.exception("error answering %s %s", request.method, request.path)
+            status, body, headers = _error(InferenceFailed(f"internal error: {exc}"))
         conn.respond(status, body, headers)
 
     # ------------------------------------------------------------------ infer (hot path)
@@ -114,6 +125,10 @@ class HttpFrontend:
         except RTServeError as exc:
             self._fail(conn, exc, mv, timings)
             return
+        except Exception as exc:  # a bug must still produce an answer
+            log.exception("error handling an inference request")
+            self._fail(conn, InferenceFailed(f"internal error: {exc}"), mv, timings)
+            return
         future.add_done_callback(partial(self._complete, conn, request, mv, wanted))
 
     def _complete(
@@ -126,10 +141,15 @@ class HttpFrontend:
     ) -> None:
         try:
             results = future.result()
+            response = self.dataplane.response(request, mv, results, wanted)
         except RTServeError as exc:
             self._fail(conn, exc, mv, request.timings)
             return
-        self._send(conn, request, mv, self.dataplane.response(request, mv, results, wanted))
+        except Exception as exc:  # a bug must still produce an answer
+            log.exception("error completing an inference request")
+            self._fail(conn, InferenceFailed(f"internal error: {exc}"), mv, request.timings)
+            return
+        self._send(conn, request, mv, response)
 
     async def _infer_cached(
         self, conn: Connection, request: InferRequest, mv: ModelVersion
@@ -138,6 +158,10 @@ class HttpFrontend:
             response = await self.dataplane.infer(request, mv)
         except RTServeError as exc:
             self._fail(conn, exc, mv, request.timings)
+            return
+        except Exception as exc:  # a bug must still produce an answer
+            log.exception("error handling a cached inference request")
+            self._fail(conn, InferenceFailed(f"internal error: {exc}"), mv, request.timings)
             return
         self._send(conn, request, mv, response)
 
