@@ -207,3 +207,26 @@ def test_gzip_request_body_is_accepted(server: RunningServer) -> None:
     )
     assert r.status_code == 200, r.text
     assert r.json()["outputs"][0]["data"] == [2.0, 4.0, 6.0, 8.0]
+
+
+def test_grpc_stream_infer(server: RunningServer) -> None:
+    import queue
+
+    results: queue.Queue = queue.Queue()
+    client = tgrpc.InferenceServerClient(server.grpc)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for i in range(5):
+            inp = tgrpc.InferInput("x", [1, 4], "FP32")
+            inp.set_data_from_numpy(np.full((1, 4), i, np.float32))
+            client.async_stream_infer("scale", [inp], model_version="1", request_id=str(i))
+        bad = tgrpc.InferInput("x", [1, 3], "FP32")
+        bad.set_data_from_numpy(np.zeros((1, 3), np.float32))
+        client.async_stream_infer("scale", [bad], model_version="1", request_id="bad")
+        got = [results.get(timeout=10) for _ in range(6)]
+    finally:
+        client.stop_stream()
+    answers = {r.get_response().id: r.as_numpy("y").tolist() for r, e in got if e is None}
+    assert answers == {str(i): [[float(i)] * 4] for i in range(5)}
+    errors = [e for _, e in got if e is not None]
+    assert len(errors) == 1 and "shape [1, 3]" in str(errors[0])

@@ -6,6 +6,7 @@ the code the error class maps to (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, ...)
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -171,22 +172,61 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
             self.in_flight -= 1
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
-        async for request in request_iterator:
-            self.in_flight += 1
+        """Requests on a stream run concurrently (so they batch together); each answer is
+        sent as soon as it is ready, carrying its request's id."""
+        answers: asyncio.Queue[Any] = asyncio.Queue()
+        pending: set[asyncio.Task[None]] = set()
+
+        async def answer(request: Any) -> None:
             try:
                 message, _, _ = await self._infer(request, None)
-                yield pb.ModelStreamInferResponse(infer_response=message)
+                await answers.put(pb.ModelStreamInferResponse(infer_response=message))
             except RTServeError as exc:
-                yield pb.ModelStreamInferResponse(
-                    error_message=exc.message,
-                    infer_response=pb.ModelInferResponse(
-                        model_name=request.model_name,
-                        model_version=request.model_version,
-                        id=request.id,
-                    ),
+                await answers.put(
+                    pb.ModelStreamInferResponse(
+                        error_message=exc.message,
+                        infer_response=pb.ModelInferResponse(
+                            model_name=request.model_name,
+                            model_version=request.model_version,
+                            id=request.id,
+                        ),
+                    )
                 )
             finally:
                 self.in_flight -= 1
+
+        async def read() -> None:
+            async for request in request_iterator:
+                self.in_flight += 1
+                task = asyncio.get_running_loop().create_task(answer(request))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while True:
+                if answers.empty() and reader.done() and not pending:
+                    break
+                getter = asyncio.ensure_future(answers.get())
+                waiters: set[asyncio.Future[Any]] = {getter}
+                if not reader.done():
+                    waiters.add(reader)
+                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield getter.result()
+                else:
+                    getter.cancel()
+                    if not pending and answers.empty():
+                        break
+                    # The client finished sending; drain the answers still to come.
+                    while pending or not answers.empty():
+                        yield await answers.get()
+                    break
+            reader.result()
+        finally:
+            reader.cancel()
+            for task in pending:
+                task.cancel()
 
 
 async def start_grpc_server(
