@@ -29,11 +29,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rtserve: {exc}", file=sys.stderr)
         return 2
     try:
-        serve(config, args.ports_file)
+        return serve(config, args.ports_file, workers=args.workers)
     except (ConfigError, OSError) as exc:
         print(f"rtserve: {exc}", file=sys.stderr)
         return 1
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, help="largest accepted request body")
     s.add_argument("--grace-period", type=float, help="seconds to finish requests on SIGTERM")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.add_argument(
+        "--workers", type=int, default=1, help="server processes sharing the ports (default 1)"
+    )
     s.add_argument("--ports-file", type=Path, help="write the bound ports as JSON once ready")
     s.set_defaults(func=_serve)
 

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
+import multiprocessing
+import os
+import queue
 import signal
+import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rtserve.config import ServerConfig
 from rtserve.core.dataplane import DataPlane
@@ -29,9 +37,17 @@ log = logging.getLogger("rtserve")
 
 
 class Server:
-    def __init__(self, config: ServerConfig, ports_file: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        ports_file: Path | None = None,
+        http_sock: socket.socket | None = None,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
         self.config = config
         self.ports_file = ports_file
+        self.http_sock = http_sock  # set in worker processes: the listening socket they share
+        self.on_ready = on_ready
         self.metrics = Metrics()
         self.repository = ModelRepository(
             config.model_repository, self.metrics, cache_default=config.response_cache
@@ -53,15 +69,20 @@ class Server:
                 loop.add_signal_handler(sig, self.request_stop)
         cfg = self.config
         self.http_server = HttpServer(self.http.handle, cfg.max_request_bytes)
-        self.http_port = await self.http_server.start(cfg.host, cfg.http_port)
-        grpc_server, self.grpc_port = await start_grpc_server(self.grpc, cfg.host, cfg.grpc_port)
+        self.http_port = await self.http_server.start(cfg.host, cfg.http_port, self.http_sock)
+        grpc_server, self.grpc_port = await start_grpc_server(
+            self.grpc, cfg.host, cfg.grpc_port, reuse_port=self.http_sock is not None
+        )
         log.info(
             "listening: http://%s:%d grpc %s:%d", cfg.host, self.http_port, cfg.host, self.grpc_port
         )
 
         await self.repository.load_all()
         self.dataplane.started = True
-        self._announce()
+        if self.on_ready is not None:
+            self.on_ready()
+        else:
+            self._announce()
         await self._stop.wait()
 
         await self._drain(grpc_server)
@@ -69,13 +90,20 @@ class Server:
         await self.repository.stop()
         log.info("stopped")
 
-    def _announce(self) -> None:
+    def _announce(self, workers: int = 1) -> None:
         cfg = self.config
-        models = {
+        models: Any = {
             name: (sorted(m.versions) if not m.error else f"FAILED: {m.error}")
             for name, m in self.repository.models.items()
         }
-        info = {"host": cfg.host, "http_port": self.http_port, "grpc_port": self.grpc_port}
+        if workers > 1:
+            models = f"loaded by each of {workers} workers"
+        info = {
+            "host": cfg.host,
+            "http_port": self.http_port,
+            "grpc_port": self.grpc_port,
+            "workers": workers,
+        }
         if self.ports_file is not None:
             self.ports_file.write_text(json.dumps(info))
         log.info("ready: models %s", models)
@@ -117,12 +145,81 @@ def configure_logging(level: str) -> None:
     )
 
 
-def serve(config: ServerConfig, ports_file: Path | None = None) -> None:
-    configure_logging(config.log_level)
-    server = Server(config, ports_file)
+def _run(server: Server) -> None:
     try:
         import uvloop
 
         uvloop.run(server.run())
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         asyncio.run(server.run())
+
+
+def serve(config: ServerConfig, ports_file: Path | None = None, workers: int = 1) -> int:
+    configure_logging(config.log_level)
+    if workers <= 1:
+        _run(Server(config, ports_file))
+        return 0
+    return _serve_workers(config, ports_file, workers)
+
+
+def _worker(config: ServerConfig, sock: socket.socket, ready: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent turns Ctrl-C into SIGTERM
+    _run(Server(config, http_sock=sock, on_ready=lambda: ready.put(os.getpid())))
+
+
+def _serve_workers(config: ServerConfig, ports_file: Path | None, workers: int) -> int:
+    """Several independent server processes (each with its own batchers) sharing the ports:
+    HTTP through one inherited listening socket, gRPC through SO_REUSEPORT."""
+    http_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    http_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    http_sock.bind((config.host, config.http_port))
+    http_sock.listen(2048)
+    http_sock.setblocking(False)
+    grpc_port = config.grpc_port
+    reservation = None
+    if grpc_port == 0:  # pick a free port and hold it until the workers have bound it too
+        reservation = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        reservation.bind((config.host, 0))
+        grpc_port = reservation.getsockname()[1]
+    worker_config = dataclasses.replace(config, grpc_port=grpc_port)
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(worker_config, http_sock, ready)) for _ in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    started = 0
+    deadline = time.monotonic() + 600
+    while started < workers and not stop.is_set() and time.monotonic() < deadline:
+        try:
+            ready.get(timeout=0.2)
+            started += 1
+        except queue.Empty:
+            if any(not p.is_alive() for p in procs):
+                log.error("a worker exited during start-up")
+                stop.set()
+    if reservation is not None:
+        reservation.close()
+    if started == workers:
+        announcer = Server(worker_config, ports_file)
+        announcer.http_port = http_sock.getsockname()[1]
+        announcer.grpc_port = grpc_port
+        announcer._announce(workers)
+    while not stop.wait(0.5):
+        if any(not p.is_alive() for p in procs):
+            log.error("a worker exited; stopping the others")
+            break
+    for p in procs:
+        if p.is_alive() and p.pid is not None:
+            os.kill(p.pid, signal.SIGTERM)
+    for p in procs:
+        p.join(config.grace_period_s + 5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return 0 if all(p.exitcode == 0 for p in procs) else 1

@@ -230,14 +230,14 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
 
 
 async def start_grpc_server(
-    frontend: GrpcFrontend, host: str, port: int
+    frontend: GrpcFrontend, host: str, port: int, reuse_port: bool = False
 ) -> tuple[grpc.aio.Server, int]:
     limit = frontend.max_message_bytes
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
         ]
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(frontend, server)

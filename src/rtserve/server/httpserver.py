@@ -11,6 +11,7 @@ handled; anything else malformed is answered with 400 and the connection closed.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -213,11 +214,17 @@ class HttpServer:
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> int:
+        """Listen on ``host:port``, or on an already bound socket (shared by worker processes)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: Connection(self), host, port, reuse_address=True, backlog=2048
-        )
+        if sock is not None:
+            self._server = await loop.create_server(
+                lambda: Connection(self), sock=sock, backlog=2048
+            )
+        else:
+            self._server = await loop.create_server(
+                lambda: Connection(self), host, port, reuse_address=True, backlog=2048
+            )
         self._sweeper = loop.create_task(self._sweep_idle())
         sock = self._server.sockets[0]
         return int(sock.getsockname()[1])
