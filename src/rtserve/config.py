@@ -135,7 +135,7 @@ class ModelConfig:
     warmup: Warmup = field(default_factory=Warmup)
     version_policy: str = "all"  # all | latest | specific
     versions: tuple[int, ...] = ()  # for version_policy specific
-    response_cache: dict[str, Any] | None = None
+    response_cache: dict[str, Any] | bool | None = None  # parsed by rtserve.cache.CacheConfig
     source: str = ""
 
 
@@ -228,8 +228,8 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
         raise f.fail("version_policy", "all, latest or {specific: [versions]}", policy_value)
 
     cache = f.get("response_cache")
-    if cache is not None and not isinstance(cache, dict):
-        raise f.fail("response_cache", "a mapping", cache)
+    if cache is not None and not isinstance(cache, dict | bool):
+        raise f.fail("response_cache", "a mapping (or false)", cache)
     instance_count = f.integer("instance_count", 1, minimum=1)
     f.check_unknown()
     return ModelConfig(
@@ -264,7 +264,8 @@ class ServerConfig:
     grpc_port: int = 8001
     max_request_bytes: int = 64 * 1024 * 1024
     grace_period_s: float = 30.0
-    response_cache: dict[str, Any] | None = None  # server-wide default for every model
+    response_cache: dict[str, Any] | bool | None = None  # server-wide default for every model
+    config_file: str = ""
     log_level: str = "info"
 
 
@@ -272,11 +273,13 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
     """Server settings: the YAML file (optional), then command-line overrides that are set."""
     data: dict[str, Any] = {}
     if path is not None:
+        data["config_file"] = str(path)
         if not path.exists():
             raise ConfigError(f"{path}: server config file not found")
         raw = load_yaml(path)
         f = _Fields(raw, str(path))
         data = {
+            "config_file": str(path),
             "model_repository": f.get("model_repository"),
             "host": f.string("host", "127.0.0.1"),
             "http_port": f.integer("http_port", 8000),

@@ -89,12 +89,12 @@ def version_dirs(model_dir: Path) -> list[int]:
 
 
 class ModelRepository:
-    def __init__(
-        self, root: Path, metrics: Metrics, cache_default: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, root: Path, metrics: Metrics, cache_default: Any = None) -> None:
+        """``cache_default``: the server-wide ``rtserve.cache.CacheConfig`` (or None)."""
         self.root = root
         self.metrics = metrics
         self.cache_default = cache_default
+        self._cache_metrics: Any = None
         self.models: dict[str, Model] = {}
 
     # ------------------------------------------------------------------ loading
@@ -114,6 +114,7 @@ class ModelRepository:
         try:
             config = parse_model_config(load_yaml(model_dir / "config.yaml"), name, where)
             model.config = config
+            cache_config = self._cache_config(config)
             versions = version_dirs(model_dir)
             if config.version_policy == "latest":
                 versions = versions[-1:]
@@ -130,7 +131,7 @@ class ModelRepository:
                     f"{model_dir}: no version directories (expected e.g. 1/model.onnx)"
                 )
             for v in versions:
-                mv = await self._load_version(config, model_dir / str(v), str(v))
+                mv = await self._load_version(config, model_dir / str(v), str(v), cache_config)
                 model.versions[mv.version] = mv
             model.latest = str(versions[-1])
             log.info("model %s ready (versions %s)", name, ", ".join(model.versions))
@@ -140,7 +141,7 @@ class ModelRepository:
         return model
 
     async def _load_version(
-        self, config: ModelConfig, version_dir: Path, version: str
+        self, config: ModelConfig, version_dir: Path, version: str, cache_config: Any
     ) -> ModelVersion:
         loop = asyncio.get_running_loop()
         runtime = await loop.run_in_executor(None, load_runtime, config, version_dir)
@@ -177,11 +178,12 @@ class ModelRepository:
             inputs={s.name: s for s in runtime.inputs},
             outputs={s.name: s for s in runtime.outputs},
         )
-        cache_cfg = (
-            config.response_cache if config.response_cache is not None else self.cache_default
-        )
-        if cache_cfg:
-            mv.cache = self._make_cache(cache_cfg, config, version)
+        if cache_config is not None:
+            from rtserve.cache import CacheMetrics, ResponseCache
+
+            if self._cache_metrics is None:
+                self._cache_metrics = CacheMetrics(self.metrics.registry)
+            mv.cache = ResponseCache(cache_config, config.name, version, self._cache_metrics)
         mv.ready = True
         log.info(
             "loaded %s version %s (%s, largest warmup batch %.3f ms)",
@@ -189,13 +191,19 @@ class ModelRepository:
         )  # fmt: skip
         return mv
 
-    def _make_cache(self, cache_cfg: dict[str, Any], config: ModelConfig, version: str) -> Any:
-        from rtserve.cache import CacheConfig, CacheMetrics, ResponseCache
+    def _cache_config(self, config: ModelConfig) -> Any:
+        """The model's response cache config merged over the server default; None if off."""
+        if config.response_cache is None and self.cache_default is None:
+            return None
+        from rtserve.cache import CacheConfig, merge
 
-        parsed = CacheConfig.from_dict(cache_cfg, f"{config.source}: response_cache")
-        if not hasattr(self, "_cache_metrics"):
-            self._cache_metrics = CacheMetrics(self.metrics.registry)
-        return ResponseCache(parsed, config.name, version, self._cache_metrics)
+        own = (
+            CacheConfig.from_dict(config.response_cache, config.source)
+            if config.response_cache is not None
+            else None
+        )
+        merged = merge(self.cache_default, own)
+        return merged if merged.enabled else None
 
     # ------------------------------------------------------------------ lookup
     def get(self, name: str, version: str = "") -> ModelVersion:

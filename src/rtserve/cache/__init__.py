@@ -2,7 +2,9 @@
 
 The dataplane creates one :class:`ResponseCache` per loaded model version whose merged
 config (:func:`merge` of the server default and the model's ``response_cache``) is enabled,
-and calls :meth:`ResponseCache.lookup_or_run` around the model run.
+and calls :meth:`ResponseCache.lookup_or_run` around the model run (or, from a
+callback-style frontend, the synchronous :meth:`ResponseCache.lookup_memory` first and
+:meth:`ResponseCache.fill` only on an L1 miss).
 """
 
 from rtserve.cache.config import CacheConfig, MemoryTierConfig, RedisTierConfig, merge

@@ -37,8 +37,10 @@ class MemoryTierConfig:
 class RedisTierConfig:
     """L2: Redis at ``url``; keys live ``ttl_s`` under ``rtserve:{namespace}:{model}:{version}:``.
 
-    Every Redis call gives up after ``timeout_ms``; after ``breaker_failures`` consecutive
-    failures Redis is skipped for ``breaker_cooldown_s``, then probed in the background.
+    Each socket operation gives up after ``timeout_ms`` and a whole call after twice that;
+    after ``breaker_failures`` consecutive failures Redis is skipped for
+    ``breaker_cooldown_s``, then probed in the background. At most ``max_pending_writes``
+    writes wait for Redis; more are dropped (and counted).
     """
 
     url: str

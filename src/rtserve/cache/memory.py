@@ -21,7 +21,7 @@ class MemoryCache(Generic[V]):
     first to go when room is needed. Single-threaded: call it from the event loop only.
     """
 
-    __slots__ = ("max_bytes", "ttl_s", "_clock", "_entries", "_bytes")
+    __slots__ = ("max_bytes", "ttl_s", "_clock", "_entries", "_meta", "_bytes")
 
     def __init__(
         self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
@@ -29,7 +29,10 @@ class MemoryCache(Generic[V]):
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._clock = clock
-        self._entries: OrderedDict[bytes, tuple[float, int, V]] = OrderedDict()
+        # Values and (expiry, size) apart: no wrapper tuple around a value, so a value that the
+        # garbage collector does not track stays untracked (see response_cache).
+        self._entries: OrderedDict[bytes, V] = OrderedDict()
+        self._meta: dict[bytes, tuple[float, int]] = {}
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -41,12 +44,12 @@ class MemoryCache(Generic[V]):
         return self._bytes
 
     def get(self, key: bytes) -> V | None:
-        entry = self._entries.get(key)
-        if entry is None:
+        value = self._entries.get(key)
+        if value is None:
             return None
-        expires_at, size, value = entry
+        expires_at, size = self._meta[key]
         if self._clock() >= expires_at:
-            del self._entries[key]
+            del self._entries[key], self._meta[key]
             self._bytes -= size
             return None
         self._entries.move_to_end(key)
@@ -55,19 +58,20 @@ class MemoryCache(Generic[V]):
     def put(self, key: bytes, value: V, nbytes: int) -> bool:
         """Store ``value`` (``nbytes`` large); False when it alone exceeds ``max_bytes``."""
         size = nbytes + len(key) + ENTRY_OVERHEAD_BYTES
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._bytes -= old[1]
+        entries, meta = self._entries, self._meta
+        if entries.pop(key, None) is not None:
+            self._bytes -= meta.pop(key)[1]
         if size > self.max_bytes:
             return False
-        entries = self._entries
         while self._bytes + size > self.max_bytes:
-            _, (_, evicted, _) = entries.popitem(last=False)
-            self._bytes -= evicted
-        entries[key] = (self._clock() + self.ttl_s, size, value)
+            evicted, _ = entries.popitem(last=False)
+            self._bytes -= meta.pop(evicted)[1]
+        entries[key] = value
+        meta[key] = (self._clock() + self.ttl_s, size)
         self._bytes += size
         return True
 
     def clear(self) -> None:
         self._entries.clear()
+        self._meta.clear()
         self._bytes = 0

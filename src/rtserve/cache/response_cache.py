@@ -5,9 +5,11 @@ answer in L1 at once and queues the L2 write, so Redis never delays a response. 
 arrays are private read-only copies; every caller gets fresh Tensor objects over them, so
 a frontend that sets ``parameters`` on an output cannot change what the next caller sees.
 
-Entries are kept as plain tuples of strings, ints and arrays (none of which the cyclic
-garbage collector tracks), so a large L1 adds nothing to the pauses of full collections;
-with Tensor objects and lists, a 50k-entry L1 cost gen-2 pauses of tens of milliseconds.
+Entries are kept as flat tuples of strings and arrays (which the cyclic garbage collector
+does not track; it stops tracking such a tuple the first time it sees one), so L1 entries
+never reach the oldest generation and a large L1 adds nothing to full-collection pauses.
+Tensor objects and nested tuples did: a growing 50k-entry L1 triggered gen-2 collections
+of tens of milliseconds each.
 """
 
 from __future__ import annotations
@@ -39,11 +41,10 @@ OPT_OUT_PARAMETER = "cache"
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
 
-# One cached output: name, datatype, shape, read-only array, parameters as items (or None).
-_StoredTensor = tuple[
-    str, str, tuple[int, ...], np.ndarray[Any, Any], tuple[tuple[str, Any], ...] | None
-]
-_Stored = tuple[_StoredTensor, ...]
+# Cached outputs, flat: (name, datatype, read-only array, parameters, name, ...) where
+# parameters is None or a flat (key, value, key, value, ...) tuple.
+_Stored = tuple[Any, ...]
+_FIELDS = 4
 
 
 class ResponseCache:
@@ -85,22 +86,39 @@ class ResponseCache:
         request with ``parameters: {cache: false}`` runs directly and touches no tier.
         Callers waiting on an identical request in flight get its tier.
         """
+        outputs, key = self.lookup_memory(request)
+        if outputs is not None:
+            return outputs, TIER_MEMORY
+        if key is None:
+            return await run(), TIER_BYPASS
+        return await self.fill(key, request, run)
+
+    def lookup_memory(self, request: InferRequest) -> tuple[list[Tensor] | None, bytes | None]:
+        """The synchronous first step of :meth:`lookup_or_run`: the L1 probe.
+
+        Returns ``(outputs, key)``: outputs on an L1 hit (tier "memory"); otherwise None and
+        the key to hand to :meth:`fill`, or None for both when the request opted out (run it
+        directly; tier "bypass"). Lets a callback-style frontend answer L1 hits without
+        creating a task.
+        """
         params = request.parameters
         if params and OPT_OUT_PARAMETER in params and not wants_cache(params[OPT_OUT_PARAMETER]):
-            return await run(), TIER_BYPASS
+            return None, None
         key = cache_key(self.model_name, self.version, request.inputs, request.outputs, self._round)
         memory = self._memory
         if memory is not None:
             stored = memory.get(key)
             if stored is not None:
                 self._metrics.memory_hit.inc()
-                return _fresh(stored), TIER_MEMORY
+                return _fresh(stored), key
             self._metrics.memory_miss.inc()
+        return None, key
 
-        async def fill() -> tuple[_Stored, str]:
-            return await self._fill(key, request, run)
-
-        (stored, tier), shared = await self._flights.do(key, fill)
+    async def fill(
+        self, key: bytes, request: InferRequest, run: Callable[[], Awaitable[list[Tensor]]]
+    ) -> tuple[list[Tensor], str]:
+        """The rest after an L1 miss: single-flight on ``key``, then L2, then ``run``."""
+        (stored, tier), shared = await self._flights.do(key, self._fill, key, request, run)
         if shared:
             self._metrics.coalesced.inc()
         return _fresh(stored), tier
@@ -149,7 +167,7 @@ class ResponseCache:
         if request.outputs and [t.name for t in tensors] != [o.name for o in request.outputs]:
             self._metrics.invalid_values.inc()
             return None
-        return tuple(_entry(t, t.data) for t in tensors)
+        return _flat(tensors, [t.data for t in tensors])
 
 
 def wants_cache(value: Any) -> bool:
@@ -169,7 +187,7 @@ def wants_cache(value: Any) -> bool:
 
 def _freeze(outputs: Sequence[Tensor]) -> tuple[_Stored, int]:
     """Private read-only copies of the outputs (a batch's views would pin the whole batch)."""
-    stored: list[_StoredTensor] = []
+    arrays = []
     nbytes = 0
     for t in outputs:
         data = np.array(t.data, copy=True, order="C")
@@ -178,17 +196,24 @@ def _freeze(outputs: Sequence[Tensor]) -> tuple[_Stored, int]:
             nbytes += 8 * data.size + sum(len(e) for e in data.reshape(-1))
         else:
             nbytes += data.nbytes
-        stored.append(_entry(t, data))
-    return tuple(stored), nbytes
+        arrays.append(data)
+    return _flat(outputs, arrays), nbytes
 
 
-def _entry(t: Tensor, data: np.ndarray[Any, Any]) -> _StoredTensor:
-    params = tuple(t.parameters.items()) if t.parameters else None
-    return (t.name, t.datatype, tuple(data.shape), data, params)
+def _flat(tensors: Sequence[Tensor], arrays: Sequence[np.ndarray[Any, Any]]) -> _Stored:
+    out: list[Any] = []
+    for t, data in zip(tensors, arrays, strict=True):
+        params = None
+        if t.parameters:
+            params = tuple(x for item in t.parameters.items() for x in item)
+        out += (t.name, t.datatype, data, params)
+    return tuple(out)
 
 
 def _fresh(stored: _Stored) -> list[Tensor]:
-    return [
-        Tensor(name, datatype, shape, data, dict(params) if params else None)
-        for name, datatype, shape, data, params in stored
-    ]
+    out = []
+    for i in range(0, len(stored), _FIELDS):
+        name, datatype, data, params = stored[i : i + _FIELDS]
+        p = dict(zip(params[::2], params[1::2], strict=True)) if params else None
+        out.append(Tensor(name, datatype, data.shape, data, p))
+    return out

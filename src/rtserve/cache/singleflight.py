@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -29,8 +29,8 @@ class SingleFlight(Generic[K, V]):
     def __len__(self) -> int:
         return len(self._calls)
 
-    async def do(self, key: K, fn: Callable[[], Awaitable[V]]) -> tuple[V, bool]:
-        """``(result, shared)``: shared is True when another caller's run produced it."""
+    async def do(self, key: K, fn: Callable[..., Awaitable[V]], *args: Any) -> tuple[V, bool]:
+        """``(fn(*args) result, shared)``: shared is True when another caller's run made it."""
         while (fut := self._calls.get(key)) is not None:
             try:
                 return await asyncio.shield(fut), True
@@ -39,7 +39,7 @@ class SingleFlight(Generic[K, V]):
         fut = asyncio.get_running_loop().create_future()
         self._calls[key] = fut
         try:
-            value = await fn()
+            value = await fn(*args)
         except asyncio.CancelledError:
             _fail(fut, _LeaderCancelled())
             raise

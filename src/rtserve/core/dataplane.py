@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,14 @@ def _timeout_s(request: InferRequest, mv: ModelVersion) -> float:
             f"parameters.timeout: expected microseconds (a number >= 0), got {value!r}"
         )
     return float(value) / 1e6
+
+
+@dataclass(slots=True)
+class Checked:
+    feeds: dict[str, np.ndarray]
+    rows: int
+    wanted: list[str]
+    timeout_s: float
 
 
 class DataPlane:
@@ -166,19 +175,24 @@ class DataPlane:
             raise ShuttingDown("server is shutting down; not accepting new requests")
         return self.repository.get(name, version)
 
+    def check(self, request: InferRequest, mv: ModelVersion) -> Checked:
+        """Validate the request against the model: the feeds, rows, outputs and timeout."""
+        feeds, rows = self._check_inputs(request, mv)
+        return Checked(feeds, rows, self._check_outputs(request, mv), _timeout_s(request, mv))
+
+    @staticmethod
+    def enqueue(
+        request: InferRequest, mv: ModelVersion, checked: Checked
+    ) -> asyncio.Future[dict[str, np.ndarray]]:
+        return mv.batcher.submit(checked.feeds, checked.rows, request.timings, checked.timeout_s)
+
     def submit(
         self, request: InferRequest, mv: ModelVersion
     ) -> tuple[asyncio.Future[dict[str, np.ndarray]], list[str]]:
-        """Check the request against the model and queue it; no cache. Returns the batch
-        future and the names of the outputs to answer with."""
-        feeds, rows = self._check_inputs(request, mv)
-        wanted = self._check_outputs(request, mv)
-        timeout_s = _timeout_s(request, mv)
-        return mv.batcher.submit(feeds, rows, request.timings, timeout_s), wanted
-
-    @staticmethod
-    def wants_cache(request: InferRequest, mv: ModelVersion) -> bool:
-        return mv.cache is not None and request.parameters.get("cache", True) is not False
+        """Check the request and queue it, bypassing the cache. Returns the batch future
+        and the names of the outputs to answer with."""
+        checked = self.check(request, mv)
+        return self.enqueue(request, mv, checked), checked.wanted
 
     def response(
         self,
@@ -189,24 +203,46 @@ class DataPlane:
     ) -> InferResponse:
         return InferResponse(mv.name, mv.version, self._select(mv, results, wanted), request.id)
 
+    def cached(
+        self, request: InferRequest, mv: ModelVersion
+    ) -> tuple[InferResponse | None, bytes | None]:
+        """The synchronous L1 probe: (response, None) on a hit; (None, key) on a miss, to
+        finish with :meth:`fill`; (None, None) when the model has no cache or the request
+        opted out."""
+        if mv.cache is None:
+            return None, None
+        outputs, key = mv.cache.lookup_memory(request)
+        if outputs is not None:
+            request.timings.cache = "memory"
+            return InferResponse(mv.name, mv.version, outputs, request.id), None
+        if key is None:
+            request.timings.cache = "bypass"
+        return None, key
+
+    async def fill(
+        self, request: InferRequest, mv: ModelVersion, checked: Checked, key: bytes
+    ) -> InferResponse:
+        """After an L1 miss: single-flight, then Redis, then the model."""
+
+        async def run() -> list[Tensor]:
+            results = await self.enqueue(request, mv, checked)
+            return self._select(mv, results, checked.wanted)
+
+        outputs, tier = await mv.cache.fill(key, request, run)
+        request.timings.cache = tier or "miss"
+        return InferResponse(mv.name, mv.version, outputs, request.id)
+
     async def infer(self, request: InferRequest, mv: ModelVersion | None = None) -> InferResponse:
         if mv is None:
             mv = self.resolve(request)
-        if not self.wants_cache(request, mv):
-            future, wanted = self.submit(request, mv)
-            return self.response(request, mv, await future, wanted)
-        feeds, rows = self._check_inputs(request, mv)
-        wanted = self._check_outputs(request, mv)
-        timeout_s = _timeout_s(request, mv)
-        timings = request.timings
-
-        async def run() -> list[Tensor]:
-            results = await mv.batcher.submit(feeds, rows, timings, timeout_s)
-            return self._select(mv, results, wanted)
-
-        outputs, tier = await mv.cache.lookup_or_run(request, run)
-        timings.cache = tier or "miss"
-        return InferResponse(mv.name, mv.version, outputs, request.id)
+        checked = self.check(request, mv)
+        hit, key = self.cached(request, mv)
+        if hit is not None:
+            return hit
+        if key is not None:
+            return await self.fill(request, mv, checked, key)
+        results = await self.enqueue(request, mv, checked)
+        return self.response(request, mv, results, checked.wanted)
 
     @staticmethod
     def _select(

@@ -56,6 +56,11 @@ def explain_load_failure(path: Any, exc: Exception) -> str:
     """A one-line explanation of why ONNX Runtime refused a model, naming the node if it can."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     where = path if isinstance(path, str | pathlib.Path) else "the model"
+    if isinstance(path, str | pathlib.Path) and pathlib.Path(path).is_file():
+        try:
+            check_operators(path)
+        except OptimizeError as found:
+            return found.message
     match = _NODE_IN_MESSAGE.search(str(exc))
     if match:
         node = next(g for g in match.groups() if g)

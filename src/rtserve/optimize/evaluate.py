@@ -131,18 +131,29 @@ def measure_latency(
 
 
 _PEAK_SCRIPT = """
-import resource, sys
+import sys
 import numpy as np
 import onnxruntime as ort
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def status(key):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(key + ":"))
+
+
+# The high-water mark is inherited from the parent process: reset it to the current size.
+with open("/proc/self/clear_refs", "w") as fh:
+    fh.write("5")
+before = status("VmRSS")
 opts = ort.SessionOptions()
 opts.intra_op_num_threads = int(sys.argv[3])
 opts.inter_op_num_threads = 1
 opts.log_severity_level = 3
 session = ort.InferenceSession(sys.argv[1], sess_options=opts, providers=["CPUExecutionProvider"])
 with np.load(sys.argv[2]) as z:
-    session.run(None, {k: z[k] for k in z.files})
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+    feed = {k: z[k] for k in z.files}
+session.run(None, feed)
+print(status("VmHWM") - before)
 """
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import pathlib
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,8 +50,7 @@ def load_module(spec: str) -> torch.nn.Module:
                 program = torch.export.load(str(path))
             except Exception as exc:
                 raise OptimizeError(f"{spec} is not a torch.export ExportedProgram: {exc}") from exc
-            module: Any = program.module()
-            return module  # type: ignore[no-any-return]
+            return _unpacked(program.module())
         try:
             return torch.jit.load(str(path), map_location="cpu").eval()
         except Exception as exc:
@@ -77,6 +75,38 @@ def load_module(spec: str) -> torch.nn.Module:
     return obj.eval()
 
 
+def _unpacked_class() -> type:
+    import torch
+
+    class Unpacked(torch.nn.Module):
+        """An ExportedProgram's module: always in inference mode (it refuses train/eval)."""
+
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def train(self, mode: bool = True) -> Unpacked:
+            return self
+
+        def forward(self, *args: Any) -> Any:
+            return self.inner(*args)
+
+    return Unpacked
+
+
+def _unpacked(inner: Any) -> torch.nn.Module:
+    module: torch.nn.Module = _unpacked_class()(inner)
+    return module
+
+
+def _eval_mode(model: torch.nn.Module) -> torch.nn.Module:
+    """``model.eval()``; modules unpacked from an ExportedProgram refuse it and need none."""
+    try:
+        return model.eval()
+    except NotImplementedError:
+        return model
+
+
 def default_dynamic_axes(
     example_inputs: Mapping[str, np.ndarray], output_names: Sequence[str], sequence: bool = True
 ) -> dict[str, dict[int, str]]:
@@ -89,9 +119,6 @@ def default_dynamic_axes(
     for name in output_names:
         axes[name] = {0: "batch"}
     return axes
-
-
-_UNSUPPORTED = re.compile(r"[Uu]nsupported.*?'?(aten::\w+|prim::\w+|[\w.]+::\w+)'?")
 
 
 def export_module(
@@ -114,7 +141,7 @@ def export_module(
         if dynamic_axes is not None
         else default_dynamic_axes(example_inputs, output_names)
     )
-    model = model.eval()
+    model = _eval_mode(model)
     try:
         with torch.no_grad():
             torch.onnx.export(
@@ -129,8 +156,7 @@ def export_module(
                 dynamo=False,
             )
     except Exception as exc:
-        match = _UNSUPPORTED.search(str(exc))
-        what = f"operator {match.group(1)} is not supported" if match else str(exc).splitlines()[0]
+        what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise OptimizeError(f"export of {type(model).__name__} to ONNX failed: {what}") from exc
     return path
 
@@ -172,8 +198,16 @@ def verify_export(
     result = Verification()
     for batch in batches:
         feed = {k: np.ascontiguousarray(v) for k, v in batch.items()}
-        with torch.no_grad():
-            expected = model(*(torch.from_numpy(v) for v in feed.values()))
+        shapes = {k: v.shape for k, v in feed.items()}
+        try:
+            with torch.no_grad():
+                expected = model(*(torch.from_numpy(v) for v in feed.values()))
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise OptimizeError(
+                f"the torch model failed on inputs of shapes {shapes}: {first} (an "
+                "ExportedProgram needs a dynamic batch dimension, torch.export.Dim)"
+            ) from exc
         if isinstance(expected, torch.Tensor):
             expected_list = [expected]
         elif isinstance(expected, Mapping):

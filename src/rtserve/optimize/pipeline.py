@@ -98,7 +98,7 @@ class OptimizeOptions:
     batch_sizes: Sequence[int] = (1, 8, 32)
     iterations: int = 100
     max_seconds: float = 3.0
-    rounds: int = 3
+    rounds: int = 10
     num_heads: int = 0  # transformer fusion hints (0: detect)
     hidden_size: int = 0
     threads: int = 2
@@ -146,42 +146,98 @@ def static_with_fallback(
     op_types: Sequence[str] | None = None,
     max_steps: int = 8,
     threads: int = 2,
+    ranking_memo: dict[str, list[str]] | None = None,
+    max_isolated: int = 120,
 ) -> tuple[pathlib.Path, list[FallbackStep], list[str]]:
     """Static INT8, then keep the most sensitive nodes in float until the budget holds.
 
-    Step k keeps the top 2^(k-1) nodes of :func:`quantize.sensitivity_ranking` in float
-    (1, 2, 4, ...). Calibration ranges are computed once and cached. Returns the last
-    model built (within budget if any step was), the steps, and the nodes kept in float.
+    The full INT8 model is kept as ``<name>-full.onnx``. If it misses the budget, nodes
+    are ranked by sensitivity: with at most ``max_isolated`` compute nodes each one is
+    quantized alone and its error at the output measured
+    (:func:`quantize.isolated_sensitivity`), otherwise the cheaper per-node error growth
+    of :func:`quantize.sensitivity_ranking` is used. The top 1, 2, 4, ... nodes are kept in
+    float until the budget holds, then the count is bisected between the last miss and the
+    first hit. ``ranking_memo`` shares the ranking between calibration methods. Returns the
+    model (within budget if any step was), the steps, and the nodes kept in float.
     """
+    import shutil
+
     prepared = work / "static-prepared.onnx"
     if not prepared.exists():
         quantize.prepare_for_static(src, prepared)
-    cache = work / f"{name}.calib.json"
-    cache.unlink(missing_ok=True)
+    # ORT reloads entropy ranges from its cache as plain min/max: recalibrate instead.
+    cache = None if method == "entropy" else work / f"{name}.calib.json"
+    if cache is not None:
+        cache.unlink(missing_ok=True)
     dst = work / f"{name}.onnx"
-    quantize.quantize_static_int8(
-        prepared, dst, calibration, method, op_types=op_types, cache=cache
-    )
-    score = _score(dst, eval_data, reference, task, labels, threads)
-    steps = [FallbackStep(0, score, reference_score - score <= max_drop)]
-    excluded: list[str] = []
+
+    def build(excluded: Sequence[str]) -> FallbackStep:
+        quantize.quantize_static_int8(
+            prepared, dst, calibration, method, op_types=op_types, nodes_to_exclude=excluded,
+            cache=cache,
+        )  # fmt: skip
+        score = _score(dst, eval_data, reference, task, labels, threads)
+        return FallbackStep(len(excluded), score, reference_score - score <= max_drop)
+
+    steps = [build([])]
+    shutil.copyfile(dst, work / f"{name}-full.onnx")
     if steps[-1].within_budget:
-        return dst, steps, excluded
+        return dst, steps, []
     sample = {k: v[: min(32, len(v))] for k, v in calibration.items()}
-    ranking = [n for n, _ in quantize.sensitivity_ranking(prepared, dst, sample)]
-    k = 1
+    memo = ranking_memo if ranking_memo is not None else {}
+    if "ranking" not in memo:
+        from rtserve.optimize.check import load_model
+
+        compute = [
+            n.name
+            for n in load_model(prepared).graph.node
+            if n.op_type in quantize.COMPUTE_OPS and n.name
+            and (op_types is None or n.op_type in op_types)
+        ]  # fmt: skip
+        if 0 < len(compute) <= max_isolated:
+            probe_cache = cache or work / f"{name}.probe.calib.json"
+            if cache is None:
+                quantize.quantize_static_int8(
+                    prepared, work / "probe.onnx", calibration, "minmax", op_types=op_types,
+                    cache=probe_cache,
+                )  # fmt: skip
+            ranked = quantize.isolated_sensitivity(
+                prepared, probe_cache, "minmax" if cache is None else method, sample, compute,
+                work, op_types,
+            )  # fmt: skip
+        else:
+            ranked = quantize.sensitivity_ranking(prepared, dst, sample)
+        memo["ranking"] = [n for n, _ in ranked]
+    ranking = memo["ranking"]
+    best: tuple[int, FallbackStep] | None = None
+    low, k = 0, 1
     for _ in range(max_steps):
         k = min(k, len(ranking))
-        excluded = ranking[:k]
-        quantize.quantize_static_int8(
-            prepared, dst, None, method, op_types=op_types, nodes_to_exclude=excluded, cache=cache
-        )
-        score = _score(dst, eval_data, reference, task, labels, threads)
-        steps.append(FallbackStep(k, score, reference_score - score <= max_drop))
-        if steps[-1].within_budget or k >= len(ranking):
+        step = build(ranking[:k])
+        steps.append(step)
+        if step.within_budget:
+            best = (k, step)
             break
-        k *= 2
-    return dst, steps, excluded
+        if k >= len(ranking):
+            break
+        low, k = k, k * 2
+    if best is not None:
+        high = best[0]
+        for _ in range(3):  # bisect between the last miss and the first hit
+            mid = (low + high) // 2
+            if mid <= low or mid >= high:
+                break
+            step = build(ranking[:mid])
+            steps.append(step)
+            if step.within_budget:
+                high = mid
+            else:
+                low = mid
+        excluded = ranking[:high]
+        if steps[-1].excluded != high:
+            steps.append(build(excluded))
+        return dst, steps, excluded
+    return dst, steps, ranking[: steps[-1].excluded]
 
 
 def _torch_example(
@@ -282,13 +338,17 @@ def run_optimize(
         if calibration is None:
             raise OptimizeError("static INT8 needs calibration data (--calibration)")
         out = []
+        memo: dict[str, list[str]] = {}
         for method in opts.calibration_methods:
             name = f"int8-static-{method}"
             dst, steps, excluded = static_with_fallback(
                 baseline_path, work, name, calibration, method, eval_data, reference, task,
                 labels, ref_score, opts.max_accuracy_drop, opts.static_op_types,
-                opts.fallback_max_steps, opts.threads,
+                opts.fallback_max_steps, opts.threads, memo,
             )  # fmt: skip
+            if excluded:
+                full = work / f"{name}-full.onnx"
+                out.append(measure(f"{name}-full", full, ["every node INT8 (before the fallback)"]))
             result.fallback[name] = steps
             result.excluded_nodes[name] = excluded
             note = (

@@ -27,7 +27,7 @@ Method = Literal["magnitude", "structured"]
 def _prunable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     import torch
 
-    layers = [
+    layers: list[tuple[torch.nn.Module, str]] = [
         (m, "weight")
         for m in model.modules()
         if isinstance(m, torch.nn.Linear | torch.nn.Conv1d | torch.nn.Conv2d)

@@ -223,6 +223,7 @@ def quantize_static_int8(
     op_types: Sequence[str] | None = None,
     cache: pathlib.Path | None = None,
     calibration_batch: int = 8,
+    nodes_to_quantize: Sequence[str] | None = None,
 ) -> pathlib.Path:
     """Static QDQ INT8: uint8 activations with calibrated ranges, int8 weights.
 
@@ -259,6 +260,7 @@ def quantize_static_int8(
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
             nodes_to_exclude=list(nodes_to_exclude),
+            nodes_to_quantize=list(nodes_to_quantize) if nodes_to_quantize else None,
             calibrate_method=methods[method],
             extra_options=extra,
             calibration_cache_path=str(cache) if cache is not None else None,
@@ -370,6 +372,18 @@ def sensitivity_ranking(
     producer = {o: n for n in qdq.graph.node for o in n.output}
     float_names = {o for n in load_model(float_model).graph.node for o in n.output}
     float_names |= {i.name for i in load_model(float_model).graph.input}
+    consumers: dict[str, list[Any]] = {}
+    for n in qdq.graph.node:
+        for inp in n.input:
+            consumers.setdefault(inp, []).append(n)
+    # What downstream nodes see of tensor T in the QDQ graph is DQ(Q(T)): Q may also do
+    # the clipping of an activation the quantizer removed, so compare that, not T itself.
+    seen_as: dict[str, str] = {}
+    for n in qdq.graph.node:
+        if n.op_type == "QuantizeLinear":
+            dqs = [c for c in consumers.get(n.output[0], []) if c.op_type == "DequantizeLinear"]
+            if dqs:
+                seen_as[n.input[0]] = dqs[0].output[0]
     nodes: dict[str, tuple[list[str], list[str]]] = {}
     for n in qdq.graph.node:
         if n.op_type in ("QuantizeLinear", "DequantizeLinear") or not n.name:
@@ -384,21 +398,11 @@ def sensitivity_ranking(
             q = producer.get(dq.input[0])
             if dq.input[0] not in inits and q is not None and q.op_type == "QuantizeLinear":
                 inputs.append(q.input[0])
-        outputs = [o for o in n.output if o in float_names]
+        # an output renamed by the quantizer (a graph output) is found under its DQ's name
+        outputs = [o if o in float_names else seen_as.get(o, "") for o in n.output]
+        outputs = [o for o in outputs if o in float_names]
         if quantized and outputs:
             nodes[n.name] = ([i for i in inputs if i in float_names], outputs)
-    # What downstream nodes see of tensor T in the QDQ graph is DQ(Q(T)): Q may also do
-    # the clipping of an activation the quantizer removed, so compare that, not T itself.
-    seen_as: dict[str, str] = {}
-    consumers: dict[str, list[Any]] = {}
-    for n in qdq.graph.node:
-        for inp in n.input:
-            consumers.setdefault(inp, []).append(n)
-    for n in qdq.graph.node:
-        if n.op_type == "QuantizeLinear":
-            dqs = [c for c in consumers.get(n.output[0], []) if c.op_type == "DequantizeLinear"]
-            if dqs:
-                seen_as[n.input[0]] = dqs[0].output[0]
     tensors = sorted({t for ins, outs in nodes.values() for t in ins + outs})
     ref = _all_outputs(float_model, tensors, sample)
     raw = _all_outputs(qdq_model, sorted({seen_as.get(t, t) for t in tensors}), sample)
@@ -412,5 +416,42 @@ def sensitivity_ranking(
             (_rel_error(got[t], ref[t]) for t in ins if t in got and t in ref), default=0.0
         )
         ranking.append((name, out_err - in_err))
+    ranking.sort(key=lambda kv: kv[1], reverse=True)
+    return ranking
+
+
+COMPUTE_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def isolated_sensitivity(
+    prepared: pathlib.Path,
+    cache: pathlib.Path,
+    method: str,
+    sample: Mapping[str, np.ndarray],
+    candidates: Sequence[str],
+    work: pathlib.Path,
+    op_types: Sequence[str] | None = None,
+    progress: Any = None,
+) -> list[tuple[str, float]]:
+    """Candidates, most sensitive first, by the output error when only that node is INT8.
+
+    One quantization (from the cached calibration) and one run of ``sample`` per node:
+    slower than :func:`sensitivity_ranking` but it measures what the fallback cares about,
+    the error that reaches the model's output, including amplification downstream.
+    """
+    from rtserve.optimize.evaluate import open_session
+
+    ref = open_session(prepared).run(None, dict(sample))[0]
+    tmp = work / "sensitivity-probe.onnx"
+    ranking = []
+    for name in candidates:
+        quantize_static_int8(
+            prepared, tmp, None, method, op_types=op_types, cache=cache, nodes_to_quantize=[name]
+        )
+        out = open_session(tmp).run(None, dict(sample))[0]
+        ranking.append((name, _rel_error(out, ref)))
+        if progress is not None:
+            progress()
+    tmp.unlink(missing_ok=True)
     ranking.sort(key=lambda kv: kv[1], reverse=True)
     return ranking

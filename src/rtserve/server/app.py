@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import multiprocessing
@@ -50,7 +51,7 @@ class Server:
         self.on_ready = on_ready
         self.metrics = Metrics()
         self.repository = ModelRepository(
-            config.model_repository, self.metrics, cache_default=config.response_cache
+            config.model_repository, self.metrics, cache_default=_cache_default(config)
         )
         self.dataplane = DataPlane(self.repository)
         self.http = HttpFrontend(self.dataplane, self.metrics, config.max_request_bytes)
@@ -78,6 +79,8 @@ class Server:
         )
 
         await self.repository.load_all()
+        gc.collect()
+        gc.freeze()  # models, sessions and config never die: keep them out of GC scans
         self.dataplane.started = True
         if self.on_ready is not None:
             self.on_ready()
@@ -135,6 +138,15 @@ class Server:
             )
         remaining = max(0.0, deadline - time.monotonic())
         await grpc_server.stop(remaining)  # type: ignore[attr-defined]
+
+
+def _cache_default(config: ServerConfig) -> Any:
+    """The server-wide response cache config (validated; errors name the file and field)."""
+    if config.response_cache is None:
+        return None
+    from rtserve.cache import CacheConfig
+
+    return CacheConfig.from_dict(config.response_cache, config.config_file or "server config")
 
 
 def configure_logging(level: str) -> None:

@@ -18,7 +18,7 @@ from urllib.parse import unquote
 import numpy as np
 import orjson
 
-from rtserve.core.dataplane import DataPlane, outcome_of
+from rtserve.core.dataplane import Checked, DataPlane, outcome_of
 from rtserve.errors import (
     InferenceFailed,
     InvalidInput,
@@ -116,12 +116,21 @@ class HttpFrontend:
                 version,
             )
             request.timings = timings
-            if self.dataplane.wants_cache(request, mv):
-                task = asyncio.get_running_loop().create_task(self._infer_cached(conn, request, mv))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-                return
-            future, wanted = self.dataplane.submit(request, mv)
+            checked = self.dataplane.check(request, mv)
+            if mv.cache is not None:
+                hit, key = self.dataplane.cached(request, mv)
+                if hit is not None:
+                    self._send(conn, request, mv, hit)
+                    return
+                if key is not None:
+                    task = asyncio.get_running_loop().create_task(
+                        self._infer_cached(conn, request, mv, checked, key)
+                    )
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                    return
+            future = self.dataplane.enqueue(request, mv, checked)
+            wanted = checked.wanted
         except RTServeError as exc:
             self._fail(conn, exc, mv, timings)
             return
@@ -152,10 +161,15 @@ class HttpFrontend:
         self._send(conn, request, mv, response)
 
     async def _infer_cached(
-        self, conn: Connection, request: InferRequest, mv: ModelVersion
+        self,
+        conn: Connection,
+        request: InferRequest,
+        mv: ModelVersion,
+        checked: Checked,
+        key: bytes,
     ) -> None:
         try:
-            response = await self.dataplane.infer(request, mv)
+            response = await self.dataplane.fill(request, mv, checked, key)
         except RTServeError as exc:
             self._fail(conn, exc, mv, request.timings)
             return
