@@ -86,13 +86,32 @@ class RedisServer:
 
     def command(self, *args: bytes) -> bytes | None:
         """Send one RESP command over a plain socket and return the first reply line."""
+        reply = self.reply(*args)
+        return None if reply is None else reply.split(b"\r\n", 1)[0]
+
+    def reply(self, *args: bytes) -> bytes | None:
+        """Send one RESP command and return the raw reply (a bulk string read in full)."""
         payload = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as s:
                 s.sendall(payload)
-                return s.recv(65536).split(b"\r\n", 1)[0]
+                data = s.recv(65536)
+                if data.startswith(b"$") and not data.startswith(b"$-1"):
+                    head, _, _ = data.partition(b"\r\n")
+                    total = len(head) + 2 + int(head[1:]) + 2
+                    while len(data) < total and (chunk := s.recv(65536)):
+                        data += chunk
+                return data
         except OSError:
             return None
+
+    def command_calls(self, name: str) -> int:
+        """How many times Redis ran ``name`` since the last CONFIG RESETSTAT."""
+        info = (self.reply(b"INFO", b"commandstats") or b"").decode()
+        for line in info.splitlines():
+            if line.startswith(f"cmdstat_{name.lower()}:calls="):
+                return int(line.split("calls=", 1)[1].split(",", 1)[0])
+        return 0
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cache_fixtures import redis_server  # noqa: F401  (a shared fixture)
 from tests.models import build_test_repository
 
 ROOT = Path(__file__).resolve().parent.parent

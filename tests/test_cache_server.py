@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
 
-from tests.cache_fixtures import RedisServer, redis_server  # noqa: F401  (fixture)
+from tests.cache_fixtures import RedisServer
 from tests.conftest import RunningServer, start_server
 from tests.models import build_scale
 
@@ -18,7 +18,7 @@ from tests.models import build_scale
 @pytest.fixture(scope="module")
 def cached_server(
     tmp_path_factory: pytest.TempPathFactory,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> Iterator[RunningServer]:
     root = tmp_path_factory.mktemp("cache-repo")
     build_scale(root / "both" / "1" / "model.onnx", 2.0)
@@ -80,7 +80,7 @@ def test_server_default_applies_and_false_turns_it_off(cached_server: RunningSer
 
 def test_answers_are_written_to_redis(
     cached_server: RunningServer, redis_server: RedisServer
-) -> None:  # noqa: F811
+) -> None:
     import time
 
     import redis

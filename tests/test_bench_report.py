@@ -1,0 +1,156 @@
+"""The benchmark report: tables, ratios to rtserve, failed peers kept as rows, goals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.report import RunRecord, fmt_ms, fmt_rps, headline_goals, render
+from bench.results import Measurement
+
+
+def _point(peer: str, rps: float, p99: float, client: str = "wrk", load: float = 32,
+           mode: str = "closed", workload: str = "mlp") -> Measurement:  # fmt: skip
+    return Measurement(peer, workload, client, mode, load, rps=rps, p50_ms=p99 / 4,
+                       p90_ms=p99 / 2, p99_ms=p99, requests=1000)  # fmt: skip
+
+
+def _record(**kwargs: object) -> RunRecord:
+    base: dict[str, object] = dict(
+        mode="full",
+        command="make bench (python -m bench.run)",
+        started="2026-11-22 10:00 UTC",
+        duration_s=600.0,
+        machine={"cpu": "Test CPU", "cores": "2"},
+        versions={"onnxruntime (all servers)": "1.31.1"},
+        settings={"max batch size (every batching server)": "32"},
+        labels={"rtserve": "rtserve", "mosec": "mosec", "mlserver": "MLServer",
+                "bare_asgi": "bare ASGI", "raw_asgi": "raw ASGI", "fastapi": "naive FastAPI"},
+        order=["rtserve", "bare_asgi", "raw_asgi", "fastapi", "mlserver", "mosec"],
+    )  # fmt: skip
+    base.update(kwargs)
+    return RunRecord(**base)  # type: ignore[arg-type]
+
+
+def test_formatting_keeps_three_significant_figures() -> None:
+    assert fmt_rps(12345.6) == "12,346"
+    assert fmt_rps(45.61) == "45.6"
+    assert fmt_ms(0.41234) == "0.412"
+    assert fmt_ms(4.1234) == "4.12"
+    assert fmt_ms(41.234) == "41.2"
+    assert fmt_ms(4123.4) == "4,123"
+    assert fmt_ms(None) == "—"
+
+
+def test_render_shows_ratio_to_rtserve_and_failed_peer_with_its_error() -> None:
+    record = _record(
+        matrix=[
+            _point("rtserve", 10000, 3.0),
+            _point("mosec", 5000, 6.0),
+            Measurement.failed("mlserver", "mlp", "wrk", "closed", 32, "install failed: no wheel"),
+            _point("rtserve", 9000, 30.0, client="openloop-json", mode="open", load=8000),
+        ],
+        limits=[
+            Measurement("onnxruntime", "mlp", "in-process", "limit", 32, rps=250000, p50_ms=0.12)
+        ],
+        plots=[("mlp closed", "img/bench-mlp-closed.png")],
+    )
+    text = render(record, "Benchmarks")
+    assert text.startswith("# Benchmarks\n")
+    assert "make bench (python -m bench.run)" in text
+    assert "| Test CPU |" in text
+    assert "| mosec | 32 | 5,000 | 1.50 | 3.00 | 6.00 | 0 | 0.50x |  |" in text
+    assert "| rtserve | 32 | 10,000 |" in text and "| 1.00x |" in text
+    assert "| MLServer | 32 | — | — | — | — | — | — | install failed: no wheel |" in text
+    assert "offered req/s" in text
+    assert "250,000 rows/s" in text
+    assert "![mlp closed](img/bench-mlp-closed.png)" in text
+
+
+def test_rows_follow_the_peer_order_then_load() -> None:
+    record = _record(matrix=[_point("mosec", 1, 1.0, load=8), _point("rtserve", 2, 1.0, load=64),
+                             _point("rtserve", 2, 1.0, load=1)])  # fmt: skip
+    text = render(record, "B")
+    first = text.index("| rtserve | 1 |")
+    assert first < text.index("| rtserve | 64 |") < text.index("| mosec | 8 |")
+
+
+def test_headline_goals_compare_rtserve_json_with_the_references() -> None:
+    points = [
+        _point("rtserve", 18000, 3.0),
+        _point("bare_asgi", 30000, 2.0),
+        _point("raw_asgi", 10000, 5.0),
+        _point("fastapi", 2000, 50.0),
+    ]
+    goals = {g.name: g for g in headline_goals(points)}
+    assert goals["rtserve JSON req/s vs bare ASGI (a)"].met is True
+    assert goals["rtserve JSON req/s vs bare ASGI (a)"].value == "0.60x"
+    assert goals["rtserve JSON req/s vs raw ASGI 1 run/request (b)"].met is True
+    assert goals["rtserve JSON req/s vs naive FastAPI (c)"].met is True
+    assert goals["rtserve p99 vs raw ASGI p99 (b)"].met is True
+
+
+def test_headline_goals_unmeasured_when_rtserve_failed() -> None:
+    points = [Measurement.failed("rtserve", "mlp", "wrk", "closed", 32, "exited with 1"),
+              _point("bare_asgi", 30000, 2.0)]  # fmt: skip
+    assert all(g.met is None for g in headline_goals(points))
+    text = render(_record(mode="quick", headline=points), "Quick")
+    assert "exited with 1" in text
+    assert "not measured" in text
+
+
+def test_committed_reports_exist_and_name_their_command() -> None:
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    for name in ("benchmarks.md", "benchmarks-quick.md"):
+        path = docs / name
+        if path.exists():
+            text = path.read_text()
+            assert "python -m bench.run" in text
+            assert "## Machine" in text
+
+
+def test_open_loop_ratio_compares_p99_not_throughput() -> None:
+    record = _record(
+        matrix=[
+            _point("rtserve", 1000, 4.0, client="openloop-json", mode="open", load=1000),
+            _point("mosec", 1000, 8.0, client="openloop-json", mode="open", load=1000),
+        ]
+    )
+    text = render(record, "B")
+    assert "p99 × rtserve" in text
+    assert "| mosec | 1000 | 1,000 | 2.00 | 4.00 | 8.00 | 0 | 2.00x |  |" in text
+
+
+def test_a_peer_failing_every_point_the_same_way_gets_one_row() -> None:
+    failed = [Measurement.failed("mlserver", "mlp", "pa-grpc", "closed", c, "Method not found!")
+              for c in (1, 8, 32, 64)]  # fmt: skip
+    text = render(_record(matrix=[_point("rtserve", 5000, 4.0, client="pa-grpc"), *failed]), "B")
+    assert text.count("Method not found!") == 1
+    assert "| MLServer | 1–64 | — |" in text
+
+
+def test_record_round_trips_through_json(tmp_path: Path) -> None:
+    from bench.report import load_record, save_record
+
+    record = _record(
+        headline=[_point("rtserve", 100, 1.0)],
+        matrix=[Measurement.failed("mosec", "mlp", "wrk", "closed", 8, "refused")],
+        loads=[("mlp", "mosec", "1.00 / 1.00 / 1.00")],
+        plots=[("caption", "img/x.png")],
+    )
+    save_record(tmp_path / "record.json", record)
+    again = load_record(tmp_path / "record.json")
+    assert again == record
+    assert render(again, "B") == render(record, "B")
+
+
+def test_plots_write_png_files(tmp_path: Path) -> None:
+    from bench import plots
+
+    closed = [_point(p, rps, p99, load=c) for p, rps, p99, c in
+              (("rtserve", 500, 2.0, 1), ("rtserve", 9000, 4.0, 32), ("mosec", 7000, 6.0, 32))]  # fmt: skip
+    failed = Measurement.failed("mlserver", "mlp", "wrk", "closed", 32, "down")
+    out = plots.draw("closed", [*closed, failed], ["rtserve", "mosec"], {}, "t", tmp_path / "c.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    opened = [_point("rtserve", 1000, 2.0, client="openloop-json", mode="open", load=1000)]
+    out = plots.draw("open", opened, ["rtserve"], {}, "t", tmp_path / "o.png")
+    assert out.exists()

@@ -1,0 +1,57 @@
+"""Choosing the variant: Pareto front, budget, and the report files."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+from rtserve.optimize.evaluate import Measurement
+from rtserve.optimize.report import choose, markdown_table, pareto_front, plot
+
+
+def _m(name: str, p50: float, score: float) -> Measurement:
+    return Measurement(
+        name=name, path=f"{name}.onnx", size_bytes=1000, p50_ms=p50, p99_ms=p50 * 1.5,
+        throughput={1: 1000 / p50, 32: 32000 / p50}, score=score, score_name="cosine_mean",
+    )  # fmt: skip
+
+
+VARIANTS = [
+    _m("fp32", 10.0, 1.0),
+    _m("fp16", 10.5, 0.9999),  # slower and worse than fp32: dominated
+    _m("int8-dynamic", 6.0, 0.991),
+    _m("int8-static", 4.0, 0.93),
+    _m("pruned", 7.0, 0.90),  # dominated by int8-dynamic
+]
+
+
+def test_pareto_front_keeps_only_undominated_variants_sorted_by_latency() -> None:
+    assert pareto_front(VARIANTS) == ["int8-static", "int8-dynamic", "fp32"]
+
+
+def test_pareto_front_ignores_unmeasured_variants() -> None:
+    assert "x" not in pareto_front([*VARIANTS, _m("x", math.nan, 1.0)])
+
+
+def test_choose_picks_the_fastest_within_budget() -> None:
+    assert (c := choose(VARIANTS, 1.0, 0.01)) is not None and c.name == "int8-dynamic"
+    assert (c := choose(VARIANTS, 1.0, 0.1)) is not None and c.name == "int8-static"
+    assert (c := choose(VARIANTS, 1.0, 0.0)) is not None and c.name == "fp32"
+
+
+def test_choose_returns_none_when_nothing_fits() -> None:
+    assert choose(VARIANTS[1:], 1.0, 0.0) is None
+
+
+def test_markdown_table_marks_choice_pareto_and_budget() -> None:
+    table = markdown_table(VARIANTS, "fp32", 1.0, 0.01, chosen="int8-dynamic")
+    row = next(line for line in table.splitlines() if "`int8-dynamic`" in line)
+    assert "**chosen**" in row and "Pareto" in row and "1.67x" in row and "| yes |" in row
+    static_row = next(line for line in table.splitlines() if "`int8-static`" in line)
+    assert "| no |" in static_row
+
+
+def test_plot_writes_a_small_png(tmp_path: pathlib.Path) -> None:
+    path = plot(VARIANTS, tmp_path / "p.png", "test", chosen="int8-dynamic")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size < 200_000
