@@ -113,6 +113,7 @@ def build_slow_repository(root: Path, max_queue_size: int, delay_us: int) -> Pat
     build_scale(root / "slow" / "1" / "model.onnx", 3.0)
     (root / "slow" / "config.yaml").write_text(
         "max_batch_size: 4\n"
-        f"dynamic_batching: {{max_queue_delay_us: {delay_us}, max_queue_size: {max_queue_size}}}\n"
+        f"dynamic_batching: {{max_queue_delay_us: {delay_us}, max_queue_size: {max_queue_size},"
+        " adaptive_delay: false}\n"
     )
     return root

@@ -47,3 +47,21 @@ def test_zero_delay_dispatches_immediately() -> None:
 def test_empty_queue_waits_for_an_arrival() -> None:
     plan = policy().plan([], 0, 0)
     assert plan.take == 0 and plan.wait_until_ns == 0
+
+
+def test_no_wait_when_no_more_requests_can_come() -> None:
+    # Every client already waits on a queued request (a closed loop): waiting only adds latency.
+    assert policy().plan([1, 1], 0, 10, more_expected=False).take == 2
+
+
+def test_no_wait_when_arrivals_are_slower_than_a_batch() -> None:
+    p = policy()
+    assert p.plan([1], 0, 10, arrival_gap_ns=500_000, batch_ns=100_000).take == 1
+    # Arrivals faster than a batch runs: gathering pays, so wait.
+    assert p.plan([1], 0, 10, arrival_gap_ns=50_000, batch_ns=100_000).take == 0
+
+
+def test_adaptive_delay_can_be_turned_off() -> None:
+    strict = DynamicBatchPolicy(8, DynamicBatching(max_queue_delay_us=1000, adaptive_delay=False))
+    plan = strict.plan([1], 0, 10, more_expected=False, arrival_gap_ns=1e9, batch_ns=1)
+    assert plan.take == 0 and plan.wait_until_ns == MS

@@ -99,6 +99,8 @@ class DynamicBatching:
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_size: int = 1024
     default_timeout_us: int = 0  # 0: no server-side timeout unless the request sets one
+    # Skip the wait when it cannot help (no idle client, or arrivals slower than a batch).
+    adaptive_delay: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +189,7 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
         preferred_batch_sizes=tuple(sorted(preferred)),
         max_queue_size=db.integer("max_queue_size", 1024, minimum=1),
         default_timeout_us=db.integer("default_timeout_us", 0),
+        adaptive_delay=db.boolean("adaptive_delay", True),
     )
     db.check_unknown()
 

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,8 @@ class ModelRepository:
         self.metrics = metrics
         self.cache_default = cache_default
         self._cache_metrics: Any = None
+        # Set by the server: whether another request may arrive soon (see the batch policy).
+        self.more_expected: Callable[[], bool] | None = None
         self.models: dict[str, Model] = {}
 
     # ------------------------------------------------------------------ loading
@@ -165,6 +168,7 @@ class ModelRepository:
             batched=config.max_batch_size > 0,
             inline=inline,
             on_batch=metrics.observe_batch,
+            more_expected=self.more_expected,
         )
         batcher.start()
         metrics.track_queue_depth(lambda: batcher.queue_depth)

@@ -61,6 +61,7 @@ class Batcher:
         batched: bool,
         inline: bool,
         on_batch: BatchObserver | None = None,
+        more_expected: Callable[[], bool] | None = None,
     ) -> None:
         self.name = name
         self._runtime = runtime
@@ -69,6 +70,11 @@ class Batcher:
         self._batched = batched
         self.inline = inline
         self._on_batch = on_batch
+        # Whether another request may arrive soon (the frontends know their idle clients).
+        self._more_expected = more_expected or (lambda: True)
+        self._last_arrival = 0
+        self.arrival_gap_ns = 0.0  # moving average of the time between arrivals
+        self.batch_ns = 0.0  # moving average of a batch's run time
         self._queue: deque[_Pending] = deque()
         self._queued_rows = 0
         self._threshold = policy.wake_threshold()
@@ -133,7 +139,10 @@ class Batcher:
         loop = self._loop
         assert loop is not None, "batcher not started"
         future: asyncio.Future[Outputs] = loop.create_future()
-        timings.enqueued = _now()
+        now = timings.enqueued = _now()
+        if self._last_arrival:
+            self.arrival_gap_ns += 0.1 * ((now - self._last_arrival) - self.arrival_gap_ns)
+        self._last_arrival = now
         shape_key = tuple(a.shape[1:] for a in feeds.values()) if self._ragged else None
         pending = _Pending(feeds, rows, future, timings, shape_key)
         if timeout_s > 0:
@@ -144,7 +153,9 @@ class Batcher:
         if (
             wakeup is not None
             and not wakeup.done()
-            and (self._idle_wait or self._queued_rows >= self._threshold)
+            and (
+                self._idle_wait or self._queued_rows >= self._threshold or not self._more_expected()
+            )
         ):
             wakeup.set_result(None)
         return future
@@ -193,7 +204,14 @@ class Batcher:
                 if count > max_rows:
                     break
             now = _now()
-            plan = policy.plan(rows, head.enqueued_ns, now)
+            plan = policy.plan(
+                rows,
+                head.enqueued_ns,
+                now,
+                self._more_expected(),
+                self.arrival_gap_ns,
+                self.batch_ns,
+            )
             if plan.take == 0:
                 self._wakeup = loop.create_future()
                 timer = (
@@ -253,6 +271,7 @@ class Batcher:
         self._free.append(instance)
         self._in_flight -= 1
         total_rows = sum(p.rows for p in batch)
+        self.batch_ns += 0.1 * ((end - start) - self.batch_ns)
         if self._on_batch is not None:
             self._on_batch(total_rows, end - start)
         if outputs is not None and self._batched:

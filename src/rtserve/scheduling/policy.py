@@ -31,13 +31,29 @@ class DynamicBatchPolicy:
         self.delay_ns = settings.max_queue_delay_us * 1000
         self.preferred = tuple(p for p in settings.preferred_batch_sizes if p <= self.max_rows)
         self.full_rows = self.preferred[-1] if self.preferred else self.max_rows
+        self.adaptive = settings.adaptive_delay
 
     def wake_threshold(self) -> int:
         """Queued rows at which a waiting batcher must re-plan before its timer fires."""
         return self.full_rows
 
-    def plan(self, rows: Sequence[int], oldest_enqueued_ns: int, now_ns: int) -> Plan:
-        """``rows``: rows of each batchable queued request, oldest first."""
+    def plan(
+        self,
+        rows: Sequence[int],
+        oldest_enqueued_ns: int,
+        now_ns: int,
+        more_expected: bool = True,
+        arrival_gap_ns: float = 0.0,
+        batch_ns: float = 0.0,
+    ) -> Plan:
+        """``rows``: rows of each batchable queued request, oldest first.
+
+        Waiting for the delay only pays when more requests will come soon. Dispatch at once
+        when ``more_expected`` is false (every client connection already has a request
+        queued: a closed loop waits on us) or when requests arrive more slowly than a batch
+        runs (``arrival_gap_ns`` > 2 x ``batch_ns``: the model keeps up one by one, so a
+        wait only adds latency).
+        """
         total = 0
         fit = 0
         prefix: list[int] = []
@@ -54,6 +70,10 @@ class DynamicBatchPolicy:
             return Plan(self._preferred_cut(prefix) if not overflow else fit, 0)
         deadline = oldest_enqueued_ns + self.delay_ns
         if now_ns >= deadline:
+            return Plan(fit, 0)
+        if self.adaptive and (
+            not more_expected or (batch_ns > 0 and arrival_gap_ns > 2 * batch_ns)
+        ):
             return Plan(fit, 0)
         return Plan(0, deadline)
 

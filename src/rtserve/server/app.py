@@ -56,9 +56,18 @@ class Server:
         self.dataplane = DataPlane(self.repository)
         self.http = HttpFrontend(self.dataplane, self.metrics, config.max_request_bytes)
         self.grpc = GrpcFrontend(self.dataplane, self.metrics, config.max_request_bytes)
+        self.http_server: HttpServer | None = None
+        self.repository.more_expected = self._more_expected
         self._stop = asyncio.Event()
         self.http_port = 0
         self.grpc_port = 0
+
+    def _more_expected(self) -> bool:
+        """Whether a request may arrive soon: an idle HTTP client connection exists, or gRPC
+        (whose clients multiplex one connection, so idleness is unknown) was used lately."""
+        if self.http_server is not None and self.http_server.idle_connections > 0:
+            return True
+        return time.monotonic() - self.grpc.last_request_s < 1.0
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -69,8 +78,8 @@ class Server:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
         cfg = self.config
-        self.http_server = HttpServer(self.http.handle, cfg.max_request_bytes)
-        self.http_port = await self.http_server.start(cfg.host, cfg.http_port, self.http_sock)
+        http_server = self.http_server = HttpServer(self.http.handle, cfg.max_request_bytes)
+        self.http_port = await http_server.start(cfg.host, cfg.http_port, self.http_sock)
         grpc_server, self.grpc_port = await start_grpc_server(
             self.grpc, cfg.host, cfg.grpc_port, reuse_port=self.http_sock is not None
         )
@@ -88,8 +97,8 @@ class Server:
             self._announce()
         await self._stop.wait()
 
-        await self._drain(grpc_server)
-        await self.http_server.close()
+        await self._drain(http_server, grpc_server)
+        await http_server.close()
         await self.repository.stop()
         log.info("stopped")
 
@@ -116,16 +125,16 @@ class Server:
             flush=True,
         )
 
-    async def _drain(self, grpc_server: object) -> None:
+    async def _drain(self, http_server: HttpServer, grpc_server: object) -> None:
         cfg = self.config
         deadline = time.monotonic() + cfg.grace_period_s
         self.dataplane.begin_drain()
-        self.http_server.begin_drain()
+        http_server.begin_drain()
         log.info("draining: readiness false, finishing accepted requests")
 
         def busy() -> bool:
             return (
-                self.http_server.busy
+                http_server.busy
                 or self.grpc.in_flight > 0
                 or any(mv.batcher.busy for mv in self.repository.loaded_versions())
             )

@@ -31,6 +31,7 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.in_flight = 0
+        self.last_request_s = 0.0  # time.monotonic() of the last inference RPC
 
     # ------------------------------------------------------------------ health & metadata
     async def ServerLive(self, request: Any, context: Any) -> Any:
@@ -133,6 +134,7 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
     async def _infer(self, request: Any, context: Any) -> tuple[Any, Timings, str]:
         """Returns (response message or None, timings, error message)."""
         timings = Timings(received=_now())
+        self.last_request_s = time.monotonic()
         mm = None
         try:
             mv = self.dataplane.resolve(

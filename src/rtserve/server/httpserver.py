@@ -93,6 +93,10 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        if self.current is not None:  # its answer, when ready, goes nowhere
+            self.current = None
+            self.server.busy_connections -= 1
+        self.pipeline.clear()
         self.closing = True
         self.transport = None
 
@@ -162,14 +166,18 @@ class Connection(asyncio.Protocol):
                 self.paused = True
             return
         self.current = request
+        self.server.busy_connections += 1
         self.server.handler(self, request)
 
     # ------------------------------------------------------------------ answering
     def respond(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         """Answer the current request; then start the next pipelined one."""
         request = self.current
+        if request is None:
+            return
         self.current = None
-        if request is None or self.transport is None or self.transport.is_closing():
+        self.server.busy_connections -= 1
+        if self.transport is None or self.transport.is_closing():
             return
         keep_alive = request.keep_alive and not self.server.draining
         http10 = self.parser.get_http_version() == "1.0"
@@ -186,6 +194,7 @@ class Connection(asyncio.Protocol):
                 self.transport.resume_reading()
                 self.paused = False
             self.current = nxt
+            self.server.busy_connections += 1
             self.server.handler(self, nxt)
         elif self.server.draining:
             self.transport.close()
@@ -210,6 +219,7 @@ class HttpServer:
         self.max_body = max_body
         self.idle_timeout_s = idle_timeout_s
         self.connections: set[Connection] = set()
+        self.busy_connections = 0  # connections with a request being answered
         self.draining = False
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -232,6 +242,11 @@ class HttpServer:
     @property
     def busy(self) -> bool:
         return any(not c.idle for c in self.connections)
+
+    @property
+    def idle_connections(self) -> int:
+        """Open connections with no request in progress: clients that may send one soon."""
+        return len(self.connections) - self.busy_connections
 
     async def _sweep_idle(self) -> None:
         while True:
