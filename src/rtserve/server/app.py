@@ -194,7 +194,7 @@ def _serve_workers(config: ServerConfig, ports_file: Path | None, workers: int) 
     http_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     http_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     http_sock.bind((config.host, config.http_port))
-    http_sock.listen(2048)
+    http_sock.listen(65535)
     http_sock.setblocking(False)
     grpc_port = config.grpc_port
     reservation = None

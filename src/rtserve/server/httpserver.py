@@ -22,6 +22,9 @@ import httptools
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 MAX_PIPELINED = 32
+# Accept-queue length (the kernel caps it at net.core.somaxconn): clients that open a
+# connection per request must not be reset while the loop is busy.
+_BACKLOG = 65535
 _now = time.perf_counter_ns
 
 
@@ -229,11 +232,11 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         if sock is not None:
             self._server = await loop.create_server(
-                lambda: Connection(self), sock=sock, backlog=2048
+                lambda: Connection(self), sock=sock, backlog=_BACKLOG
             )
         else:
             self._server = await loop.create_server(
-                lambda: Connection(self), host, port, reuse_address=True, backlog=2048
+                lambda: Connection(self), host, port, reuse_address=True, backlog=_BACKLOG
             )
         self._sweeper = loop.create_task(self._sweep_idle())
         sock = self._server.sockets[0]
