@@ -59,11 +59,13 @@ format: setup
 bench-quick: setup examples
 	$(BIN)/python -m bench.run --quick
 
+# The full suite (about 30 min), then the response-cache benchmark; results under docs/.
 bench: setup examples
 	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.cache_zipf --model all
 
 optimize-report: setup
-	$(BIN)/python -m rtserve.cli optimize-report --out docs/optimization.md
+	$(BIN)/python -m rtserve.optimize.showcase --out docs/optimization.md
 
 clean:
 	rm -rf $(VENV) $(REPO) bench/.peers bench/.work optimize-out

@@ -1,0 +1,215 @@
+"""Open-loop HTTP client: Poisson arrivals at a fixed rate, latency from each scheduled send.
+
+wrk is closed loop (a request waits for the previous one on its connection), which hides
+queueing delay. Here every request has an arrival time drawn in advance; when all connections
+are busy it waits in the client and that wait counts in its latency, so a server past saturation
+shows a growing p99 instead of a flat throughput. Runs in the project's venv:
+
+    python -m bench.clients.openloop URL BODY_FILE --rate 2000 --duration 5
+
+and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+import numpy as np
+import uvloop
+
+
+@dataclass
+class _Stats:
+    latencies: list[float] = field(default_factory=list)
+    lags: list[float] = field(default_factory=list)
+    errors: int = 0
+    sent: int = 0
+    last_done: float = 0.0
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, client: _Client) -> None:
+        self.client = client
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.scheduled = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.client.finish(self, ok=False)
+            if self.transport is not None:
+                self.transport.close()
+
+    def on_message_complete(self) -> None:
+        self.client.finish(self, ok=self.parser.get_status_code() == 200)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client.lost(self)
+
+
+class _Client:
+    def __init__(self, host: str, port: int, request: bytes, max_connections: int) -> None:
+        self.host, self.port, self.request = host, port, request
+        self.max_connections = max_connections
+        self.idle: collections.deque[_Connection] = collections.deque()
+        self.waiting: collections.deque[float] = collections.deque()
+        self.busy: set[_Connection] = set()
+        self.opening = 0
+        self.stats = _Stats()
+        self.loop = asyncio.get_running_loop()
+
+    async def open(self, count: int) -> None:
+        for _ in range(count):
+            _, conn = await self.loop.create_connection(
+                lambda: _Connection(self), self.host, self.port
+            )
+            self.idle.append(conn)
+
+    def submit(self, scheduled: float) -> None:
+        if self.idle:
+            self._send(self.idle.popleft(), scheduled)
+            return
+        self.waiting.append(scheduled)
+        if len(self.busy) + self.opening < self.max_connections:
+            self.opening += 1
+            self.loop.create_task(self._grow())
+
+    async def _grow(self) -> None:
+        try:
+            _, conn = await self.loop.create_connection(
+                lambda: _Connection(self), self.host, self.port
+            )
+        except OSError:
+            self.stats.errors += 1
+            return
+        finally:
+            self.opening -= 1
+        self._release(conn)
+
+    def _send(self, conn: _Connection, scheduled: float) -> None:
+        conn.scheduled = scheduled
+        self.busy.add(conn)
+        self.stats.sent += 1
+        self.stats.lags.append(time.perf_counter() - scheduled)
+        if conn.transport is not None:
+            conn.transport.write(self.request)
+
+    def _release(self, conn: _Connection) -> None:
+        if self.waiting:
+            self._send(conn, self.waiting.popleft())
+        else:
+            self.idle.append(conn)
+
+    def finish(self, conn: _Connection, ok: bool) -> None:
+        if conn not in self.busy:
+            return
+        self.busy.discard(conn)
+        now = time.perf_counter()
+        if ok:
+            self.stats.latencies.append(now - conn.scheduled)
+            self.stats.last_done = now
+        else:
+            self.stats.errors += 1
+        self._release(conn)
+
+    def lost(self, conn: _Connection) -> None:
+        if conn in self.busy:
+            self.busy.discard(conn)
+            self.stats.errors += 1
+        if conn in self.idle:
+            self.idle.remove(conn)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.busy) + len(self.waiting)
+
+
+def arrivals(rate: float, duration_s: float, seed: int = 1) -> np.ndarray:
+    """Poisson arrival offsets (seconds) in ``[0, duration_s)``."""
+    rng = np.random.default_rng(seed)
+    count = int(rate * duration_s * 1.2) + 16
+    times = np.cumsum(rng.exponential(1.0 / rate, size=count))
+    return times[times < duration_s]
+
+
+async def run(
+    url: str, body: bytes, rate: float, duration_s: float, drain_s: float, max_connections: int
+) -> dict[str, float]:
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    request = (
+        f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    client = _Client(host, port, request, max_connections)
+    await client.open(min(32, max_connections))
+    offsets = arrivals(rate, duration_s)
+    start = time.perf_counter()
+    index = 0
+    while index < len(offsets):
+        now = time.perf_counter() - start
+        while index < len(offsets) and offsets[index] <= now:
+            client.submit(start + offsets[index])
+            index += 1
+        if index < len(offsets):
+            await asyncio.sleep(max(0.0, offsets[index] - (time.perf_counter() - start)))
+    deadline = time.perf_counter() + drain_s
+    while client.outstanding and time.perf_counter() < deadline:
+        await asyncio.sleep(0.005)
+    unfinished = client.outstanding
+    stats = client.stats
+    elapsed = max((stats.last_done or time.perf_counter()) - start, 1e-9)
+    lat = np.asarray(stats.latencies) * 1000
+    lag = np.asarray(stats.lags) * 1000
+    pct = lambda a, q: float(np.percentile(a, q)) if a.size else float("nan")  # noqa: E731
+    return {
+        "offered": rate,
+        "scheduled": int(len(offsets)),
+        "sent": stats.sent,
+        "completed": int(lat.size),
+        "errors": stats.errors + unfinished,
+        "unfinished": unfinished,
+        "rps": lat.size / elapsed,
+        "p50_ms": pct(lat, 50),
+        "p90_ms": pct(lat, 90),
+        "p99_ms": pct(lat, 99),
+        "send_lag_p99_ms": pct(lag, 99),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("url")
+    parser.add_argument("body_file", type=Path)
+    parser.add_argument("--rate", type=float, required=True)
+    parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--drain", type=float, default=3.0)
+    parser.add_argument("--connections", type=int, default=256)
+    args = parser.parse_args()
+    result = uvloop.run(
+        run(args.url, args.body_file.read_bytes(), args.rate, args.duration, args.drain,
+            args.connections)
+    )  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

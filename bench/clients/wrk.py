@@ -1,0 +1,127 @@
+"""wrk: closed-loop HTTP load with a fixed POST body, results read from a Lua ``done`` hook."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from bench.results import Measurement
+
+_MARKER = "BENCH_JSON "
+
+_DONE_HOOK = """
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('BENCH_JSON {"requests":%d,"duration_us":%d,"connect":%d,"read":%d,'
+    .. '"write":%d,"status":%d,"timeout":%d,"p50_us":%d,"p90_us":%d,"p99_us":%d}\\n',
+    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99)))
+end
+"""
+
+
+def lua_script(body: bytes, content_type: str = "application/json") -> str:
+    """A wrk script that POSTs ``body`` and prints exact percentiles as one JSON line."""
+    text = body.decode()
+    level = 1
+    while f"]{'=' * level}]" in text:
+        level += 1
+    eq = "=" * level
+    return (
+        'wrk.method = "POST"\n'
+        f"wrk.body = [{eq}[{text}]{eq}]\n"
+        f'wrk.headers["Content-Type"] = "{content_type}"\n' + _DONE_HOOK
+    )
+
+
+def parse(output: str) -> dict[str, float]:
+    """Throughput, percentiles (ms) and error count from wrk's output.
+
+    Prefers the JSON line from the ``done`` hook; falls back to wrk's own text (``--latency``).
+    """
+    for line in output.splitlines():
+        if line.startswith(_MARKER):
+            data = json.loads(line[len(_MARKER) :])
+            seconds = data["duration_us"] / 1e6
+            errors = sum(data[k] for k in ("connect", "read", "write", "status", "timeout"))
+            return {
+                "requests": data["requests"],
+                "rps": data["requests"] / seconds if seconds else 0.0,
+                "p50_ms": data["p50_us"] / 1000,
+                "p90_ms": data["p90_us"] / 1000,
+                "p99_ms": data["p99_us"] / 1000,
+                "errors": errors,
+            }
+    return _parse_text(output)
+
+
+_UNITS_MS = {"us": 1e-3, "ms": 1.0, "s": 1000.0, "m": 60000.0}
+
+
+def _duration_ms(text: str) -> float:
+    match = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
+    if not match:
+        raise ValueError(f"not a wrk duration: {text!r}")
+    return float(match.group(1)) * _UNITS_MS[match.group(2)]
+
+
+def _parse_text(output: str) -> dict[str, float]:
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", output)
+    if not rps:
+        raise ValueError("no Requests/sec in wrk output")
+    result: dict[str, float] = {"rps": float(rps.group(1))}
+    total = re.search(r"(\d+) requests in", output)
+    result["requests"] = int(total.group(1)) if total else 0
+    for pct in (50, 90, 99):
+        found = re.search(rf"^\s+{pct}%\s+(\S+)", output, re.MULTILINE)
+        result[f"p{pct}_ms"] = _duration_ms(found.group(1)) if found else float("nan")
+    errors = 0
+    socket = re.search(
+        r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", output
+    )
+    if socket:
+        errors += sum(int(g) for g in socket.groups())
+    status = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
+    if status:
+        errors += int(status.group(1))
+    result["errors"] = errors
+    return result
+
+
+def measure(
+    url: str,
+    script: Path,
+    connections: int,
+    duration_s: float,
+    base: Measurement,
+    threads: int = 1,
+) -> Measurement:
+    """Run wrk once; a failure becomes a Measurement with ``error`` set."""
+    cmd = [
+        "wrk",
+        f"-t{min(threads, connections)}",
+        f"-c{connections}",
+        f"-d{max(1, round(duration_s))}s",
+        "--timeout",
+        "10s",
+        "--latency",
+        "-s",
+        str(script),
+        url,
+    ]
+    base.extra["command"] = " ".join(cmd)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 30)
+        parsed = parse(proc.stdout)
+    except (subprocess.TimeoutExpired, ValueError, OSError) as exc:
+        base.error = f"wrk: {exc}"
+        return base
+    base.rps = parsed["rps"]
+    base.requests = int(parsed["requests"])
+    base.errors = int(parsed["errors"])
+    base.p50_ms, base.p90_ms, base.p99_ms = parsed["p50_ms"], parsed["p90_ms"], parsed["p99_ms"]
+    if base.requests and base.errors >= base.requests:
+        base.error = "every request failed"
+    return base

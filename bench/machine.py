@@ -1,0 +1,54 @@
+"""Facts about the machine and the software a run measured."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def memory_gib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 1024**2
+    except OSError:
+        pass
+    return float("nan")
+
+
+def load_average() -> tuple[float, float, float]:
+    return os.getloadavg()
+
+
+def tool_version(argv: list[str], env: dict[str, str] | None = None) -> str:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=20, env=env)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    text = (proc.stdout + proc.stderr).strip().splitlines()
+    return text[0].strip() if text else "?"
+
+
+def facts() -> dict[str, str]:
+    return {
+        "cpu": cpu_model(),
+        "cores": str(os.cpu_count()),
+        "memory": f"{memory_gib():.1f} GiB",
+        "kernel": platform.release(),
+        "os": platform.platform(terse=True),
+        "python": sys.version.split()[0],
+        "load average at start": " / ".join(f"{v:.2f}" for v in load_average()),
+    }

@@ -1,0 +1,166 @@
+"""Start a server in its own session, wait until it answers, stop it and every descendant."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, ValueError):
+        return None
+
+
+def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(
+        url, data=body, method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read()
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def same_session(sid: int) -> list[int]:
+    """Processes whose session id is ``sid`` (orphans that kept the session are found too)."""
+    found: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            found.append(int(entry))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    children = _children_map()
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Server:
+    """A server process started in a new session so that it and its children can be stopped."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        cwd: Path,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=dict(env),
+            cwd=str(cwd),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.pid = self.proc.pid
+        self._known: set[int] = set()
+
+    def wait_ready(self, url: str, timeout_s: float) -> None:
+        """Poll ``url`` until it answers 200; raise RuntimeError with the log's tail if not."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._known.update(descendants(self.pid))
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited with {self.proc.returncode}: {self.log_tail()}")
+            if http_status(url) == 200:
+                return
+            time.sleep(0.25)
+        raise RuntimeError(f"not ready after {timeout_s:.0f}s: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 3) -> str:
+        self._log.flush()
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        kept = [line.strip() for line in text.splitlines() if line.strip()]
+        return " | ".join(kept[-lines:])
+
+    def stop(self, grace_s: float = 15.0) -> list[int]:
+        """SIGTERM the process group, then SIGKILL whatever of it and its descendants is left.
+
+        Returns the PIDs that had to be killed.
+        """
+        self._known.update(descendants(self.pid))
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            self._known.update(descendants(self.pid))
+            left = self._known | set(same_session(self.pid))
+            if self.proc.poll() is not None and not any(alive(p) for p in left):
+                break
+            time.sleep(0.1)
+        candidates = {self.pid, *self._known, *descendants(self.pid), *same_session(self.pid)}
+        killed = [p for p in candidates if alive(p)]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        for pid in killed:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self._log.close()
+        return killed

@@ -1,0 +1,336 @@
+"""Render a run as Markdown: settings, machine, tables per workload and client, goals, plots."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.results import Measurement
+from bench.stats import ratio
+
+CLIENT_TITLES = {
+    "wrk": "wrk, V2 JSON body over HTTP/1.1",
+    "openloop-json": "Poisson client (bench.clients.openloop), V2 JSON body over HTTP/1.1",
+    "pa-http-binary": "perf_analyzer, V2 HTTP with binary tensors",
+    "pa-http-json": "perf_analyzer, V2 HTTP with JSON tensors",
+    "pa-grpc": "perf_analyzer, V2 gRPC",
+}
+
+
+@dataclass
+class RunRecord:
+    """Everything a report shows; filled by :mod:`bench.run`."""
+
+    mode: str
+    command: str
+    started: str
+    duration_s: float
+    machine: dict[str, str]
+    versions: dict[str, str]
+    settings: dict[str, str]
+    labels: dict[str, str]
+    order: list[str]
+    headline: list[Measurement] = field(default_factory=list)
+    matrix: list[Measurement] = field(default_factory=list)
+    limits: list[Measurement] = field(default_factory=list)
+    loads: list[tuple[str, str, str]] = field(default_factory=list)
+    plots: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    commands: dict[str, str] = field(default_factory=dict)
+    caveat: str = ""
+
+
+def save_record(path: Path, record: RunRecord) -> None:
+    """The whole record as JSON, so a report can be re-rendered without measuring again."""
+    path.write_text(json.dumps(asdict(record), indent=1))
+
+
+def load_record(path: Path) -> RunRecord:
+    data = json.loads(path.read_text())
+    for key in ("headline", "matrix", "limits"):
+        data[key] = [Measurement.from_dict(m) for m in data[key]]
+    for key in ("loads", "plots"):
+        data[key] = [tuple(item) for item in data[key]]
+    return RunRecord(**data)
+
+
+def fmt_rps(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def fmt_ms(value: float | None) -> str:
+    if value is None or value != value:
+        return "—"
+    if value < 1:
+        return f"{value:.3f}"
+    if value < 10:
+        return f"{value:.2f}"
+    if value < 100:
+        return f"{value:.1f}"
+    return f"{value:,.0f}"
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    return lines
+
+
+def _index(
+    measurements: Sequence[Measurement],
+) -> dict[tuple[str, str, str, str, float], Measurement]:
+    return {(m.peer, m.workload, m.client, m.mode, m.load): m for m in measurements}
+
+
+def _note(m: Measurement) -> str:
+    if m.error:
+        return m.error
+    notes = []
+    if m.extra.get("failed_rounds"):
+        notes.append(f"{m.extra['failed_rounds']} round(s) failed")
+    if m.extra.get("unfinished"):
+        notes.append(f"{m.extra['unfinished']} unfinished")
+    if m.extra.get("send_lag_p99_ms", 0) > 5:
+        notes.append(f"client lag p99 {fmt_ms(m.extra['send_lag_p99_ms'])} ms")
+    if m.extra.get("delayed_pct", 0) > 50:
+        notes.append(f"client sent {m.extra['delayed_pct']:.0f}% late")
+    return "; ".join(notes)
+
+
+def measurement_rows(
+    measurements: Sequence[Measurement],
+    order: Sequence[str],
+    labels: dict[str, str],
+    reference: dict[tuple[str, str, str, float], Measurement],
+) -> list[list[str]]:
+    """Rows of peer, load, req/s, p50, p90, p99, errors, ratio to rtserve, note.
+
+    The ratio is throughput over rtserve's in closed loop, and p99 over rtserve's in open loop
+    (where every server below saturation carries the offered rate).
+    """
+    rows: list[list[str]] = []
+    rank = {name: i for i, name in enumerate(order)}
+    ordered = sorted(measurements, key=lambda m: (rank.get(m.peer, len(rank)), m.load))
+    for peer_points in _by_peer(ordered):
+        errors = {m.error for m in peer_points}
+        if len(peer_points) > 1 and None not in errors and len(errors) == 1:
+            m = peer_points[0]
+            loads = f"{m.load:g}–{peer_points[-1].load:g}"
+            rows.append([labels.get(m.peer, m.peer), loads, *_figures(m, None), _note(m)])
+            continue
+        for m in peer_points:
+            ref = reference.get((m.workload, m.client, m.mode, m.load))
+            share = None
+            if m.ok and ref is not None and ref.ok:
+                share = ratio(m.p99_ms, ref.p99_ms) if m.mode == "open" else ratio(m.rps, ref.rps)
+            rows.append([labels.get(m.peer, m.peer), f"{m.load:g}", *_figures(m, share), _note(m)])
+    return rows
+
+
+def _by_peer(ordered: Sequence[Measurement]) -> list[list[Measurement]]:
+    groups: list[list[Measurement]] = []
+    for m in ordered:
+        if groups and groups[-1][0].peer == m.peer:
+            groups[-1].append(m)
+        else:
+            groups.append([m])
+    return groups
+
+
+def _figures(m: Measurement, share: float | None) -> list[str]:
+    """req/s, p50, p90, p99, errors and the ratio to rtserve; dashes for a failed point."""
+    if not m.ok:
+        return ["—"] * 5 + [fmt_ratio(share)]
+    return [fmt_rps(m.rps), fmt_ms(m.p50_ms), fmt_ms(m.p90_ms), fmt_ms(m.p99_ms), str(m.errors),
+            fmt_ratio(share)]  # fmt: skip
+
+
+def _rtserve_reference(
+    measurements: Sequence[Measurement],
+) -> dict[tuple[str, str, str, float], Measurement]:
+    return {(m.workload, m.client, m.mode, m.load): m for m in measurements if m.peer == "rtserve"}
+
+
+def matrix_section(record: RunRecord, workload: str) -> list[str]:
+    lines: list[str] = []
+    points = [m for m in record.matrix if m.workload == workload]
+    reference = _rtserve_reference(points)
+    clients = [c for c in CLIENT_TITLES if any(m.client == c for m in points)]
+    for mode, mode_title, load_name in (
+        ("closed", "closed loop", "concurrency"),
+        ("open", "open loop", "offered req/s"),
+    ):
+        for client in clients:
+            chosen = [m for m in points if m.client == client and m.mode == mode]
+            if not chosen:
+                continue
+            lines += ["", f"#### {CLIENT_TITLES[client]}: {mode_title}", ""]
+            share_name = "p99 × rtserve" if mode == "open" else "req/s × rtserve"
+            header = ["peer", load_name, "req/s", "p50 ms", "p90 ms", "p99 ms", "errors",
+                      share_name, "note"]  # fmt: skip
+            lines += _table(
+                header, measurement_rows(chosen, record.order, record.labels, reference)
+            )
+    return lines
+
+
+def limits_section(record: RunRecord, workload: str) -> list[str]:
+    lines: list[str] = []
+    model = [m for m in record.limits if m.workload == workload]
+    if model:
+        best = max((m for m in model if m.ok), key=lambda m: m.rps, default=None)
+        lines += ["", "#### Limits", ""]
+        if best is not None:
+            lines.append(
+                f"- The model alone, in-process through onnxruntime: **{fmt_rps(best.rps)} rows/s** "
+                f"at batch {best.load:g} ({fmt_ms(best.p50_ms)} ms per batch, p50)."
+            )
+        lines.append(
+            "- Per batch size: "
+            + ", ".join(f"{m.load:g}: {fmt_rps(m.rps)} rows/s" for m in model if m.ok)
+            + "."
+        )
+    bare = [m for m in record.matrix if m.workload == workload and m.peer == "bare_asgi"]
+    wrk32 = next((m for m in bare if m.client == "wrk" and m.load == 32 and m.ok), None)
+    if wrk32 is not None:
+        lines.append(
+            f"- The HTTP layer alone (bare ASGI on uvicorn, orjson parse, fixed answer): "
+            f"**{fmt_rps(wrk32.rps)} req/s** with wrk at 32 connections "
+            f"(p99 {fmt_ms(wrk32.p99_ms)} ms)."
+        )
+    return lines
+
+
+@dataclass(frozen=True)
+class Goal:
+    name: str
+    target: str
+    value: str
+    met: bool | None
+
+
+def headline_goals(points: Sequence[Measurement]) -> list[Goal]:
+    """The core serving issue's targets, from the median rows of the headline comparison."""
+    at = {m.peer: m for m in points if m.client == "wrk" and m.mode == "closed" and m.ok}
+    rt = at.get("rtserve")
+    goals: list[Goal] = []
+    for peer, target, title in (
+        ("bare_asgi", 0.6, "rtserve JSON req/s vs bare ASGI (a)"),
+        ("raw_asgi", 1.5, "rtserve JSON req/s vs raw ASGI 1 run/request (b)"),
+        ("fastapi", 6.0, "rtserve JSON req/s vs naive FastAPI (c)"),
+    ):
+        other = at.get(peer)
+        share = ratio(rt.rps, other.rps) if rt and other else None
+        goals.append(
+            Goal(
+                title,
+                f">= {target:g}x",
+                fmt_ratio(share),
+                None if share is None else share >= target,
+            )
+        )
+    raw = at.get("raw_asgi")
+    if rt and raw and rt.p99_ms is not None and raw.p99_ms is not None:
+        goals.append(
+            Goal(
+                "rtserve p99 vs raw ASGI p99 (b)",
+                "<= (b)",
+                f"{fmt_ms(rt.p99_ms)} vs {fmt_ms(raw.p99_ms)} ms",
+                rt.p99_ms <= raw.p99_ms,
+            )
+        )
+    else:
+        goals.append(Goal("rtserve p99 vs raw ASGI p99 (b)", "<= (b)", "—", None))
+    return goals
+
+
+def headline_section(record: RunRecord) -> list[str]:
+    if not record.headline:
+        return []
+    points = record.headline
+    reference = _rtserve_reference(points)
+    lines = [
+        "",
+        "## The core serving comparison (MLP, one row per request, 32 connections)",
+        "",
+        "Medians of alternating rounds (the order of servers rotates each round); the "
+        "`rounds` note lists each round's req/s. wrk sends the V2 JSON body; perf_analyzer "
+        "measures rtserve's binary HTTP and gRPC paths at the same concurrency.",
+        "",
+    ]
+    rows = []
+    rank = {name: i for i, name in enumerate(record.order)}
+    for m in sorted(points, key=lambda m: (m.client != "wrk", rank.get(m.peer, 99), m.client)):
+        ref = reference.get((m.workload, "wrk", m.mode, m.load))
+        share = ratio(m.rps, ref.rps) if (m.ok and ref and ref.ok) else None
+        note = _note(m)
+        if m.ok and m.extra.get("rounds_rps"):
+            rounds = ", ".join(fmt_rps(v) for v in m.extra["rounds_rps"])
+            note = f"rounds: {rounds}" + (f"; {note}" if note else "")
+        rows.append([record.labels.get(m.peer, m.peer), m.client, *_figures(m, share), note])
+    header = ["server", "client", "req/s", "p50 ms", "p90 ms", "p99 ms", "errors",
+              "req/s × rtserve JSON", "note"]  # fmt: skip
+    lines += _table(header, rows)
+    lines += ["", "Goals of the core serving issue:", ""]
+    mark = {True: "met", False: "**not met**", None: "not measured"}
+    lines += _table(
+        ["goal", "target", "measured", "status"],
+        [[g.name, g.target, g.value, mark[g.met]] for g in headline_goals(points)],
+    )
+    return lines
+
+
+def render(record: RunRecord, title: str) -> str:
+    lines = [
+        f"# {title}",
+        "",
+        f"Generated by `{record.command}` ({record.mode} mode) on {record.started}, "
+        f"{record.duration_s / 60:.1f} minutes. Raw points: `bench/results/raw/` (not committed).",
+        "",
+        *([f"**{record.caveat}**", ""] if record.caveat else []),
+        "Every server ran alone on this machine, bound to 127.0.0.1, with the load client on the "
+        "same cores; each was started, warmed up, measured and stopped (its whole process group) "
+        "before the next. Differences under ~15% are within this machine's run-to-run swing.",
+        "",
+        "Related pages: the response-cache benchmark ([benchmarks-cache.md](benchmarks-cache.md), "
+        "`python -m bench.cache_zipf`), the model-optimization report "
+        "([optimization.md](optimization.md), `make optimize-report`), and why the server is "
+        "built the way it is ([serving.md](serving.md)).",
+        "",
+        "## Machine",
+        "",
+    ]
+    lines += _table(["fact", "value"], list(record.machine.items()))
+    lines += ["", "## Settings", ""]
+    lines += _table(["setting", "value"], list(record.settings.items()))
+    lines += headline_section(record)
+    workloads = sorted({m.workload for m in record.matrix} | {m.workload for m in record.limits})
+    for workload in sorted(workloads, key=lambda w: (w != "mlp", w)):
+        lines += ["", f"## Workload: {workload}"]
+        lines += limits_section(record, workload)
+        lines += matrix_section(record, workload)
+    if record.plots:
+        lines += ["", "## Plots", ""]
+        for caption, path in record.plots:
+            lines += [f"![{caption}]({path})", "", f"*{caption}*", ""]
+    if record.commands:
+        lines += ["", "## Client commands (one example each)", ""]
+        for client, cmd in record.commands.items():
+            lines += [f"- {client}: `{cmd}`"]
+    lines += ["", "## Versions", ""]
+    lines += _table(["component", "version"], list(record.versions.items()))
+    if record.loads:
+        lines += ["", "## Load average before each server started", ""]
+        lines += _table(["workload", "server", "1 / 5 / 15 min"], [list(x) for x in record.loads])
+    if record.notes:
+        lines += ["", "## Notes", ""]
+        lines += [f"- {note}" for note in record.notes]
+    return "\n".join(lines).rstrip() + "\n"

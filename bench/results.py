@@ -1,0 +1,68 @@
+"""One measured point, as every client reports it and every report reads it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Measurement:
+    """A single load point against one peer.
+
+    ``load`` is the concurrency (closed loop) or the offered request rate (open loop);
+    latencies are milliseconds; ``error`` holds a short reason when the point failed.
+    """
+
+    peer: str
+    workload: str
+    client: str
+    mode: str
+    load: float
+    rps: float = 0.0
+    p50_ms: float | None = None
+    p90_ms: float | None = None
+    p99_ms: float | None = None
+    errors: int = 0
+    requests: int = 0
+    error: str | None = None
+    round: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Measurement:
+        return cls(**data)
+
+    @classmethod
+    def failed(
+        cls, peer: str, workload: str, client: str, mode: str, load: float, error: str
+    ) -> Measurement:
+        return cls(peer, workload, client, mode, load, error=short_error(error))
+
+
+def short_error(text: str, limit: int = 160) -> str:
+    """One line, at most ``limit`` characters: what a table cell can hold."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def save(path: Path, measurements: list[Measurement]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(m.to_json() + "\n" for m in measurements))
+
+
+def load(path: Path) -> list[Measurement]:
+    return [
+        Measurement.from_dict(json.loads(line))
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]

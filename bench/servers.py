@@ -1,0 +1,259 @@
+"""How each peer is installed, configured, started and asked whether it is ready."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bench import envs
+from bench.peers.common import PeerSettings, TensorSpec
+from bench.procs import Server, free_port
+from bench.workloads import ROOT, WORK, Workload
+
+MAX_BATCH = 32
+MAX_WAIT_MS = 1.0
+INTER_OP_THREADS = 1
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A server under test.
+
+    ``env`` names its virtual environment (``main`` is the project's own); ``v2`` says it speaks
+    the Open Inference Protocol (so perf_analyzer can measure it); ``kind`` is ``peer`` for the
+    compared servers and ``limit``/``reference`` for the yardsticks.
+    """
+
+    name: str
+    label: str
+    env: str
+    health: str
+    infer: str
+    v2: bool = False
+    grpc: bool = False
+    kind: str = "peer"
+    start_timeout_s: float = 60.0
+    distribution: str | None = None
+
+    def infer_path(self, model: str) -> str:
+        return self.infer.format(model=model)
+
+    def health_path(self, model: str) -> str:
+        return self.health.format(model=model)
+
+
+PEERS: dict[str, Peer] = {
+    p.name: p
+    for p in (
+        Peer("rtserve", "rtserve", "main", "/v2/models/{model}/ready", "/v2/models/{model}/infer",
+             v2=True, grpc=True, distribution="rtserve"),
+        Peer("bare_asgi", "bare ASGI (no model, limit)", "main", "/", "/v2/models/{model}/infer",
+             kind="limit", distribution="uvicorn"),
+        Peer("raw_asgi", "raw ASGI, 1 run/request", "main", "/", "/v2/models/{model}/infer",
+             kind="reference", distribution="uvicorn"),
+        Peer("fastapi", "naive FastAPI", "fastapi", "/health", "/infer", distribution="fastapi"),
+        Peer("mlserver", "MLServer", "mlserver", "/v2/models/{model}/ready", "/v2/models/{model}/infer",
+             v2=True, grpc=True, distribution="mlserver"),
+        Peer("litserve", "LitServe", "litserve", "/health", "/infer", distribution="litserve"),
+        Peer("bentoml", "BentoML", "bentoml", "/readyz", "/infer", distribution="bentoml"),
+        Peer("rayserve", "Ray Serve", "rayserve", "/infer", "/infer", start_timeout_s=120.0,
+             distribution="ray"),
+        Peer("pytriton", "Triton (PyTriton)", "pytriton", "/v2/models/{model}/ready",
+             "/v2/models/{model}/infer", v2=True, grpc=True, start_timeout_s=120.0,
+             distribution="nvidia-pytriton"),
+        Peer("mosec", "mosec", "mosec", "/", "/inference", distribution="mosec"),
+    )
+}  # fmt: skip
+
+
+def peer_settings(workload: Workload, workdir: Path) -> PeerSettings:
+    return PeerSettings(
+        model_name=workload.model_name,
+        model_path=str(workload.model_path()),
+        inputs=workload.inputs,
+        outputs=workload.outputs,
+        intra_op_threads=workload.intra_op_threads,
+        inter_op_threads=INTER_OP_THREADS,
+        max_batch_size=MAX_BATCH,
+        max_wait_ms=MAX_WAIT_MS,
+        workdir=str(workdir),
+    )
+
+
+@dataclass
+class Running:
+    peer: Peer
+    server: Server
+    settings: PeerSettings
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.port}"
+
+    def url(self, model: str) -> str:
+        return self.base_url + self.peer.infer_path(model)
+
+
+def _triton_type(spec: TensorSpec) -> str:
+    return f"TYPE_{spec.datatype}"
+
+
+def _rtserve_repository(cfg: PeerSettings, workdir: Path) -> Path:
+    repo = workdir / "repository"
+    version = repo / cfg.model_name / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    target = version / "model.onnx"
+    if not target.exists():
+        shutil.copyfile(cfg.model_path, target)
+    config = {
+        "max_batch_size": cfg.max_batch_size,
+        "dynamic_batching": {
+            "max_queue_delay_us": round(cfg.max_wait_ms * 1000),
+            "preferred_batch_sizes": [cfg.max_batch_size],
+            "max_queue_size": 1024,
+        },
+        "instance_count": 1,
+        "onnxruntime": {
+            "intra_op_threads": cfg.intra_op_threads,
+            "inter_op_threads": cfg.inter_op_threads,
+            "graph_optimization_level": "all",
+        },
+        "warmup": {"batch_sizes": [1, cfg.max_batch_size], "iterations": 3},
+    }
+    # JSON is valid YAML: no YAML writer needed here.
+    (repo / cfg.model_name / "config.yaml").write_text(json.dumps(config, indent=2) + "\n")
+    return repo
+
+
+def _mlserver_folder(cfg: PeerSettings, workdir: Path) -> Path:
+    folder = workdir / "mlserver"
+    model_dir = folder / cfg.model_name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (folder / "settings.json").write_text(
+        json.dumps(
+            {
+                "host": cfg.host,
+                "http_port": cfg.port,
+                "grpc_port": cfg.grpc_port,
+                "metrics_port": cfg.metrics_port,
+                "metrics_endpoint": None,
+                "parallel_workers": 0,
+                "debug": False,
+                "gzip_enabled": False,
+                "load_models_at_startup": True,
+            }
+        )
+    )
+    (model_dir / "model-settings.json").write_text(
+        json.dumps(
+            {
+                "name": cfg.model_name,
+                "implementation": "bench.peers.mlserver_runtime.OnnxModel",
+                "max_batch_size": cfg.max_batch_size,
+                "max_batch_time": cfg.max_wait_ms / 1000,
+                "parameters": {"uri": cfg.model_path},
+            }
+        )
+    )
+    return folder
+
+
+def command(peer: Peer, cfg: PeerSettings, workdir: Path) -> list[str]:
+    """The argv that starts ``peer`` (its settings travel in the environment)."""
+    env = envs.main_env() if peer.env == "main" else envs.peer_env(peer.env)
+    python = str(env.python)
+    if peer.name == "rtserve":
+        repo = _rtserve_repository(cfg, workdir)
+        return [
+            python, "-m", "rtserve.cli", "serve", "--model-repository", str(repo),
+            "--host", cfg.host, "--http-port", str(cfg.port), "--grpc-port", str(cfg.grpc_port),
+        ]  # fmt: skip
+    if peer.name == "mlserver":
+        return [str(env.bin / "mlserver"), "start", str(_mlserver_folder(cfg, workdir))]
+    if peer.name == "bentoml":
+        return [
+            str(env.bin / "bentoml"), "serve", "bench.peers.bentoml_service:Onnx",
+            "--host", cfg.host, "--port", str(cfg.port), "--working-dir", str(ROOT),
+        ]  # fmt: skip
+    modules = {
+        "bare_asgi": "bench.peers.bare_asgi",
+        "raw_asgi": "bench.peers.raw_asgi",
+        "fastapi": "bench.peers.naive_fastapi",
+        "litserve": "bench.peers.litserve_app",
+        "rayserve": "bench.peers.rayserve_app",
+        "pytriton": "bench.peers.pytriton_app",
+        "mosec": "bench.peers.mosec_app",
+    }
+    return [python, "-m", modules[peer.name]]
+
+
+def environment(peer: Peer, cfg: PeerSettings, workdir: Path) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k in ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "USER", "TMPDIR")
+    }
+    venv = envs.MAIN_VENV if peer.env == "main" else envs.peer_env(peer.env).path
+    paths = [str(ROOT)] + ([str(ROOT / "src")] if peer.name == "rtserve" else [])
+    env.update(
+        BENCH_PEER=cfg.to_json(),
+        PYTHONPATH=os.pathsep.join(paths),
+        VIRTUAL_ENV=str(venv),
+        PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}",
+        OMP_NUM_THREADS=str(cfg.intra_op_threads),
+        PYTHONUNBUFFERED="1",
+    )
+    if peer.name == "bentoml":
+        env.update(BENTOML_DO_NOT_TRACK="True", BENTOML_HOME=str(workdir / "bentoml_home"))
+    if peer.name == "rayserve":
+        env.update(RAY_worker_niceness="0", RAY_USAGE_STATS_ENABLED="0")
+    if peer.name == "pytriton":
+        env["LD_LIBRARY_PATH"] = str(venv / "lib")
+        # PyTriton loads the interpreter's libpython from <prefix>/lib.
+        base_lib = Path(os.path.realpath(envs.peer_env(peer.env).python)).parent.parent / "lib"
+        env["LD_LIBRARY_PATH"] = f"{base_lib}{os.pathsep}{env['LD_LIBRARY_PATH']}"
+    return env
+
+
+def start(peer: Peer, workload: Workload, run_dir: Path) -> Running:
+    """Install (once), configure and start ``peer``; return when it answers its health route."""
+    if peer.env != "main":
+        envs.ensure(peer.env)
+    workdir = WORK / "peers" / f"{peer.name}-{workload.name}"
+    if workdir.exists():
+        shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    cfg = replace(
+        peer_settings(workload, workdir),
+        port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+    )
+    if peer.name == "rayserve":
+        cfg = replace(cfg, workdir=f"/tmp/rtb-ray-{os.getpid()}")
+    server = Server(
+        peer.name,
+        command(peer, cfg, workdir),
+        environment(peer, cfg, workdir),
+        run_dir / "logs" / f"{workload.name}-{peer.name}.log",
+        cwd=ROOT,
+    )
+    running = Running(peer, server, cfg)
+    try:
+        server.wait_ready(
+            running.base_url + peer.health_path(workload.model_name), peer.start_timeout_s
+        )
+    except RuntimeError:
+        server.stop()
+        raise
+    return running
+
+
+def stop(running: Running) -> list[int]:
+    killed = running.server.stop()
+    if running.peer.name == "rayserve":
+        shutil.rmtree(running.settings.workdir, ignore_errors=True)
+    return killed
