@@ -1,24 +1,36 @@
 """Response-cache benchmark: a Zipf stream with repeats against rtserve, four cache setups.
 
 The stream models search/recommendation traffic: a request is either one of ``hot``
-distinct MLP inputs drawn with Zipf(``exponent``) popularity, or a one-off input never
+distinct inputs drawn with Zipf(``exponent``) popularity, or a one-off input never
 seen before; the mix is chosen so that the stream's repeat rate (the share of requests
 whose input appeared earlier: the best hit rate any cache could reach) is ``repeat``.
 
 rtserve is started four times on the same model and stream: no cache, L1 only (memory),
-L2 only (Redis) and L1+L2. wrk drives 32 keep-alive connections from one thread; a Lua
-script walks the stream, builds the one-off bodies on the fly and counts the
-``x-rtserve-cache`` response header, so the hit rate is what the server reported.
+L2 only (Redis) and L1+L2. wrk drives keep-alive connections (32 for the MLP, 8 for
+MiniLM) from one thread; a Lua script walks the stream, builds the one-off bodies on the
+fly and counts the ``x-rtserve-cache`` response header, so the hit rate is what the server
+reported.
 
-    python -m bench.cache_zipf --quick        # ~1 minute
-    python -m bench.cache_zipf                # longer runs, three rounds (~4 minutes)
+Two models: ``--model mlp`` (default; the 256->512->512->10 MLP, transport-bound: a few µs
+per row) and ``--model minilm`` (all-MiniLM-L6-v2, compute-bound: milliseconds per row; the
+hot inputs are tokenized sentences from examples/data/sentences.txt). ``--model all`` runs
+the MLP, then MiniLM.
 
-Results go to docs/benchmarks-cache.md (and bench/.work/cache/results.json).
+    python -m bench.cache_zipf --quick                  # MLP, ~1 minute
+    python -m bench.cache_zipf                          # MLP, three rounds (~4 minutes)
+    python -m bench.cache_zipf --model minilm --quick   # MiniLM, ~1 minute
+    python -m bench.cache_zipf --model minilm           # MiniLM, three rounds (~5 minutes)
+    python -m bench.cache_zipf --model all              # both, three rounds (~9 minutes)
+
+Results go to docs/benchmarks-cache.md, one section per model between marker comments (a
+run rewrites only its own model's section), and bench/.work/cache/results.json (MLP) or
+results-minilm.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -39,18 +51,22 @@ import yaml
 
 from bench import servers
 from bench.clients import wrk
+from bench.peers.common import PeerSettings, TensorSpec
 from bench.procs import Server, free_port
-from bench.workloads import MLP, ROOT, WORK
+from bench.workloads import MINILM, MINILM_SEQ_LEN, MLP, ROOT, WORK
 
 WORKDIR = WORK / "cache"
 DOC = ROOT / "docs" / "benchmarks-cache.md"
-MODEL = MLP.model_name
+SENTENCES = ROOT / "examples" / "data" / "sentences.txt"
 CACHE_HEADER = "x-rtserve-cache"
+MODELS = ("mlp", "minilm")
 
 _LUA = r"""
 -- args: host:port, file of hot bodies (one per line), stream file (one int per line:
 -- 0 = a one-off input, k = hot input k), one-off body prefix file, suffix file, and the
--- first one-off number (distinct per run, so no run sees another run's one-offs).
+-- first one-off number (distinct per run, so no run sees another run's one-offs). A one-off
+-- body is prefix .. __FRESH__ .. suffix (the number itself, or for MiniLM two token ids
+-- derived from it).
 local reqs, stream, pos, fresh = {}, {}, 0, 0
 local headers = {}
 local prefix, suffix
@@ -78,7 +94,7 @@ function request()
   local k = stream[pos]
   if k > 0 then return reqs[k] end
   fresh = fresh + 1
-  return wrk.format("POST", "/v2/models/__MODEL__/infer", headers, prefix .. fresh .. suffix)
+  return wrk.format("POST", "/v2/models/__MODEL__/infer", headers, prefix .. __FRESH__ .. suffix)
 end
 
 function response(status, hdrs, body)
@@ -124,6 +140,78 @@ How to read it:
   by other load on a shared machine than req/s.
 """
 
+MINILM_NOTES = """\
+How to read it:
+- MiniLM is the compute-bound workload: one row costs milliseconds of CPU, even inside a
+  batch of 32, against tens of µs for what a hit still pays (HTTP, the key over the 512-byte
+  input, the L1 lookup) and ~100 µs for a Redis round trip. So a hit saves almost the whole
+  cost of the request, and with the model as the bottleneck the throughput follows the miss
+  rate: at hit rate h the model does (1 - h) of the work, up to 1 / (1 - h) times the
+  requests per second.
+- A hit does not queue for a batch; with about half the requests hits, p50 lies at the edge
+  between the fast hits and the misses, and p99 is set by the misses, which still wait for a
+  batch.
+- L2 only pays a Redis round trip on every request, small next to the model; L1 + L2 answers
+  repeats from L1. The *restarted* row starts with an empty L1 and a warm Redis: it hits from
+  its first request, where a cold cache first has to see each hot input once.
+- "best possible" is the repeat rate of the requests that setup actually sent (the stream
+  replays in a loop; one-offs never repeat): the hit rate of a cache that starts empty. The
+  *restarted* row can beat it, since Redis already holds the hot inputs.
+- "server CPU µs/req" is rtserve's own CPU time per answered request; it is less disturbed
+  by other load on a shared machine than req/s.
+"""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What differs between the two workloads of this benchmark."""
+
+    name: str
+    model_name: str
+    title: str
+    describe: str  # the hot inputs, for the report ("2000 hot MLP inputs (256 FP32)")
+    connections: int
+    length: tuple[int, int]  # stream length: (quick, full)
+    duration: tuple[int, int]  # seconds per setup: (quick, full)
+    hot: int
+    fresh_lua: str  # Lua expression that turns the one-off number into the body's slot
+    notes: str
+
+
+SPECS = {
+    "mlp": ModelSpec(
+        name="mlp",
+        model_name=MLP.model_name,
+        title="Response cache (Zipf stream with repeats)",
+        describe="{hot} hot MLP inputs (256 FP32)",
+        connections=32,
+        length=(100_000, 300_000),
+        duration=(5, 10),
+        hot=2000,
+        fresh_lua="fresh",
+        notes=NOTES,
+    ),
+    "minilm": ModelSpec(
+        name="minilm",
+        model_name=MINILM.model_name,
+        title="Response cache on MiniLM, a compute-bound model (Zipf stream with repeats)",
+        describe=(
+            "{hot} hot sentences (examples/data/sentences.txt, tokenized to "
+            f"{MINILM_SEQ_LEN} INT64 tokens) for all-MiniLM-L6-v2"
+        ),
+        connections=8,
+        length=(5_000, 15_000),
+        duration=(8, 18),
+        hot=300,
+        # Two token ids in 1000..20999 (ordinary word pieces), distinct for every number
+        # below 20000**2; one-offs of a run are numbered from (run + 1) * ONE_OFFS_PER_RUN.
+        fresh_lua=(
+            'string.format("%d,%d", 1000 + fresh % 20000, 1000 + math.floor(fresh / 20000) % 20000)'
+        ),
+        notes=MINILM_NOTES,
+    ),
+}
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -153,6 +241,7 @@ class Result:
     tiers: dict[str, int] = field(default_factory=dict)
     redis_errors: float = 0.0
     server_cpu_us: float = 0.0  # rtserve's CPU time (all threads) per answered request
+    best_rate: float = 0.0  # repeat rate of the requests this run sent (its best hit rate)
 
     @property
     def hit_rate(self) -> float:
@@ -219,6 +308,91 @@ def write_inputs(folder: Path, stream: np.ndarray, hot: int, seed: int) -> list[
     return [str(paths[n]) for n in ("hot.txt", "stream.txt", "prefix.txt", "suffix.txt")]
 
 
+def model_dir(spec: ModelSpec) -> Path:
+    """Where a model's stream, Lua script and runs live (the MLP's where they always were)."""
+    return WORKDIR if spec.name == "mlp" else WORKDIR / spec.name
+
+
+def minilm_model() -> Path:
+    """all-MiniLM-L6-v2 as ONNX, exported once into bench/.work/cache/minilm/."""
+    path = WORKDIR / "minilm" / "model.onnx"
+    if not path.exists():
+        from rtserve.optimize.zoo import export_minilm
+
+        tmp = path.with_suffix(".tmp.onnx")
+        export_minilm(tmp, seq_len=MINILM_SEQ_LEN)
+        tmp.rename(path)
+    return path
+
+
+@functools.cache
+def minilm_inputs(model: Path) -> tuple[TensorSpec, ...]:
+    """The exported graph's inputs, read with onnxruntime (INT64 [batch, seq_len] each)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    return tuple(TensorSpec(i.name, "INT64", (MINILM_SEQ_LEN,)) for i in session.get_inputs())
+
+
+def sentences() -> list[str]:
+    """Distinct sentences of examples/data/sentences.txt ('#' lines and blanks skipped)."""
+    seen: dict[str, None] = {}
+    for line in SENTENCES.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            seen.setdefault(line, None)
+    return list(seen)
+
+
+def _minilm_body(names: tuple[str, ...], feeds: dict[str, np.ndarray], i: int) -> str:
+    inputs = []
+    for name in names:
+        row = feeds[name][i] if name in feeds else np.zeros(MINILM_SEQ_LEN, dtype=np.int64)
+        data = [int(v) for v in row]
+        inputs.append(
+            {"name": name, "shape": [1, MINILM_SEQ_LEN], "datatype": "INT64", "data": data}
+        )
+    return orjson.dumps({"inputs": inputs}).decode()
+
+
+def write_minilm_inputs(
+    folder: Path, stream: np.ndarray, hot: int, seed: int, model: Path
+) -> list[str]:
+    """The MiniLM counterpart of :func:`write_inputs`: hot bodies are tokenized sentences."""
+    from rtserve.optimize.zoo import minilm_tokenize
+
+    names = tuple(spec.name for spec in minilm_inputs(model))
+    pool = sentences()
+    order = np.random.default_rng(seed + 1).permutation(len(pool))
+    feeds = minilm_tokenize([pool[i] for i in order], seq_len=MINILM_SEQ_LEN)
+    # Keep sentences whose token rows differ (truncation to seq_len could merge two).
+    keys = [feeds["input_ids"][i].tobytes() for i in range(len(pool))]
+    keep = [i for i, key in enumerate(keys) if keys.index(key) == i]
+    if len(keep) < hot + 1:
+        raise SystemExit(
+            f"--hot {hot}: {SENTENCES} has {len(keep)} distinct sentences (need hot + 1)"
+        )
+    feeds = {k: v[keep[: hot + 1]] for k, v in feeds.items()}
+    lines = [_minilm_body(names, feeds, i) for i in range(hot)]
+    # One-off bodies: the spare sentence with two token ids made from the one-off number
+    # inserted after [CLS] (tokenized to seq_len - 2, so the row stays seq_len long).
+    spare = minilm_tokenize([pool[order[keep[hot]]]], seq_len=MINILM_SEQ_LEN - 2)
+    marks = (-7_777_777, -7_777_778)
+    template = {
+        "input_ids": np.concatenate(
+            [spare["input_ids"][:, :1], [marks], spare["input_ids"][:, 1:]], 1
+        ),
+        "attention_mask": np.concatenate([[[1, 1, 1]], spare["attention_mask"][:, 1:]], 1),
+    }
+    prefix, suffix = _minilm_body(names, template, 0).split(f"{marks[0]},{marks[1]}")
+    paths = {name: folder / name for name in ("hot.txt", "stream.txt", "prefix.txt", "suffix.txt")}
+    paths["hot.txt"].write_text("\n".join(lines) + "\n")
+    paths["stream.txt"].write_text("\n".join(str(int(k)) for k in stream) + "\n")
+    paths["prefix.txt"].write_text(prefix)
+    paths["suffix.txt"].write_text(suffix)
+    return [str(paths[n]) for n in ("hot.txt", "stream.txt", "prefix.txt", "suffix.txt")]
+
+
 # ----------------------------------------------------------------------------- processes
 class RedisProcess:
     """redis-server on a free 127.0.0.1 port without persistence, stopped by PID."""
@@ -255,12 +429,34 @@ class RedisProcess:
 
 
 def write_repository(
-    folder: Path, setup: Setup, redis_url: str, l1_bytes: int = 256 * 1024 * 1024
+    folder: Path,
+    setup: Setup,
+    redis_url: str,
+    l1_bytes: int = 256 * 1024 * 1024,
+    spec: ModelSpec = SPECS["mlp"],
 ) -> Path:
-    """The main benchmark's rtserve repository for the MLP, plus this setup's cache section."""
-    cfg = servers.peer_settings(MLP, folder)
+    """The main benchmark's rtserve repository for the model, plus this setup's cache section.
+
+    MiniLM gets the main benchmark's settings too (max_batch_size 32, max_queue_delay_us
+    1000, intra_op_threads 2, inter_op_threads 1), with the model exported into WORKDIR.
+    """
+    if spec.name == "mlp":
+        cfg = servers.peer_settings(MLP, folder)
+    else:
+        model = minilm_model()
+        cfg = PeerSettings(
+            model_name=spec.model_name,
+            model_path=str(model),
+            inputs=minilm_inputs(model),
+            outputs=MINILM.outputs,
+            intra_op_threads=MINILM.intra_op_threads,
+            inter_op_threads=servers.INTER_OP_THREADS,
+            max_batch_size=servers.MAX_BATCH,
+            max_wait_ms=servers.MAX_WAIT_MS,
+            workdir=str(folder),
+        )
     repo = servers._rtserve_repository(cfg, folder)
-    config_path = repo / MODEL / "config.yaml"
+    config_path = repo / spec.model_name / "config.yaml"
     config = yaml.safe_load(config_path.read_text())
     cache: dict[str, Any] = {}
     if setup.memory:
@@ -317,19 +513,27 @@ def measure(
     redis_proc: RedisProcess,
     lua_args: list[str],
     run_no: int,
+    spec: ModelSpec = SPECS["mlp"],
 ) -> Result:
-    folder = WORKDIR / "runs" / re.sub(r"[^a-z0-9]+", "-", setup.name.lower()).strip("-")
+    folder = model_dir(spec) / "runs" / re.sub(r"[^a-z0-9]+", "-", setup.name.lower()).strip("-")
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     if not setup.warm_redis:
         redis_proc.flush()
-    repo = write_repository(folder, setup, redis_proc.url, args.l1_bytes)
+    repo = write_repository(folder, setup, redis_proc.url, args.l1_bytes, spec)
     server, base = start_rtserve(repo, folder / "rtserve.log")
     try:
         host = base.removeprefix("http://")
-        script = WORKDIR / "zipf.lua"
+        script = model_dir(spec) / "zipf.lua"
         cmd = ["wrk", "-t1", f"-c{args.connections}", f"-d{args.duration}s", "--timeout", "10s"]
-        cmd += ["-s", str(script), f"{base}/v2/models/{MODEL}/infer", "--", host, *lua_args]
+        cmd += [
+            "-s",
+            str(script),
+            f"{base}/v2/models/{spec.model_name}/infer",
+            "--",
+            host,
+            *lua_args,
+        ]
         cmd.append(str((run_no + 1) * ONE_OFFS_PER_RUN))
         cpu_before = cpu_seconds(server.pid)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration + 60)
@@ -374,18 +578,32 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
-def report(results: list[Result], args: argparse.Namespace, rate: float, stream: np.ndarray) -> str:
+def walked_repeat_rate(stream: np.ndarray, sent: int) -> float:
+    """Repeat rate of the first ``sent`` requests of the looped stream (one-offs never repeat)."""
+    if sent <= 0:
+        return 0.0
+    return repeat_rate(np.resize(stream, sent))
+
+
+def report(
+    results: list[Result],
+    args: argparse.Namespace,
+    rate: float,
+    stream: np.ndarray,
+    spec: ModelSpec = SPECS["mlp"],
+) -> str:
     base = results[0]
     one_offs = int((stream == 0).sum())
     distinct = len(np.unique(stream[stream > 0])) + one_offs
+    best = spec.name != "mlp"  # the MLP table keeps its columns
     lines = [
-        "## Response cache (Zipf stream with repeats)",
+        f"## {spec.title}",
         "",
         f"Command: `{' '.join(['python -m bench.cache_zipf', *args.argv])}`",
         f"Machine: {machine()}; load client wrk -t1 -c{args.connections} on the same machine.",
         "",
         f"Stream: {len(stream)} requests (replayed in a loop for {args.duration} s per setup) "
-        f"over {args.hot} hot MLP inputs (256 FP32) with Zipf exponent {args.exponent}, "
+        f"over {spec.describe.format(hot=args.hot)} with Zipf exponent {args.exponent}, "
         f"mixed with one-off inputs; {distinct} distinct inputs in one pass, repeat rate "
         f"**{rate:.1%}** (the best any cache can reach). Each setup starts a fresh rtserve "
         "(and an emptied Redis), so every run includes its cache's warm-up; except "
@@ -394,51 +612,65 @@ def report(results: list[Result], args: argparse.Namespace, rate: float, stream:
         "Hit rate is counted from the `x-rtserve-cache` response header.",
         "",
         "| setup | req/s | vs no cache | p50 ms | p99 ms | server CPU µs/req | hit rate "
-        "| L1 hits | L2 hits | errors | Redis errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        + ("| best possible " if best else "")
+        + "| L1 hits | L2 hits | errors | Redis errors |",
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if best else "") + "---:|---:|---:|---:|",
     ]
     for r in results:
         ratio = r.rps / base.rps if base.rps else float("nan")
+        extra = f" | {r.best_rate:.1%}" if best else ""
         lines.append(
             f"| {r.setup} | {r.rps:,.0f} | {ratio:.2f}x | {r.p50_ms:.2f} | {r.p99_ms:.2f} "
-            f"| {r.server_cpu_us:.0f} | {r.hit_rate:.1%} | {r.tiers.get('memory', 0):,} | {r.tiers.get('redis', 0):,} "
-            f"| {r.errors} | {r.redis_errors:.0f} |"
+            f"| {r.server_cpu_us:.0f} | {r.hit_rate:.1%}{extra} | {r.tiers.get('memory', 0):,} "
+            f"| {r.tiers.get('redis', 0):,} | {r.errors} | {r.redis_errors:.0f} |"
         )
     if args.rounds > 1:
         lines += ["", f"Median of {args.rounds} rounds (setups alternate within each round)."]
-    return "\n".join(lines) + "\n\n" + NOTES
+    return "\n".join(lines) + "\n\n" + spec.notes
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m bench.cache_zipf", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="short runs, one round")
-    parser.add_argument("--repeat", type=float, default=0.5, help="target repeat rate (0-1)")
-    parser.add_argument("--hot", type=int, default=2000, help="distinct repeating inputs")
-    parser.add_argument("--exponent", type=float, default=1.0, help="Zipf exponent")
-    parser.add_argument("--length", type=int, default=None, help="stream length")
-    parser.add_argument("--duration", type=int, default=None, help="seconds per setup")
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--l1-bytes", type=int, default=256 * 1024 * 1024, help="L1 max_bytes")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=DOC)
-    args = parser.parse_args(argv)
-    args.argv = argv
-    args.length = args.length or (100_000 if args.quick else 300_000)
-    args.duration = args.duration or (5 if args.quick else 10)
-    args.rounds = args.rounds or (1 if args.quick else 3)
-    if shutil.which("wrk") is None:
-        print("wrk is not installed (make system-deps installs it)", file=sys.stderr)
-        return 2
+def _markers(model: str) -> tuple[str, str]:
+    return f"<!-- cache_zipf:{model}:begin -->", f"<!-- cache_zipf:{model}:end -->"
 
-    WORKDIR.mkdir(parents=True, exist_ok=True)
+
+def update_doc(existing: str, model: str, text: str) -> str:
+    """The page with ``model``'s section (between marker comments) set to ``text``.
+
+    The other model's section and anything outside the markers are kept. A page written
+    before the markers existed holds the MLP section alone: it is taken as that section.
+    """
+    begin, end = _markers(model)
+    section = f"{begin}\n{text.rstrip()}\n{end}\n"
+    if existing.strip() and "<!-- cache_zipf:" not in existing:
+        mlp_begin, mlp_end = _markers("mlp")
+        existing = f"{mlp_begin}\n{existing.rstrip()}\n{mlp_end}\n"
+    if begin in existing and end in existing:
+        head, rest = existing.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
+        return head + section + ("\n" + tail if tail.strip() else "")
+    if not existing.strip():
+        return section
+    later = [_markers(m)[0] for m in MODELS[MODELS.index(model) + 1 :]]
+    for marker in later:  # keep the sections in MODELS order
+        if marker in existing:
+            head, tail = existing.split(marker, 1)
+            return head + section + "\n" + marker + tail
+    return existing.rstrip("\n") + "\n\n" + section
+
+
+def run_model(spec: ModelSpec, args: argparse.Namespace) -> str:
+    """Every setup of one model, ``args.rounds`` times; returns the page section."""
+    folder = model_dir(spec)
+    folder.mkdir(parents=True, exist_ok=True)
     stream, rate = stream_for(args.length, args.hot, args.exponent, args.repeat, args.seed)
-    lua_args = write_inputs(WORKDIR, stream, args.hot, args.seed)
-    lua = _LUA.replace("__MODEL__", MODEL).replace("__HEADER__", CACHE_HEADER)
-    (WORKDIR / "zipf.lua").write_text(lua)
-    MLP.model_path()  # build the model once, outside the timed runs
-    print(f"stream: {len(stream)} requests, repeat rate {rate:.1%}", flush=True)
+    if spec.name == "mlp":
+        MLP.model_path()  # build the model once, outside the timed runs
+        lua_args = write_inputs(folder, stream, args.hot, args.seed)
+    else:
+        lua_args = write_minilm_inputs(folder, stream, args.hot, args.seed, minilm_model())
+    lua = _LUA.replace("__MODEL__", spec.model_name).replace("__HEADER__", CACHE_HEADER)
+    (folder / "zipf.lua").write_text(lua.replace("__FRESH__", spec.fresh_lua))
+    print(f"{spec.name}: stream of {len(stream)} requests, repeat rate {rate:.1%}", flush=True)
 
     redis_proc = RedisProcess(WORKDIR)
     runs: dict[str, list[Result]] = {s.name: [] for s in SETUPS}
@@ -446,26 +678,85 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for round_no in range(args.rounds):
             for setup in SETUPS:
-                result = measure(setup, args, redis_proc, lua_args, len(done))
+                result = measure(setup, args, redis_proc, lua_args, len(done), spec)
+                result.best_rate = walked_repeat_rate(stream, result.requests)
                 done.append(result)
                 runs[setup.name].append(result)
                 print(
-                    f"round {round_no + 1} {setup.name:>18}: {result.rps:8,.0f} req/s  "
+                    f"{spec.name} round {round_no + 1} {setup.name:>18}: "
+                    f"{result.rps:8,.0f} req/s  "
                     f"p50 {result.p50_ms:.2f} ms  p99 {result.p99_ms:.2f} ms  "
-                    f"cpu {result.server_cpu_us:.0f} us/req  hit {result.hit_rate:.1%}  "
-                    f"errors {result.errors}",
+                    f"cpu {result.server_cpu_us:.0f} us/req  hit {result.hit_rate:.1%} "
+                    f"(best {result.best_rate:.1%})  errors {result.errors}",
                     flush=True,
                 )
     finally:
         redis_proc.stop()
     results = [_median(runs[s.name]) for s in SETUPS]
-    (WORKDIR / "results.json").write_text(
-        json.dumps([r.__dict__ for r in results], indent=2) + "\n"
+    name = "results.json" if spec.name == "mlp" else f"results-{spec.name}.json"
+    (WORKDIR / name).write_text(json.dumps([r.__dict__ for r in results], indent=2) + "\n")
+    return report(results, args, rate, stream, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.cache_zipf",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    text = report(results, args, rate, stream)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    parser.add_argument(
+        "--model",
+        choices=(*MODELS, "all"),
+        default="mlp",
+        help="mlp (default), minilm, or all (the MLP, then MiniLM)",
+    )
+    parser.add_argument("--quick", action="store_true", help="short runs, one round")
+    parser.add_argument("--repeat", type=float, default=0.5, help="target repeat rate (0-1)")
+    parser.add_argument(
+        "--hot", type=int, default=None, help="distinct repeating inputs (mlp 2000, minilm 300)"
+    )
+    parser.add_argument("--exponent", type=float, default=1.0, help="Zipf exponent")
+    parser.add_argument(
+        "--length",
+        type=int,
+        default=None,
+        help="stream length (mlp 300000, quick 100000; minilm 15000, quick 5000)",
+    )
+    parser.add_argument(
+        "--duration",
+        type=int,
+        default=None,
+        help="seconds per setup (mlp 10, quick 5; minilm 18, quick 8)",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (3, quick 1)")
+    parser.add_argument(
+        "--connections", type=int, default=None, help="wrk connections (mlp 32, minilm 8)"
+    )
+    parser.add_argument("--l1-bytes", type=int, default=256 * 1024 * 1024, help="L1 max_bytes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=DOC)
+    args = parser.parse_args(argv)
+    if shutil.which("wrk") is None:
+        print("wrk is not installed (make system-deps installs it)", file=sys.stderr)
+        return 2
+
+    WORKDIR.mkdir(parents=True, exist_ok=True)
+    models = MODELS if args.model == "all" else (args.model,)
+    for model in models:
+        spec = SPECS[model]
+        margs = argparse.Namespace(**vars(args))
+        margs.argv = argv
+        margs.length = args.length or spec.length[0 if args.quick else 1]
+        margs.duration = args.duration or spec.duration[0 if args.quick else 1]
+        margs.rounds = args.rounds or (1 if args.quick else 3)
+        margs.hot = args.hot or spec.hot
+        margs.connections = args.connections or spec.connections
+        text = run_model(spec, margs)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        existing = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
+        args.out.write_text(update_doc(existing, model, text), encoding="utf-8")
+        print(text, flush=True)
     return 0
 
 
