@@ -67,19 +67,23 @@ def start_server(repo: Path, workdir: Path, *extra: str, timeout: float = 90.0) 
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-        if ports.exists() and ports.stat().st_size:
-            info = json.loads(ports.read_text())
-            server = RunningServer(proc, info["http_port"], info["grpc_port"], log_path)
-            with urllib.request.urlopen(f"{server.base}/v2/health/ready", timeout=5) as r:
-                assert r.status == 200
-            return server
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"server not ready within {timeout} s:\n{log_path.read_text()}")
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+            if ports.exists() and ports.stat().st_size:
+                info = json.loads(ports.read_text())
+                server = RunningServer(proc, info["http_port"], info["grpc_port"], log_path)
+                with urllib.request.urlopen(f"{server.base}/v2/health/ready", timeout=5) as r:
+                    assert r.status == 200
+                return server
+            time.sleep(0.05)
+        raise RuntimeError(f"server not ready within {timeout} s:\n{log_path.read_text()}")
+    except BaseException:
+        proc.kill()  # never leave a server behind
+        proc.wait(10)
+        raise
 
 
 @pytest.fixture(scope="session")
