@@ -319,7 +319,10 @@ def render(
         "docs/optimization.md`); do not edit by hand. Every figure below was measured in one "
         "run on the machine named here, with ONNX Runtime's CPU provider, 2 intra-op threads, "
         "1 inter-op thread. Ratios are against FP32 ONNX Runtime of the same run. The cores "
-        "are shared with other work, so single timings swing (about +-30%); compare ratios.",
+        "are shared with other work, so single timings swing (+-30% and more): variants are "
+        "timed in 10 alternating rounds and p50 / throughput come from each variant's least "
+        "disturbed round, p99 from all rounds. Read ratios, and treat differences under "
+        "about 20% as noise.",
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}",
         f"- python {platform.python_version()}, onnxruntime {_version('onnxruntime')}, torch {_version('torch')}",
