@@ -23,6 +23,14 @@ ALL_TYPES = {
 }
 
 
+def _save(graph: onnx.GraphProto, path: Path) -> Path:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
 def build_identity_all_types(path: Path) -> Path:
     """One Identity per datatype: input ``in_<T>`` [batch, 3] -> output ``out_<T>``."""
     nodes, inputs, outputs = [], [], []
@@ -31,11 +39,7 @@ def build_identity_all_types(path: Path) -> Path:
         outputs.append(helper.make_tensor_value_info(f"out_{name}", elem, ["batch", 3]))
         nodes.append(helper.make_node("Identity", [f"in_{name}"], [f"out_{name}"]))
     graph = helper.make_graph(nodes, "identity_all_types", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return _save(graph, path)
 
 
 def build_scale(path: Path, factor: float) -> Path:
@@ -47,11 +51,7 @@ def build_scale(path: Path, factor: float) -> Path:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
         [helper.make_tensor("k", TensorProto.FLOAT, [], [factor])],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return _save(graph, path)
 
 
 def build_row_sum(path: Path) -> Path:
@@ -63,11 +63,7 @@ def build_row_sum(path: Path) -> Path:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])],
         [helper.make_tensor("axes", TensorProto.INT64, [1], [1])],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return _save(graph, path)
 
 
 def build_test_repository(root: Path) -> Path:

@@ -151,12 +151,8 @@ class HttpFrontend:
         try:
             results = future.result()
             response = self.dataplane.response(request, mv, results, wanted)
-        except RTServeError as exc:
-            self._fail(conn, exc, mv, request.timings)
-            return
-        except Exception as exc:  # a bug must still produce an answer
-            log.exception("error completing an inference request")
-            self._fail(conn, InferenceFailed(f"internal error: {exc}"), mv, request.timings)
+        except Exception as exc:
+            self._fail_any(conn, exc, mv, request)
             return
         self._send(conn, request, mv, response)
 
@@ -170,14 +166,19 @@ class HttpFrontend:
     ) -> None:
         try:
             response = await self.dataplane.fill(request, mv, checked, key)
-        except RTServeError as exc:
-            self._fail(conn, exc, mv, request.timings)
-            return
-        except Exception as exc:  # a bug must still produce an answer
-            log.exception("error handling a cached inference request")
-            self._fail(conn, InferenceFailed(f"internal error: {exc}"), mv, request.timings)
+        except Exception as exc:
+            self._fail_any(conn, exc, mv, request)
             return
         self._send(conn, request, mv, response)
+
+    def _fail_any(
+        self, conn: Connection, exc: Exception, mv: ModelVersion, request: InferRequest
+    ) -> None:
+        """Answer a failed request; a bug (not an RTServeError) must still get an answer."""
+        if not isinstance(exc, RTServeError):
+            log.error("error answering an inference request", exc_info=exc)
+            exc = InferenceFailed(f"internal error: {exc}")
+        self._fail(conn, exc, mv, request.timings)
 
     def _send(
         self, conn: Connection, request: InferRequest, mv: ModelVersion, response: InferResponse
