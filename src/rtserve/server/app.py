@@ -90,6 +90,9 @@ class Server:
         await self.repository.load_all()
         gc.collect()
         gc.freeze()  # models, sessions and config never die: keep them out of GC scans
+        # Per-request garbage is freed by reference counting; cyclic collections only need to
+        # run rarely, and each full one walks every live object (a large response cache too).
+        gc.set_threshold(50_000, 20, 100)
         self.dataplane.started = True
         if self.on_ready is not None:
             self.on_ready()
