@@ -78,36 +78,21 @@ def test_unknown_model_and_version_are_404(server: RunningServer) -> None:
     assert_still_serving(server)
 
 
+def _binary_header(binary_data_size: int) -> bytes:
+    """The JSON part of a binary-extension request for one [1, 4] FP32 input."""
+    tensor = {"name": "x", "shape": [1, 4], "datatype": "FP32"}
+    tensor["parameters"] = {"binary_data_size": binary_data_size}
+    return json.dumps({"inputs": [tensor]}).encode()
+
+
 def test_binary_size_mismatch_is_400(server: RunningServer) -> None:
-    header = json.dumps(
-        {
-            "inputs": [
-                {
-                    "name": "x",
-                    "shape": [1, 4],
-                    "datatype": "FP32",
-                    "parameters": {"binary_data_size": 12},
-                }
-            ]
-        }
-    ).encode()
+    header = _binary_header(12)
     body = header + np.zeros(3, np.float32).tobytes()
     r = post(server, body, headers={"Inference-Header-Content-Length": str(len(header))})
     assert r.status_code == 400
     assert "12 bytes do not match shape [1, 4] of FP32 (16 bytes)" in r.json()["error"]
     # More binary bytes than the header claims.
-    header = json.dumps(
-        {
-            "inputs": [
-                {
-                    "name": "x",
-                    "shape": [1, 4],
-                    "datatype": "FP32",
-                    "parameters": {"binary_data_size": 16},
-                }
-            ]
-        }
-    ).encode()
+    header = _binary_header(16)
     r = post(
         server, header + bytes(20), headers={"Inference-Header-Content-Length": str(len(header))}
     )

@@ -22,6 +22,15 @@ def _batch_histogram(metrics: str, model: str) -> dict[str, float]:
     return {le: float(v) for le, v in re.findall(pattern, metrics)}
 
 
+def _fp32_body(name: str, x: np.ndarray) -> dict:
+    """A V2 JSON request with one FP32 input tensor."""
+    return {
+        "inputs": [
+            {"name": name, "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}
+        ]
+    }
+
+
 async def _fire(
     base: str, bodies: list[dict], model: str, timeout: float = 60.0
 ) -> list[httpx.Response]:
@@ -64,19 +73,7 @@ def test_multi_row_requests_are_split_back(server: RunningServer, test_repo: Pat
     rng = np.random.default_rng(8)
     sizes = [1, 3, 2, 5, 1, 4, 7, 2]
     xs = [rng.normal(size=(n, 256)).astype(np.float32) for n in sizes]
-    bodies = [
-        {
-            "inputs": [
-                {
-                    "name": "input",
-                    "shape": list(x.shape),
-                    "datatype": "FP32",
-                    "data": x.ravel().tolist(),
-                }
-            ]
-        }
-        for x in xs
-    ]
+    bodies = [_fp32_body("input", x) for x in xs]
     responses = asyncio.run(_fire(server.base, bodies, "mlp"))
     session = ort.InferenceSession(str(test_repo / "mlp" / "1" / "model.onnx"))
     for x, r in zip(xs, responses, strict=True):
@@ -214,19 +211,7 @@ def test_drain_finishes_in_flight_requests_and_refuses_new_ones(tmp_path: Path) 
 def test_requests_with_different_sequence_lengths_batch_separately(server: RunningServer) -> None:
     rng = np.random.default_rng(11)
     xs = [rng.normal(size=(1 + i % 2, 3 + i % 3)).astype(np.float32) for i in range(24)]
-    bodies = [
-        {
-            "inputs": [
-                {
-                    "name": "x",
-                    "shape": list(x.shape),
-                    "datatype": "FP32",
-                    "data": x.ravel().tolist(),
-                }
-            ]
-        }
-        for x in xs
-    ]
+    bodies = [_fp32_body("x", x) for x in xs]
     responses = asyncio.run(_fire(server.base, bodies, "ragged"))
     for x, r in zip(xs, responses, strict=True):
         assert r.status_code == 200, r.text

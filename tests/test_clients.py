@@ -156,8 +156,12 @@ def test_health_metadata_and_config_grpc(server: RunningServer) -> None:
     assert config.input[0].name == "pixels" and list(config.input[0].dims) == [64]
     assert config.input[0].data_type == 11  # TYPE_FP32
     assert client.is_model_ready("digits")
+    pixels = tgrpc.InferInput("pixels", [1, 64], "FP32")
+    pixels.set_data_from_numpy(np.zeros((1, 64), np.float32))
+    client.infer("digits", [pixels])
     stats = client.get_inference_statistics("digits")
     assert stats.model_stats[0].name == "digits"
+    assert stats.model_stats[0].last_inference > 0  # ms since the epoch of the last batch
 
 
 def test_grpc_trailing_metadata_carries_server_timing(server: RunningServer) -> None:

@@ -186,14 +186,6 @@ class DataPlane:
     ) -> asyncio.Future[dict[str, np.ndarray]]:
         return mv.batcher.submit(checked.feeds, checked.rows, request.timings, checked.timeout_s)
 
-    def submit(
-        self, request: InferRequest, mv: ModelVersion
-    ) -> tuple[asyncio.Future[dict[str, np.ndarray]], list[str]]:
-        """Check the request and queue it, bypassing the cache. Returns the batch future
-        and the names of the outputs to answer with."""
-        checked = self.check(request, mv)
-        return self.enqueue(request, mv, checked), checked.wanted
-
     def response(
         self,
         request: InferRequest,

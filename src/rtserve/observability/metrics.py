@@ -9,6 +9,7 @@ with its lock and linear bucket scan costs several.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -100,6 +101,7 @@ class ModelMetrics:
         self.batch_size.observe(rows)
         stats = self.stats
         stats.execution_count += 1
+        stats.last_inference_ms = time.time_ns() // 1_000_000
         stats.compute_infer.add(compute_ns)
         by_size = stats.batch_sizes.get(rows)
         if by_size is None:

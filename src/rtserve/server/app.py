@@ -97,36 +97,17 @@ class Server:
         if self.on_ready is not None:
             self.on_ready()
         else:
-            self._announce()
+            models = {
+                name: (sorted(m.versions) if not m.error else f"FAILED: {m.error}")
+                for name, m in self.repository.models.items()
+            }
+            announce(self.config, self.http_port, self.grpc_port, models, self.ports_file)
         await self._stop.wait()
 
         await self._drain(http_server, grpc_server)
         await http_server.close()
         await self.repository.stop()
         log.info("stopped")
-
-    def _announce(self, workers: int = 1) -> None:
-        cfg = self.config
-        models: Any = {
-            name: (sorted(m.versions) if not m.error else f"FAILED: {m.error}")
-            for name, m in self.repository.models.items()
-        }
-        if workers > 1:
-            models = f"loaded by each of {workers} workers"
-        info = {
-            "host": cfg.host,
-            "http_port": self.http_port,
-            "grpc_port": self.grpc_port,
-            "workers": workers,
-        }
-        if self.ports_file is not None:
-            self.ports_file.write_text(json.dumps(info))
-        log.info("ready: models %s", models)
-        print(
-            f"rtserve ready: http://{cfg.host}:{self.http_port} grpc {cfg.host}:{self.grpc_port} "
-            f"models {json.dumps(models)}",
-            flush=True,
-        )
 
     async def _drain(self, http_server: HttpServer, grpc_server: object) -> None:
         cfg = self.config
@@ -150,6 +131,26 @@ class Server:
             )
         remaining = max(0.0, deadline - time.monotonic())
         await grpc_server.stop(remaining)  # type: ignore[attr-defined]
+
+
+def announce(
+    config: ServerConfig,
+    http_port: int,
+    grpc_port: int,
+    models: Any,
+    ports_file: Path | None,
+    workers: int = 1,
+) -> None:
+    """Say that the server is ready: the ports file (for scripts) and one line on stdout."""
+    info = {"host": config.host, "http_port": http_port, "grpc_port": grpc_port, "workers": workers}
+    if ports_file is not None:
+        ports_file.write_text(json.dumps(info))
+    log.info("ready: models %s", models)
+    print(
+        f"rtserve ready: http://{config.host}:{http_port} grpc {config.host}:{grpc_port} "
+        f"models {json.dumps(models)}",
+        flush=True,
+    )
 
 
 def _cache_default(config: ServerConfig) -> Any:
@@ -230,10 +231,9 @@ def _serve_workers(config: ServerConfig, ports_file: Path | None, workers: int) 
     if reservation is not None:
         reservation.close()
     if started == workers:
-        announcer = Server(worker_config, ports_file)
-        announcer.http_port = http_sock.getsockname()[1]
-        announcer.grpc_port = grpc_port
-        announcer._announce(workers)
+        models = f"loaded by each of {workers} workers"
+        http_port = http_sock.getsockname()[1]
+        announce(config, http_port, grpc_port, models, ports_file, workers)
     while not stop.wait(0.5):
         if any(not p.is_alive() for p in procs):
             log.error("a worker exited; stopping the others")

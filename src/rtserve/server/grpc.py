@@ -19,7 +19,7 @@ from rtserve.observability.metrics import Metrics, server_timing
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol import grpc_service_pb2_grpc as pb_grpc
 from rtserve.protocol.grpc_codec import decode_model_infer, encode_model_infer
-from rtserve.protocol.types import InferRequest, Timings
+from rtserve.protocol.types import Timings
 from rtserve.server.stats import model_statistics
 
 _now = time.perf_counter_ns
@@ -131,15 +131,13 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
     # ------------------------------------------------------------------ inference
-    async def _infer(self, request: Any, context: Any) -> tuple[Any, Timings, str]:
-        """Returns (response message or None, timings, error message)."""
+    async def _infer(self, request: Any, context: Any) -> tuple[Any, Timings]:
+        """The response message and the request's timings; errors raise RTServeError."""
         timings = Timings(received=_now())
         self.last_request_s = time.monotonic()
         mm = None
         try:
-            mv = self.dataplane.resolve(
-                InferRequest(request.model_name, request.model_version, [], timings=timings)
-            )
+            mv = self.dataplane.resolve_name(request.model_name, request.model_version, timings)
             mm = mv.metrics
             infer_request = decode_model_infer(request)
             infer_request.timings = timings
@@ -151,7 +149,7 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
             end = _now()
             rows = infer_request.inputs[0].shape[0] if mv.config.max_batch_size else 1
             mm.observe_success(timings, rows, end)
-            return message, timings, ""
+            return message, timings
         except RTServeError as exc:
             if mm is not None:
                 mm.observe_failure(outcome_of(exc), timings, _now())
@@ -162,7 +160,7 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         self.in_flight += 1
         try:
-            message, timings, _ = await self._infer(request, context)
+            message, timings = await self._infer(request, context)
             metadata = [("server-timing", server_timing(timings, _now()))]
             if timings.cache:
                 metadata.append(("x-rtserve-cache", timings.cache))
@@ -181,7 +179,7 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
 
         async def answer(request: Any) -> None:
             try:
-                message, _, _ = await self._infer(request, None)
+                message, _ = await self._infer(request, None)
                 await answers.put(pb.ModelStreamInferResponse(infer_response=message))
             except RTServeError as exc:
                 await answers.put(
