@@ -9,7 +9,7 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 export LD_LIBRARY_PATH := $(CURDIR)/$(VENV)/lib/python3.11/site-packages/nvidia/cuda_runtime/lib:$(LD_LIBRARY_PATH)
 
-.PHONY: setup system-deps examples run test test-fast lint format bench bench-quick optimize-report clean
+.PHONY: setup system-deps examples run test test-modern test-fast lint format bench bench-quick optimize-report clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,11 +41,16 @@ examples: $(REPO)/.built
 run: setup examples
 	@echo "Serving $(REPO) (Ctrl-C drains and stops). Try, from another shell:"
 	@echo "  curl -s http://$(HOST):$(HTTP_PORT)/v2/models/digits/infer -d @$(REPO)/digits/example_request.json"
-	@echo "  $(BIN)/python examples/client.py --url $(HOST):$(HTTP_PORT)     # tritonclient, HTTP and gRPC"
+	@echo "  $(BIN)/python examples/client.py --url $(HOST):$(HTTP_PORT) --grpc-url $(HOST):$(GRPC_PORT)   # tritonclient, HTTP and gRPC"
 	$(BIN)/rtserve serve --model-repository $(REPO) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT)
 
-test: setup examples
+test: setup examples test-modern
 	$(BIN)/python -m pytest -q
+
+# rtserve pip-installed into a second venv with numpy 2, protobuf 5+ and current onnx, served
+# and queried over HTTP and grpcio (the dev venv keeps the old pins tritonclient needs).
+test-modern: examples
+	PY=$(PY) bash scripts/modern_stack_smoke.sh
 
 lint: setup
 	$(BIN)/ruff check src tests bench examples
@@ -65,7 +70,7 @@ bench: setup examples
 	$(BIN)/python -m bench.cache_zipf --model all
 
 optimize-report: setup
-	$(BIN)/python -m rtserve.optimize.showcase --out docs/optimization.md
+	$(BIN)/python -m bench.showcase --out docs/optimization.md
 
 clean:
 	rm -rf $(VENV) $(REPO) bench/.peers bench/.work optimize-out

@@ -317,7 +317,7 @@ def minilm_model() -> Path:
     """all-MiniLM-L6-v2 as ONNX, exported once into bench/.work/cache/minilm/."""
     path = WORKDIR / "minilm" / "model.onnx"
     if not path.exists():
-        from rtserve.optimize.zoo import export_minilm
+        from bench.showcase.zoo import export_minilm
 
         tmp = path.with_suffix(".tmp.onnx")
         export_minilm(tmp, seq_len=MINILM_SEQ_LEN)
@@ -359,7 +359,7 @@ def write_minilm_inputs(
     folder: Path, stream: np.ndarray, hot: int, seed: int, model: Path
 ) -> list[str]:
     """The MiniLM counterpart of :func:`write_inputs`: hot bodies are tokenized sentences."""
-    from rtserve.optimize.zoo import minilm_tokenize
+    from rtserve.optimize.text import minilm_tokenize
 
     names = tuple(spec.name for spec in minilm_inputs(model))
     pool = sentences()

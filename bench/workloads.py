@@ -90,7 +90,7 @@ def _mlp_sample() -> dict[str, np.ndarray]:
 
 
 def _build_minilm(path: Path) -> Path:
-    from rtserve.optimize.zoo import export_minilm
+    from bench.showcase.zoo import export_minilm
 
     return Path(export_minilm(path, seq_len=MINILM_SEQ_LEN))
 
@@ -103,7 +103,7 @@ def _minilm_sample() -> dict[str, np.ndarray]:
     if cache.exists():
         data = json.loads(cache.read_text())
         return {k: np.asarray(v, dtype=np.int64) for k, v in data.items()}
-    from rtserve.optimize.zoo import minilm_tokenize
+    from rtserve.optimize.text import minilm_tokenize
 
     feeds = minilm_tokenize([_SENTENCE], seq_len=MINILM_SEQ_LEN)
     cache.parent.mkdir(parents=True, exist_ok=True)

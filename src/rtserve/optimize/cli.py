@@ -1,4 +1,4 @@
-"""``rtserve export`` and ``rtserve optimize`` (and ``optimize-report``) subcommands.
+"""``rtserve export`` and ``rtserve optimize`` subcommands.
 
 Heavy modules (torch, onnxruntime) are imported inside the handlers so that other
 subcommands start fast. Every :class:`OptimizeError` is printed without a traceback and
@@ -8,6 +8,7 @@ the command exits with status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -43,13 +44,28 @@ def _parse_shape(text: str) -> tuple[str, list[int], str]:
     return parts[0], shape, parts[2] if len(parts) == 3 else "float32"
 
 
+def _load_module(spec: str) -> Any:
+    """:func:`~rtserve.optimize.export.load_module` with the current directory importable.
+
+    ``python -m`` puts the current directory on ``sys.path``; the ``rtserve`` console
+    script does not, so ``rtserve export mymodel:build`` next to ``mymodel.py`` would fail
+    without PYTHONPATH. Files (TorchScript, ExportedProgram) need no path.
+    """
+    from rtserve.optimize.export import load_module
+
+    cwd = os.getcwd()
+    if ":" in spec and not pathlib.Path(spec).exists() and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    return load_module(spec)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     import numpy as np
 
     from rtserve.optimize.data import load_data
-    from rtserve.optimize.export import export_and_verify, load_module
+    from rtserve.optimize.export import export_and_verify
 
-    model = load_module(args.model)
+    model = _load_module(args.model)
     if not args.input:
         raise OptimizeError(
             "give at least one --input NAME:DIMS[:DTYPE] (batch >= 2 for the example)"
@@ -110,8 +126,6 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         calibration, _ = load_data(pathlib.Path(args.calibration), specs, seq_len=args.seq_len)
     torch_sources = None
     if args.torch_model:
-        from rtserve.optimize.export import load_module
-
         prune_specs = []
         for spec in args.prune or []:
             method, _, amount = spec.partition(":")
@@ -127,8 +141,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                 pathlib.Path(args.train), specs, args.train_labels, args.seq_len
             )
         torch_sources = TorchSources(
-            model=load_module(args.torch_model),
-            student=load_module(args.student) if args.student else None,
+            model=_load_module(args.torch_model),
+            student=_load_module(args.student) if args.student else None,
             train_inputs=train_inputs,
             train_labels=train_labels,
             prune=prune_specs,
@@ -173,103 +187,176 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    from rtserve.optimize.showcase import main as showcase_main
-
-    argv = ["--out", args.out]
-    if args.quick:
-        argv.append("--quick")
-    return showcase_main(argv)
-
-
 def register(subparsers: Any) -> None:
-    """Add ``export``, ``optimize`` and ``optimize-report`` to an argparse subparsers action."""
+    """Add ``export`` and ``optimize`` to an argparse subparsers action."""
     p = subparsers.add_parser(
         "export", help="export a PyTorch model to ONNX and verify it against torch"
     )
     p.add_argument(
         "model",
-        help="import path 'pkg.module:name' or a TorchScript (.pt) / ExportedProgram (.pt2) file",
+        help="import path 'pkg.module:name' (the current directory is importable) or a "
+        "TorchScript (.pt) / ExportedProgram (.pt2) file",
     )
-    p.add_argument("--out", required=True, help="ONNX file to write")
+    p.add_argument("--out", required=True, help="ONNX file to write (required)")
     p.add_argument(
-        "--input", action="append", help="NAME:DIMS[:DTYPE], e.g. x:2x64:float32 (repeat per input)"
-    )
-    p.add_argument("--output-name", action="append", help="output name(s), default 'output'")
-    p.add_argument("--given", help="data file (.npz/.npy) with real inputs to verify on as well")
-    p.add_argument("--given-rows", type=int, default=32)
-    p.add_argument(
-        "--sequence-axis", action="store_true", help="make axis 1 of 2-D integer inputs dynamic"
+        "--input",
+        action="append",
+        help="NAME:DIMS[:DTYPE], e.g. x:2x64:float32; repeat per input (at least one; "
+        "DTYPE default: float32)",
     )
     p.add_argument(
-        "--tolerance", type=float, default=1e-3, help="max abs diff accepted (exit 1 above it)"
+        "--output-name", action="append", help="output name(s); repeat per output (default: output)"
+    )
+    p.add_argument(
+        "--given",
+        help="data file (.npz/.npy) with real inputs to verify on as well (default: none)",
+    )
+    p.add_argument(
+        "--given-rows",
+        type=int,
+        default=32,
+        help="rows of --given to verify on (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sequence-axis",
+        action="store_true",
+        help="make axis 1 of 2-D integer inputs dynamic (default: batch axis only)",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-3,
+        help="max abs diff accepted; exit 1 above it (default: %(default)s)",
     )
     p.set_defaults(func=_guard(cmd_export))
 
     o = subparsers.add_parser(
-        "optimize", help="build, measure and choose faster variants of an ONNX model"
+        "optimize",
+        help="build, measure and choose faster variants of an ONNX model",
+        description="Build every variant of an FP32 ONNX model (graph-optimized, FP16, INT8 "
+        "dynamic / weight-only / static, pruned, distilled), measure accuracy and latency on "
+        "this machine, and write the fastest variant within the accuracy budget as a model "
+        "repository entry.",
     )
     o.add_argument("model", help="the FP32 ONNX model")
     o.add_argument(
-        "--calibration", help="calibration data (.npz by input name, .npy, or .txt sentences)"
+        "--calibration",
+        help="calibration data for static INT8 (.npz by input name, .npy, or .txt sentences); "
+        "default: none (static INT8 is skipped)",
     )
-    o.add_argument("--eval", required=True, help="evaluation data, same formats")
+    o.add_argument("--eval", required=True, help="evaluation data, same formats (required)")
     o.add_argument(
-        "--labels", type=pathlib.Path, help="labels for --eval (.npy or .txt), for task accuracy"
+        "--labels",
+        type=pathlib.Path,
+        help="labels for --eval (.npy or .txt), for task accuracy; default: none (agreement "
+        "with the FP32 outputs)",
     )
     o.add_argument(
         "--max-accuracy-drop",
         type=float,
         default=0.01,
-        help="budget, in score units (0.01 = 1 point)",
+        help="budget, in score units (0.01 = 1 point) (default: %(default)s)",
     )
-    o.add_argument("--out", required=True, help="REPO/NAME: where the chosen variant is written")
-    o.add_argument("--work", help="folder for the variants (default optimize-out/NAME)")
+    o.add_argument(
+        "--out", required=True, help="REPO/NAME: where the chosen variant is written (required)"
+    )
+    o.add_argument("--work", help="folder for the variants (default: optimize-out/NAME)")
     o.add_argument(
         "--variants",
-        help="comma list of fp32-opt,fp16,int8-dynamic,int8-weight,int8-static,pruned,distilled",
+        help="comma list of fp32-opt,fp16,int8-dynamic,int8-weight,int8-static,pruned,distilled "
+        "(default: all of them)",
     )
-    o.add_argument("--calibration-methods", default="minmax,percentile,entropy")
-    o.add_argument("--task", choices=["classification", "embedding", "regression"])
+    o.add_argument(
+        "--calibration-methods",
+        default="minmax,percentile,entropy",
+        help="static INT8 calibration methods to try, comma list (default: %(default)s)",
+    )
+    o.add_argument(
+        "--task",
+        choices=["classification", "embedding", "regression"],
+        help="how accuracy is scored (default: inferred from the outputs and labels)",
+    )
     o.add_argument(
         "--num-heads",
         type=int,
         default=0,
-        help="attention heads, for transformer fusion (0: detect)",
+        help="attention heads, for transformer fusion; 0 detects (default: %(default)s)",
     )
     o.add_argument(
-        "--hidden-size", type=int, default=0, help="hidden size, for transformer fusion (0: detect)"
+        "--hidden-size",
+        type=int,
+        default=0,
+        help="hidden size, for transformer fusion; 0 detects (default: %(default)s)",
     )
-    o.add_argument("--seq-len", type=int, default=32, help="token length for .txt data")
     o.add_argument(
-        "--torch-model", help="the torch model behind MODEL, for pruning and distillation"
+        "--seq-len", type=int, default=32, help="token length for .txt data (default: %(default)s)"
     )
     o.add_argument(
-        "--student", help="import path of the student to distill (needs --torch-model, --train)"
+        "--torch-model",
+        help="import path or file of the torch model behind MODEL, for pruning and "
+        "distillation (default: none; those variants are skipped)",
     )
-    o.add_argument("--train", help="training data for fine-tuning and distillation")
-    o.add_argument("--train-labels", type=pathlib.Path)
     o.add_argument(
-        "--prune", action="append", help="METHOD:AMOUNT, e.g. magnitude:0.3 or structured:0.5"
+        "--student",
+        help="import path of the student to distill (needs --torch-model, --train) (default: none)",
     )
-    o.add_argument("--fine-tune-epochs", type=int, default=0)
-    o.add_argument("--temperature", type=float, default=4.0)
-    o.add_argument("--alpha", type=float, default=0.7)
-    o.add_argument("--distill-epochs", type=int, default=60)
-    o.add_argument("--iterations", type=int, default=100, help="latency runs per batch size")
-    o.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
-    o.add_argument("--max-batch-size", type=int, default=32)
-    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--train", help="training data for fine-tuning and distillation (default: none)")
+    o.add_argument(
+        "--train-labels",
+        type=pathlib.Path,
+        help="labels for --train (.npy or .txt) (default: none; distillation uses the "
+        "teacher's outputs alone)",
+    )
+    o.add_argument(
+        "--prune",
+        action="append",
+        help="METHOD:AMOUNT, e.g. magnitude:0.3 or structured:0.5; repeat for several "
+        "(default: none)",
+    )
+    o.add_argument(
+        "--fine-tune-epochs",
+        type=int,
+        default=0,
+        help="epochs of fine-tuning after pruning, needs --train (default: %(default)s)",
+    )
+    o.add_argument(
+        "--temperature",
+        type=float,
+        default=4.0,
+        help="distillation softmax temperature (default: %(default)s)",
+    )
+    o.add_argument(
+        "--alpha",
+        type=float,
+        default=0.7,
+        help="weight of the teacher's soft targets against the labels (default: %(default)s)",
+    )
+    o.add_argument(
+        "--distill-epochs",
+        type=int,
+        default=60,
+        help="epochs of student training (default: %(default)s)",
+    )
+    o.add_argument(
+        "--iterations",
+        type=int,
+        default=100,
+        help="latency runs per batch size (default: %(default)s)",
+    )
+    o.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="ONNX Runtime intra-op threads (default: %(default)s)",
+    )
+    o.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=32,
+        help="max_batch_size written to the chosen model's config.yaml (default: %(default)s)",
+    )
+    o.add_argument("--no-progress", action="store_true", help="no progress bars (default: shown)")
     o.set_defaults(func=_guard(cmd_optimize))
-
-    r = subparsers.add_parser(
-        "optimize-report", help="regenerate docs/optimization.md for the three showcase models"
-    )
-    r.add_argument("--out", default="docs/optimization.md")
-    r.add_argument(
-        "--quick", action="store_true", help="small eval sets and few iterations (smoke run)"
-    )
-    r.set_defaults(func=_guard(cmd_report))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

