@@ -120,6 +120,14 @@ class Warmup:
     iterations: int = 2
 
 
+@dataclass(frozen=True, slots=True)
+class SLO:
+    """A latency objective: the SLO controller replaces the fixed gathering window."""
+
+    p99_ms: float
+    p50_ms: float = 0.0  # 0: not set
+
+
 AUTO_BATCH = -1
 DEFAULT_MAX_BATCH = 32
 
@@ -138,9 +146,17 @@ class ModelConfig:
     version_policy: str = "all"  # all | latest | specific
     versions: tuple[int, ...] = ()  # for version_policy specific
     response_cache: dict[str, Any] | bool | None = None  # parsed by rtserve.cache.CacheConfig
+    slo: SLO | None = None
+    priority_levels: int = 0  # 0: no priorities; else request priority 1 (highest) .. N
+    default_priority: int = 0  # priority of requests that set none (0: the lowest level)
+    # The section named after a non-ONNX backend (``python:``, ``torch:``), validated by
+    # that backend's module; ``steps`` of an ensemble, validated by the ensemble runtime.
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    steps: tuple[Any, ...] = ()
     source: str = ""
 
 
+BACKENDS = ("onnxruntime", "python", "torch", "ensemble")
 _LEVELS = ("disable", "basic", "extended", "layout", "all")
 _PROVIDERS = ("CPU", "CUDA", "TensorRT")
 
@@ -172,7 +188,7 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
     cfg_name = f.string("name", name)
     if cfg_name != name:
         raise f.fail("name", f"the directory name {name!r}", cfg_name)
-    backend = f.string("backend", "onnxruntime", ("onnxruntime",))
+    backend = f.string("backend", "onnxruntime", BACKENDS)
     max_batch_size = f.integer("max_batch_size", 0) if "max_batch_size" in f.data else AUTO_BATCH
     f.seen.add("max_batch_size")
     inputs = _tensor_specs(f.get("inputs"), where, "inputs")
@@ -234,6 +250,18 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
     if cache is not None and not isinstance(cache, dict | bool):
         raise f.fail("response_cache", "a mapping (or false)", cache)
     instance_count = f.integer("instance_count", 1, minimum=1)
+    slo, priority_levels, default_priority = _slo_section(f)
+    options: dict[str, Any] = {}
+    if backend in ("python", "torch"):
+        section = f.get(backend, {})
+        if not isinstance(section, dict):
+            raise f.fail(backend, "a mapping of backend options", section)
+        options = dict(section)
+    steps = f.get("steps")
+    if steps is not None and backend != "ensemble":
+        raise f.fail("steps", "no steps unless backend is ensemble", steps)
+    if backend == "ensemble" and (not isinstance(steps, list) or not steps):
+        raise f.fail("steps", "a non-empty list of steps (backend ensemble)", steps)
     f.check_unknown()
     return ModelConfig(
         name=name,
@@ -248,8 +276,34 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
         version_policy=policy,
         versions=versions,
         response_cache=cache,
+        slo=slo,
+        priority_levels=priority_levels,
+        default_priority=default_priority,
+        backend_options=options,
+        steps=tuple(steps or ()),
         source=where,
     )
+
+
+def _slo_section(f: _Fields) -> tuple[SLO | None, int, int]:
+    slo = None
+    if f.get("slo") is not None:
+        sf = f.sub("slo")
+        p99 = sf.number("p99_ms", 0.0)
+        if p99 <= 0:
+            raise sf.fail("p99_ms", "a latency objective in milliseconds > 0", sf.get("p99_ms"))
+        p50 = sf.number("p50_ms", 0.0)
+        if p50 > p99:
+            raise sf.fail("p50_ms", f"a number <= p99_ms ({p99:g})", p50)
+        sf.check_unknown()
+        slo = SLO(p99_ms=p99, p50_ms=p50)
+    levels = f.integer("priority_levels", 0)
+    default = f.integer("default_priority", levels)
+    if levels == 0 and default != 0:
+        raise f.fail("default_priority", "no default_priority unless priority_levels is set", default)
+    if levels and not 1 <= default <= levels:
+        raise f.fail("default_priority", f"a level from 1 (highest) to {levels}", default)
+    return slo, levels, default
 
 
 def load_yaml(path: Path) -> Any:

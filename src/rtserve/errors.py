@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 
@@ -28,6 +30,13 @@ class ModelNotFound(RTServeError):
     grpc_code = grpc.StatusCode.NOT_FOUND
 
 
+class RouteNotFound(RTServeError):
+    """No such endpoint (HTTP path or method)."""
+
+    http_status = 404
+    grpc_code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class ModelNotReady(RTServeError):
     http_status = 503
     grpc_code = grpc.StatusCode.UNAVAILABLE
@@ -49,6 +58,14 @@ class Overloaded(RTServeError):
         self.retry_after_s = retry_after_s
 
 
+class ObjectiveRefused(Overloaded):
+    """The latency objective or the request's deadline cannot be met: refused at once
+    (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED) instead of answered too late."""
+
+    http_status = 429
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class ShuttingDown(RTServeError):
     http_status = 503
     grpc_code = grpc.StatusCode.UNAVAILABLE
@@ -64,5 +81,42 @@ class InferenceFailed(RTServeError):
     grpc_code = grpc.StatusCode.INTERNAL
 
 
+class RequestTimeout(RTServeError):
+    """The client was too slow sending its request (HTTP 408); names the timeout."""
+
+    http_status = 408
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class UriTooLong(RTServeError):
+    """The request URL is longer than the configured limit (HTTP 414); names the limit."""
+
+    http_status = 414
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class HeaderTooLarge(RTServeError):
+    """Too many request headers, or one or all of them too large (HTTP 431); names the limit."""
+
+    http_status = 431
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NotSupported(RTServeError):
+    """A protocol feature rtserve does not offer (HTTP 501), e.g. CONNECT or WebSocket."""
+
+    http_status = 501
+    grpc_code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class ConfigError(Exception):
     """A model or server config is invalid; the message names the file and the field."""
+
+
+def as_error(exc: BaseException, what: str = "request") -> RTServeError:
+    """Any exception as an ``RTServeError``: an unexpected one (a bug) becomes a 500 that
+    names only its type; its traceback goes to the log, never to the client."""
+    if isinstance(exc, RTServeError):
+        return exc
+    logging.getLogger("rtserve").error("unexpected error answering a %s", what, exc_info=exc)
+    return InferenceFailed(f"internal error ({type(exc).__name__}) answering the {what}")

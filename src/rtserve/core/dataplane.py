@@ -1,20 +1,35 @@
 """The dataplane: the single entry for health, metadata and inference.
 
-Both frontends decode into an ``InferRequest`` and call ``infer``; it finds the model,
-checks the inputs against the model's precomputed signature, applies the deadline and the
-response cache, and submits to the model's batcher.
+Both frontends decode into an ``InferRequest`` and call ``infer_nowait`` (or ``infer``); it
+finds the model, checks the inputs against the model's precomputed signature, applies the
+deadline and the response cache, submits to the model's scheduler and hands back an
+``InferResponse`` or an ``RTServeError``. After sending, the frontend calls ``observe``:
+metrics are recorded there and nowhere else.
+
+Without a cache the path runs with no task and no coroutine: the request is checked and
+queued synchronously and the batch future's callback produces the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
 from rtserve import __version__
+from rtserve.core.info import (
+    ConfigTensor,
+    ModelConfigInfo,
+    ModelInfo,
+    ServerInfo,
+    TensorInfo,
+    VersionStatistics,
+)
+from rtserve.core.model import ModelVersion
+from rtserve.core.registry import IndexEntry, ModelRegistry
 from rtserve.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -22,18 +37,24 @@ from rtserve.errors import (
     Overloaded,
     RTServeError,
     ShuttingDown,
+    as_error,
 )
+from rtserve.observability.metrics import Metrics
 from rtserve.protocol.types import InferRequest, InferResponse, Tensor, Timings
-from rtserve.repository import ModelRepository, ModelVersion
 
-EXTENSIONS = [
+EXTENSIONS = (
     "binary_tensor_data",
     "model_configuration",
     "statistics",
     "model_repository",
     "schedule_policy",
-]
+)
 _now = time.perf_counter_ns
+
+# done(request, model version or None, response or None, error or None)
+Done = Callable[
+    [InferRequest, ModelVersion | None, InferResponse | None, RTServeError | None], None
+]
 
 
 def outcome_of(exc: BaseException) -> str:
@@ -55,28 +76,26 @@ def _timeout_s(request: InferRequest, mv: ModelVersion) -> float:
         return mv.config.dynamic_batching.default_timeout_us / 1e6
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         raise InvalidInput(
-            f"parameters.timeout: expected microseconds (a number >= 0), got {value!r}"
+            f"parameters.timeout: expected microseconds (a number >= 0), got {value!r:.100}"
         )
     return float(value) / 1e6
 
 
-@dataclass(slots=True)
-class Checked:
-    feeds: dict[str, np.ndarray]
-    rows: int
-    wanted: list[str]
-    timeout_s: float
+def _config_type(datatype: str) -> str:
+    return "STRING" if datatype == "BYTES" else datatype
 
 
 class DataPlane:
-    def __init__(self, repository: ModelRepository) -> None:
-        self.repository = repository
+    def __init__(self, registry: ModelRegistry, metrics: Metrics) -> None:
+        self.registry = registry
+        self.metrics = metrics
         self.started = False
         self.draining = False
         self.drain_started_ns = 0
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def begin_drain(self) -> None:
-        self.drain_started_ns = time.perf_counter_ns()
+        self.drain_started_ns = _now()
         self.draining = True
 
     # ------------------------------------------------------------------ health
@@ -87,154 +106,178 @@ class DataPlane:
         return self.started and not self.draining
 
     def model_ready(self, name: str, version: str = "") -> bool:
-        mv = self.repository.get_loaded(name, version)
+        mv = self.registry.get_loaded(name, version)
         return mv.ready and not self.draining
 
     # ------------------------------------------------------------------ metadata
-    def server_metadata(self) -> dict[str, Any]:
-        return {"name": "rtserve", "version": __version__, "extensions": EXTENSIONS}
+    def server_metadata(self) -> ServerInfo:
+        return ServerInfo("rtserve", __version__, EXTENSIONS)
 
-    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
-        mv = self.repository.get_loaded(name, version)
-        model = self.repository.models[name]
-        batch = [-1] if mv.config.max_batch_size > 0 else []
-        return {
-            "name": name,
-            "versions": list(model.versions),
-            "platform": mv.runtime.platform,
-            "inputs": [
-                {"name": s.name, "datatype": s.datatype, "shape": [*batch, *s.shape]}
-                for s in mv.inputs.values()
-            ],
-            "outputs": [
-                {"name": s.name, "datatype": s.datatype, "shape": [*batch, *s.shape]}
-                for s in mv.outputs.values()
-            ],
-        }
+    def model_metadata(self, name: str, version: str = "") -> ModelInfo:
+        mv = self.registry.get_loaded(name, version)
+        batch = (-1,) if mv.config.max_batch_size > 0 else ()
+        return ModelInfo(
+            name=mv.name,
+            versions=tuple(self.registry.entry(mv.name).versions),
+            platform=mv.platform,
+            inputs=tuple(
+                TensorInfo(s.name, s.datatype, (*batch, *s.shape)) for s in mv.inputs.values()
+            ),
+            outputs=tuple(
+                TensorInfo(s.name, s.datatype, (*batch, *s.shape)) for s in mv.outputs.values()
+            ),
+        )
 
-    def model_config(self, name: str, version: str = "") -> dict[str, Any]:
-        """The model's configuration in the shape of Triton's model-configuration extension."""
-        mv = self.repository.get_loaded(name, version)
+    def model_config(self, name: str, version: str = "") -> ModelConfigInfo:
+        mv = self.registry.get_loaded(name, version)
         cfg = mv.config
         db = cfg.dynamic_batching
-        return {
-            "name": name,
-            "platform": mv.runtime.platform,
-            "backend": "onnxruntime",
-            "max_batch_size": cfg.max_batch_size,
-            "input": [
-                {
-                    "name": s.name,
-                    "data_type": f"TYPE_{_config_type(s.datatype)}",
-                    "dims": list(s.shape) or [1],
-                }
+        return ModelConfigInfo(
+            name=mv.name,
+            platform=mv.platform,
+            backend=cfg.backend,
+            max_batch_size=max(0, cfg.max_batch_size),
+            inputs=tuple(
+                ConfigTensor(s.name, f"TYPE_{_config_type(s.datatype)}", tuple(s.shape) or (1,))
                 for s in mv.inputs.values()
-            ],
-            "output": [
-                {
-                    "name": s.name,
-                    "data_type": f"TYPE_{_config_type(s.datatype)}",
-                    "dims": list(s.shape) or [1],
-                }
+            ),
+            outputs=tuple(
+                ConfigTensor(s.name, f"TYPE_{_config_type(s.datatype)}", tuple(s.shape) or (1,))
                 for s in mv.outputs.values()
-            ],
-            "dynamic_batching": {
-                "preferred_batch_size": list(db.preferred_batch_sizes),
-                "max_queue_delay_microseconds": db.max_queue_delay_us,
-            },
-            "instance_group": [{"name": name, "kind": "KIND_CPU", "count": cfg.instance_count}],
-        }
+            ),
+            preferred_batch_sizes=db.preferred_batch_sizes,
+            max_queue_delay_us=db.max_queue_delay_us,
+            instance_count=cfg.instance_count,
+        )
 
-    def repository_index(self) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
-        for model in self.repository.models.values():
-            if model.error:
-                rows.append(
-                    {
-                        "name": model.name,
-                        "version": "",
-                        "state": "UNAVAILABLE",
-                        "reason": model.error,
-                    }
-                )
-            for v in model.versions.values():
-                state = "READY" if v.ready else "UNAVAILABLE"
-                rows.append(
-                    {"name": model.name, "version": v.version, "state": state, "reason": ""}
-                )
-        return rows
+    def repository_index(self) -> list[IndexEntry]:
+        return self.registry.index()
+
+    def statistics(self, name: str | None, version: str = "") -> list[VersionStatistics]:
+        if name is None:
+            versions = self.registry.loaded_versions()
+        else:
+            mv = self.registry.get_loaded(name, version)
+            versions = [mv] if version else list(self.registry.entry(mv.name).versions.values())
+        return [VersionStatistics(mv.name, mv.version, mv.metrics.stats) for mv in versions]
 
     # ------------------------------------------------------------------ inference
-    def resolve(self, request: InferRequest) -> ModelVersion:
-        return self.resolve_name(request.model_name, request.model_version, request.timings)
-
-    def resolve_name(self, name: str, version: str, timings: Timings) -> ModelVersion:
+    def resolve(self, name: str, version: str, timings: Timings) -> ModelVersion:
         """Find the model version; during a drain only requests received before it began
         are accepted."""
         if self.draining and timings.received >= self.drain_started_ns:
             raise ShuttingDown("server is shutting down; not accepting new requests")
-        return self.repository.get(name, version)
+        return self.registry.get(name, version)
 
-    def check(self, request: InferRequest, mv: ModelVersion) -> Checked:
-        """Validate the request against the model: the feeds, rows, outputs and timeout."""
-        feeds, rows = self._check_inputs(request, mv)
-        return Checked(feeds, rows, self._check_outputs(request, mv), _timeout_s(request, mv))
+    def infer_nowait(
+        self, request: InferRequest, done: Done, mv: ModelVersion | None = None
+    ) -> None:
+        """Run one inference; ``done`` is called exactly once, maybe before this returns."""
+        try:
+            if mv is None:
+                mv = self.resolve(request.model_name, request.model_version, request.timings)
+            feeds, rows = self._check_inputs(request, mv)
+            wanted = self._check_outputs(request, mv)
+            timeout_s = _timeout_s(request, mv)
+            cache = mv.cache
+            if cache is not None:
+                outputs, key = cache.lookup_memory(request)
+                if outputs is not None:
+                    request.timings.cache = "memory"
+                    done(request, mv, InferResponse(mv.name, mv.version, outputs, request.id), None)
+                    return
+                if key is not None:
+                    task = asyncio.get_running_loop().create_task(
+                        self._fill(request, mv, feeds, rows, wanted, timeout_s, key, done)
+                    )
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                    return
+                request.timings.cache = "bypass"
+            future = mv.submit(feeds, rows, request.timings, timeout_s)
+        except Exception as exc:
+            done(request, mv, None, as_error(exc, "inference request"))
+            return
+        future.add_done_callback(partial(self._complete, request, mv, wanted, done))
 
-    @staticmethod
-    def enqueue(
-        request: InferRequest, mv: ModelVersion, checked: Checked
-    ) -> asyncio.Future[dict[str, np.ndarray]]:
-        return mv.batcher.submit(checked.feeds, checked.rows, request.timings, checked.timeout_s)
+    async def infer(self, request: InferRequest, mv: ModelVersion | None = None) -> InferResponse:
+        """``infer_nowait`` as a coroutine; raises the request's ``RTServeError``."""
+        answer: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
 
-    def response(
+        def done(
+            _: InferRequest,
+            __: ModelVersion | None,
+            response: InferResponse | None,
+            error: RTServeError | None,
+        ) -> None:
+            if error is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(response)  # type: ignore[arg-type]
+
+        self.infer_nowait(request, done, mv)
+        return await answer
+
+    def observe(
+        self,
+        request: InferRequest,
+        mv: ModelVersion | None,
+        error: RTServeError | None,
+        end_ns: int,
+    ) -> None:
+        """Record the finished request's metrics (the frontends call this once, after send)."""
+        if mv is None:
+            self.metrics.unrouted.labels(outcome_of(error) if error else "error").inc()
+        elif error is None:
+            rows = (
+                request.inputs[0].shape[0]
+                if mv.config.max_batch_size > 0 and request.inputs and request.inputs[0].shape
+                else 1
+            )
+            mv.metrics.observe_success(request.timings, rows, end_ns)
+        else:
+            mv.metrics.observe_failure(outcome_of(error), request.timings, end_ns)
+
+    def _complete(
         self,
         request: InferRequest,
         mv: ModelVersion,
-        results: dict[str, np.ndarray],
         wanted: list[str],
-    ) -> InferResponse:
-        return InferResponse(mv.name, mv.version, self._select(mv, results, wanted), request.id)
+        done: Done,
+        future: asyncio.Future[dict[str, np.ndarray]],
+    ) -> None:
+        try:
+            outputs = self._select(mv, future.result(), wanted)
+        except BaseException as exc:
+            done(request, mv, None, as_error(exc, "inference request"))
+            return
+        done(request, mv, InferResponse(mv.name, mv.version, outputs, request.id), None)
 
-    def cached(
-        self, request: InferRequest, mv: ModelVersion
-    ) -> tuple[InferResponse | None, bytes | None]:
-        """The synchronous L1 probe: (response, None) on a hit; (None, key) on a miss, to
-        finish with :meth:`fill`; (None, None) when the model has no cache or the request
-        opted out."""
-        if mv.cache is None:
-            return None, None
-        outputs, key = mv.cache.lookup_memory(request)
-        if outputs is not None:
-            request.timings.cache = "memory"
-            return InferResponse(mv.name, mv.version, outputs, request.id), None
-        if key is None:
-            request.timings.cache = "bypass"
-        return None, key
-
-    async def fill(
-        self, request: InferRequest, mv: ModelVersion, checked: Checked, key: bytes
-    ) -> InferResponse:
+    async def _fill(
+        self,
+        request: InferRequest,
+        mv: ModelVersion,
+        feeds: dict[str, np.ndarray],
+        rows: int,
+        wanted: list[str],
+        timeout_s: float,
+        key: bytes,
+        done: Done,
+    ) -> None:
         """After an L1 miss: single-flight, then Redis, then the model."""
 
         async def run() -> list[Tensor]:
-            results = await self.enqueue(request, mv, checked)
-            return self._select(mv, results, checked.wanted)
+            results = await mv.submit(feeds, rows, request.timings, timeout_s)
+            return self._select(mv, results, wanted)
 
-        outputs, tier = await mv.cache.fill(key, request, run)
+        assert mv.cache is not None
+        try:
+            outputs, tier = await mv.cache.fill(key, request, run)
+        except BaseException as exc:
+            done(request, mv, None, as_error(exc, "inference request"))
+            return
         request.timings.cache = tier or "miss"
-        return InferResponse(mv.name, mv.version, outputs, request.id)
-
-    async def infer(self, request: InferRequest, mv: ModelVersion | None = None) -> InferResponse:
-        if mv is None:
-            mv = self.resolve(request)
-        checked = self.check(request, mv)
-        hit, key = self.cached(request, mv)
-        if hit is not None:
-            return hit
-        if key is not None:
-            return await self.fill(request, mv, checked, key)
-        results = await self.enqueue(request, mv, checked)
-        return self.response(request, mv, results, checked.wanted)
+        done(request, mv, InferResponse(mv.name, mv.version, outputs, request.id), None)
 
     @staticmethod
     def _select(
@@ -255,7 +298,7 @@ class DataPlane:
         for i, out in enumerate(request.outputs):
             if out.name not in mv.outputs:
                 raise InvalidInput(
-                    f"outputs[{i}].name: model '{mv.name}' has no output '{out.name}' "
+                    f"outputs[{i}].name: model '{mv.name}' has no output '{out.name:.100}' "
                     f"(expected one of: {', '.join(mv.outputs)})"
                 )
             names.append(out.name)
@@ -271,7 +314,7 @@ class DataPlane:
             spec = specs.get(t.name)
             if spec is None:
                 raise InvalidInput(
-                    f"input '{t.name}': model '{mv.name}' has no such input "
+                    f"input '{t.name:.100}': model '{mv.name}' has no such input "
                     f"(expected: {', '.join(specs)})"
                 )
             if t.name in feeds:
@@ -319,7 +362,3 @@ class DataPlane:
                 f"missing input(s) {', '.join(repr(m) for m in missing)} for model '{mv.name}'"
             )
         return feeds, rows
-
-
-def _config_type(datatype: str) -> str:
-    return "STRING" if datatype == "BYTES" else datatype

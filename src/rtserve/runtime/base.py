@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Protocol
 
@@ -30,9 +31,20 @@ class Runtime(Protocol):
     def close(self) -> None: ...
 
 
-def load_runtime(config: ModelConfig, version_dir: Path) -> Runtime:
-    if config.backend == "onnxruntime":
-        from rtserve.runtime.onnx import OnnxRuntimeModel
+# config.backend -> the module whose ``load(config, version_dir)`` builds its runtime.
+# Adding a backend is one module under runtime/ and one line here.
+BACKEND_MODULES = {
+    "onnxruntime": "rtserve.runtime.onnx",
+    "python": "rtserve.runtime.python",
+    "torch": "rtserve.runtime.torch",
+}
 
-        return OnnxRuntimeModel.load(config, version_dir)
-    raise ValueError(f"unknown backend {config.backend!r}")
+
+def load_runtime(config: ModelConfig, version_dir: Path) -> Runtime:
+    """Build the runtime of one model version (blocking: run it off the event loop)."""
+    module_name = BACKEND_MODULES.get(config.backend)
+    if module_name is None:
+        raise ValueError(f"unknown backend {config.backend!r}")
+    module = importlib.import_module(module_name)
+    runtime: Runtime = module.load(config, version_dir)
+    return runtime

@@ -197,3 +197,8 @@ def _to_bytes_array(arr: np.ndarray) -> np.ndarray:
     for i, item in enumerate(flat_in):
         flat_out[i] = item.encode("utf-8", "surrogateescape") if isinstance(item, str) else item
     return out
+
+
+def load(config: ModelConfig, version_dir: Path) -> OnnxRuntimeModel:
+    """The backend entry point (see ``runtime.base.BACKEND_MODULES``)."""
+    return OnnxRuntimeModel.load(config, version_dir)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,13 +20,19 @@ from typing import Any
 
 import numpy as np
 
-from rtserve.errors import DeadlineExceeded, InferenceFailed, Overloaded, ShuttingDown
+from rtserve.errors import (
+    DeadlineExceeded,
+    InferenceFailed,
+    Overloaded,
+    RTServeError,
+    ShuttingDown,
+)
 from rtserve.protocol.types import Timings
 from rtserve.runtime.base import Runtime
 from rtserve.scheduling.policy import DynamicBatchPolicy
 
 Outputs = dict[str, np.ndarray]
-_now = time.perf_counter_ns
+log = logging.getLogger(__name__)
 
 
 class _Pending:
@@ -60,9 +67,12 @@ class Batcher:
         max_queue_size: int,
         batched: bool,
         inline: bool,
+        more_expected: Callable[[], bool],
         on_batch: BatchObserver | None = None,
-        more_expected: Callable[[], bool] | None = None,
+        clock: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
+        """``more_expected``: whether another request may arrive soon (the transports know
+        their idle clients); ``clock``: nanoseconds, injectable so tests need no sleeps."""
         self.name = name
         self._runtime = runtime
         self._policy = policy
@@ -70,8 +80,8 @@ class Batcher:
         self._batched = batched
         self.inline = inline
         self._on_batch = on_batch
-        # Whether another request may arrive soon (the frontends know their idle clients).
-        self._more_expected = more_expected or (lambda: True)
+        self._more_expected = more_expected
+        self._now = clock
         self._last_arrival = 0
         self.arrival_gap_ns = 0.0  # moving average of the time between arrivals
         self.batch_ns = 0.0  # moving average of a batch's run time
@@ -139,7 +149,7 @@ class Batcher:
         loop = self._loop
         assert loop is not None, "batcher not started"
         future: asyncio.Future[Outputs] = loop.create_future()
-        now = timings.enqueued = _now()
+        now = timings.enqueued = self._now()
         if self._last_arrival:
             self.arrival_gap_ns += 0.1 * ((now - self._last_arrival) - self.arrival_gap_ns)
         self._last_arrival = now
@@ -203,7 +213,7 @@ class Batcher:
                 count += p.rows
                 if count > max_rows:
                     break
-            now = _now()
+            now = self._now()
             plan = policy.plan(
                 rows,
                 head.enqueued_ns,
@@ -241,7 +251,7 @@ class Batcher:
     def _compute(
         self, batch: list[_Pending], instance: int
     ) -> tuple[Outputs | None, BaseException | None, int, int]:
-        start = _now()
+        start = self._now()
         try:
             if len(batch) == 1:
                 feeds = batch[0].feeds
@@ -249,9 +259,9 @@ class Batcher:
                 names = batch[0].feeds.keys()
                 feeds = {n: np.concatenate([p.feeds[n] for p in batch]) for n in names}
             outputs = self._runtime.run(instance, feeds)
-            return outputs, None, start, _now()
+            return outputs, None, start, self._now()
         except Exception as exc:  # the model's failure is reported to each request
-            return None, exc, start, _now()
+            return None, exc, start, self._now()
 
     def _compute_threaded(self, batch: list[_Pending], instance: int) -> None:
         result = self._compute(batch, instance)
@@ -277,8 +287,9 @@ class Batcher:
         if outputs is not None and self._batched:
             bad = [n for n, a in outputs.items() if a.ndim == 0 or a.shape[0] != total_rows]
             if bad:
-                error = RuntimeError(
-                    f"output {bad[0]!r} has no batch dimension of size {total_rows}"
+                error = InferenceFailed(
+                    f"model '{self.name}': output {bad[0]!r} has no batch dimension "
+                    f"of size {total_rows}"
                 )
         offset = 0
         for p in batch:
@@ -292,9 +303,7 @@ class Batcher:
                 offset += p.rows
                 continue
             if error is not None or outputs is None:
-                p.future.set_exception(
-                    InferenceFailed(f"model '{self.name}' failed to run the batch: {error}")
-                )
+                p.future.set_exception(self._failure(error))
             elif len(batch) == 1:
                 p.future.set_result(outputs)
             else:
@@ -305,6 +314,15 @@ class Batcher:
             self._instance_wait.set_result(None)
         if not self.busy:
             self._notify_drained()
+
+    def _failure(self, error: BaseException | None) -> RTServeError:
+        """What the requests of a failed batch are told. A runtime's own ``RTServeError``
+        is meant for clients; anything else names only its type (details go to the log)."""
+        if isinstance(error, RTServeError):
+            return error
+        log.error("model %s failed to run a batch", self.name, exc_info=error)
+        kind = type(error).__name__ if error is not None else "no outputs"
+        return InferenceFailed(f"model '{self.name}' failed to run the batch ({kind})")
 
     def _notify_drained(self) -> None:
         if self._drained is not None and not self._drained.done() and not self.busy:

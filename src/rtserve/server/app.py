@@ -24,15 +24,20 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rtserve.config import ServerConfig
 from rtserve.core.dataplane import DataPlane
+from rtserve.core.model import BuildContext
+from rtserve.core.registry import ModelRegistry
 from rtserve.observability.metrics import Metrics
-from rtserve.repository import ModelRepository
+from rtserve.repository import scan
 from rtserve.server.grpc import GrpcFrontend, start_grpc_server
 from rtserve.server.http import HttpFrontend
 from rtserve.server.httpserver import HttpServer
+
+if TYPE_CHECKING:
+    from rtserve.cache import CacheConfig
 
 log = logging.getLogger("rtserve")
 
@@ -50,14 +55,17 @@ class Server:
         self.http_sock = http_sock  # set in worker processes: the listening socket they share
         self.on_ready = on_ready
         self.metrics = Metrics()
-        self.repository = ModelRepository(
-            config.model_repository, self.metrics, cache_default=_cache_default(config)
+        self.http_server: HttpServer | None = None
+        self.registry = ModelRegistry(
+            BuildContext(
+                self.metrics,
+                more_expected=self._more_expected,
+                cache_default=_cache_default(config),
+            )
         )
-        self.dataplane = DataPlane(self.repository)
+        self.dataplane = DataPlane(self.registry, self.metrics)
         self.http = HttpFrontend(self.dataplane, self.metrics, config.max_request_bytes)
         self.grpc = GrpcFrontend(self.dataplane, self.metrics, config.max_request_bytes)
-        self.http_server: HttpServer | None = None
-        self.repository.more_expected = self._more_expected
         self._stop = asyncio.Event()
         self.http_port = 0
         self.grpc_port = 0
@@ -87,7 +95,7 @@ class Server:
             "listening: http://%s:%d grpc %s:%d", cfg.host, self.http_port, cfg.host, self.grpc_port
         )
 
-        await self.repository.load_all()
+        await self.registry.load_all(scan(cfg.model_repository))
         gc.collect()
         gc.freeze()  # models, sessions and config never die: keep them out of GC scans
         # Per-request garbage is freed by reference counting; cyclic collections only need to
@@ -99,14 +107,14 @@ class Server:
         else:
             models = {
                 name: (sorted(m.versions) if not m.error else f"FAILED: {m.error}")
-                for name, m in self.repository.models.items()
+                for name, m in self.registry.models.items()
             }
             announce(self.config, self.http_port, self.grpc_port, models, self.ports_file)
         await self._stop.wait()
 
         await self._drain(http_server, grpc_server)
         await http_server.close()
-        await self.repository.stop()
+        await self.registry.stop()
         log.info("stopped")
 
     async def _drain(self, http_server: HttpServer, grpc_server: object) -> None:
@@ -120,7 +128,7 @@ class Server:
             return (
                 http_server.busy
                 or self.grpc.in_flight > 0
-                or any(mv.batcher.busy for mv in self.repository.loaded_versions())
+                or any(mv.scheduler.busy for mv in self.registry.loaded_versions())
             )
 
         while busy() and time.monotonic() < deadline:
@@ -153,7 +161,7 @@ def announce(
     )
 
 
-def _cache_default(config: ServerConfig) -> Any:
+def _cache_default(config: ServerConfig) -> CacheConfig | None:
     """The server-wide response cache config (validated; errors name the file and field)."""
     if config.response_cache is None:
         return None

@@ -1,31 +1,77 @@
 """The V2 gRPC frontend (``inference.GRPCInferenceService``) on grpc.aio.
 
-Thin: decode into an ``InferRequest``, call the dataplane, encode. Errors abort the RPC with
-the code the error class maps to (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, ...).
+Thin: decode into an ``InferRequest``, call the dataplane, encode. Every handler runs
+inside ``_unary``, the one place where exceptions become a gRPC status (through
+``server.errors.grpc_error``); stream requests always get an answer on the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
-from rtserve.core.dataplane import DataPlane, outcome_of
-from rtserve.errors import RTServeError
+from rtserve.core.dataplane import DataPlane
+from rtserve.errors import InvalidInput, RTServeError, as_error
 from rtserve.observability.metrics import Metrics, server_timing
 from rtserve.protocol import grpc_service_pb2 as pb
-from rtserve.protocol import grpc_service_pb2_grpc as pb_grpc
 from rtserve.protocol.grpc_codec import decode_model_infer, encode_model_infer
-from rtserve.protocol.types import Timings
-from rtserve.server.stats import model_statistics
+from rtserve.protocol.types import InferRequest, Timings
+from rtserve.server.errors import grpc_error
+from rtserve.server.stats import inference_stats
 
 _now = time.perf_counter_ns
+log = logging.getLogger(__name__)
 
 
-class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
+class _Malformed:
+    """Stands in for a request message that did not parse."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _parser(message_class: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except Exception as exc:
+            return _Malformed(f"malformed {message_class.__name__} message: {type(exc).__name__}")
+
+    return parse
+
+
+def _check(request: Any) -> Any:
+    if isinstance(request, _Malformed):
+        raise InvalidInput(request.reason)
+    return request
+
+
+Handler = Callable[[Any, Any, Any], Awaitable[Any]]
+
+
+def _unary(fn: Handler) -> Handler:
+    """Run a unary handler; any exception aborts the call with its mapped status."""
+
+    @functools.wraps(fn)
+    async def handler(self: Any, request: Any, context: Any) -> Any:
+        try:
+            return await fn(self, _check(request), context)
+        except Exception as exc:
+            code, details = grpc_error(exc)
+            await context.abort(code, details)
+
+    return handler
+
+
+class GrpcFrontend:
     def __init__(self, dataplane: DataPlane, metrics: Metrics, max_message_bytes: int) -> None:
         self.dataplane = dataplane
         self.metrics = metrics
@@ -34,166 +80,160 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
         self.last_request_s = 0.0  # time.monotonic() of the last inference RPC
 
     # ------------------------------------------------------------------ health & metadata
+    @_unary
     async def ServerLive(self, request: Any, context: Any) -> Any:
         return pb.ServerLiveResponse(live=self.dataplane.live())
 
+    @_unary
     async def ServerReady(self, request: Any, context: Any) -> Any:
         return pb.ServerReadyResponse(ready=self.dataplane.ready())
 
+    @_unary
     async def ModelReady(self, request: Any, context: Any) -> Any:
-        try:
-            return pb.ModelReadyResponse(
-                ready=self.dataplane.model_ready(request.name, request.version)
-            )
-        except RTServeError as exc:
-            await context.abort(exc.grpc_code, exc.message)
+        return pb.ModelReadyResponse(
+            ready=self.dataplane.model_ready(request.name, request.version)
+        )
 
+    @_unary
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
         meta = self.dataplane.server_metadata()
         return pb.ServerMetadataResponse(
-            name=meta["name"], version=meta["version"], extensions=meta["extensions"]
+            name=meta.name, version=meta.version, extensions=list(meta.extensions)
         )
 
+    @_unary
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
-        try:
-            meta = self.dataplane.model_metadata(request.name, request.version)
-        except RTServeError as exc:
-            await context.abort(exc.grpc_code, exc.message)
+        meta = self.dataplane.model_metadata(request.name, request.version)
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
-            name=meta["name"],
-            versions=meta["versions"],
-            platform=meta["platform"],
-            inputs=[tensor(**t) for t in meta["inputs"]],
-            outputs=[tensor(**t) for t in meta["outputs"]],
+            name=meta.name,
+            versions=list(meta.versions),
+            platform=meta.platform,
+            inputs=[tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in meta.inputs],
+            outputs=[tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in meta.outputs],
         )
 
+    @_unary
     async def ModelConfig(self, request: Any, context: Any) -> Any:
-        try:
-            cfg = self.dataplane.model_config(request.name, request.version)
-        except RTServeError as exc:
-            await context.abort(exc.grpc_code, exc.message)
-        db = cfg["dynamic_batching"]
+        cfg = self.dataplane.model_config(request.name, request.version)
         config = pb.ModelConfig(
-            name=cfg["name"],
-            platform=cfg["platform"],
-            backend=cfg["backend"],
-            max_batch_size=cfg["max_batch_size"],
+            name=cfg.name,
+            platform=cfg.platform,
+            backend=cfg.backend,
+            max_batch_size=cfg.max_batch_size,
             input=[
-                pb.ModelInput(name=t["name"], data_type=t["data_type"], dims=t["dims"])
-                for t in cfg["input"]
+                pb.ModelInput(name=t.name, data_type=t.data_type, dims=t.dims) for t in cfg.inputs
             ],
             output=[
-                pb.ModelOutput(name=t["name"], data_type=t["data_type"], dims=t["dims"])
-                for t in cfg["output"]
+                pb.ModelOutput(name=t.name, data_type=t.data_type, dims=t.dims) for t in cfg.outputs
             ],
             dynamic_batching=pb.ModelDynamicBatching(
-                preferred_batch_size=db["preferred_batch_size"],
-                max_queue_delay_microseconds=db["max_queue_delay_microseconds"],
+                preferred_batch_size=cfg.preferred_batch_sizes,
+                max_queue_delay_microseconds=cfg.max_queue_delay_us,
             ),
             instance_group=[
                 pb.ModelInstanceGroup(
-                    name=g["name"], kind=pb.ModelInstanceGroup.KIND_CPU, count=g["count"]
+                    name=cfg.name, kind=pb.ModelInstanceGroup.KIND_CPU, count=cfg.instance_count
                 )
-                for g in cfg["instance_group"]
             ],
         )
         return pb.ModelConfigResponse(config=config)
 
+    @_unary
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
-        try:
-            stats = model_statistics(self.dataplane, request.name or None, request.version)
-        except RTServeError as exc:
-            await context.abort(exc.grpc_code, exc.message)
+        versions = self.dataplane.statistics(request.name or None, request.version)
         response = pb.ModelStatisticsResponse()
-        for s in stats:
+        for v in versions:
+            s = v.stats
             m = response.model_stats.add(
-                name=s["name"],
-                version=s["version"],
-                last_inference=s["last_inference"],
-                inference_count=s["inference_count"],
-                execution_count=s["execution_count"],
+                name=v.name,
+                version=v.version,
+                last_inference=s.last_inference_ms,
+                inference_count=s.inference_count,
+                execution_count=s.execution_count,
             )
-            for key, value in s["inference_stats"].items():
+            for key, value in inference_stats(v).items():
                 d = getattr(m.inference_stats, key)
-                d.count, d.ns = value["count"], value["ns"]
-            for b in s["batch_stats"]:
-                bs = m.batch_stats.add(batch_size=b["batch_size"])
-                for key in ("compute_input", "compute_infer", "compute_output"):
-                    d = getattr(bs, key)
-                    d.count, d.ns = b[key]["count"], b[key]["ns"]
+                d.count, d.ns = value.count, value.ns
+            for size, value in sorted(s.batch_sizes.items()):
+                bs = m.batch_stats.add(batch_size=size)
+                bs.compute_infer.count, bs.compute_infer.ns = value.count, value.ns
+                bs.compute_input.count = bs.compute_output.count = value.count
         return response
 
+    @_unary
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
         response = pb.RepositoryIndexResponse()
-        for row in self.dataplane.repository_index():
-            response.models.add(**row)
+        for e in self.dataplane.repository_index():
+            response.models.add(name=e.name, version=e.version, state=e.state, reason=e.reason)
         return response
 
     # ------------------------------------------------------------------ inference
-    async def _infer(self, request: Any, context: Any) -> tuple[Any, Timings]:
-        """The response message and the request's timings; errors raise RTServeError."""
+    async def _infer(self, message: Any, context: Any) -> Any:
+        """Decode, infer, encode; records metrics once; raises ``RTServeError``."""
         timings = Timings(received=_now())
         self.last_request_s = time.monotonic()
-        mm = None
+        dp = self.dataplane
+        mv = None
+        request = InferRequest("", "", [], timings=timings)
         try:
-            mv = self.dataplane.resolve_name(request.model_name, request.model_version, timings)
-            mm = mv.metrics
-            infer_request = decode_model_infer(request)
-            infer_request.timings = timings
+            message = _check(message)
+            mv = dp.resolve(message.model_name, message.model_version, timings)
+            request = decode_model_infer(message)
+            request.timings = timings
             remaining = context.time_remaining() if context is not None else None
-            if remaining is not None and "timeout" not in infer_request.parameters:
-                infer_request.parameters["timeout"] = max(1.0, remaining * 1e6)
-            response = await self.dataplane.infer(infer_request, mv)
-            message = encode_model_infer(response)
-            end = _now()
-            rows = infer_request.inputs[0].shape[0] if mv.config.max_batch_size else 1
-            mm.observe_success(timings, rows, end)
-            return message, timings
-        except RTServeError as exc:
-            if mm is not None:
-                mm.observe_failure(outcome_of(exc), timings, _now())
-            else:
-                self.metrics.unrouted.labels(outcome_of(exc)).inc()
-            raise
+            if remaining is not None and "timeout" not in request.parameters:
+                request.parameters["timeout"] = max(1.0, remaining * 1e6)
+            response = await dp.infer(request, mv)
+            answer = encode_model_infer(response)
+        except BaseException as exc:
+            error = as_error(exc, "inference request")
+            dp.observe(request, mv, error, _now())
+            raise error from None
+        dp.observe(request, mv, None, _now())
+        return answer, timings
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         self.in_flight += 1
         try:
             message, timings = await self._infer(request, context)
-            metadata = [("server-timing", server_timing(timings, _now()))]
-            if timings.cache:
-                metadata.append(("x-rtserve-cache", timings.cache))
-            context.set_trailing_metadata(metadata)
-            return message
         except RTServeError as exc:
-            await context.abort(exc.grpc_code, exc.message)
+            code, details = grpc_error(exc)
+            await context.abort(code, details)
         finally:
             self.in_flight -= 1
+        metadata = [("server-timing", server_timing(timings, _now()))]
+        if timings.cache:
+            metadata.append(("x-rtserve-cache", timings.cache))
+        context.set_trailing_metadata(metadata)
+        return message
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
         """Requests on a stream run concurrently (so they batch together); each answer is
-        sent as soon as it is ready, carrying its request's id."""
+        sent as soon as it is ready, carrying its request's id. Every request gets an answer:
+        its result or an error message."""
         answers: asyncio.Queue[Any] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()
 
         async def answer(request: Any) -> None:
             try:
                 message, _ = await self._infer(request, None)
-                await answers.put(pb.ModelStreamInferResponse(infer_response=message))
-            except RTServeError as exc:
-                await answers.put(
-                    pb.ModelStreamInferResponse(
-                        error_message=exc.message,
-                        infer_response=pb.ModelInferResponse(
-                            model_name=request.model_name,
-                            model_version=request.model_version,
-                            id=request.id,
-                        ),
-                    )
+                reply = pb.ModelStreamInferResponse(infer_response=message)
+            except BaseException as exc:
+                ok = not isinstance(request, _Malformed)
+                reply = pb.ModelStreamInferResponse(
+                    error_message=grpc_error(exc)[1],
+                    infer_response=pb.ModelInferResponse(
+                        model_name=request.model_name[:200] if ok else "",
+                        model_version=request.model_version[:200] if ok else "",
+                        id=request.id[:200] if ok else "",
+                    ),
                 )
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
             finally:
                 self.in_flight -= 1
+            await answers.put(reply)
 
         async def read() -> None:
             async for request in request_iterator:
@@ -229,6 +269,27 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
                 task.cancel()
 
 
+def _generic_handler(frontend: GrpcFrontend) -> grpc.GenericRpcHandler:
+    """The service's method handlers, built from its descriptor. Requests are parsed by
+    ``_parser`` so a malformed message reaches the handler and is answered
+    INVALID_ARGUMENT instead of failing inside gRPC."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in service.methods:
+        parse = _parser(getattr(pb, method.input_type.name))
+        serialize = getattr(pb, method.output_type.name).SerializeToString
+        fn = getattr(frontend, method.name)
+        if method.client_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                fn, request_deserializer=parse, response_serializer=serialize
+            )
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=parse, response_serializer=serialize
+            )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
 async def start_grpc_server(
     frontend: GrpcFrontend, host: str, port: int, reuse_port: bool = False
 ) -> tuple[grpc.aio.Server, int]:
@@ -240,7 +301,7 @@ async def start_grpc_server(
             ("grpc.so_reuseport", 1 if reuse_port else 0),
         ]
     )
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(frontend, server)
+    server.add_generic_rpc_handlers((_generic_handler(frontend),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind gRPC to {host}:{port}")

@@ -4,44 +4,55 @@ from __future__ import annotations
 
 from typing import Any
 
-from rtserve.core.dataplane import DataPlane
+from rtserve.core.info import VersionStatistics
 from rtserve.observability.metrics import StatDuration
+
+INFERENCE_STATS = (
+    "success",
+    "fail",
+    "queue",
+    "compute_input",
+    "compute_infer",
+    "compute_output",
+    "cache_hit",
+    "cache_miss",
+)
 
 
 def _duration(d: StatDuration) -> dict[str, int]:
     return {"count": d.count, "ns": d.ns}
 
 
-def model_statistics(dataplane: DataPlane, name: str | None, version: str) -> list[dict[str, Any]]:
-    repo = dataplane.repository
-    if name is None:
-        versions = repo.loaded_versions()
-    else:
-        mv = repo.get_loaded(name, version)
-        versions = [mv] if version else list(repo.models[name].versions.values())
+def inference_stats(v: VersionStatistics) -> dict[str, StatDuration]:
+    """The extension's inference_stats. perf_analyzer requires compute_input/infer/output
+    counts to agree; concatenation and splitting are accounted inside compute_infer, so
+    input/output carry 0 ns."""
+    s = v.stats
+    compute_count = StatDuration(s.compute_infer.count, 0)
+    return {
+        "success": s.success,
+        "fail": s.fail,
+        "queue": s.queue,
+        "compute_input": compute_count,
+        "compute_infer": s.compute_infer,
+        "compute_output": compute_count,
+        "cache_hit": s.cache_hit,
+        "cache_miss": s.cache_miss,
+    }
+
+
+def statistics_json(versions: list[VersionStatistics]) -> list[dict[str, Any]]:
     out = []
-    for mv in versions:
-        s = mv.metrics.stats
-        # perf_analyzer requires compute_input/infer/output counts to agree; concatenation
-        # and splitting are accounted inside compute_infer, so input/output carry 0 ns.
-        compute_count = {"count": s.compute_infer.count, "ns": 0}
+    for v in versions:
+        s = v.stats
         out.append(
             {
-                "name": mv.name,
-                "version": mv.version,
+                "name": v.name,
+                "version": v.version,
                 "last_inference": s.last_inference_ms,
                 "inference_count": s.inference_count,
                 "execution_count": s.execution_count,
-                "inference_stats": {
-                    "success": _duration(s.success),
-                    "fail": _duration(s.fail),
-                    "queue": _duration(s.queue),
-                    "compute_input": compute_count,
-                    "compute_infer": _duration(s.compute_infer),
-                    "compute_output": compute_count,
-                    "cache_hit": _duration(s.cache_hit),
-                    "cache_miss": _duration(s.cache_miss),
-                },
+                "inference_stats": {k: _duration(d) for k, d in inference_stats(v).items()},
                 "batch_stats": [
                     {
                         "batch_size": size,

@@ -1,0 +1,61 @@
+"""Typed answers of the non-inference routes; each frontend encodes them its own way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rtserve.observability.metrics import ModelStats
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]  # as clients see it: -1 first when the model batches
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    name: str
+    version: str
+    extensions: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The V2 model metadata."""
+
+    name: str
+    versions: tuple[str, ...]
+    platform: str
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigTensor:
+    name: str
+    data_type: str  # Triton's TYPE_* name
+    dims: tuple[int, ...]  # per row when batching
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfigInfo:
+    """The configuration in the shape of Triton's model-configuration extension."""
+
+    name: str
+    platform: str
+    backend: str
+    max_batch_size: int
+    inputs: tuple[ConfigTensor, ...]
+    outputs: tuple[ConfigTensor, ...]
+    preferred_batch_sizes: tuple[int, ...]
+    max_queue_delay_us: int
+    instance_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class VersionStatistics:
+    name: str
+    version: str
+    stats: ModelStats

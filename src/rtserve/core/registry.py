@@ -1,0 +1,150 @@
+"""The live model versions: lookup, readiness, the repository index, load and unload.
+
+Loading a model builds and warms every selected version beside whatever is serving now;
+traffic moves to the new versions only when all of them are ready, then the old ones drain
+and stop. A model that fails to load keeps its old versions serving and reports why.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from rtserve.core.model import BuildContext, ModelVersion, build_version
+from rtserve.errors import ConfigError, ModelNotFound, ModelNotReady
+from rtserve.repository import ModelSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelEntry:
+    name: str
+    versions: dict[str, ModelVersion] = field(default_factory=dict)
+    latest: str = ""
+    error: str = ""  # why the last load failed ("" if it did not)
+    source: ModelSource | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    """One row of the repository index (Triton's model repository extension)."""
+
+    name: str
+    version: str
+    state: str  # READY | UNAVAILABLE | LOADING | UNLOADING
+    reason: str = ""
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 100 else name[:100] + "..."
+
+
+class ModelRegistry:
+    def __init__(self, ctx: BuildContext) -> None:
+        self.ctx = ctx
+        ctx.lookup = self.get
+        self.models: dict[str, ModelEntry] = {}
+
+    # ------------------------------------------------------------------ loading
+    async def load_all(self, sources: list[ModelSource]) -> None:
+        """Load every source; ensembles last, once the models they call are live."""
+        plain = [s for s in sources if s.config is None or s.config.backend != "ensemble"]
+        for source in plain + [s for s in sources if s not in plain]:
+            await self.load(source)
+
+    async def load(self, source: ModelSource) -> ModelEntry:
+        """Build the source's versions beside the serving ones, then switch over."""
+        entry = self.models.get(source.name)
+        if entry is None:
+            entry = self.models[source.name] = ModelEntry(source.name)
+        if source.error or source.config is None:
+            entry.error = source.error or f"model '{source.name}': no config"
+            log.error("model %s not loaded: %s", source.name, entry.error)
+            return entry
+        built: dict[str, ModelVersion] = {}
+        try:
+            for version, path in source.versions.items():
+                built[version] = await build_version(source.config, path, version, self.ctx)
+        except ConfigError as exc:
+            for mv in built.values():
+                await mv.stop()
+            entry.error = str(exc)
+            log.error("model %s not loaded: %s", source.name, exc)
+            return entry
+        old = entry.versions
+        for mv in built.values():
+            mv.ready = True
+        entry.versions, entry.latest, entry.error, entry.source = (
+            built,
+            source.latest,
+            "",
+            source,
+        )
+        log.info("model %s ready (versions %s)", source.name, ", ".join(built))
+        for mv in old.values():
+            await mv.stop()  # drains: requests it admitted are answered
+        return entry
+
+    async def unload(self, name: str) -> None:
+        """Stop routing to the model, answer what it admitted, then release it."""
+        entry = self.models.get(name)
+        if entry is None:
+            raise ModelNotFound(f"unknown model '{_short(name)}'")
+        del self.models[name]
+        for mv in entry.versions.values():
+            mv.ready = False
+        for mv in entry.versions.values():
+            await mv.stop()
+        log.info("model %s unloaded", name)
+
+    # ------------------------------------------------------------------ lookup
+    def get(self, name: str, version: str = "") -> ModelVersion:
+        """The version to serve a request (it must be ready)."""
+        mv = self.get_loaded(name, version)
+        if not mv.ready:
+            raise ModelNotReady(f"model '{mv.name}' version {mv.version} is not ready")
+        return mv
+
+    def get_loaded(self, name: str, version: str = "") -> ModelVersion:
+        """Like ``get`` but also returns versions that are not ready (metadata, readiness)."""
+        entry = self.models.get(name)
+        if entry is None:
+            raise ModelNotFound(f"unknown model '{_short(name)}'")
+        if not entry.versions:
+            raise ModelNotReady(f"model '{name}' is not available: {entry.error}")
+        mv = entry.versions.get(version or entry.latest)
+        if mv is None:
+            raise ModelNotFound(
+                f"unknown version '{_short(version)}' of model '{name}' "
+                f"(available: {', '.join(entry.versions)})"
+            )
+        return mv
+
+    def entry(self, name: str) -> ModelEntry:
+        entry = self.models.get(name)
+        if entry is None:
+            raise ModelNotFound(f"unknown model '{_short(name)}'")
+        return entry
+
+    def loaded_versions(self) -> list[ModelVersion]:
+        return [v for m in self.models.values() for v in m.versions.values()]
+
+    def index(self) -> list[IndexEntry]:
+        rows: list[IndexEntry] = []
+        for entry in self.models.values():
+            if entry.error:
+                rows.append(IndexEntry(entry.name, "", "UNAVAILABLE", entry.error))
+            for v in entry.versions.values():
+                rows.append(
+                    IndexEntry(entry.name, v.version, "READY" if v.ready else "UNAVAILABLE")
+                )
+        return rows
+
+    def set_ready(self, ready: bool) -> None:
+        for mv in self.loaded_versions():
+            mv.ready = ready
+
+    async def stop(self) -> None:
+        for mv in self.loaded_versions():
+            await mv.stop()

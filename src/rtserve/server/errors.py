@@ -1,0 +1,32 @@
+"""Exception -> wire answer, once per frontend.
+
+The status and code of each error class live in ``rtserve.errors``; this module turns any
+exception into the HTTP answer or the gRPC status a client gets. Unexpected exceptions (bugs)
+become 500 / INTERNAL naming only their type; the traceback goes to the log.
+"""
+
+from __future__ import annotations
+
+import grpc
+import orjson
+
+from rtserve.errors import Overloaded, as_error
+
+Headers = list[tuple[bytes, bytes]]
+JSON_TYPE = (b"content-type", b"application/json")
+
+
+def http_error(exc: BaseException) -> tuple[int, bytes, Headers]:
+    """(status, JSON body, headers) of the answer to a failed HTTP request."""
+    err = as_error(exc)
+    headers = [JSON_TYPE]
+    retry_after = getattr(err, "retry_after_s", None)
+    if isinstance(err, Overloaded) or retry_after is not None:
+        headers.append((b"retry-after", str(max(1, round(retry_after or 1.0))).encode()))
+    return err.http_status, orjson.dumps({"error": err.message}), headers
+
+
+def grpc_error(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """(status code, details) of a failed gRPC call."""
+    err = as_error(exc)
+    return err.grpc_code, err.message
