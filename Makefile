@@ -20,16 +20,26 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) system-deps
 
-# redis-server (cache tests), wrk (benchmarks), libb64 (perf_analyzer) come from Debian.
+# redis-server (cache tests), wrk (benchmarks), libb64 (perf_analyzer), chromium (dashboard
+# test) come from Debian; promtool (alert-rule tests) is the one binary taken out of Debian's
+# prometheus package, so no Prometheus service is installed or started.
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v wrk >/dev/null || missing="$$missing wrk"; \
 	ldconfig -p | grep -q libb64.so.0d || missing="$$missing libb64-0d"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi; \
+	fi; \
+	if ! command -v promtool >/dev/null; then \
+	  echo "installing promtool from the Debian prometheus package"; \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; tmp=$$(mktemp -d); chmod 755 $$tmp; \
+	  (cd $$tmp && { apt-get download prometheus || { $$sudo apt-get update -qq && apt-get download prometheus; }; }) >/dev/null 2>&1 && \
+	  dpkg-deb --fsys-tarfile $$tmp/prometheus_*.deb | tar -xO ./usr/bin/promtool > $$tmp/promtool && \
+	  $$sudo install -m 755 $$tmp/promtool /usr/local/bin/promtool; rc=$$?; rm -rf $$tmp; exit $$rc; \
 	fi
 
 $(REPO)/.built: $(STAMP) examples/build_repository.py
