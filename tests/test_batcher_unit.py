@@ -1,0 +1,195 @@
+"""The batcher alone: a fake runtime, an injectable clock, no sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from rtserve.config import DynamicBatching
+from rtserve.errors import DeadlineExceeded, InferenceFailed, Overloaded, ShuttingDown
+from rtserve.protocol.types import Timings
+from rtserve.scheduling.batcher import Batcher
+from rtserve.scheduling.policy import DynamicBatchPolicy
+from tests.fakes import DoublingRuntime, FakeClock, run_async
+
+
+def make(
+    runtime: DoublingRuntime,
+    clock: FakeClock,
+    delay_us: int = 0,
+    max_queue: int = 64,
+    inline: bool = True,
+    more_expected: bool = True,
+    adaptive: bool = False,
+) -> Batcher:
+    policy = DynamicBatchPolicy(
+        runtime.max_batch_size,
+        DynamicBatching(max_queue_delay_us=delay_us, adaptive_delay=adaptive),
+    )
+    return Batcher(
+        "m:1",
+        runtime,
+        policy,
+        max_queue,
+        batched=True,
+        inline=inline,
+        more_expected=lambda: more_expected,
+        clock=clock,
+    )
+
+
+def rows(n: int, value: float = 1.0, width: int = 4) -> dict[str, np.ndarray]:
+    return {"x": np.full((n, width), value, dtype=np.float32)}
+
+
+async def settle(steps: int = 5) -> None:
+    for _ in range(steps):
+        await asyncio.sleep(0)
+
+
+@run_async
+async def test_requests_queued_together_run_as_one_batch_and_split_back() -> None:
+    rt, clock = DoublingRuntime(), FakeClock()
+    b = make(rt, clock)
+    b.start()
+    futures = [b.submit(rows(n, value=n), n, Timings()) for n in (1, 2, 3)]
+    results = await asyncio.gather(*futures)
+    assert rt.batches == [6]
+    for n, out in zip((1, 2, 3), results, strict=True):
+        assert out["y"].shape == (n, 4)
+        assert np.all(out["y"] == 2 * n)
+    await b.stop()
+
+
+@run_async
+async def test_waits_for_the_delay_by_the_clock_then_dispatches() -> None:
+    rt, clock = DoublingRuntime(), FakeClock()
+    b = make(rt, clock, delay_us=50_000)  # 50 ms window, measured by the fake clock
+    b.start()
+    fut = b.submit(rows(1), 1, Timings())
+    await settle()
+    assert rt.batches == [] and not fut.done()
+    clock.advance_ms(50)
+    b._wake()  # what the loop timer does when the window ends
+    await settle()
+    assert rt.batches == [1] and fut.done()
+    await b.stop()
+
+
+@run_async
+async def test_full_batch_dispatches_without_waiting_for_the_delay() -> None:
+    rt, clock = DoublingRuntime(max_batch_size=4), FakeClock()
+    b = make(rt, clock, delay_us=10_000_000)
+    b.start()
+    futures = [b.submit(rows(1), 1, Timings()) for _ in range(4)]
+    await asyncio.gather(*futures)
+    assert rt.batches == [4]
+    await b.stop()
+
+
+@run_async
+async def test_adaptive_delay_skips_the_wait_when_no_more_requests_are_expected() -> None:
+    rt, clock = DoublingRuntime(), FakeClock()
+    b = make(rt, clock, delay_us=10_000_000, more_expected=False, adaptive=True)
+    b.start()
+    out = await b.submit(rows(1), 1, Timings())
+    assert rt.batches == [1] and out["y"].shape == (1, 4)
+    await b.stop()
+
+
+@run_async
+async def test_batches_never_exceed_max_batch_size() -> None:
+    rt, clock = DoublingRuntime(max_batch_size=4), FakeClock()
+    b = make(rt, clock)
+    b.start()
+    await asyncio.gather(*[b.submit(rows(3), 3, Timings()) for _ in range(3)])
+    assert rt.batches == [3, 3, 3]
+    await b.stop()
+
+
+@run_async
+async def test_full_queue_refuses_at_once() -> None:
+    rt, clock = DoublingRuntime(), FakeClock()
+    b = make(rt, clock, delay_us=10_000_000, max_queue=2)
+    b.start()
+    b.submit(rows(1), 1, Timings())
+    b.submit(rows(1), 1, Timings())
+    with pytest.raises(Overloaded, match="queue is full"):
+        b.submit(rows(1), 1, Timings())
+    clock.advance_ms(10_000)
+    b._wake()
+    await b.drain()
+    await b.stop()
+
+
+@run_async
+async def test_deadline_expires_a_queued_request_and_it_is_never_run() -> None:
+    rt, clock = DoublingRuntime(), FakeClock()
+    b = make(rt, clock, delay_us=10_000_000)
+    b.start()
+    fut = b.submit(rows(1), 1, Timings(), timeout_s=0.001)
+    with pytest.raises(DeadlineExceeded, match="timed out"):
+        await fut
+    clock.advance_ms(10_000)
+    b._wake()
+    await settle()
+    assert rt.batches == []
+    await b.stop()
+
+
+@run_async
+async def test_a_failing_batch_fails_each_request_with_the_model_named() -> None:
+    rt, clock = DoublingRuntime(), FakeClock()
+    rt.fail_next = ValueError("/secret/path/weights.bin is corrupt")
+    b = make(rt, clock)
+    b.start()
+    futures = [b.submit(rows(1), 1, Timings()) for _ in range(2)]
+    results = await asyncio.gather(*futures, return_exceptions=True)
+    for r in results:
+        assert isinstance(r, InferenceFailed)
+        assert "m:1" in r.message and "ValueError" in r.message
+        assert "/secret" not in r.message  # details go to the log, not to clients
+    # The batcher keeps serving.
+    out = await b.submit(rows(1), 1, Timings())
+    assert np.all(out["y"] == 2)
+    await b.stop()
+
+
+@run_async
+async def test_ragged_requests_of_different_lengths_are_never_mixed() -> None:
+    rt, clock = DoublingRuntime(ragged=True), FakeClock()
+    b = make(rt, clock)
+    b.start()
+    short = b.submit(rows(1, width=3), 1, Timings())
+    long = b.submit(rows(1, width=5), 1, Timings())
+    short2 = b.submit(rows(1, width=3), 1, Timings())
+    out = await asyncio.gather(short, long, short2)
+    assert [o["y"].shape[1] for o in out] == [3, 5, 3]
+    assert sum(rt.batches) == 3 and max(rt.batches) <= 2
+    await b.stop()
+
+
+@run_async
+async def test_threaded_instances_complete_and_stop_drains_admitted_requests() -> None:
+    rt, clock = DoublingRuntime(instance_count=2), FakeClock()
+    b = make(rt, clock, inline=False)
+    b.start()
+    futures = [b.submit(rows(1, value=i), 1, Timings()) for i in range(10)]
+    await b.stop()  # drains first: every admitted request is answered
+    assert all(f.done() and not f.exception() for f in futures)
+    assert [float(f.result()["y"][0, 0]) for f in futures] == [2.0 * i for i in range(10)]
+    with pytest.raises(ShuttingDown):
+        b.submit(rows(1), 1, Timings())
+
+
+@run_async
+async def test_timings_carry_the_batch() -> None:
+    rt, clock = DoublingRuntime(), FakeClock()
+    b = make(rt, clock)
+    b.start()
+    t = Timings()
+    await b.submit(rows(2), 2, t)
+    assert t.enqueued == clock.ns and t.batch_size == 2 and t.batch_start and t.batch_end
+    await b.stop()
