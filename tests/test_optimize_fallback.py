@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
 
 from rtserve.optimize.evaluate import accuracy_metrics, open_session, run_batched
-from rtserve.optimize.pipeline import static_with_fallback
+from rtserve.optimize.pipeline import FallbackStep, fallback_search, static_with_fallback
 from tests.test_optimize_helpers import cnn_onnx, images
 
 
@@ -60,3 +61,40 @@ def test_fallback_reports_failure_when_steps_run_out(tmp_path: pathlib.Path) -> 
         "regression", None, 1.0, max_drop=1e-6, max_steps=1,
     )  # fmt: skip
     assert len(steps) == 2 and not steps[-1].within_budget
+
+
+def _builder(threshold: int, calls: list[int]) -> Callable[[Sequence[str]], FallbackStep]:
+    """A stand-in for quantize-and-score: within budget once ``threshold`` nodes are float."""
+
+    def build(excluded: Sequence[str]) -> FallbackStep:
+        calls.append(len(excluded))
+        return FallbackStep(len(excluded), float(len(excluded)), len(excluded) >= threshold)
+
+    return build
+
+
+def test_fallback_search_doubles_then_bisects_to_the_fewest_float_nodes() -> None:
+    ranking = [f"n{i}" for i in range(20)]
+    calls: list[int] = []
+    steps, excluded = fallback_search(_builder(5, calls), ranking, max_steps=8)
+    assert calls == [1, 2, 4, 8, 6, 5]
+    assert excluded == ranking[:5] and steps[-1].excluded == 5 and steps[-1].within_budget
+
+
+def test_fallback_search_rebuilds_the_winner_when_the_last_probe_missed() -> None:
+    ranking = [f"n{i}" for i in range(20)]
+    calls: list[int] = []
+    steps, excluded = fallback_search(_builder(4, calls), ranking, max_steps=8)
+    assert calls == [1, 2, 4, 3, 4]  # the model on disk is the 4-node one
+    assert excluded == ranking[:4] and steps[-1].within_budget
+
+
+def test_fallback_search_out_of_steps_keeps_the_last_tried_nodes() -> None:
+    ranking = [f"n{i}" for i in range(20)]
+    calls: list[int] = []
+    steps, excluded = fallback_search(_builder(50, calls), ranking, max_steps=3)
+    assert calls == [1, 2, 4]
+    assert excluded == ranking[:4] and not steps[-1].within_budget
+    calls.clear()
+    steps, excluded = fallback_search(_builder(50, calls), ranking[:3], max_steps=8)
+    assert calls == [1, 2, 3] and excluded == ranking[:3]  # stops once every node is float

@@ -152,16 +152,11 @@ def static_with_fallback(
     """Static INT8, then keep the most sensitive nodes in float until the budget holds.
 
     The full INT8 model is kept as ``<name>-full.onnx``. If it misses the budget, nodes
-    are ranked by sensitivity: with at most ``max_isolated`` compute nodes each one is
-    quantized alone and its error at the output measured
-    (:func:`quantize.isolated_sensitivity`), otherwise the cheaper per-node error growth
-    of :func:`quantize.sensitivity_ranking` is used. The top 1, 2, 4, ... nodes are kept in
-    float until the budget holds, then the count is bisected between the last miss and the
-    first hit. ``ranking_memo`` shares the ranking between calibration methods. Returns the
-    model (within budget if any step was), the steps, and the nodes kept in float.
+    are ranked by sensitivity (:func:`_rank_nodes`) and :func:`fallback_search` looks for
+    the fewest of them to keep in float. ``ranking_memo`` shares the ranking between
+    calibration methods. Returns the model (within budget if any step was), the steps,
+    and the nodes kept in float.
     """
-    import shutil
-
     prepared = work / "static-prepared.onnx"
     if not prepared.exists():
         quantize.prepare_for_static(src, prepared)
@@ -179,36 +174,73 @@ def static_with_fallback(
         score = _score(dst, eval_data, reference, task, labels, threads)
         return FallbackStep(len(excluded), score, reference_score - score <= max_drop)
 
-    steps = [build([])]
+    first = build([])
     shutil.copyfile(dst, work / f"{name}-full.onnx")
-    if steps[-1].within_budget:
-        return dst, steps, []
-    sample = {k: v[: min(32, len(v))] for k, v in calibration.items()}
+    if first.within_budget:
+        return dst, [first], []
     memo = ranking_memo if ranking_memo is not None else {}
     if "ranking" not in memo:
-        from rtserve.optimize.check import load_model
+        memo["ranking"] = _rank_nodes(
+            prepared, dst, work, name, calibration, method, cache, op_types, max_isolated
+        )
+    steps, excluded = fallback_search(build, memo["ranking"], max_steps)
+    return dst, [first, *steps], excluded
 
-        compute = [
-            n.name
-            for n in load_model(prepared).graph.node
-            if n.op_type in quantize.COMPUTE_OPS and n.name
-            and (op_types is None or n.op_type in op_types)
-        ]  # fmt: skip
-        if 0 < len(compute) <= max_isolated:
-            probe_cache = cache or work / f"{name}.probe.calib.json"
-            if cache is None:
-                quantize.quantize_static_int8(
-                    prepared, work / "probe.onnx", calibration, "minmax", op_types=op_types,
-                    cache=probe_cache,
-                )  # fmt: skip
-            ranked = quantize.isolated_sensitivity(
-                prepared, probe_cache, "minmax" if cache is None else method, sample, compute,
-                work, op_types,
+
+def _rank_nodes(
+    prepared: pathlib.Path,
+    quantized: pathlib.Path,
+    work: pathlib.Path,
+    name: str,
+    calibration: Mapping[str, np.ndarray],
+    method: str,
+    cache: pathlib.Path | None,
+    op_types: Sequence[str] | None,
+    max_isolated: int,
+) -> list[str]:
+    """Compute nodes, most sensitive to INT8 first.
+
+    With at most ``max_isolated`` compute nodes each one is quantized alone and its error
+    at the output measured (:func:`quantize.isolated_sensitivity`); otherwise the cheaper
+    per-node error growth of :func:`quantize.sensitivity_ranking` is used.
+    """
+    from rtserve.optimize.check import load_model
+
+    sample = {k: v[: min(32, len(v))] for k, v in calibration.items()}
+    compute = [
+        n.name
+        for n in load_model(prepared).graph.node
+        if n.op_type in quantize.COMPUTE_OPS and n.name
+        and (op_types is None or n.op_type in op_types)
+    ]  # fmt: skip
+    if 0 < len(compute) <= max_isolated:
+        probe_cache = cache or work / f"{name}.probe.calib.json"
+        if cache is None:
+            quantize.quantize_static_int8(
+                prepared, work / "probe.onnx", calibration, "minmax", op_types=op_types,
+                cache=probe_cache,
             )  # fmt: skip
-        else:
-            ranked = quantize.sensitivity_ranking(prepared, dst, sample)
-        memo["ranking"] = [n for n, _ in ranked]
-    ranking = memo["ranking"]
+        ranked = quantize.isolated_sensitivity(
+            prepared, probe_cache, "minmax" if cache is None else method, sample, compute,
+            work, op_types,
+        )  # fmt: skip
+    else:
+        ranked = quantize.sensitivity_ranking(prepared, quantized, sample)
+    return [n for n, _ in ranked]
+
+
+def fallback_search(
+    build: Callable[[Sequence[str]], FallbackStep], ranking: Sequence[str], max_steps: int
+) -> tuple[list[FallbackStep], list[str]]:
+    """The fewest top-ranked nodes to keep in float so that ``build`` meets the budget.
+
+    Keeps the top 1, 2, 4, ... nodes in float until a step is within budget (at most
+    ``max_steps`` steps), then bisects the count between the last miss and the first hit
+    (at most 3 more steps) and rebuilds the winner last, so the model on disk is the one
+    returned. Returns the steps taken and the nodes kept in float (those of the last step
+    when no step met the budget).
+    """
+    steps: list[FallbackStep] = []
     best: tuple[int, FallbackStep] | None = None
     low, k = 0, 1
     for _ in range(max_steps):
@@ -221,29 +253,235 @@ def static_with_fallback(
         if k >= len(ranking):
             break
         low, k = k, k * 2
-    if best is not None:
-        high = best[0]
-        for _ in range(3):  # bisect between the last miss and the first hit
-            mid = (low + high) // 2
-            if mid <= low or mid >= high:
-                break
-            step = build(ranking[:mid])
-            steps.append(step)
-            if step.within_budget:
-                high = mid
-            else:
-                low = mid
-        excluded = ranking[:high]
-        if steps[-1].excluded != high:
-            steps.append(build(excluded))
-        return dst, steps, excluded
-    return dst, steps, ranking[: steps[-1].excluded]
+    if best is None:
+        return steps, list(ranking[: steps[-1].excluded]) if steps else []
+    high = best[0]
+    for _ in range(3):  # bisect between the last miss and the first hit
+        mid = (low + high) // 2
+        if mid <= low or mid >= high:
+            break
+        step = build(ranking[:mid])
+        steps.append(step)
+        if step.within_budget:
+            high = mid
+        else:
+            low = mid
+    excluded = list(ranking[:high])
+    if steps[-1].excluded != high:
+        steps.append(build(excluded))
+    return steps, excluded
 
 
 def _torch_example(
     eval_data: Mapping[str, np.ndarray], input_names: Sequence[str]
 ) -> dict[str, np.ndarray]:
     return {n: np.ascontiguousarray(eval_data[n][:2]) for n in input_names}
+
+
+@dataclass
+class _Run:
+    """One ``run_optimize`` call: the baseline, the data, and how every variant is measured."""
+
+    work: pathlib.Path
+    baseline: pathlib.Path
+    calibration: Mapping[str, np.ndarray] | None
+    eval_data: Mapping[str, np.ndarray]
+    reference: np.ndarray
+    labels: np.ndarray | None
+    task: Task
+    opts: OptimizeOptions
+    torch_sources: TorchSources | None
+    input_names: list[str]
+    output_name: str
+    transformer: bool
+    result: OptimizeResult
+
+    @property
+    def fused(self) -> pathlib.Path:
+        return self.work / "fp32-opt.onnx"
+
+    def measure(self, name: str, path: pathlib.Path, notes: Sequence[str] = ()) -> Measurement:
+        opts = self.opts
+        m = measure_variant(
+            name, path, self.eval_data, self.reference, self.task, self.labels,
+            opts.batch_sizes, opts.iterations, opts.max_seconds, opts.threads, latency=False,
+        )  # fmt: skip
+        m.notes.extend(notes)
+        return m
+
+    def optimize_graph(self) -> pathlib.Path:
+        quantize.optimize_graph(
+            self.baseline, self.fused, self.transformer, self.opts.num_heads, self.opts.hidden_size
+        )
+        return self.fused
+
+    def fused_or_base(self) -> pathlib.Path:
+        """The transformer-fused graph for transformers (built once), else the baseline."""
+        if not self.transformer:
+            return self.baseline
+        return self.fused if self.fused.exists() else self.optimize_graph()
+
+
+def _fp32(run: _Run) -> list[Measurement]:
+    return [run.measure("fp32", run.baseline, ["baseline: ORT default online optimization"])]
+
+
+def _fp32_opt(run: _Run) -> list[Measurement]:
+    dst = run.optimize_graph()
+    note = (
+        "transformer fusions (Attention, SkipLayerNorm, Gelu)"
+        if run.transformer
+        else "ORT extended level, offline"
+    )
+    return [run.measure("fp32-opt", dst, [note])]
+
+
+def _fp16(run: _Run) -> list[Measurement]:
+    from rtserve.optimize.fp16 import convert_fp16
+
+    dst = convert_fp16(run.fused_or_base(), run.work / "fp16.onnx")
+    return [run.measure("fp16", dst, ["FP32 IO; for GPU serving, CPU casts back to float"])]
+
+
+def _int8_dynamic(run: _Run) -> list[Measurement]:
+    dst = quantize.quantize_dynamic_int8(run.fused_or_base(), run.work / "int8-dynamic.onnx")
+    notes = ["per-channel"]
+    if not run.transformer and _has_conv(run.baseline):
+        notes.append("ConvInteger is slow on CPU: not for CNNs")
+    return [run.measure("int8-dynamic", dst, notes)]
+
+
+def _int8_weight(run: _Run) -> list[Measurement]:
+    dst = quantize.quantize_weight_only_int8(run.baseline, run.work / "int8-weight.onnx")
+    return [run.measure("int8-weight", dst, ["int8 weights, float compute"])]
+
+
+def _int8_static(run: _Run) -> list[Measurement]:
+    """One static INT8 variant per calibration method, each through the fallback search."""
+    if run.calibration is None:
+        raise OptimizeError("static INT8 needs calibration data (--calibration)")
+    opts, result = run.opts, run.result
+    out = []
+    memo: dict[str, list[str]] = {}
+    for method in opts.calibration_methods:
+        name = f"int8-static-{method}"
+        dst, steps, excluded = static_with_fallback(
+            run.baseline, run.work, name, run.calibration, method, run.eval_data, run.reference,
+            run.task, run.labels, result.reference_score, opts.max_accuracy_drop,
+            opts.static_op_types, opts.fallback_max_steps, opts.threads, memo,
+        )  # fmt: skip
+        if excluded:
+            full = run.work / f"{name}-full.onnx"
+            out.append(run.measure(f"{name}-full", full, ["every node INT8 (before the fallback)"]))
+        result.fallback[name] = steps
+        result.excluded_nodes[name] = excluded
+        note = (
+            f"QDQ per-channel, {len(excluded)} node(s) kept float"
+            if excluded
+            else "QDQ per-channel"
+        )
+        if not steps[-1].within_budget:
+            note += f"; fallback stopped after {len(steps) - 1} step(s) over budget"
+        out.append(run.measure(name, dst, [note]))
+    return out
+
+
+def _pruned(run: _Run) -> list[Measurement]:
+    src = run.torch_sources
+    if src is None or src.model is None or not src.prune:
+        return []
+    from rtserve.optimize.export import export_module
+    from rtserve.optimize.prune import fine_tune, prune, prune_magnitude
+
+    out = []
+    for spec in src.prune:
+        model = prune(src.model, spec.method, spec.amount)  # type: ignore[arg-type]
+        notes = [f"{spec.method} {spec.amount:.0%}"]
+        if spec.fine_tune_epochs and src.train_inputs is not None:
+            fine_tune(
+                model, src.train_inputs, src.train_labels,
+                reference=src.model, epochs=spec.fine_tune_epochs,
+            )  # fmt: skip
+            if spec.method == "magnitude":
+                prune_magnitude(model, spec.amount)
+            notes.append(f"fine-tuned {spec.fine_tune_epochs} epochs")
+        if spec.method == "magnitude":
+            notes.append("zeros only: dense kernels, no speed-up")
+        name = f"pruned-{spec.method}-{int(spec.amount * 100)}"
+        example = _torch_example(run.eval_data, run.input_names)
+        dst = export_module(model, run.work / f"{name}.onnx", example, [run.output_name])
+        out.append(run.measure(name, dst, notes))
+    return out
+
+
+def _distilled(run: _Run) -> list[Measurement]:
+    src = run.torch_sources
+    if src is None or src.model is None or src.student is None or src.train_inputs is None:
+        return []
+    from rtserve.optimize.distill import distill
+    from rtserve.optimize.export import export_module
+
+    if len(src.train_inputs) != 1:
+        raise OptimizeError("distillation supports single-input models")
+    x = next(iter(src.train_inputs.values()))
+    student = distill(
+        src.model, src.student, x, src.train_labels,
+        src.distill_temperature, src.distill_alpha, src.distill_epochs,
+    )  # fmt: skip
+    example = _torch_example(run.eval_data, run.input_names)
+    dst = export_module(student, run.work / "distilled.onnx", example, [run.output_name])
+    params = sum(p.numel() for p in student.parameters())
+    notes = [f"student {params:,} params, T={src.distill_temperature}, alpha={src.distill_alpha}"]
+    return [run.measure("distilled", dst, notes)]
+
+
+BUILDERS: dict[str, Callable[[_Run], list[Measurement]]] = {
+    "fp32-opt": _fp32_opt,
+    "fp16": _fp16,
+    "int8-dynamic": _int8_dynamic,
+    "int8-weight": _int8_weight,
+    "int8-static": _int8_static,
+    "pruned": _pruned,
+    "distilled": _distilled,
+}
+
+
+def _prepare(
+    model_path: pathlib.Path,
+    work: pathlib.Path,
+    calibration: Mapping[str, np.ndarray] | None,
+    eval_data: Mapping[str, np.ndarray],
+    labels: np.ndarray | None,
+    opts: OptimizeOptions,
+    torch_sources: TorchSources | None,
+) -> _Run:
+    """Check the model, copy it as the baseline and compute the reference outputs."""
+    unknown = set(opts.variants) - set(ALL_VARIANTS)
+    if unknown:
+        raise OptimizeError(
+            f"unknown variant(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_VARIANTS)}"
+        )
+    check_operators(model_path)
+    work.mkdir(parents=True, exist_ok=True)
+    baseline = work / "fp32.onnx"
+    shutil.copyfile(model_path, baseline)
+    session = open_session(baseline, threads=opts.threads)
+    input_names = [i.name for i in session.get_inputs()]
+    output_name = session.get_outputs()[0].name
+    missing = [n for n in input_names if n not in eval_data]
+    if missing:
+        raise OptimizeError(f"evaluation data lacks model input(s) {', '.join(missing)}")
+    reference = run_batched(session, eval_data, batch_size=32)
+    del session
+    task: Task = opts.task or infer_task(reference, output_name, labels)
+    ref_score = accuracy_metrics(task, reference, reference, labels)[0]
+    return _Run(
+        work=work, baseline=baseline, calibration=calibration, eval_data=eval_data,
+        reference=reference, labels=labels, task=task, opts=opts, torch_sources=torch_sources,
+        input_names=input_names, output_name=output_name,
+        transformer=quantize.is_transformer(model_path),
+        result=OptimizeResult([], ref_score, "fp32", None, task, opts.max_accuracy_drop),
+    )  # fmt: skip
 
 
 def run_optimize(
@@ -256,180 +494,23 @@ def run_optimize(
     torch_sources: TorchSources | None = None,
     log: Callable[[str], None] = print,
 ) -> OptimizeResult:
-    """Build and measure the requested variants of ``model_path`` in ``work``."""
-    from rtserve.optimize.fp16 import convert_fp16
+    """Build and measure the requested variants of ``model_path`` in ``work``.
 
-    opts = options or OptimizeOptions()
-    unknown = set(opts.variants) - set(ALL_VARIANTS)
-    if unknown:
-        raise OptimizeError(
-            f"unknown variant(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_VARIANTS)}"
-        )
+    The FP32 baseline comes first; a variant that cannot be built (an
+    :class:`OptimizeError`) is logged and skipped. Latencies of every variant are then
+    measured in alternating rounds, and the fastest variant within the budget is chosen.
+    """
     model_path = pathlib.Path(model_path)
-    check_operators(model_path)
-    work.mkdir(parents=True, exist_ok=True)
-    baseline_path = work / "fp32.onnx"
-    shutil.copyfile(model_path, baseline_path)
-    session = open_session(baseline_path, threads=opts.threads)
-    input_names = [i.name for i in session.get_inputs()]
-    output_name = session.get_outputs()[0].name
-    missing = [n for n in input_names if n not in eval_data]
-    if missing:
-        raise OptimizeError(f"evaluation data lacks model input(s) {', '.join(missing)}")
-    reference = run_batched(session, eval_data, batch_size=32)
-    del session
-    task: Task = opts.task or infer_task(reference, output_name, labels)
-    ref_score = accuracy_metrics(task, reference, reference, labels)[0]
-    transformer = quantize.is_transformer(model_path)
-
-    def measure(name: str, path: pathlib.Path, notes: Sequence[str] = ()) -> Measurement:
-        m = measure_variant(
-            name, path, eval_data, reference, task, labels,
-            opts.batch_sizes, opts.iterations, opts.max_seconds, opts.threads, latency=False,
-        )  # fmt: skip
-        m.notes.extend(notes)
-        return m
-
-    jobs: list[tuple[str, Callable[[], list[Measurement]]]] = [
-        (
-            "fp32",
-            lambda: [measure("fp32", baseline_path, ["baseline: ORT default online optimization"])],
-        )
-    ]
-    result = OptimizeResult([], ref_score, "fp32", None, task, opts.max_accuracy_drop)
-    opt_path = work / "fp32-opt.onnx"
-
-    def fp32_opt() -> list[Measurement]:
-        quantize.optimize_graph(
-            baseline_path, opt_path, transformer, opts.num_heads, opts.hidden_size
-        )
-        note = (
-            "transformer fusions (Attention, SkipLayerNorm, Gelu)"
-            if transformer
-            else "ORT extended level, offline"
-        )
-        return [measure("fp32-opt", opt_path, [note])]
-
-    def fused_or_base() -> pathlib.Path:
-        if transformer:
-            if not opt_path.exists():
-                quantize.optimize_graph(
-                    baseline_path, opt_path, transformer, opts.num_heads, opts.hidden_size
-                )
-            return opt_path
-        return baseline_path
-
-    def fp16() -> list[Measurement]:
-        dst = convert_fp16(fused_or_base(), work / "fp16.onnx")
-        return [measure("fp16", dst, ["FP32 IO; for GPU serving, CPU casts back to float"])]
-
-    def int8_dynamic() -> list[Measurement]:
-        dst = quantize.quantize_dynamic_int8(fused_or_base(), work / "int8-dynamic.onnx")
-        notes = ["per-channel"]
-        if not transformer and _has_conv(baseline_path):
-            notes.append("ConvInteger is slow on CPU: not for CNNs")
-        return [measure("int8-dynamic", dst, notes)]
-
-    def int8_weight() -> list[Measurement]:
-        dst = quantize.quantize_weight_only_int8(baseline_path, work / "int8-weight.onnx")
-        return [measure("int8-weight", dst, ["int8 weights, float compute"])]
-
-    def int8_static() -> list[Measurement]:
-        if calibration is None:
-            raise OptimizeError("static INT8 needs calibration data (--calibration)")
-        out = []
-        memo: dict[str, list[str]] = {}
-        for method in opts.calibration_methods:
-            name = f"int8-static-{method}"
-            dst, steps, excluded = static_with_fallback(
-                baseline_path, work, name, calibration, method, eval_data, reference, task,
-                labels, ref_score, opts.max_accuracy_drop, opts.static_op_types,
-                opts.fallback_max_steps, opts.threads, memo,
-            )  # fmt: skip
-            if excluded:
-                full = work / f"{name}-full.onnx"
-                out.append(measure(f"{name}-full", full, ["every node INT8 (before the fallback)"]))
-            result.fallback[name] = steps
-            result.excluded_nodes[name] = excluded
-            note = (
-                f"QDQ per-channel, {len(excluded)} node(s) kept float"
-                if excluded
-                else "QDQ per-channel"
-            )
-            if not steps[-1].within_budget:
-                note += f"; fallback stopped after {len(steps) - 1} step(s) over budget"
-            out.append(measure(name, dst, [note]))
-        return out
-
-    def pruned() -> list[Measurement]:
-        src = torch_sources
-        if src is None or src.model is None or not src.prune:
-            return []
-        from rtserve.optimize.export import export_module
-        from rtserve.optimize.prune import fine_tune, prune
-
-        out = []
-        for spec in src.prune:
-            model = prune(src.model, spec.method, spec.amount)  # type: ignore[arg-type]
-            notes = [f"{spec.method} {spec.amount:.0%}"]
-            if spec.fine_tune_epochs and src.train_inputs is not None:
-                fine_tune(
-                    model, src.train_inputs, src.train_labels,
-                    reference=src.model, epochs=spec.fine_tune_epochs,
-                )  # fmt: skip
-                if spec.method == "magnitude":
-                    from rtserve.optimize.prune import prune_magnitude
-
-                    prune_magnitude(model, spec.amount)
-                notes.append(f"fine-tuned {spec.fine_tune_epochs} epochs")
-            if spec.method == "magnitude":
-                notes.append("zeros only: dense kernels, no speed-up")
-            name = f"pruned-{spec.method}-{int(spec.amount * 100)}"
-            dst = export_module(
-                model, work / f"{name}.onnx", _torch_example(eval_data, input_names), [output_name]
-            )
-            out.append(measure(name, dst, notes))
-        return out
-
-    def distilled() -> list[Measurement]:
-        src = torch_sources
-        if src is None or src.model is None or src.student is None or src.train_inputs is None:
-            return []
-        from rtserve.optimize.distill import distill
-        from rtserve.optimize.export import export_module
-
-        if len(src.train_inputs) != 1:
-            raise OptimizeError("distillation supports single-input models")
-        x = next(iter(src.train_inputs.values()))
-        student = distill(
-            src.model, src.student, x, src.train_labels,
-            src.distill_temperature, src.distill_alpha, src.distill_epochs,
-        )  # fmt: skip
-        dst = export_module(
-            student, work / "distilled.onnx", _torch_example(eval_data, input_names), [output_name]
-        )
-        params = sum(p.numel() for p in student.parameters())
-        notes = [
-            f"student {params:,} params, T={src.distill_temperature}, alpha={src.distill_alpha}"
-        ]
-        return [measure("distilled", dst, notes)]
-
-    builders: dict[str, Callable[[], list[Measurement]]] = {
-        "fp32-opt": fp32_opt,
-        "fp16": fp16,
-        "int8-dynamic": int8_dynamic,
-        "int8-weight": int8_weight,
-        "int8-static": int8_static,
-        "pruned": pruned,
-        "distilled": distilled,
-    }
-    jobs += [(v, builders[v]) for v in ALL_VARIANTS if v in opts.variants]
+    opts = options or OptimizeOptions()
+    run = _prepare(model_path, work, calibration, eval_data, labels, opts, torch_sources)
+    result = run.result
+    jobs = [("fp32", _fp32)] + [(v, BUILDERS[v]) for v in ALL_VARIANTS if v in opts.variants]
     with _progress(opts.progress) as bar:
         task_id = bar.add_task(f"optimizing {model_path.name}", total=len(jobs))
         for name, job in jobs:
             bar.update(task_id, description=f"{model_path.name}: {name}")
             try:
-                result.measurements.extend(job())
+                result.measurements.extend(job(run))
             except OptimizeError as exc:
                 if name == "fp32":
                     raise
@@ -442,7 +523,7 @@ def run_optimize(
             result.measurements, eval_data, opts.batch_sizes, opts.rounds,
             opts.iterations, opts.max_seconds, opts.threads,
         )  # fmt: skip
-    result.chosen = choose(result.measurements, ref_score, opts.max_accuracy_drop)
+    result.chosen = choose(result.measurements, result.reference_score, opts.max_accuracy_drop)
     return result
 
 
