@@ -1,0 +1,374 @@
+"""The SLO controller's decisions, as pure functions of measured state.
+
+A model with ``slo: {p99_ms: ...}`` is batched by these decisions instead of a fixed
+gathering window:
+
+- ``BatchTimeModel``: batch time as a function of batch size, ``scale * (fixed + per_row * b)``.
+  The line is fitted from warmup measurements; while serving, ``scale`` follows the observed
+  batches with an exponential update (fast up, slow down; a median of the last three ratios
+  ignores a single slow outlier), so a model that suddenly runs 3x slower is tracked within a
+  few batches.
+- ``ArrivalRate``: rows per second, an exponentially decayed count (a burst shows within
+  ``tau``).
+- ``plan``: how big a batch to form and how long to gather for it. The target batch is the
+  smallest one whose throughput keeps up with the arrival rate (with headroom): 1 at low
+  load (no waiting), larger as load rises. Gathering never goes past the latest start that
+  still lets every request in the batch finish by its deadline.
+- ``admit``: a request whose predicted completion (in-flight work + work queued ahead + its
+  own batch) is past its deadline or its priority's share of the objective is refused at once,
+  with a retry-after computed from the queue.
+- ``schedule_key``: priority order (1 is the highest, as in Triton); a request that has waited
+  ``max_wait`` is served as if it had the highest priority (bounded wait, no starvation).
+
+Every time is in nanoseconds from the same monotonic clock (``time.perf_counter_ns``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from rtserve.errors import InvalidInput
+
+MS = 1_000_000
+SHED_REASONS = ("objective", "deadline", "expired", "cancelled")
+
+
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """What the controller keeps, derived from a model's ``slo`` and priority config.
+
+    ``budget_ns``: the share of p99 the queue and the model may use (the rest is decoding,
+    encoding and the network). ``reserve``: the lowest priority is admitted only within
+    ``(1 - reserve)`` of the budget, so lower priorities are shed first. ``max_wait_ns``:
+    after this long in the queue a request is served ahead of every priority.
+    """
+
+    p99_ns: int
+    p50_ns: int = 0
+    margin: float = 0.8
+    priority_levels: int = 1
+    default_priority: int = 1
+    reserve: float = 0.5
+    max_wait_ns: int = 0  # 0: half the budget
+    headroom: float = 1.5
+
+    @property
+    def budget_ns(self) -> int:
+        return int(self.p99_ns * self.margin)
+
+    @property
+    def gather_ns(self) -> int:
+        """How long a batch may take to form and run: p50's share if set, else the budget."""
+        return int(self.p50_ns * self.margin) if self.p50_ns else self.budget_ns
+
+    @property
+    def wait_bound_ns(self) -> int:
+        return self.max_wait_ns or self.budget_ns // 2
+
+    def budget_for(self, priority: int) -> int:
+        """The admission limit of a priority level: the full budget for the highest."""
+        levels = self.priority_levels
+        if levels <= 1:
+            return self.budget_ns
+        share = 1.0 - self.reserve * (priority - 1) / (levels - 1)
+        return int(self.budget_ns * share)
+
+
+def objective_from_config(
+    p99_ms: float, p50_ms: float = 0.0, priority_levels: int = 0, default_priority: int = 0
+) -> Objective:
+    levels = max(1, priority_levels)
+    return Objective(
+        p99_ns=int(p99_ms * MS),
+        p50_ns=int(p50_ms * MS),
+        priority_levels=levels,
+        default_priority=default_priority or levels,
+    )
+
+
+def parse_priority(value: object, objective: Objective) -> int:
+    """The request parameter ``priority``: 1 (highest) .. priority_levels; 0 or absent: default."""
+    if value is None:
+        return objective.default_priority
+    levels = objective.priority_levels
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= levels:
+        raise InvalidInput(
+            f"parameters.priority: expected an integer from 0 (default) to {levels} "
+            f"(1 is the highest), got {value!r}"
+        )
+    return value or objective.default_priority
+
+
+# ---------------------------------------------------------------------------- batch time
+class BatchTimeModel:
+    """Predicted run time of a batch of ``rows``: ``scale * (fixed_ns + per_row_ns * rows)``."""
+
+    __slots__ = ("fixed_ns", "per_row_ns", "scale", "up", "down", "_recent")
+
+    def __init__(
+        self, fixed_ns: float, per_row_ns: float, up: float = 1.0, down: float = 0.1
+    ) -> None:
+        self.fixed_ns = max(0.0, fixed_ns)
+        self.per_row_ns = max(0.0, per_row_ns)
+        if self.fixed_ns + self.per_row_ns <= 0:
+            self.fixed_ns = 1_000.0  # nothing measured yet: assume 1 µs until batches run
+        self.scale = 1.0
+        self.up = up
+        self.down = down
+        self._recent: list[float] = []
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[int, float]]) -> BatchTimeModel:
+        """Least squares over the median time of each measured batch size.
+
+        With a single size measured the split between fixed cost and per-row cost is unknown;
+        half of each is assumed, which over-predicts larger batches (the safe side) until
+        served batches correct the scale.
+        """
+        by_size: dict[int, list[float]] = {}
+        for rows, ns in samples:
+            if rows > 0 and ns >= 0:
+                by_size.setdefault(rows, []).append(float(ns))
+        if not by_size:
+            return cls(0.0, 0.0)
+        points = [(b, _median(ts)) for b, ts in sorted(by_size.items())]
+        if len(points) == 1:
+            b, t = points[0]
+            return cls(t / 2, t / 2 / b)
+        n = len(points)
+        mean_b = sum(b for b, _ in points) / n
+        mean_t = sum(t for _, t in points) / n
+        sxx = sum((b - mean_b) ** 2 for b, _ in points)
+        sxy = sum((b - mean_b) * (t - mean_t) for b, t in points)
+        slope = max(0.0, sxy / sxx)
+        fixed = mean_t - slope * mean_b
+        if fixed < 0:  # a line through the origin fits better than a negative intercept
+            slope = sum(b * t for b, t in points) / sum(b * b for b, _ in points)
+            fixed = 0.0
+        return cls(fixed, slope)
+
+    def predict(self, rows: int) -> float:
+        return self.scale * (self.fixed_ns + self.per_row_ns * rows)
+
+    def observe(self, rows: int, ns: float) -> None:
+        """Move ``scale`` toward the observed/predicted ratio (median of the last three)."""
+        base = self.fixed_ns + self.per_row_ns * rows
+        if base <= 0 or ns <= 0:
+            return
+        recent = self._recent
+        recent.append(ns / base)
+        if len(recent) > 3:
+            del recent[0]
+        target = _median(recent)
+        rate = self.up if target > self.scale else self.down
+        self.scale *= (target / self.scale) ** rate
+
+    def rows_within(self, ns: float, max_rows: int) -> int:
+        """The largest batch (up to ``max_rows``) predicted to run within ``ns``; 0 if none."""
+        fixed = self.scale * self.fixed_ns
+        per_row = self.scale * self.per_row_ns
+        if ns < fixed + per_row:
+            return 0
+        if per_row <= 0:
+            return max_rows
+        return min(max_rows, int((ns - fixed) / per_row))
+
+    def drain_ns(self, rows: int, max_rows: int, instances: int = 1) -> float:
+        """Time to run ``rows`` queued rows in batches of at most ``max_rows``."""
+        if rows <= 0:
+            return 0.0
+        full, rest = divmod(rows, max_rows)
+        total = math.ceil(full / max(1, instances)) * self.predict(max_rows) if full else 0.0
+        return total + (self.predict(rest) if rest else 0.0)
+
+
+def _median(values: Sequence[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+# ---------------------------------------------------------------------------- arrivals
+class ArrivalRate:
+    """Arrivals per nanosecond: a count decayed with time constant ``tau_ns``.
+
+    A burst shows within about ``tau`` (63% of a step change after ``tau``); a lull decays the
+    estimate even when nothing arrives, so a quiet model stops waiting for company.
+    """
+
+    __slots__ = ("tau_ns", "_count", "_first_ns", "_last_ns")
+
+    def __init__(self, tau_ns: float = 50 * MS) -> None:
+        self.tau_ns = float(tau_ns)
+        self._count = 0.0
+        self._first_ns = 0
+        self._last_ns = 0
+
+    def observe(self, now_ns: int, rows: int = 1) -> None:
+        if self._last_ns:
+            self._count *= math.exp(-(now_ns - self._last_ns) / self.tau_ns)
+        else:
+            self._first_ns = now_ns
+        self._count += rows
+        self._last_ns = now_ns
+
+    def rate(self, now_ns: int) -> float:
+        """The decayed count over the decayed length of the window seen so far (at start-up
+        the window is shorter than ``tau``: dividing by ``tau`` would under-read a burst)."""
+        if not self._last_ns:
+            return 0.0
+        tau = self.tau_ns
+        window = tau * -math.expm1(-max(now_ns - self._first_ns, tau / 100) / tau)
+        return self._count * math.exp(-(now_ns - self._last_ns) / tau) / window
+
+
+# ---------------------------------------------------------------------------- plan
+@dataclass(frozen=True, slots=True)
+class SLOPlan:
+    """``take``/``wait_until_ns`` as in ``policy.Plan``; ``wake_rows``: re-plan early once this
+    many rows are queued; ``target_rows`` and ``window_ns`` are reported as metrics."""
+
+    take: int
+    wait_until_ns: int
+    wake_rows: int = 0
+    target_rows: int = 1
+    window_ns: int = 0
+
+
+def target_rows(model: BatchTimeModel, rate: float, max_rows: int, headroom: float) -> int:
+    """The smallest batch whose throughput keeps up with ``rate`` rows/ns times ``headroom``.
+
+    ``b / T(b) >= h * rate`` with ``T(b) = F + P * b`` gives ``b >= h*rate*F / (1 - h*rate*P)``;
+    when even ``max_rows`` cannot keep up, the answer is ``max_rows`` (admission then sheds).
+    """
+    need = headroom * rate
+    if need <= 0:
+        return 1
+    fixed = model.scale * model.fixed_ns
+    per_row = model.scale * model.per_row_ns
+    spare = 1.0 - need * per_row
+    if spare <= 0:
+        return max_rows
+    return max(1, min(max_rows, math.ceil(need * fixed / spare)))
+
+
+def plan(
+    rows: Sequence[int],
+    deadlines: Sequence[int],
+    now_ns: int,
+    model: BatchTimeModel,
+    rate: float,
+    max_rows: int,
+    objective: Objective,
+) -> SLOPlan:
+    """Decide the next batch from the queue in schedule order.
+
+    ``rows[i]``/``deadlines[i]``: rows and absolute deadline of the i-th queued request (the
+    deadline is the earlier of its own timeout and its admission time + the gather budget).
+    Dispatch at once when the batch reaches the target size, is full, or waiting would make a
+    request in it late; otherwise wait for the rows the target still lacks, at most until the
+    latest start.
+    """
+    total = 0
+    fit = 0
+    for r in rows:
+        if total + r > max_rows:
+            break
+        total += r
+        fit += 1
+    if fit == 0:
+        return SLOPlan(0, 0)
+    earliest = min(deadlines[:fit])
+    head_on_time = now_ns + model.predict(rows[0]) <= deadlines[0]
+    while head_on_time and fit > 1 and now_ns + model.predict(total) > earliest:
+        # A batch so big that it finishes late: keep the head's deadline, the rest waits.
+        # (Once the head is late anyway, full batches are what catches up.)
+        fit -= 1
+        total -= rows[fit]
+        earliest = min(deadlines[:fit])
+    target = target_rows(model, rate, max_rows, objective.headroom)
+    if total >= target or fit < len(rows):
+        return SLOPlan(fit, 0, target_rows=target)
+    latest_start = earliest - int(model.predict(target))
+    gather = (target - total) / rate if rate > 0 else math.inf
+    wait_until = min(latest_start, now_ns + gather)
+    if wait_until <= now_ns:
+        return SLOPlan(fit, 0, target_rows=target)
+    return SLOPlan(0, int(wait_until), target, target, int(wait_until - now_ns))
+
+
+# ---------------------------------------------------------------------------- admission
+@dataclass(frozen=True, slots=True)
+class Admission:
+    admitted: bool
+    predicted_ns: int  # predicted completion, absolute
+    deadline_ns: int  # the request's gather deadline (earlier of timeout and budget)
+    reason: str = ""  # "objective" or "deadline" when refused
+    retry_after_ns: int = 0
+
+
+def admit(
+    rows: int,
+    priority: int,
+    now_ns: int,
+    timeout_deadline_ns: int,
+    rows_ahead: int,
+    busy_ns: float,
+    model: BatchTimeModel,
+    max_rows: int,
+    objective: Objective,
+    instances: int = 1,
+    batch_rows: int = 0,
+    rate: float = 0.0,
+) -> Admission:
+    """Admit or refuse a request of ``rows`` rows.
+
+    ``rows_ahead``: queued rows that will run before it (its priority and higher);
+    ``busy_ns``: the in-flight batch's remaining time; ``timeout_deadline_ns``: its own
+    deadline (0: none). Requests arriving after this one fill its batch until it starts, so
+    its own batch is predicted with the rows ``rate`` brings meanwhile, and at least
+    ``batch_rows`` (the controller's current target). A request with nothing ahead of it is admitted even if its
+    own batch alone is predicted past the objective: queueing is not what makes it late.
+    """
+    queued = rows_ahead + rows
+    full = queued - queued % max_rows if queued % max_rows else queued - max_rows
+    ahead_ns = busy_ns + model.drain_ns(full, max_rows, instances)
+    last = min(max_rows, max(queued - full + int(rate * ahead_ns), batch_rows))
+    drain = model.drain_ns(full, max_rows, instances) + model.predict(last)
+    predicted = now_ns + int(busy_ns + drain)
+    limit = now_ns + objective.budget_for(priority)
+    deadline = now_ns + objective.gather_ns
+    if timeout_deadline_ns and timeout_deadline_ns < deadline:
+        deadline = timeout_deadline_ns
+    if timeout_deadline_ns and predicted > timeout_deadline_ns:
+        excess = predicted - timeout_deadline_ns
+        return Admission(False, predicted, deadline, "deadline", max(MS, excess))
+    if predicted > limit and (rows_ahead > 0 or busy_ns > 0):
+        return Admission(False, predicted, deadline, "objective", max(MS, predicted - limit))
+    return Admission(True, predicted, deadline)
+
+
+def late(deadline_ns: int, now_ns: int, batch_ns: float) -> bool:
+    """Whether a request can no longer finish by its own deadline: it is not worth running."""
+    return now_ns + batch_ns > deadline_ns
+
+
+# ---------------------------------------------------------------------------- priorities
+def schedule_key(priority: int, enqueued_ns: int, now_ns: int, objective: Objective) -> tuple:
+    """Sort key of a queued request: priority first, then age. One that has waited the bound
+    ranks with the highest priority, ahead of younger ones (its enqueue time is earlier)."""
+    if now_ns - enqueued_ns >= objective.wait_bound_ns:
+        return (0, enqueued_ns)
+    return (priority, enqueued_ns)
+
+
+def schedule_order(
+    priorities: Sequence[int], enqueued: Sequence[int], now_ns: int, objective: Objective
+) -> list[int]:
+    """Indices of queued requests in the order they should run."""
+    return sorted(
+        range(len(priorities)),
+        key=lambda i: schedule_key(priorities[i], enqueued[i], now_ns, objective),
+    )

@@ -1,0 +1,459 @@
+"""The SLO controller's decisions alone: synthetic batch-time curves and queue states in,
+plans and admissions out; plus a small event simulation of a queue driven by them."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from rtserve.config import parse_model_config
+from rtserve.errors import ConfigError, InvalidInput, ObjectiveRefused, Overloaded
+from rtserve.scheduling.slo import (
+    MS,
+    ArrivalRate,
+    BatchTimeModel,
+    Objective,
+    admit,
+    late,
+    objective_from_config,
+    parse_priority,
+    plan,
+    schedule_order,
+    target_rows,
+)
+
+US = 1_000
+
+
+def curve(fixed_us: float = 100, per_row_us: float = 10) -> Callable[[int], float]:
+    """A synthetic batch-time curve: fixed cost plus a cost per row, in ns."""
+    return lambda b: (fixed_us + per_row_us * b) * US
+
+
+def fitted(true: Callable[[int], float], sizes: tuple[int, ...] = (1, 8, 32)) -> BatchTimeModel:
+    return BatchTimeModel.fit([(b, true(b)) for b in sizes for _ in range(3)])
+
+
+OBJ = Objective(p99_ns=50 * MS)
+
+
+# ---------------------------------------------------------------------------- batch time
+def test_fit_recovers_a_linear_curve_from_warmup() -> None:
+    m = fitted(curve(100, 10))
+    assert m.predict(1) == pytest.approx(110 * US, rel=1e-6)
+    assert m.predict(32) == pytest.approx(420 * US, rel=1e-6)
+
+
+def test_fit_from_one_size_over_predicts_larger_batches() -> None:
+    true = curve(100, 10)
+    m = BatchTimeModel.fit([(1, true(1))])
+    assert m.predict(1) == pytest.approx(true(1))
+    assert m.predict(32) > true(32)  # the safe side until served batches correct it
+
+
+def test_fit_ignores_noise_with_medians_and_never_goes_negative() -> None:
+    m = BatchTimeModel.fit([(1, 100.0), (1, 1e9), (1, 100.0), (32, 50.0), (32, 60.0)])
+    assert m.per_row_ns >= 0 and m.fixed_ns >= 0
+    assert m.predict(1) > 0
+
+
+def test_a_model_that_suddenly_becomes_3x_slower_is_tracked_within_a_few_batches() -> None:
+    true = curve(100, 10)
+    m = fitted(true)
+    for b in (4, 8, 16):
+        m.observe(b, true(b))
+    assert m.scale == pytest.approx(1.0)
+    for i, b in enumerate((8, 16, 8, 4, 12)):
+        m.observe(b, 3 * true(b))
+        if i == 0:
+            assert m.scale == pytest.approx(1.0)  # one slow batch alone is not believed
+    assert m.predict(8) == pytest.approx(3 * true(8), rel=0.1)
+    # Admission follows: a queue the fast model drains in time, the slow one does not.
+    fast = fitted(true)
+    state = dict(rows_ahead=1500, busy_ns=0.0, max_rows=32, objective=OBJ)
+    assert admit(1, 1, 0, 0, model=fast, **state).admitted
+    refused = admit(1, 1, 0, 0, model=m, **state)
+    assert not refused.admitted and refused.reason == "objective"
+
+
+def test_a_single_slow_outlier_barely_moves_the_prediction() -> None:
+    true = curve(100, 10)
+    m = fitted(true)
+    for b in (8, 8, 8, 8):
+        m.observe(b, true(b))
+    m.observe(8, 10 * true(8))  # a GC pause
+    m.observe(8, true(8))
+    assert m.predict(8) == pytest.approx(true(8), rel=0.05)
+
+
+def test_a_model_that_speeds_up_is_followed_more_slowly() -> None:
+    true = curve(100, 10)
+    m = fitted(true)
+    for _ in range(3):
+        m.observe(8, true(8) / 2)
+    assert 0.5 < m.scale < 0.95  # still conservative
+    for _ in range(60):
+        m.observe(8, true(8) / 2)
+    assert m.scale == pytest.approx(0.5, rel=0.05)
+
+
+def test_rows_within_and_drain() -> None:
+    m = fitted(curve(100, 10))
+    assert m.rows_within(420 * US, 64) == 32
+    assert m.rows_within(420 * US, 16) == 16
+    assert m.rows_within(50 * US, 32) == 0
+    assert m.drain_ns(0, 32) == 0
+    assert m.drain_ns(70, 32) == pytest.approx(2 * 420 * US + 160 * US)
+    assert m.drain_ns(64, 32, instances=2) == pytest.approx(420 * US)
+
+
+# ---------------------------------------------------------------------------- arrival rate
+def test_arrival_rate_converges_and_decays_when_quiet() -> None:
+    r = ArrivalRate(tau_ns=50 * MS)
+    t = 0
+    for _ in range(2000):  # 1000/s for 2 s
+        t += MS
+        r.observe(t)
+    assert r.rate(t) * 1e9 == pytest.approx(1000, rel=0.05)
+    assert r.rate(t + 500 * MS) * 1e9 < 1  # half a second of silence
+
+
+def test_a_burst_of_10x_the_rate_shows_within_tau() -> None:
+    r = ArrivalRate(tau_ns=50 * MS)
+    t = 0
+    for _ in range(1000):  # 1000/s
+        t += MS
+        r.observe(t)
+    for _ in range(500):  # 10000/s for 50 ms
+        t += MS // 10
+        r.observe(t)
+    assert r.rate(t) * 1e9 > 6000
+
+
+# ---------------------------------------------------------------------------- plan
+def test_empty_queue_waits_for_an_arrival() -> None:
+    p = plan([], [], 0, fitted(curve()), 0.0, 32, OBJ)
+    assert p.take == 0 and p.wait_until_ns == 0
+
+
+def test_no_waiting_at_low_load() -> None:
+    m = fitted(curve(100, 10))
+    for rate_per_s in (0, 10, 500):
+        p = plan([1], [50 * MS], 0, m, rate_per_s / 1e9, 32, OBJ)
+        assert p.take == 1 and p.wait_until_ns == 0, rate_per_s
+
+
+def test_batches_grow_as_load_rises() -> None:
+    m = fitted(curve(100, 10))
+    targets = [target_rows(m, r / 1e9, 32, OBJ.headroom) for r in (100, 5_000, 20_000, 40_000)]
+    assert targets == sorted(targets) and targets[0] == 1 and targets[-1] > 8
+    # Beyond what even a full batch can carry: full batches.
+    assert target_rows(m, 200_000 / 1e9, 32, OBJ.headroom) == 32
+
+
+def test_under_load_it_gathers_for_the_target_batch_then_dispatches() -> None:
+    m = fitted(curve(100, 10))
+    rate = 40_000 / 1e9
+    target = target_rows(m, rate, 32, OBJ.headroom)
+    waiting = plan([1, 1], [50 * MS] * 2, 0, m, rate, 32, OBJ)
+    assert waiting.take == 0 and 0 < waiting.wait_until_ns < 50 * MS
+    assert waiting.wake_rows == target and waiting.window_ns == waiting.wait_until_ns
+    # The window is about the time the missing rows take to arrive.
+    assert waiting.wait_until_ns == pytest.approx((target - 2) / rate, rel=0.01)
+    assert plan([1] * target, [50 * MS] * target, 0, m, rate, 32, OBJ).take == target
+
+
+def test_gathering_never_pushes_a_request_past_its_deadline() -> None:
+    m = fitted(curve(100, 10))
+    rate = 40_000 / 1e9
+    target = target_rows(m, rate, 32, OBJ.headroom)
+    deadline = MS // 2  # sooner than the missing rows are expected to arrive
+    p = plan([1], [deadline], 0, m, rate, 32, OBJ)
+    assert p.take == 0 and p.wait_until_ns + m.predict(target) == pytest.approx(deadline, abs=1)
+    # At the latest start it goes, even short of the target.
+    assert plan([1], [deadline], p.wait_until_ns, m, rate, 32, OBJ).take == 1
+
+
+def test_full_or_overflowing_queue_dispatches_what_fits() -> None:
+    m = fitted(curve(100, 10))
+    assert plan([16, 16, 4], [50 * MS] * 3, 0, m, 1e-3, 32, OBJ).take == 2
+    assert plan([20, 20], [50 * MS] * 2, 0, m, 1e-3, 32, OBJ).take == 1
+
+
+def test_one_huge_request() -> None:
+    m = fitted(curve(100, 10))
+    slow = Objective(p99_ns=1 * MS)  # budget 0.8 ms; 32 rows take 0.42 ms
+    # Alone, it runs at once (nothing to gather for a full batch) and is admitted.
+    assert plan([32], [MS], 0, m, 0.0, 32, slow).take == 1
+    assert admit(32, 1, 0, 0, 0, 0.0, m, 32, slow).admitted
+    # One that cannot meet the objective even alone is still served when nothing is ahead.
+    tiny = Objective(p99_ns=MS // 4)
+    assert admit(32, 1, 0, 0, 0, 0.0, m, 32, tiny).admitted
+    # Behind a queue, it would finish late: refused with the excess as retry-after.
+    refused = admit(32, 1, 0, 0, 32, 0.0, m, 32, slow)
+    assert not refused.admitted and refused.reason == "objective"
+    assert refused.retry_after_ns == max(MS, refused.predicted_ns - slow.budget_ns)
+    # Small requests queued behind it are not taken into its batch (it fills it).
+    assert plan([32, 1, 1], [MS] * 3, 0, m, 0.0, 32, slow).take == 1
+
+
+# ---------------------------------------------------------------------------- admission
+def test_admission_on_an_empty_queue() -> None:
+    a = admit(1, 1, 1000, 0, 0, 0.0, fitted(curve()), 32, OBJ)
+    assert a.admitted and a.predicted_ns == 1000 + int(fitted(curve()).predict(1))
+    assert a.deadline_ns == 1000 + OBJ.gather_ns
+
+
+def test_admission_counts_in_flight_and_queued_work() -> None:
+    m = fitted(curve(100, 10))
+    # 40 ms budget; a full batch takes 0.42 ms: ~95 full batches fit.
+    assert admit(1, 1, 0, 0, 90 * 32, 0.0, m, 32, OBJ).admitted
+    assert not admit(1, 1, 0, 0, 100 * 32, 0.0, m, 32, OBJ).admitted
+    assert not admit(1, 1, 0, 0, 90 * 32, 5 * MS, m, 32, OBJ).admitted
+    # Two instances drain twice as fast.
+    assert admit(1, 1, 0, 0, 150 * 32, 0.0, m, 32, OBJ, instances=2).admitted
+
+
+def test_a_request_deadline_tighter_than_the_queue_is_refused_at_once() -> None:
+    m = fitted(curve(100, 10))
+    a = admit(1, 1, 0, 2 * MS, 32 * 10, 0.0, m, 32, OBJ)
+    assert not a.admitted and a.reason == "deadline"
+    assert a.retry_after_ns == a.predicted_ns - 2 * MS
+    ok = admit(1, 1, 0, 10 * MS, 32 * 10, 0.0, m, 32, OBJ)
+    assert ok.admitted and ok.deadline_ns == 10 * MS
+
+
+def test_expired_work_is_never_run() -> None:
+    assert late(deadline_ns=MS, now_ns=MS - 100, batch_ns=200)
+    assert not late(deadline_ns=MS, now_ns=MS - 300, batch_ns=200)
+
+
+def test_p50_bounds_the_gathering_deadline() -> None:
+    obj = objective_from_config(p99_ms=50, p50_ms=5)
+    a = admit(1, 1, 0, 0, 0, 0.0, fitted(curve()), 32, obj)
+    assert a.deadline_ns == int(5 * MS * obj.margin)
+
+
+# ---------------------------------------------------------------------------- priorities
+PRIO = Objective(p99_ns=50 * MS, priority_levels=3, default_priority=3)
+
+
+def test_higher_priority_runs_first_then_by_age() -> None:
+    order = schedule_order([3, 1, 2, 1], [0, 10, 20, 30], 40, PRIO)
+    assert order == [1, 3, 2, 0]
+
+
+def test_waiting_is_bounded_for_low_priority() -> None:
+    bound = PRIO.wait_bound_ns
+    order = schedule_order([3, 1, 1], [0, bound - 10, bound - 5], bound, PRIO)
+    assert order[0] == 0  # it has waited the bound: ahead of fresher high-priority work
+
+
+def test_under_overload_lower_priorities_are_shed_first() -> None:
+    m = fitted(curve(100, 10))
+    depths = range(0, 200 * 32, 32)
+
+    def deepest_admitted(priority: int) -> int:
+        return max(d for d in depths if admit(1, priority, 0, 0, d, 0.0, m, 32, PRIO).admitted)
+
+    d1, d2, d3 = (deepest_admitted(p) for p in (1, 2, 3))
+    assert d1 > d2 > d3 > 0
+    assert d3 == pytest.approx(d1 / 2, rel=0.05)  # the lowest keeps half the budget
+
+
+def test_parse_priority() -> None:
+    assert parse_priority(None, PRIO) == 3
+    assert parse_priority(0, PRIO) == 3
+    assert parse_priority(1, PRIO) == 1
+    for bad in (4, -1, "1", True, 1.5):
+        with pytest.raises(InvalidInput, match="parameters.priority: expected an integer"):
+            parse_priority(bad, PRIO)
+
+
+# ---------------------------------------------------------------------------- simulation
+@dataclass
+class _Sim:
+    """One instance served by ``plan``/``admit``: Poisson arrivals, a true batch-time curve."""
+
+    true: Callable[[int], float]
+    objective: Objective
+    max_rows: int = 32
+    model: BatchTimeModel = field(init=False)
+    latencies: dict[int, list[float]] = field(default_factory=dict)
+    refused: dict[int, int] = field(default_factory=dict)
+    batches: list[int] = field(default_factory=list)
+    served: list[tuple[int, int]] = field(default_factory=list)  # (admitted at, latency)
+
+    def __post_init__(self) -> None:
+        self.model = fitted(self.true)
+
+    def run(self, arrivals: list[tuple[int, int]], slow_after_ns: int = 0) -> None:
+        rate = ArrivalRate()
+        queue: list[tuple[int, int, int]] = []  # (priority, enqueued, deadline)
+        busy_until = 0
+        wake = 0
+        i = 0
+        now = 0
+        target = 1
+        while i < len(arrivals) or queue:
+            candidates = [busy_until if busy_until > now else 0, wake]
+            nxt = min([t for t in candidates if t > now] or [arrivals[-1][0] + 1])
+            if i < len(arrivals) and arrivals[i][0] <= nxt:
+                now, prio = arrivals[i]
+                i += 1
+                rate.observe(now)
+                ahead = sum(1 for p, _, _ in queue if p <= prio)
+                a = admit(
+                    1, prio, now, 0, ahead, max(0, busy_until - now), self.model,
+                    self.max_rows, self.objective, batch_rows=target, rate=rate.rate(now),
+                )  # fmt: skip
+                if a.admitted:
+                    queue.append((prio, now, a.deadline_ns))
+                else:
+                    self.refused[prio] = self.refused.get(prio, 0) + 1
+            else:
+                now = nxt
+            if busy_until > now or not queue:
+                continue
+            order = schedule_order([q[0] for q in queue], [q[1] for q in queue], now, PRIO)
+            queue = [queue[j] for j in order]
+            p = plan(
+                [1] * len(queue), [q[2] for q in queue], now, self.model, rate.rate(now),
+                self.max_rows, self.objective,
+            )  # fmt: skip
+            target = p.target_rows
+            if p.take == 0:
+                wake = p.wait_until_ns
+                continue
+            batch, queue = queue[: p.take], queue[p.take :]
+            factor = 3 if slow_after_ns and now > slow_after_ns else 1
+            took = factor * self.true(len(batch))
+            self.model.observe(len(batch), took)
+            busy_until = now + int(took)
+            self.batches.append(len(batch))
+            for prio, enq, _ in batch:
+                self.latencies.setdefault(prio, []).append(busy_until - enq)
+                self.served.append((enq, busy_until - enq))
+
+
+def _poisson(
+    rate_per_s: float, seconds: float, seed: int, levels: int = 1
+) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    t = 0.0
+    out = []
+    while t < seconds:
+        t += rng.expovariate(rate_per_s)
+        out.append((int(t * 1e9), rng.randint(1, levels)))
+    return out
+
+
+def _capacity(true: Callable[[int], float], max_rows: int = 32) -> float:
+    return max_rows / true(max_rows) * 1e9  # rows/s at full batches
+
+
+def _p99(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(0.99 * len(s)))]
+
+
+def test_simulated_low_load_never_waits() -> None:
+    true = curve(2000, 100)
+    sim = _Sim(true, Objective(p99_ns=20 * MS))
+    sim.run(_poisson(0.02 * _capacity(true), 1.0, seed=4))  # one arrival per ~8 batch times
+    served = sorted(sim.latencies[1])
+    assert served[len(served) // 2] == true(1)  # the typical request runs alone, at once
+    assert not sim.refused
+
+
+@pytest.mark.parametrize("load", [0.2, 1.0, 3.0])
+def test_simulated_load_admitted_requests_meet_the_objective(load: float) -> None:
+    true = curve(2000, 100)  # 2 ms + 0.1 ms/row: 5.2 ms per full batch, ~6.2k rows/s
+    obj = Objective(p99_ns=20 * MS)
+    sim = _Sim(true, obj)
+    arrivals = _poisson(load * _capacity(true), 0.6, seed=int(load * 10))
+    sim.run(arrivals)
+    served = sim.latencies.get(1, [])
+    assert len(served) + sim.refused.get(1, 0) == len(arrivals)  # none lost
+    assert max(served) <= obj.p99_ns
+    if load <= 0.2:
+        assert not sim.refused
+    if load >= 3.0:
+        assert sim.refused[1] > len(arrivals) / 2  # overload is shed at the door
+        assert len(served) / 0.6 > 0.8 * _capacity(true)  # while the model stays busy
+        assert max(sim.batches) == 32
+
+
+def test_simulated_model_turning_3x_slower_keeps_admitted_latency_bounded() -> None:
+    true = curve(2000, 100)
+    obj = Objective(p99_ns=20 * MS)
+    sim = _Sim(true, obj)
+    sim.run(_poisson(0.8 * _capacity(true), 1.0, seed=5), slow_after_ns=500 * MS)
+    # Work admitted before the change, on the fast model's predictions, runs 3x slower;
+    # within a few batches the prediction follows and later admissions are on time again.
+    late_ones = [enq for enq, lat in sim.served if lat > obj.budget_ns]
+    assert late_ones and max(late_ones) < 520 * MS
+    assert len(late_ones) < 0.05 * len(sim.served)
+    assert sim.refused[1] > 0  # after the change, capacity is a third: shedding starts
+
+
+def test_simulated_burst_of_10x_is_shed_not_queued() -> None:
+    true = curve(2000, 100)
+    obj = Objective(p99_ns=20 * MS)
+    sim = _Sim(true, obj)
+    base = 0.25 * _capacity(true)
+    calm = _poisson(base, 0.3, seed=1)
+    burst = [(int(0.3e9) + t, p) for t, p in _poisson(10 * base, 0.1, seed=2)]
+    after = [(int(0.4e9) + t, p) for t, p in _poisson(base, 0.3, seed=3)]
+    sim.run(calm + burst + after)
+    served = sim.latencies[1]
+    assert max(served) <= obj.p99_ns
+    assert sim.refused[1] > 0
+    assert max(sim.batches) == 32  # the burst is served in full batches
+
+
+def test_simulated_priorities_under_overload() -> None:
+    true = curve(2000, 100)
+    sim = _Sim(true, PRIO)
+    arrivals = _poisson(3 * _capacity(true), 0.6, seed=9, levels=3)
+    sim.run(arrivals)
+    offered = {p: sum(1 for _, q in arrivals if q == p) for p in (1, 2, 3)}
+    share = {p: len(sim.latencies.get(p, [])) / offered[p] for p in (1, 2, 3)}
+    assert share[1] > share[2] > share[3]
+    assert share[3] > 0  # not starved
+    for p in (1, 2, 3):
+        assert max(sim.latencies[p]) <= PRIO.p99_ns
+
+
+# ---------------------------------------------------------------------------- config, errors
+def _cfg(**extra: object):
+    return parse_model_config({"max_batch_size": 8, **extra}, "m", "m/config.yaml")
+
+
+def test_slo_config_parses_and_validates() -> None:
+    c = _cfg(slo={"p99_ms": 50, "p50_ms": 10}, priority_levels=3)
+    assert c.slo is not None and c.slo.p99_ms == 50 and c.slo.p50_ms == 10
+    assert c.priority_levels == 3 and c.default_priority == 3
+    assert _cfg().slo is None and _cfg().priority_levels == 0
+    bad = [
+        ({"slo": {"p99_ms": 0}}, "slo.p99_ms: expected a latency objective"),
+        ({"slo": {"p99_ms": 5, "p50_ms": 10}}, r"slo.p50_ms: expected a number <= p99_ms \(5\)"),
+        ({"slo": {"p99_ms": 5, "p95_ms": 1}}, "slo.p95_ms: unknown field"),
+        ({"priority_levels": 2, "default_priority": 3}, "default_priority: expected a level"),
+        ({"default_priority": 1}, "default_priority: expected no default_priority"),
+    ]
+    for extra, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            _cfg(**extra)
+
+
+def test_refusal_maps_to_429_and_resource_exhausted_with_retry_after() -> None:
+    import grpc
+
+    exc = ObjectiveRefused("late", retry_after_s=2.0)
+    assert isinstance(exc, Overloaded)
+    assert exc.http_status == 429 and exc.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert exc.retry_after_s == 2.0
