@@ -300,7 +300,9 @@ def _slo_section(f: _Fields) -> tuple[SLO | None, int, int]:
     levels = f.integer("priority_levels", 0)
     default = f.integer("default_priority", levels)
     if levels == 0 and default != 0:
-        raise f.fail("default_priority", "no default_priority unless priority_levels is set", default)
+        raise f.fail(
+            "default_priority", "no default_priority unless priority_levels is set", default
+        )
     if levels and not 1 <= default <= levels:
         raise f.fail("default_priority", f"a level from 1 (highest) to {levels}", default)
     return slo, levels, default
