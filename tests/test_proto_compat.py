@@ -1,10 +1,10 @@
 """Wire compatibility of rtserve's grpc_service.proto with Triton's client protos.
 
-Our generated classes and tritonclient's register the same full names
-(``inference.ModelInferRequest`` ...) in protobuf's default descriptor pool, so they
-cannot live in one process. Our classes stay in the pytest process; everything that
-needs tritonclient runs once, in a subprocess (``_TRITON_SIDE``), which receives a JSON
-job on stdin and answers with JSON on stdout:
+Our classes and tritonclient's define the same full names (``inference.ModelInferRequest``
+...). Ours live in a private descriptor pool, so both import in one process (checked below
+under both protobuf implementations). The schema checks still read tritonclient's side in
+a subprocess (``_TRITON_SIDE``), run once, which receives a JSON job on stdin and answers
+with JSON on stdout:
 
 * parses each of our serialized messages with tritonclient's class and returns it as
   a dict (``MessageToDict``) plus the number of fields it did not recognise;
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -735,3 +736,76 @@ def test_server_registration_paths() -> None:
         assert rpc is not None, name
         assert (rpc.request_streaming, rpc.response_streaming) == (req_stream, resp_stream)
     assert handler.service(SimpleNamespace(method=f"/{SERVICE}/NoSuchRpc")) is None
+
+
+# ---------------------------------------------------------------------------
+# One process: our private pool next to tritonclient's default-pool classes
+# ---------------------------------------------------------------------------
+
+_SHARED_PROCESS = r"""
+import sys
+import warnings
+
+warnings.simplefilter("error")
+from google.protobuf import descriptor_pool
+from google.protobuf.internal import api_implementation
+
+if sys.argv[1] == "rtserve-first":
+    from rtserve.protocol import grpc_service_pb2 as pb
+    import tritonclient.grpc as grpcclient
+    from tritonclient.grpc import service_pb2 as triton
+else:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.grpc import service_pb2 as triton
+    from rtserve.protocol import grpc_service_pb2 as pb
+
+assert api_implementation.Type() == sys.argv[2], api_implementation.Type()
+default = descriptor_pool.Default().FindMessageTypeByName("inference.ModelInferRequest")
+assert default is triton.ModelInferRequest.DESCRIPTOR, "the default pool must hold Triton's"
+assert pb.ModelInferRequest.DESCRIPTOR is not default
+assert pb.ModelInferRequest.DESCRIPTOR.file.pool is pb._POOL
+
+ours = pb.ModelInferRequest(model_name="m", id="r")
+ours.inputs.add(name="x", datatype="FP32", shape=[1, 2]).parameters["p"].int64_param = 7
+theirs = triton.ModelInferRequest.FromString(ours.SerializeToString())
+assert theirs.inputs[0].parameters["p"].int64_param == 7
+x = grpcclient.InferInput("IN", [2], "BYTES")
+back = pb.ModelInferRequest.FromString(
+    triton.ModelInferRequest(model_name="t", inputs=[x._get_tensor()]).SerializeToString()
+)
+assert (back.model_name, back.inputs[0].name, back.inputs[0].datatype) == ("t", "IN", "BYTES")
+assert isinstance(back.inputs[0], pb.ModelInferRequest.InferInputTensor)
+print("shared", api_implementation.Type(), sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("implementation", ["upb", "python"])
+@pytest.mark.parametrize("order", ["rtserve-first", "tritonclient-first"])
+def test_rtserve_and_tritonclient_import_in_one_process(order: str, implementation: str) -> None:
+    """Also under the pure-Python runtime, where protoc's own builder would register our
+    classes in the default pool and tritonclient's import would fail on the clash."""
+    env = {**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": implementation}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARED_PROCESS, order, implementation],
+        capture_output=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().split() == ["shared", implementation, order]
+
+
+def test_generated_module_builds_classes_without_protoc_builder() -> None:
+    """The checked-in module loads on protobuf 4.25 through today's runtimes only if it
+    avoids the version-checked code newer protoc emits (see scripts/gen_proto.sh)."""
+    source = Path(pb.__file__).read_text()
+    assert "runtime_version" not in source
+    assert "internal import builder" not in source
+    assert "_descriptor_pool.DescriptorPool()" in source
+    assert pb.ModelInferRequest.__module__ == pb.__name__
+    assert (
+        pb.ModelInferRequest.InferInputTensor.__qualname__ == "ModelInferRequest.InferInputTensor"
+    )
+    assert pb.ModelInput.Format.Name(pb.ModelInput.FORMAT_NCHW) == "FORMAT_NCHW"
+    assert pb.DataType.Value("TYPE_FP32") == pb.TYPE_FP32 == 11
