@@ -9,6 +9,18 @@ from pathlib import Path
 from rtserve import __version__
 from rtserve.errors import ConfigError
 
+# HTTP transport limits: flag --http-<name> sets ServerConfig.http_<name>.
+_HTTP_LIMITS: dict[str, tuple[type, str]] = {
+    "max_url_bytes": (int, "longest request URL in bytes (default 8192; 414 beyond)"),
+    "max_headers": (int, "most request headers (default 100; 431 beyond)"),
+    "max_header_bytes": (int, "largest single header in bytes (default 16384; 431 beyond)"),
+    "max_head_bytes": (int, "largest request line + headers in bytes (default 65536)"),
+    "idle_timeout_s": (float, "close keep-alive connections idle this long (default 75)"),
+    "header_timeout_s": (float, "seconds to receive a request's headers (default 20; 408)"),
+    "body_timeout_s": (float, "longest silence while a body arrives (default 30; 408)"),
+    "max_connections": (int, "open HTTP connections; more get 503 (default 10000)"),
+}
+
 
 def _serve(args: argparse.Namespace) -> int:
     from rtserve.config import load_server_config
@@ -24,6 +36,10 @@ def _serve(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
             grace_period_s=args.grace_period,
             log_level=args.log_level,
+            model_control_mode=args.model_control_mode,
+            repository_poll_secs=args.repository_poll_secs,
+            load_models=tuple(args.load_model) if args.load_model else None,
+            **{f"http_{name}": getattr(args, f"http_{name}") for name in _HTTP_LIMITS},
         )
     except ConfigError as exc:
         print(f"rtserve: {exc}", file=sys.stderr)
@@ -53,6 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, help="largest accepted request body")
     s.add_argument("--grace-period", type=float, help="seconds to finish requests on SIGTERM")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    for name, (kind, help_text) in _HTTP_LIMITS.items():
+        s.add_argument(f"--http-{name.replace('_', '-')}", type=kind, help=help_text)
+    s.add_argument(
+        "--model-control-mode",
+        choices=["none", "poll", "explicit"],
+        help="none: load the repository at start (default); poll: also reload what changes "
+        "on disk; explicit: load/unload through the API (and --load-model at start)",
+    )
+    s.add_argument(
+        "--repository-poll-secs", type=float, help="poll mode: seconds between scans (default 15)"
+    )
+    s.add_argument(
+        "--load-model",
+        action="append",
+        metavar="NAME",
+        help="explicit mode: a model to load at start (repeatable; '*' loads all)",
+    )
     s.add_argument(
         "--workers", type=int, default=1, help="server processes sharing the ports (default 1)"
     )

@@ -326,6 +326,23 @@ class ServerConfig:
     response_cache: dict[str, Any] | bool | None = None  # server-wide default for every model
     config_file: str = ""
     log_level: str = "info"
+    # HTTP/1.1 transport limits (rtserve.server.httpserver.HttpLimits), named in refusals.
+    http_max_url_bytes: int = 8 * 1024
+    http_max_headers: int = 100
+    http_max_header_bytes: int = 16 * 1024
+    http_max_head_bytes: int = 64 * 1024
+    http_idle_timeout_s: float = 75.0
+    http_header_timeout_s: float = 20.0
+    http_body_timeout_s: float = 30.0
+    http_max_connections: int = 10_000
+    # Model control (rtserve.server.control): none | poll | explicit.
+    model_control_mode: str = "none"
+    repository_poll_secs: float = 15.0
+    load_models: tuple[str, ...] = ()
+    # Set by ``--workers N`` for its workers: a directory they share (model control journal,
+    # metrics snapshots) and each worker's index. Not a user setting.
+    shared_dir: str = ""
+    worker_index: int = 0
 
 
 def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
@@ -347,6 +364,19 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
             "grace_period_s": f.number("grace_period_s", 30.0),
             "response_cache": f.get("response_cache"),
             "log_level": f.string("log_level", "info"),
+            "http_max_url_bytes": f.integer("http_max_url_bytes", 8 * 1024, minimum=1),
+            "http_max_headers": f.integer("http_max_headers", 100, minimum=1),
+            "http_max_header_bytes": f.integer("http_max_header_bytes", 16 * 1024, minimum=1),
+            "http_max_head_bytes": f.integer("http_max_head_bytes", 64 * 1024, minimum=1),
+            "http_idle_timeout_s": f.number("http_idle_timeout_s", 75.0),
+            "http_header_timeout_s": f.number("http_header_timeout_s", 20.0),
+            "http_body_timeout_s": f.number("http_body_timeout_s", 30.0),
+            "http_max_connections": f.integer("http_max_connections", 10_000, minimum=1),
+            "model_control_mode": f.string(
+                "model_control_mode", "none", ("none", "poll", "explicit")
+            ),
+            "repository_poll_secs": f.number("repository_poll_secs", 15.0),
+            "load_models": tuple(f.get("load_models", []) or []),
         }
         f.check_unknown()
     data.update({k: v for k, v in overrides.items() if v is not None})

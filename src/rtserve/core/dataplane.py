@@ -40,6 +40,7 @@ from rtserve.errors import (
     as_error,
 )
 from rtserve.observability.metrics import Metrics
+from rtserve.observability.workers import WorkerView
 from rtserve.protocol.types import InferRequest, InferResponse, Tensor, Timings
 
 EXTENSIONS = (
@@ -86,9 +87,14 @@ def _config_type(datatype: str) -> str:
 
 
 class DataPlane:
-    def __init__(self, registry: ModelRegistry, metrics: Metrics) -> None:
+    def __init__(
+        self, registry: ModelRegistry, metrics: Metrics, workers: WorkerView | None = None
+    ) -> None:
+        """``workers``: with ``--workers N``, the merged view of every worker's metrics and
+        statistics (None: this process is the whole server)."""
         self.registry = registry
         self.metrics = metrics
+        self.workers = workers
         self.started = False
         self.draining = False
         self.drain_started_ns = 0
@@ -159,7 +165,14 @@ class DataPlane:
         else:
             mv = self.registry.get_loaded(name, version)
             versions = [mv] if version else list(self.registry.entry(mv.name).versions.values())
-        return [VersionStatistics(mv.name, mv.version, mv.metrics.stats) for mv in versions]
+        own = [VersionStatistics(mv.name, mv.version, mv.metrics.stats) for mv in versions]
+        return self.workers.statistics(own) if self.workers is not None else own
+
+    def metrics_exposition(self) -> tuple[bytes, str]:
+        """The Prometheus text of the whole server (every worker's, merged)."""
+        if self.workers is not None:
+            return self.workers.exposition()
+        return self.metrics.exposition()
 
     # ------------------------------------------------------------------ inference
     def resolve(self, name: str, version: str, timings: Timings) -> ModelVersion:

@@ -20,6 +20,7 @@ import queue
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -31,10 +32,11 @@ from rtserve.core.dataplane import DataPlane
 from rtserve.core.model import BuildContext
 from rtserve.core.registry import ModelRegistry
 from rtserve.observability.metrics import Metrics
-from rtserve.repository import scan
+from rtserve.observability.workers import WorkerView
+from rtserve.server.control import ModelControl
 from rtserve.server.grpc import GrpcFrontend, start_grpc_server
 from rtserve.server.http import HttpFrontend
-from rtserve.server.httpserver import HttpServer
+from rtserve.server.httpserver import HttpLimits, HttpServer
 
 if TYPE_CHECKING:
     from rtserve.cache import CacheConfig
@@ -63,9 +65,27 @@ class Server:
                 cache_default=_cache_default(config),
             )
         )
-        self.dataplane = DataPlane(self.registry, self.metrics)
-        self.http = HttpFrontend(self.dataplane, self.metrics, config.max_request_bytes)
-        self.grpc = GrpcFrontend(self.dataplane, self.metrics, config.max_request_bytes)
+        shared = Path(config.shared_dir) if config.shared_dir else None
+        self.workers = (
+            WorkerView(shared, config.worker_index, self.metrics, self.registry)
+            if shared is not None
+            else None
+        )
+        self.dataplane = DataPlane(self.registry, self.metrics, self.workers)
+        self.control = ModelControl(
+            self.registry,
+            config.model_repository,
+            config.model_control_mode,
+            config.repository_poll_secs,
+            config.load_models,
+            journal=shared / "model-control.jsonl" if shared is not None else None,
+        )
+        self.http = HttpFrontend(
+            self.dataplane, self.metrics, config.max_request_bytes, control=self.control
+        )
+        self.grpc = GrpcFrontend(
+            self.dataplane, self.metrics, config.max_request_bytes, control=self.control
+        )
         self._stop = asyncio.Event()
         self.http_port = 0
         self.grpc_port = 0
@@ -86,7 +106,9 @@ class Server:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
         cfg = self.config
-        http_server = self.http_server = HttpServer(self.http.handle, cfg.max_request_bytes)
+        http_server = self.http_server = HttpServer(
+            self.http.handle, cfg.max_request_bytes, limits=HttpLimits.from_config(cfg)
+        )
         self.http_port = await http_server.start(cfg.host, cfg.http_port, self.http_sock)
         grpc_server, self.grpc_port = await start_grpc_server(
             self.grpc, cfg.host, cfg.grpc_port, reuse_port=self.http_sock is not None
@@ -95,7 +117,9 @@ class Server:
             "listening: http://%s:%d grpc %s:%d", cfg.host, self.http_port, cfg.host, self.grpc_port
         )
 
-        await self.registry.load_all(scan(cfg.model_repository))
+        await self.control.start()
+        if self.workers is not None:
+            self.workers.start()
         gc.collect()
         gc.freeze()  # models, sessions and config never die: keep them out of GC scans
         # Per-request garbage is freed by reference counting; cyclic collections only need to
@@ -114,7 +138,10 @@ class Server:
 
         await self._drain(http_server, grpc_server)
         await http_server.close()
+        await self.control.stop()
         await self.registry.stop()
+        if self.workers is not None:
+            await self.workers.stop()
         log.info("stopped")
 
     async def _drain(self, http_server: HttpServer, grpc_server: object) -> None:
@@ -215,11 +242,16 @@ def _serve_workers(config: ServerConfig, ports_file: Path | None, workers: int) 
         reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         reservation.bind((config.host, 0))
         grpc_port = reservation.getsockname()[1]
-    worker_config = dataclasses.replace(config, grpc_port=grpc_port)
+    shared = tempfile.TemporaryDirectory(prefix="rtserve-workers-")
+    worker_config = dataclasses.replace(config, grpc_port=grpc_port, shared_dir=shared.name)
     ctx = multiprocessing.get_context("fork")
     ready = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(worker_config, http_sock, ready)) for _ in range(workers)
+        ctx.Process(
+            target=_worker,
+            args=(dataclasses.replace(worker_config, worker_index=i), http_sock, ready),
+        )
+        for i in range(workers)
     ]
     for p in procs:
         p.start()
@@ -254,4 +286,5 @@ def _serve_workers(config: ServerConfig, ports_file: Path | None, workers: int) 
         if p.is_alive():
             p.kill()
             p.join()
+    shared.cleanup()
     return 0 if all(p.exitcode == 0 for p in procs) else 1

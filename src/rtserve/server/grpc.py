@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,6 +23,7 @@ from rtserve.observability.metrics import Metrics, server_timing
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol.grpc_codec import decode_model_infer, encode_model_infer
 from rtserve.protocol.types import InferRequest, Timings
+from rtserve.server.control import ModelControl
 from rtserve.server.errors import grpc_error
 from rtserve.server.stats import inference_stats
 
@@ -72,7 +74,14 @@ def _unary(fn: Handler) -> Handler:
 
 
 class GrpcFrontend:
-    def __init__(self, dataplane: DataPlane, metrics: Metrics, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        metrics: Metrics,
+        max_message_bytes: int,
+        control: ModelControl | None = None,
+    ) -> None:
+        self.control = control
         self.dataplane = dataplane
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
@@ -165,8 +174,33 @@ class GrpcFrontend:
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
         response = pb.RepositoryIndexResponse()
         for e in self.dataplane.repository_index():
+            if request.ready and e.state != "READY":
+                continue
             response.models.add(name=e.name, version=e.version, state=e.state, reason=e.reason)
         return response
+
+    @_unary
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        if self.control is None:
+            raise InvalidInput("model control is not available")
+        config = None
+        if "config" in request.parameters:
+            text = request.parameters["config"].string_param
+            try:
+                config = json.loads(text)
+            except ValueError as exc:
+                raise InvalidInput(f"parameters.config: not valid JSON ({exc})") from None
+            if not isinstance(config, dict):
+                raise InvalidInput("parameters.config: expected a model config object")
+        await self.control.load(request.model_name, config)
+        return pb.RepositoryModelLoadResponse()
+
+    @_unary
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        if self.control is None:
+            raise InvalidInput("model control is not available")
+        await self.control.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
 
     # ------------------------------------------------------------------ inference
     async def _infer(self, message: Any, context: Any) -> Any:

@@ -7,9 +7,11 @@ routes are synchronous. Every error is answered through ``server.errors.http_err
 
 from __future__ import annotations
 
+import asyncio
 import time
 import zlib
 from functools import partial
+from importlib import resources
 from typing import Any
 from urllib.parse import unquote
 
@@ -22,6 +24,7 @@ from rtserve.errors import InvalidInput, PayloadTooLarge, RouteNotFound, RTServe
 from rtserve.observability.metrics import Metrics, server_timing
 from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
+from rtserve.server.control import ModelControl
 from rtserve.server.errors import JSON_TYPE, http_error
 from rtserve.server.httpserver import Connection, Request
 from rtserve.server.stats import statistics_json
@@ -53,6 +56,41 @@ def _infer_target(path: str) -> tuple[str, str]:
     if n == 7 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "versions":
         return parts[3], parts[5]
     raise RouteNotFound(f"no route for POST {path[:200]}")
+
+
+def _ready_only(body: bytes) -> bool:
+    """The repository index request's ``{"ready": true}``."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise InvalidInput("repository index body: not valid JSON") from None
+    return isinstance(doc, dict) and doc.get("ready") is True
+
+
+def _config_override(body: bytes) -> dict[str, Any] | None:
+    """The config given in a load request's body, if any."""
+    if not body.strip():
+        return None
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"load request body: not valid JSON ({exc})") from None
+    params = doc.get("parameters") if isinstance(doc, dict) else None
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise InvalidInput("parameters: expected an object")
+    config = params.get("config")
+    if config is None:
+        return None
+    if isinstance(config, str):
+        try:
+            config = orjson.loads(config)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidInput(f"parameters.config: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise InvalidInput("parameters.config: expected a model config object")
+    return config
 
 
 def _tensors(tensors: Any) -> list[dict[str, Any]]:
@@ -89,14 +127,27 @@ def config_json(cfg: ModelConfigInfo) -> dict[str, Any]:
 
 
 class HttpFrontend:
-    def __init__(self, dataplane: DataPlane, metrics: Metrics, max_request_bytes: int) -> None:
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        metrics: Metrics,
+        max_request_bytes: int,
+        control: ModelControl | None = None,
+    ) -> None:
         self.dataplane = dataplane
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
+        self.control = control
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def handle(self, conn: Connection, request: Request) -> None:
         if request.method == b"POST" and request.path.endswith("/infer"):
             self._infer(conn, request)
+            return
+        if request.method == b"POST" and request.path.startswith("/v2/repository/models/"):
+            task = asyncio.get_running_loop().create_task(self._model_control(conn, request))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
             return
         try:
             status, body, headers = self._route(request)
@@ -188,6 +239,27 @@ class HttpFrontend:
             )
         return out
 
+    # ------------------------------------------------------------------ model control
+    async def _model_control(self, conn: Connection, request: Request) -> None:
+        """``POST /v2/repository/models/{m}/load`` (optional body: ``{"parameters":
+        {"config": <mapping or JSON string>}}``, a config used instead of config.yaml) and
+        ``.../unload``."""
+        try:
+            parts = unquote(request.path).split("/")
+            if len(parts) != 6 or parts[5] not in ("load", "unload") or not parts[4]:
+                raise RouteNotFound(f"no route for POST {request.path[:200]}")
+            if self.control is None:
+                raise InvalidInput("model control is not available")
+            name, action = parts[4], parts[5]
+            if action == "load":
+                await self.control.load(name, _config_override(request.body))
+            else:
+                await self.control.unload(name)
+            status, body, headers = 200, b"", [JSON_TYPE]
+        except Exception as exc:
+            status, body, headers = http_error(exc)
+        conn.respond(status, body, headers)
+
     # ------------------------------------------------------------------ other routes
     def _route(self, request: Request) -> tuple[int, bytes, Headers]:
         method = request.method
@@ -197,8 +269,11 @@ class HttpFrontend:
         dp = self.dataplane
         parts = [p for p in path.split("/") if p]
         if method == b"GET" and parts == ["metrics"]:
-            body, content_type = self.metrics.exposition()
+            body, content_type = dp.metrics_exposition()
             return 200, body, [(b"content-type", content_type.encode())]
+        if method == b"GET" and parts == ["dashboard"]:  # the live page; it polls /metrics
+            page = resources.files("rtserve.observability").joinpath("dashboard.html")
+            return 200, page.read_bytes(), [(b"content-type", b"text/html; charset=utf-8")]
         if not parts or parts[0] != "v2":
             raise RouteNotFound(f"no route for {method.decode()} {path[:200]}")
         rest = parts[1:]
@@ -214,11 +289,13 @@ class HttpFrontend:
             ready = dp.ready()
             return _json(200 if ready else 503, {"ready": ready})
         if method == b"POST" and rest == ["repository", "index"]:
+            ready_only = b'"ready"' in request.body and _ready_only(request.body)
             return _json(
                 200,
                 [
                     {"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
                     for e in dp.repository_index()
+                    if not ready_only or e.state == "READY"
                 ],
             )
         if method == b"GET" and rest == ["models", "stats"]:

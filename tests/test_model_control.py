@@ -1,0 +1,216 @@
+"""Model control: load, unload, zero-downtime swaps, poll mode, and one view of N workers."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import start_server
+from tests.models import build_scale
+
+
+def scale_repo(root: Path, factors: dict[str, float]) -> Path:
+    """Models named by ``factors``: y = x * factor, version 1."""
+    for name, factor in factors.items():
+        build_scale(root / name / "1" / "model.onnx", factor)
+        (root / name / "config.yaml").write_text(
+            "max_batch_size: 4\nversion_policy: latest\ndynamic_batching: {max_queue_delay_us: 100}\n"
+        )
+    return root
+
+
+def infer(base: str, model: str) -> float:
+    body = json.dumps(
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 1, 1, 1]}]}
+    ).encode()
+    req = urllib.request.Request(f"{base}/v2/models/{model}/infer", body, method="POST")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return float(json.loads(r.read())["outputs"][0]["data"][0])
+
+
+def post(base: str, path: str, body: bytes = b"") -> tuple[int, dict]:
+    req = urllib.request.Request(f"{base}{path}", body, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw else {}
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_explicit_mode_loads_and_unloads_with_tritonclient_http_and_grpc(tmp_path: Path) -> None:
+    repo = scale_repo(tmp_path / "repo", {"a": 2.0, "b": 3.0})
+    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit", "--load-model", "a")
+    try:
+        http = httpclient.InferenceServerClient(s.http)
+        assert http.is_model_ready("a")
+        with pytest.raises(InferenceServerException):
+            http.get_model_metadata("b")
+        http.load_model("b")
+        assert http.is_model_ready("b") and infer(s.base, "b") == 3.0
+        http.unload_model("b")
+        with pytest.raises(InferenceServerException, match="unknown model 'b'"):
+            http.get_model_metadata("b")
+        # Over gRPC too.
+        grpc = grpcclient.InferenceServerClient(s.grpc)
+        grpc.load_model("b")
+        assert grpc.is_model_ready("b") and infer(s.base, "b") == 3.0
+        grpc.unload_model("b")
+        assert "b" not in [m.name for m in grpc.get_model_repository_index().models]
+        # An unknown model: a clear error, and the server keeps serving.
+        with pytest.raises(InferenceServerException, match="no such model in the repository"):
+            http.load_model("nope")
+        assert infer(s.base, "a") == 2.0
+    finally:
+        s.stop()
+
+
+def test_load_with_a_config_override_in_the_body(tmp_path: Path) -> None:
+    repo = scale_repo(tmp_path / "repo", {"a": 2.0})
+    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit")
+    try:
+        http = httpclient.InferenceServerClient(s.http)
+        http.load_model("a", config=json.dumps({"max_batch_size": 2}))
+        assert http.get_model_config("a")["max_batch_size"] == 2
+        status, doc = post(s.base, "/v2/repository/models/a/load", b'{"parameters": {"config": 5}}')
+        assert status == 400 and "parameters.config" in doc["error"]
+    finally:
+        s.stop()
+
+
+def test_load_and_unload_are_refused_unless_explicit(tmp_path: Path) -> None:
+    repo = scale_repo(tmp_path / "repo", {"a": 2.0})
+    s = start_server(repo, tmp_path / "s")
+    try:
+        status, doc = post(s.base, "/v2/repository/models/a/unload")
+        assert status == 400 and "--model-control-mode explicit" in doc["error"]
+        assert infer(s.base, "a") == 2.0
+    finally:
+        s.stop()
+
+
+def _load_loop(base: str, model: str, stop: threading.Event, answers: list, errors: list) -> None:
+    while not stop.is_set():
+        try:
+            answers.append((time.monotonic(), infer(base, model)))
+        except Exception as exc:  # every failure is recorded and fails the test
+            errors.append(repr(exc))
+        time.sleep(0.005)
+
+
+def test_a_new_version_swaps_in_under_load_with_no_failed_request(tmp_path: Path) -> None:
+    repo = scale_repo(tmp_path / "repo", {"a": 2.0})
+    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit", "--load-model", "a")
+    stop = threading.Event()
+    answers: list[tuple[float, float]] = []
+    errors: list[str] = []
+    threads = [
+        threading.Thread(target=_load_loop, args=(s.base, "a", stop, answers, errors))
+        for _ in range(2)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        build_scale(repo / "a" / "2" / "model.onnx", 7.0)
+        status, doc = post(s.base, "/v2/repository/models/a/load")
+        assert status == 200, doc
+        swapped = time.monotonic()
+        time.sleep(1.0)
+        # A broken version 3: the load fails, version 2 keeps serving, the index says why.
+        (repo / "a" / "3").mkdir()
+        (repo / "a" / "3" / "model.onnx").write_bytes(b"not a model")
+        status, doc = post(s.base, "/v2/repository/models/a/load")
+        assert status == 400 and "failed to load 'a'" in doc["error"]
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    try:
+        assert errors == []
+        assert len(answers) > 100
+        assert {v for t, v in answers if t > swapped} == {7.0}
+        assert infer(s.base, "a") == 7.0
+        _, index = post(s.base, "/v2/repository/index")
+        reasons = [row["reason"] for row in index if row["name"] == "a" and row["reason"]]
+        assert reasons and "3" in reasons[0]
+    finally:
+        s.stop()
+
+
+def test_poll_mode_picks_up_new_versions_and_removed_models(tmp_path: Path) -> None:
+    repo = scale_repo(tmp_path / "repo", {"a": 2.0, "b": 3.0})
+    s = start_server(
+        repo, tmp_path / "s", "--model-control-mode", "poll", "--repository-poll-secs", "0.2"
+    )
+    try:
+        assert infer(s.base, "a") == 2.0
+        build_scale(repo / "a" / "2" / "model.onnx", 5.0)
+        deadline = time.monotonic() + 20
+        while infer(s.base, "a") != 5.0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert infer(s.base, "a") == 5.0
+        import shutil
+
+        shutil.rmtree(repo / "b")
+        while time.monotonic() < deadline:
+            _, index = post(s.base, "/v2/repository/index")
+            if "b" not in {row["name"] for row in index}:
+                break
+            time.sleep(0.1)
+        assert "b" not in {row["name"] for row in post(s.base, "/v2/repository/index")[1]}
+    finally:
+        s.stop()
+
+
+def _requests_total(text: str, model: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("rtserve_requests_total{") and f'model="{model}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_workers_give_one_monotonic_view_of_metrics_and_statistics(tmp_path: Path) -> None:
+    repo = scale_repo(tmp_path / "repo", {"a": 2.0})
+    s = start_server(repo, tmp_path / "s", "--workers", "4", timeout=180)
+    stop = threading.Event()
+    answers: list[tuple[float, float]] = []
+    errors: list[str] = []
+    threads = [
+        threading.Thread(target=_load_loop, args=(s.base, "a", stop, answers, errors))
+        for _ in range(3)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        seen = []
+        for _ in range(20):
+            with urllib.request.urlopen(f"{s.base}/metrics", timeout=10) as r:
+                seen.append(_requests_total(r.read().decode(), "a"))
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert all(b >= a for a, b in zip(seen, seen[1:], strict=False)), seen
+        time.sleep(1.0)  # every worker has published its last counts
+        with urllib.request.urlopen(f"{s.base}/metrics", timeout=10) as r:
+            assert _requests_total(r.read().decode(), "a") == len(answers)
+        with urllib.request.urlopen(f"{s.base}/v2/models/a/stats", timeout=10) as r:
+            stats = json.loads(r.read())["model_stats"][0]
+        assert stats["inference_stats"]["success"]["count"] == len(answers)
+    finally:
+        stop.set()
+        s.stop()
