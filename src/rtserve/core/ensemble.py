@@ -1,0 +1,510 @@
+"""Ensembles: a model whose requests run a DAG of other models (``backend: ensemble``).
+
+Each step names a model (and optionally a version) and maps the step model's inputs and
+outputs to the ensemble's tensors::
+
+    steps:
+      - model: tokenizer
+        inputs:  {text: TEXT}                 # step input -> ensemble tensor
+        outputs: {input_ids: IDS, attention_mask: MASK}
+      - model: minilm
+        inputs:  {input_ids: IDS, attention_mask: MASK}
+        outputs: {embedding: EMBEDDING}
+
+The structure (fields, one producer per tensor, no cycle, every consumed tensor produced)
+is checked from the config alone; names, datatypes, shapes and batching are checked against
+the live step models when the ensemble is built (the registry loads ensembles last).
+
+A request runs the steps level by level (a level = the steps whose inputs are all known);
+each step goes through its own model's ``submit`` and so through that model's batcher,
+where it batches with the step requests of other ensemble calls and with direct callers.
+The steps of one level run concurrently. Step models are looked up on every call, so a
+step model that is reloaded is picked up; the ensemble is ready only while every step is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rtserve.config import AUTO_BATCH, ModelConfig, TensorSpec, _Fields
+from rtserve.core.model import BuildContext, ModelVersion, Outputs
+from rtserve.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    InferenceFailed,
+    ModelNotReady,
+    Overloaded,
+    RTServeError,
+    ShuttingDown,
+)
+from rtserve.protocol.types import Timings
+
+_now = time.perf_counter_ns
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One parsed step: ``inputs``/``outputs`` map the step model's names to tensors."""
+
+    index: int
+    model: str
+    version: str  # "" = the model's latest version
+    inputs: dict[str, str]
+    outputs: dict[str, str]
+
+    @property
+    def where(self) -> str:
+        return f"steps[{self.index}]"
+
+    @property
+    def label(self) -> str:
+        return f"steps[{self.index}] (model '{self.model}')"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The parsed DAG: steps grouped in levels that can run one after the other."""
+
+    steps: tuple[Step, ...]
+    levels: tuple[tuple[Step, ...], ...]
+    producer: dict[str, Step]  # tensor -> the step that produces it
+
+
+def _mapping(f: _Fields, key: str) -> dict[str, str]:
+    value = f.get(key)
+    if not isinstance(value, dict) or not value:
+        raise f.fail(key, "a non-empty mapping of step tensor name -> ensemble tensor name", value)
+    for k, v in value.items():
+        if not isinstance(k, str) or not k or not isinstance(v, str) or not v:
+            raise ConfigError(
+                f"{f.where}: {f.path(key)}: expected names (strings) on both sides, "
+                f"got {k!r}: {v!r}"
+            )
+    return dict(value)
+
+
+def parse_steps(config: ModelConfig) -> Plan:
+    """Check the steps' structure (no live models needed) and order them in levels."""
+    where = config.source
+    if config.inputs is None or config.outputs is None:
+        missing = "inputs" if config.inputs is None else "outputs"
+        raise ConfigError(
+            f"{where}: {missing}: required for backend ensemble (a list of {{name, datatype, shape}})"
+        )
+    ensemble_inputs = {s.name for s in config.inputs}
+    steps: list[Step] = []
+    producer: dict[str, Step] = {}
+    for i, raw in enumerate(config.steps):
+        f = _Fields(raw, where, f"steps[{i}]")
+        model = f.string("model", "")
+        if not model:
+            raise f.fail("model", "the name of a model in the repository", f.get("model"))
+        version = f.get("version", "")
+        if isinstance(version, bool) or not isinstance(version, int | str):
+            raise f.fail("version", "a version number", version)
+        if isinstance(version, int) and version < 1:
+            raise f.fail("version", "a version number >= 1", version)
+        step = Step(i, model, str(version), _mapping(f, "inputs"), _mapping(f, "outputs"))
+        f.check_unknown()
+        if model == config.name:
+            raise f.fail("model", "another model (an ensemble cannot call itself)", model)
+        for out, tensor in step.outputs.items():
+            field = f"{where}: {step.where}.outputs.{out}"
+            if tensor in ensemble_inputs:
+                raise ConfigError(f"{field}: tensor '{tensor}' is an ensemble input; a step "
+                                  "cannot produce it")  # fmt: skip
+            other = producer.get(tensor)
+            if other is not None:
+                raise ConfigError(
+                    f"{field}: tensor '{tensor}' is already produced by {other.label}"
+                )
+            producer[tensor] = step
+        steps.append(step)
+    for step in steps:
+        for name, tensor in step.inputs.items():
+            if tensor not in producer and tensor not in ensemble_inputs:
+                raise ConfigError(
+                    f"{where}: {step.where}.inputs.{name}: tensor '{tensor}' is produced by no "
+                    f"step and is not an ensemble input (inputs: {', '.join(sorted(ensemble_inputs))})"
+                )
+    for i, spec in enumerate(config.outputs):
+        if spec.name not in producer:
+            raise ConfigError(
+                f"{where}: outputs[{i}].name: ensemble output '{spec.name}' is produced by no step"
+            )
+    return Plan(tuple(steps), _levels(steps, producer, where), producer)
+
+
+def _levels(
+    steps: list[Step], producer: dict[str, Step], where: str
+) -> tuple[tuple[Step, ...], ...]:
+    deps = {s.index: {producer[t].index for t in s.inputs.values() if t in producer} for s in steps}
+    done: set[int] = set()
+    levels: list[tuple[Step, ...]] = []
+    while len(done) < len(steps):
+        ready = tuple(s for s in steps if s.index not in done and deps[s.index] <= done)
+        if not ready:
+            raise ConfigError(f"{where}: {_describe_cycle(steps, deps, done, producer)}")
+        levels.append(ready)
+        done.update(s.index for s in ready)
+    return tuple(levels)
+
+
+def _describe_cycle(
+    steps: list[Step], deps: dict[int, set[int]], done: set[int], producer: dict[str, Step]
+) -> str:
+    """Follow unfinished dependencies until a step repeats; name the field that closes it."""
+    by_index = {s.index: s for s in steps}
+    path = [next(s.index for s in steps if s.index not in done)]
+    while True:
+        nxt = min(d for d in deps[path[-1]] if d not in done)
+        if nxt in path:
+            cycle = path[path.index(nxt) :] + [nxt]
+            break
+        path.append(nxt)
+    # Name the field of the first step (in config order) on the cycle.
+    at = cycle.index(min(cycle[:-1]))
+    last, first = by_index[cycle[at]], by_index[cycle[at + 1]]
+    name, tensor = next(
+        (n, t) for n, t in last.inputs.items() if t in producer and producer[t] is first
+    )
+    ring = cycle[at:-1] + cycle[:at] + [cycle[at]]
+    chain = " -> ".join(f"steps[{i}]" for i in reversed(ring))
+    return (
+        f"{last.where}.inputs.{name}: cycle: tensor '{tensor}' comes from {first.where}, "
+        f"which depends on {last.where} ({chain})"
+    )
+
+
+# ---------------------------------------------------------------------- live checks
+def _shapes_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b, strict=True))
+
+
+def check_against_models(config: ModelConfig, plan: Plan, models: dict[int, ModelVersion]) -> int:
+    """Check every step against its live model; return the ensemble's max_batch_size."""
+    where = config.source
+    batched = [mv.config.max_batch_size > 0 for mv in models.values()]
+    if config.max_batch_size != AUTO_BATCH and (config.max_batch_size > 0) != all(batched):
+        for step in plan.steps:
+            mv = models[step.index]
+            if (mv.config.max_batch_size > 0) != (config.max_batch_size > 0):
+                raise ConfigError(
+                    f"{where}: {step.where}.model: model '{mv.name}' has max_batch_size "
+                    f"{mv.config.max_batch_size} but the ensemble's max_batch_size is "
+                    f"{config.max_batch_size} (steps must batch exactly when the ensemble does)"
+                )
+    if any(batched) != all(batched):
+        step = next(s for s in plan.steps if models[s.index].config.max_batch_size <= 0)
+        raise ConfigError(
+            f"{where}: {step.where}.model: model '{step.model}' does not batch but other "
+            "steps do (steps must all batch or all not)"
+        )
+    max_batch = min(mv.config.max_batch_size for mv in models.values()) if all(batched) else 0
+    if config.max_batch_size != AUTO_BATCH:
+        for step in plan.steps:
+            mv = models[step.index]
+            if 0 < mv.config.max_batch_size < config.max_batch_size:
+                raise ConfigError(
+                    f"{where}: max_batch_size: {config.max_batch_size} exceeds the "
+                    f"max_batch_size {mv.config.max_batch_size} of {step.label}"
+                )
+        max_batch = config.max_batch_size
+    # The spec of every tensor: ensemble inputs as declared, the rest from their producer.
+    specs: dict[str, tuple[TensorSpec, str]] = {
+        s.name: (s, f"ensemble input '{s.name}'") for s in config.inputs or ()
+    }
+    for step in plan.steps:
+        check_step(config, step, models[step.index])
+        mv = models[step.index]
+        for out, tensor in step.outputs.items():
+            specs[tensor] = (mv.outputs[out], f"{step.label} output '{out}'")
+    for step in plan.steps:
+        mv = models[step.index]
+        for name, tensor in step.inputs.items():
+            have, origin = specs[tensor]
+            want = mv.inputs[name]
+            field = f"{where}: {step.where}.inputs.{name}"
+            if have.datatype != want.datatype:
+                raise ConfigError(
+                    f"{field}: tensor '{tensor}' is {have.datatype} ({origin}) but model "
+                    f"'{mv.name}' input '{name}' expects {want.datatype}"
+                )
+            if not _shapes_agree(have.shape, want.shape):
+                raise ConfigError(
+                    f"{field}: tensor '{tensor}' has shape {list(have.shape)} ({origin}) but "
+                    f"model '{mv.name}' input '{name}' expects {list(want.shape)}"
+                )
+    for i, spec in enumerate(config.outputs or ()):
+        have, origin = specs[spec.name]
+        if have.datatype != spec.datatype:
+            raise ConfigError(
+                f"{where}: outputs[{i}].datatype: ensemble output '{spec.name}' is declared "
+                f"{spec.datatype} but {origin} is {have.datatype}"
+            )
+        if not _shapes_agree(have.shape, spec.shape):
+            raise ConfigError(
+                f"{where}: outputs[{i}].shape: ensemble output '{spec.name}' is declared "
+                f"{list(spec.shape)} but {origin} has shape {list(have.shape)}"
+            )
+    return max_batch
+
+
+def check_step(config: ModelConfig, step: Step, mv: ModelVersion) -> None:
+    """The step's mapped names exist on its model and every model input is fed."""
+    where = config.source
+    for name in step.inputs:
+        if name not in mv.inputs:
+            raise ConfigError(
+                f"{where}: {step.where}.inputs.{name}: model '{mv.name}' has no input "
+                f"'{name}' (its inputs: {', '.join(mv.inputs)})"
+            )
+    for name in step.outputs:
+        if name not in mv.outputs:
+            raise ConfigError(
+                f"{where}: {step.where}.outputs.{name}: model '{mv.name}' has no output "
+                f"'{name}' (its outputs: {', '.join(mv.outputs)})"
+            )
+    unfed = [n for n in mv.inputs if n not in step.inputs]
+    if unfed:
+        raise ConfigError(
+            f"{where}: {step.where}.inputs: model '{mv.name}' input '{unfed[0]}' is not "
+            f"mapped to a tensor (every input of the step model must be)"
+        )
+
+
+# ---------------------------------------------------------------------- running
+def _step_error(ensemble: str, step: Step, exc: BaseException) -> RTServeError:
+    """The step's error with the step named; its class (and so its status) is kept."""
+    prefix = f"ensemble '{ensemble}' {step.label}: "
+    if isinstance(exc, RTServeError):
+        named = copy.copy(exc)
+        named.message = prefix + exc.message
+        named.args = (named.message,)
+        return named
+    return InferenceFailed(f"{prefix}failed ({type(exc).__name__})")
+
+
+class EnsembleScheduler:
+    """Runs each request's DAG as one task; implements the ``Scheduler`` protocol."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        plan: Plan,
+        lookup: Any,
+        checked: dict[int, ModelVersion],
+        on_done: Any = None,
+    ) -> None:
+        self.name = config.name
+        self._config = config
+        self._plan = plan
+        self._lookup = lookup
+        self._checked = checked  # step index -> the version last checked against the plan
+        self._outputs = tuple(s.name for s in config.outputs or ())
+        self._max_in_flight = config.dynamic_batching.max_queue_size
+        self._on_done = on_done
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._drained: asyncio.Future[None] | None = None
+        self._closing = False
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._tasks)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._tasks)
+
+    async def drain(self) -> None:
+        while self._tasks:
+            self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
+
+    async def stop(self) -> None:
+        self._closing = True
+        await self.drain()
+
+    def submit(
+        self, feeds: dict[str, np.ndarray], rows: int, timings: Timings, timeout_s: float = 0.0
+    ) -> asyncio.Future[Outputs]:
+        if self._closing:
+            raise ShuttingDown(f"model '{self.name}' is shutting down")
+        if len(self._tasks) >= self._max_in_flight:
+            raise Overloaded(
+                f"ensemble '{self.name}' has {self._max_in_flight} requests in flight "
+                "(dynamic_batching.max_queue_size); retry later"
+            )
+        loop = asyncio.get_running_loop()
+        timings.enqueued = _now()
+        future: asyncio.Future[Outputs] = loop.create_future()
+        task = loop.create_task(self._run(feeds, rows, timings, timeout_s, future))
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return future
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not self._tasks and self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def step_model(self, step: Step) -> ModelVersion:
+        """The step's live version, checked against the plan if it changed (a reload)."""
+        try:
+            mv: ModelVersion = self._lookup(step.model, step.version)
+        except RTServeError as exc:
+            raise ModelNotReady(
+                f"ensemble '{self.name}' {step.label} is not available: {exc.message}"
+            ) from None
+        if self._checked.get(step.index) is not mv:
+            try:
+                check_step(self._config, step, mv)
+            except ConfigError as exc:
+                raise ModelNotReady(
+                    f"ensemble '{self.name}' {step.label} no longer fits the ensemble: {exc}"
+                ) from None
+            self._checked[step.index] = mv
+        return mv
+
+    def steps_ready(self) -> bool:
+        for step in self._plan.steps:
+            try:
+                self._lookup(step.model, step.version)
+            except RTServeError:
+                return False
+        return True
+
+    async def _run(
+        self,
+        feeds: dict[str, np.ndarray],
+        rows: int,
+        timings: Timings,
+        timeout_s: float,
+        future: asyncio.Future[Outputs],
+    ) -> None:
+        start = _now()
+        deadline = start + int(timeout_s * 1e9) if timeout_s > 0 else 0
+        try:
+            tensors = dict(feeds)
+            first_batch = 0
+            for level in self._plan.levels:
+                remaining = 0.0
+                if deadline:
+                    remaining = (deadline - _now()) / 1e9
+                    if remaining <= 0:
+                        raise DeadlineExceeded(
+                            f"ensemble '{self.name}': request timed out after "
+                            f"{timeout_s * 1e3:.3g} ms (before {level[0].label})"
+                        )
+                if len(level) == 1:
+                    results = [await self._step(level[0], tensors, rows, remaining)]
+                else:
+                    gathered = await asyncio.gather(
+                        *(self._step(s, tensors, rows, remaining) for s in level),
+                        return_exceptions=True,
+                    )
+                    failed = [r for r in gathered if isinstance(r, BaseException)]
+                    if failed:
+                        raise failed[0]
+                    results = gathered  # type: ignore[assignment]
+                for step, (outputs, step_timings) in zip(level, results, strict=True):
+                    if not first_batch and step_timings.batch_start:
+                        first_batch = step_timings.batch_start
+                    for name, tensor in step.outputs.items():
+                        tensors[tensor] = outputs[name]
+            result = {name: tensors[name] for name in self._outputs}
+        except BaseException as exc:
+            if not future.done():
+                future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        end = _now()
+        timings.batch_start = first_batch or start
+        timings.batch_end = end
+        timings.batch_size = rows
+        if self._on_done is not None:
+            self._on_done(rows, end - start)
+        if not future.done():
+            future.set_result(result)
+
+    async def _step(
+        self, step: Step, tensors: dict[str, np.ndarray], rows: int, timeout_s: float
+    ) -> tuple[Outputs, Timings]:
+        mv = self.step_model(step)
+        t = Timings(received=_now())
+        feeds = {name: tensors[tensor] for name, tensor in step.inputs.items()}
+        try:
+            outputs = await mv.submit(feeds, rows, t, timeout_s)
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                from rtserve.core.dataplane import outcome_of
+
+                mv.metrics.observe_failure(outcome_of(exc), t, _now())
+                raise _step_error(self.name, step, exc) from None
+            raise
+        mv.metrics.observe_success(t, rows, _now())
+        return outputs, t
+
+
+class EnsembleVersion(ModelVersion):
+    """A ModelVersion that is ready only while the registry says so and every step is."""
+
+    __slots__ = ("_own_ready",)
+
+    @property  # type: ignore[override]
+    def ready(self) -> bool:
+        if not self._own_ready:
+            return False
+        scheduler = self.scheduler
+        assert isinstance(scheduler, EnsembleScheduler)
+        return scheduler.steps_ready()
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._own_ready = value
+
+
+async def build_ensemble_version(
+    config: ModelConfig, version_dir: Path, version: str, ctx: BuildContext
+) -> ModelVersion:
+    """Check the steps against the live models and build the ensemble's version."""
+    plan = parse_steps(config)
+    if ctx.lookup is None:
+        raise ConfigError(f"{config.source}: steps: ensembles need a model registry")
+    models: dict[int, ModelVersion] = {}
+    for step in plan.steps:
+        try:
+            models[step.index] = ctx.lookup(step.model, step.version)
+        except RTServeError as exc:
+            field = "version" if step.version and "version" in exc.message else "model"
+            raise ConfigError(
+                f"{config.source}: {step.where}.{field}: {exc.message} (step models must "
+                "be in the repository and load before the ensemble)"
+            ) from None
+    max_batch = check_against_models(config, plan, models)
+    if max_batch != config.max_batch_size:
+        config = dataclasses.replace(config, max_batch_size=max_batch)
+    metrics = ctx.metrics.model(config.name, version)
+    scheduler = EnsembleScheduler(config, plan, ctx.lookup, dict(models), metrics.observe_batch)
+    metrics.track_queue_depth(lambda: scheduler.queue_depth)
+    return EnsembleVersion(
+        name=config.name,
+        version=version,
+        config=config,
+        platform="ensemble",
+        scheduler=scheduler,
+        metrics=metrics,
+        inputs={s.name: s for s in config.inputs or ()},
+        outputs={s.name: s for s in config.outputs or ()},
+        runtime=None,
+        cache=ctx.cache_for(config, version),
+    )
