@@ -71,8 +71,9 @@ format: setup
 	$(BIN)/ruff format src tests bench examples
 	$(BIN)/ruff check --fix src tests bench examples
 
+# make bench-quick BASELINE_REF=<git ref> adds rtserve as of that commit to every round.
 bench-quick: setup examples
-	$(BIN)/python -m bench.run --quick
+	$(BIN)/python -m bench.run --quick $(if $(BASELINE_REF),--baseline-ref $(BASELINE_REF))
 
 # The full suite (about 30 min), then the response-cache benchmark; results under docs/.
 bench: setup examples

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.results import Measurement
-from bench.stats import ratio
+from bench.stats import median_ratio, ratio, round_ratios
 
 CLIENT_TITLES = {
     "wrk": "wrk, V2 JSON body over HTTP/1.1",
@@ -40,6 +40,8 @@ class RunRecord:
     notes: list[str] = field(default_factory=list)
     commands: dict[str, str] = field(default_factory=dict)
     caveat: str = ""
+    headline_rounds: list[Measurement] = field(default_factory=list)  # each round's wrk points
+    baseline: str = ""  # the commit the baseline rtserve ran from, when there was one
 
 
 def save_record(path: Path, record: RunRecord) -> None:
@@ -49,8 +51,8 @@ def save_record(path: Path, record: RunRecord) -> None:
 
 def load_record(path: Path) -> RunRecord:
     data = json.loads(path.read_text())
-    for key in ("headline", "matrix", "limits"):
-        data[key] = [Measurement.from_dict(m) for m in data[key]]
+    for key in ("headline", "matrix", "limits", "headline_rounds"):
+        data[key] = [Measurement.from_dict(m) for m in data.get(key, [])]
     for key in ("loads", "plots"):
         data[key] = [tuple(item) for item in data[key]]
     return RunRecord(**data)
@@ -217,10 +219,19 @@ class Goal:
     met: bool | None
 
 
-def headline_goals(points: Sequence[Measurement]) -> list[Goal]:
-    """The core serving issue's targets, from the median rows of the headline comparison."""
+HEADLINE_REFERENCES = ("bare_asgi", "raw_asgi", "fastapi")
+BASELINE = "rtserve_baseline"
+
+
+def headline_goals(points: Sequence[Measurement], rounds: Sequence[Measurement] = ()) -> list[Goal]:
+    """The core serving issue's targets, from the headline comparison.
+
+    With ``rounds`` (each round's points) a ratio is the median of the per-round ratios;
+    without, the ratio of the medians in ``points``.
+    """
     at = {m.peer: m for m in points if m.client == "wrk" and m.mode == "closed" and m.ok}
     rt = at.get("rtserve")
+    rows = round_ratios(rounds, "rtserve", HEADLINE_REFERENCES) if rounds else []
     goals: list[Goal] = []
     for peer, target, title in (
         ("bare_asgi", 0.6, "rtserve JSON req/s vs bare ASGI (a)"),
@@ -228,7 +239,10 @@ def headline_goals(points: Sequence[Measurement]) -> list[Goal]:
         ("fastapi", 6.0, "rtserve JSON req/s vs naive FastAPI (c)"),
     ):
         other = at.get(peer)
-        share = ratio(rt.rps, other.rps) if rt and other else None
+        if rows:
+            share = median_ratio(rows, peer)
+        else:
+            share = ratio(rt.rps, other.rps) if rt and other else None
         goals.append(
             Goal(
                 title,
@@ -278,14 +292,71 @@ def headline_section(record: RunRecord) -> list[str]:
         rows.append([record.labels.get(m.peer, m.peer), m.client, *_figures(m, share), note])
     header = ["server", "client", "req/s", "p50 ms", "p90 ms", "p99 ms", "errors",
               "req/s × rtserve JSON", "note"]  # fmt: skip
+    lines = lines[:4] + headline_summary(record) + lines[4:]
     lines += _table(header, rows)
+    lines += round_ratio_section(record)
     lines += ["", "Goals of the core serving issue:", ""]
     mark = {True: "met", False: "**not met**", None: "not measured"}
     lines += _table(
         ["goal", "target", "measured", "status"],
-        [[g.name, g.target, g.value, mark[g.met]] for g in headline_goals(points)],
-    )
+        [[g.name, g.target, g.value, mark[g.met]]
+         for g in headline_goals(points, record.headline_rounds)],
+    )  # fmt: skip
     return lines
+
+
+def _references(record: RunRecord) -> list[str]:
+    peers = {m.peer for m in record.headline_rounds}
+    return [p for p in (*HEADLINE_REFERENCES, BASELINE) if p in peers]
+
+
+def headline_summary(record: RunRecord) -> list[str]:
+    """The headline sentence: median per-round ratios of rtserve's JSON throughput."""
+    refs = _references(record)
+    rows = round_ratios(record.headline_rounds, "rtserve", refs)
+    if not rows:
+        return []
+    parts = [
+        f"{fmt_ratio(median_ratio(rows, ref))} of {record.labels.get(ref, ref)}" for ref in refs
+    ]
+    lines = [
+        "",
+        f"**Headline (MLP, V2 JSON, wrk -c32; median of {len(rows)} per-round ratios): "
+        f"rtserve reaches {'; '.join(parts)}.**",
+    ]
+    if record.baseline:
+        lines += [
+            "",
+            f"Baseline: {record.labels.get(BASELINE, BASELINE)} is rtserve as of "
+            f"{record.baseline}, run from a git worktree with the same venv, in the same rounds; "
+            "its ratio is this tree's rtserve over it (1.00x: no change).",
+        ]
+    return lines
+
+
+def round_ratio_section(record: RunRecord) -> list[str]:
+    """Each round's ratios: servers of a round ran back to back, so these pair like with like."""
+    refs = _references(record)
+    rows = round_ratios(record.headline_rounds, "rtserve", refs)
+    if not rows:
+        return []
+    rt = {m.round: m for m in record.headline_rounds if m.peer == "rtserve"}
+    rounds = sorted({m.round for m in record.headline_rounds})
+    header = ["round", "rtserve req/s"] + [f"× {record.labels.get(r, r)}" for r in refs]
+    table = []
+    for round_no, row in zip(rounds, rows, strict=True):
+        own = rt.get(round_no)
+        rps = fmt_rps(own.rps) if own is not None and own.ok else "—"
+        table.append([str(round_no + 1), rps] + [fmt_ratio(row[r]) for r in refs])
+    medians = [fmt_ratio(median_ratio(rows, r)) for r in refs]
+    table.append(["**median**", ""] + [f"**{m}**" for m in medians])
+    return [
+        "",
+        "rtserve's JSON req/s over each server's, round by round (the headline is the median "
+        "of these, not the ratio of the medians above):",
+        "",
+        *_table(header, table),
+    ]
 
 
 def render(record: RunRecord, title: str) -> str:

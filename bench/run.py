@@ -2,8 +2,10 @@
 
 Quick mode is the core serving comparison alone (MLP, one row per request, V2 JSON, 32
 connections; rtserve against a bare ASGI ceiling, a raw ASGI app that runs the model per
-request and the FastAPI tutorial pattern), in alternating rounds; it writes
-docs/benchmarks-quick.md. Full mode adds every peer on both workloads with every client, closed
+request and the FastAPI tutorial pattern), in five alternating rounds whose per-round
+ratios are shown and whose median ratio is the headline; it writes
+docs/benchmarks-quick.md. ``--baseline-ref REF`` adds rtserve as of commit REF (a git
+worktree, same venv) to every round, for a before/after comparison in one run. Full mode adds every peer on both workloads with every client, closed
 and open loop, and writes docs/benchmarks.md with its plots.
 """
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import envs, limits, machine, plots, servers
+from bench import baseline, envs, limits, machine, plots, servers
 from bench.clients import perf_analyzer, wrk
 from bench.procs import http_post
 from bench.report import RunRecord, load_record, render, save_record
@@ -31,6 +33,7 @@ from bench.stats import combine_rounds, saturated
 from bench.workloads import ROOT, WORKLOADS, Workload
 
 HEADLINE_PEERS = ["rtserve", "bare_asgi", "raw_asgi", "fastapi"]
+BASELINE = "rtserve_baseline"
 MATRIX_ORDER = ["rtserve", "bare_asgi", "raw_asgi", "fastapi", "mlserver", "litserve", "bentoml",
                 "rayserve", "pytriton", "mosec"]  # fmt: skip
 
@@ -40,7 +43,8 @@ class Plan:
     """How long and how much: the knobs that separate quick from full."""
 
     quick: bool
-    rounds: int = 3
+    rounds: int = 5
+    pa_rounds: int | None = None  # rounds in which rtserve also gets perf_analyzer (None: all)
     headline_s: float = 8.0
     warmup_s: float = 2.0
     wrk_s: float = 4.0
@@ -56,16 +60,24 @@ class Plan:
     peers: tuple[str, ...] = tuple(MATRIX_ORDER)
 
 
-QUICK = Plan(quick=True, headline_s=5.0, warmup_s=1.0, matrix=False, workloads=("mlp",))
+# Five rounds of four servers (five with a baseline) at 4 s each, perf_analyzer in the first
+# round only: about 3-4 minutes.
+QUICK = Plan(quick=True, headline_s=4.0, warmup_s=1.0, pa_rounds=1, matrix=False,
+             workloads=("mlp",))  # fmt: skip
 FULL = Plan(quick=False)
 
 
 class Suite:
-    def __init__(self, plan: Plan, run_dir: Path) -> None:
+    def __init__(self, plan: Plan, run_dir: Path, base: baseline.Baseline | None = None) -> None:
         self.plan = plan
         self.run_dir = run_dir
         self.loads: list[tuple[str, str, str]] = []
         self.files: dict[str, dict[str, Path]] = {}
+        self.peers = dict(servers.PEERS)
+        self.headline_peers = list(HEADLINE_PEERS)
+        if base is not None:
+            self.peers[BASELINE] = servers.baseline_peer(base.label, base.src)
+            self.headline_peers.insert(1, BASELINE)
 
     def log(self, message: str) -> None:
         print(f"[{datetime.now():%H:%M:%S}] {message}", flush=True)
@@ -203,16 +215,23 @@ class Suite:
     # -- the two parts of a run -------------------------------------------------------------
 
     def headline(self) -> list[Measurement]:
-        """The core serving comparison: alternating rounds, medians taken later."""
+        """The core serving comparison: alternating rounds, medians and ratios taken later.
+
+        The order of the servers rotates each round, so no server always runs first (on a
+        cold machine) or right after the heaviest one.
+        """
         workload = WORKLOADS["mlp"]
         points: list[Measurement] = []
+        names = self.headline_peers
+        pa_rounds = self.plan.rounds if self.plan.pa_rounds is None else self.plan.pa_rounds
         for round_no in range(self.plan.rounds):
-            shift = round_no % len(HEADLINE_PEERS)
-            order = HEADLINE_PEERS[shift:] + HEADLINE_PEERS[:shift]
+            shift = round_no % len(names)
+            order = names[shift:] + names[:shift]
             self.log(f"headline round {round_no + 1}/{self.plan.rounds}: {', '.join(order)}")
             for name in order:
-                peer = servers.PEERS[name]
-                clients = ["wrk"] + (["pa-http-binary", "pa-grpc"] if name == "rtserve" else [])
+                peer = self.peers[name]
+                with_pa = name == "rtserve" and round_no < pa_rounds
+                clients = ["wrk"] + (["pa-http-binary", "pa-grpc"] if with_pa else [])
                 try:
                     with self.serving(peer, workload, f" (core, round {round_no + 1})") as running:
                         points.append(self.wrk_point(running, workload, 32, self.plan.headline_s,
@@ -223,9 +242,10 @@ class Suite:
                 except Exception as exc:  # noqa: BLE001 - a failing peer becomes a row
                     self.log(f"{name} failed: {short_error(str(exc))}")
                     points += [
-                        Measurement.failed(name, workload.name, c, "closed", 32, str(exc))
+                        replace(Measurement.failed(name, workload.name, c, "closed", 32, str(exc)),
+                                round=round_no)
                         for c in clients
-                    ]
+                    ]  # fmt: skip
                 self.log("  " + "; ".join(_summary(m) for m in points[-len(clients) :]))
         return points
 
@@ -351,7 +371,9 @@ def settings_table(plan: Plan) -> dict[str, str]:
         "instances / workers": "1 per server",
         "request": "one row per request; V2 JSON body for every HTTP peer; "
         + ", ".join(f"{w}: {len(WORKLOADS[w].v2_body()):,} bytes" for w in plan.workloads),
-        "headline": f"{plan.rounds} rounds x {plan.headline_s:g} s per server, wrk -t1 -c32",
+        "headline": f"{plan.rounds} alternating rounds x {plan.headline_s:g} s per server, "
+        "wrk -t1 -c32; perf_analyzer for rtserve in "
+        + ("every round" if plan.pa_rounds is None else f"the first {plan.pa_rounds} round(s)"),
     }
     if plan.matrix:
         rows.update(
@@ -403,7 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the core comparison only (~4 min)")
     parser.add_argument("--peers", help="comma-separated subset of peers for the full matrix")
     parser.add_argument("--workloads", help="comma-separated subset: mlp,minilm")
-    parser.add_argument("--rounds", type=int, help="headline rounds (default 3)")
+    parser.add_argument("--rounds", type=int, help="headline rounds (default 5)")
+    parser.add_argument(
+        "--baseline-ref",
+        metavar="GIT_REF",
+        help="also run rtserve as of this commit (a git worktree, same venv) in every headline "
+        "round, side by side with this tree: a before/after comparison in one run",
+    )
     parser.add_argument("--no-headline", action="store_true")
     parser.add_argument(
         "--point-seconds", type=float, help="seconds per load point (for trial runs)"
@@ -433,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, rounds=args.rounds)
     if args.no_headline:
         plan = replace(plan, headline=False)
+    if args.baseline_ref and not plan.headline:
+        parser.error("--baseline-ref compares in the headline rounds; drop --no-headline")
     caveat = ""
     if args.point_seconds:
         caveat = (
@@ -448,8 +478,32 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     run_dir = ROOT / "bench" / "results" / "raw" / f"{stamp}-{'quick' if plan.quick else 'full'}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    suite = Suite(plan, run_dir)
+    with contextlib.ExitStack() as stack:
+        base = None
+        if args.baseline_ref:
+            try:
+                base = stack.enter_context(baseline.checkout(args.baseline_ref))
+            except RuntimeError as exc:
+                parser.error(str(exc))
+        return _measure(plan, run_dir, out, started, caveat, base, argv)
+    return 1  # not reached: the block returns
+
+
+def _measure(
+    plan: Plan,
+    run_dir: Path,
+    out: Path,
+    started: float,
+    caveat: str,
+    base: baseline.Baseline | None,
+    argv: list[str] | None,
+) -> int:
+    suite = Suite(plan, run_dir, base)
     facts = machine.facts()
+    order = list(MATRIX_ORDER)
+    labels = {name: p.label for name, p in suite.peers.items()} | {limits.PEER: "onnxruntime alone"}
+    if base is not None:
+        order.insert(1, BASELINE)
     record = RunRecord(
         mode="quick" if plan.quick else "full",
         caveat=caveat,
@@ -459,16 +513,19 @@ def main(argv: list[str] | None = None) -> int:
         machine=facts,
         versions={},
         settings=settings_table(plan),
-        labels={name: p.label for name, p in servers.PEERS.items()} | {limits.PEER: "onnxruntime alone"},
-        order=MATRIX_ORDER,
+        labels=labels,
+        order=order,
         notes=[NOTES[3]] if plan.quick else list(NOTES),
     )  # fmt: skip
     raw: list[Measurement] = []
     try:
+        if base is not None:
+            record.baseline = f"`{base.ref}` = {base.sha[:10]} ({base.subject})"
         if plan.headline:
             headline = suite.headline()
             raw += headline
             record.headline = combine_rounds(headline)
+            record.headline_rounds = [m for m in headline if m.client == "wrk"]
         if plan.matrix:
             record.matrix, record.limits = suite.matrix()
             raw += record.matrix + record.limits
@@ -486,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
             record.commands.setdefault(f"{m.client} ({m.mode})", short)
     record.loads = suite.loads
     record.versions = versions(plan)
+    if base is not None:
+        record.versions[labels[BASELINE]] = f"{base.sha[:10]}: {base.subject}"
     record.duration_s = time.monotonic() - started
     record.plots = draw_plots(record) if plan.matrix else []
     save_record(run_dir / "record.json", record)

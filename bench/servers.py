@@ -37,6 +37,11 @@ class Peer:
     kind: str = "peer"
     start_timeout_s: float = 60.0
     distribution: str | None = None
+    src: str | None = None  # rtserve only: the source tree to run (default: this checkout's)
+
+    @property
+    def is_rtserve(self) -> bool:
+        return self.name == "rtserve" or self.src is not None
 
     def infer_path(self, model: str) -> str:
         return self.infer.format(model=model)
@@ -67,6 +72,12 @@ PEERS: dict[str, Peer] = {
         Peer("mosec", "mosec", "mosec", "/", "/inference", distribution="mosec"),
     )
 }  # fmt: skip
+
+
+def baseline_peer(ref: str, src: Path) -> Peer:
+    """rtserve as of another commit: the same recipe, run from that commit's ``src``."""
+    return replace(PEERS["rtserve"], name="rtserve_baseline", label=f"rtserve @ {ref}",
+                   src=str(src), distribution=None)  # fmt: skip
 
 
 def peer_settings(workload: Workload, workdir: Path) -> PeerSettings:
@@ -165,7 +176,7 @@ def command(peer: Peer, cfg: PeerSettings, workdir: Path) -> list[str]:
     """The argv that starts ``peer`` (its settings travel in the environment)."""
     env = envs.main_env() if peer.env == "main" else envs.peer_env(peer.env)
     python = str(env.python)
-    if peer.name == "rtserve":
+    if peer.is_rtserve:
         repo = _rtserve_repository(cfg, workdir)
         return [
             python, "-m", "rtserve.cli", "serve", "--model-repository", str(repo),
@@ -197,7 +208,7 @@ def environment(peer: Peer, cfg: PeerSettings, workdir: Path) -> dict[str, str]:
         if k in ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "USER", "TMPDIR")
     }
     venv = envs.MAIN_VENV if peer.env == "main" else envs.peer_env(peer.env).path
-    paths = [str(ROOT)] + ([str(ROOT / "src")] if peer.name == "rtserve" else [])
+    paths = [str(ROOT)] + ([peer.src or str(ROOT / "src")] if peer.is_rtserve else [])
     env.update(
         BENCH_PEER=cfg.to_json(),
         PYTHONPATH=os.pathsep.join(paths),

@@ -80,3 +80,37 @@ def saturated(m: Measurement, max_p99_ms: float = 2000.0) -> bool:
         return True
     unfinished = int(m.extra.get("unfinished", 0))
     return m.rps < 0.7 * m.load or unfinished > 0 or (m.p99_ms or 0.0) > max_p99_ms
+
+
+def round_ratios(
+    measurements: Sequence[Measurement],
+    subject: str,
+    references: Sequence[str],
+    client: str = "wrk",
+) -> list[dict[str, float | None]]:
+    """Per round: ``subject``'s req/s over each reference's, both measured in that round.
+
+    Servers of one round run back to back, so a round's ratio compares like with like
+    even when the machine's speed drifts between rounds. Rows are ordered by round; a
+    failed or missing point gives None.
+    """
+    by_round: dict[int, dict[str, Measurement]] = {}
+    for m in measurements:
+        if m.client == client and m.mode == "closed":
+            by_round.setdefault(m.round, {})[m.peer] = m
+    rows: list[dict[str, float | None]] = []
+    for round_no in sorted(by_round):
+        points = by_round[round_no]
+        own = points.get(subject)
+        row: dict[str, float | None] = {}
+        for ref in references:
+            other = points.get(ref)
+            ok = own is not None and own.ok and other is not None and other.ok
+            row[ref] = ratio(own.rps, other.rps) if ok and own and other else None
+        rows.append(row)
+    return rows
+
+
+def median_ratio(rows: Sequence[dict[str, float | None]], reference: str) -> float | None:
+    """The median of the per-round ratios to ``reference`` (rounds without one are skipped)."""
+    return _median(row.get(reference) for row in rows)

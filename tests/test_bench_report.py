@@ -154,3 +154,56 @@ def test_plots_write_png_files(tmp_path: Path) -> None:
     opened = [_point("rtserve", 1000, 2.0, client="openloop-json", mode="open", load=1000)]
     out = plots.draw("open", opened, ["rtserve"], {}, "t", tmp_path / "o.png")
     assert out.exists()
+
+
+def _round(peer: str, rps: float, round_no: int) -> Measurement:
+    m = _point(peer, rps, 2.0)
+    m.round = round_no
+    return m
+
+
+def test_headline_is_the_median_of_per_round_ratios_with_each_round_shown() -> None:
+    from bench.stats import combine_rounds
+
+    rounds = []
+    for i, (rt, bare, base) in enumerate(
+        [(600, 1000, 600), (1400, 2000, 1300), (500, 1000, 520), (650, 1000, 650), (610, 1000, 600)]
+    ):
+        rounds += [_round("rtserve", rt, i), _round("bare_asgi", bare, i),
+                   _round("rtserve_baseline", base, i)]  # fmt: skip
+    record = _record(
+        mode="quick",
+        headline=combine_rounds(rounds),
+        headline_rounds=rounds,
+        baseline="`HEAD~1` = abc1234567 (a change)",
+        labels={
+            "rtserve": "rtserve",
+            "bare_asgi": "bare ASGI",
+            "rtserve_baseline": "rtserve @ HEAD~1 (abc1234567)",
+        },  # fmt: skip
+    )
+    text = render(record, "Quick")
+    # per-round ratios 0.60, 0.70, 0.50, 0.65, 0.61: median 0.61 (ratio of medians: 0.61 too,
+    # but the rounds differ); vs the baseline 1.00, 1.08, 0.96, 1.00, 1.02: median 1.00
+    assert "median of 5 per-round ratios" in text
+    assert "rtserve reaches 0.61x of bare ASGI; 1.00x of rtserve @ HEAD~1 (abc1234567)" in text
+    assert "| 2 | 1,400 | 0.70x | 1.08x |" in text
+    assert "| 3 | 500 | 0.50x | 0.96x |" in text
+    assert "| **median** |  | **0.61x** | **1.00x** |" in text
+    assert "rtserve as of `HEAD~1` = abc1234567 (a change)" in text
+    goals = {g.name: g for g in headline_goals(record.headline, rounds)}
+    assert goals["rtserve JSON req/s vs bare ASGI (a)"].value == "0.61x"
+    assert goals["rtserve JSON req/s vs raw ASGI 1 run/request (b)"].met is None
+
+
+def test_a_failed_round_shows_a_dash_and_is_left_out_of_the_median() -> None:
+    from bench.stats import combine_rounds
+
+    rounds = [_round("rtserve", 600, 0), _round("bare_asgi", 1000, 0),
+              _round("rtserve", 900, 1), Measurement.failed("bare_asgi", "mlp", "wrk", "closed", 32, "x"),
+              _round("rtserve", 800, 2), _round("bare_asgi", 1000, 2)]  # fmt: skip
+    rounds[3].round = 1
+    record = _record(mode="quick", headline=combine_rounds(rounds), headline_rounds=rounds)
+    text = render(record, "Quick")
+    assert "| 2 | 900 | — |" in text
+    assert "| **median** |  | **0.70x** |" in text

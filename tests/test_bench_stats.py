@@ -83,3 +83,23 @@ def test_measurements_round_trip_through_jsonl(tmp_path) -> None:  # type: ignor
     items[0].extra["command"] = "wrk -c32"
     save(tmp_path / "r.jsonl", items)
     assert load(tmp_path / "r.jsonl") == items
+
+
+def _wrk(peer: str, rps: float, round_no: int, error: str | None = None) -> Measurement:
+    return Measurement(peer, "mlp", "wrk", "closed", 32, rps=rps, round=round_no, error=error)
+
+
+def test_round_ratios_pair_servers_of_the_same_round() -> None:
+    from bench.stats import median_ratio, round_ratios
+
+    points = [
+        _wrk("rtserve", 600, 0), _wrk("bare_asgi", 1000, 0),
+        _wrk("bare_asgi", 2000, 1), _wrk("rtserve", 1400, 1),  # a faster round
+        _wrk("rtserve", 500, 2), _wrk("bare_asgi", 1000, 2, error="refused"),
+        _wrk("rtserve", 650, 3), _wrk("bare_asgi", 1000, 3),
+        Measurement("rtserve", "mlp", "pa-grpc", "closed", 32, rps=9999, round=3),
+    ]  # fmt: skip
+    rows = round_ratios(points, "rtserve", ["bare_asgi"])
+    assert [r["bare_asgi"] for r in rows] == [0.6, 0.7, None, 0.65]
+    assert median_ratio(rows, "bare_asgi") == pytest.approx(0.65)
+    assert median_ratio([], "bare_asgi") is None
