@@ -54,6 +54,8 @@ RPCS = {
     "ModelConfig": (False, False),
     "ModelStatistics": (False, False),
     "RepositoryIndex": (False, False),
+    "RepositoryModelLoad": (False, False),
+    "RepositoryModelUnload": (False, False),
 }
 
 _TRITON_SIDE = r"""

@@ -66,6 +66,16 @@ class GRPCInferenceServiceStub(object):
                 request_serializer=rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
                 response_deserializer=rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
                 )
+        self.RepositoryModelLoad = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelLoad',
+                request_serializer=rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryModelLoadRequest.SerializeToString,
+                response_deserializer=rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryModelLoadResponse.FromString,
+                )
+        self.RepositoryModelUnload = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelUnload',
+                request_serializer=rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
+                response_deserializer=rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
+                )
 
 
 class GRPCInferenceServiceServicer(object):
@@ -138,6 +148,18 @@ class GRPCInferenceServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RepositoryModelLoad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryModelUnload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -190,6 +212,16 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.RepositoryIndex,
                     request_deserializer=rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryIndexRequest.FromString,
                     response_serializer=rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryIndexResponse.SerializeToString,
+            ),
+            'RepositoryModelLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelLoad,
+                    request_deserializer=rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryModelLoadRequest.FromString,
+                    response_serializer=rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryModelLoadResponse.SerializeToString,
+            ),
+            'RepositoryModelUnload': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelUnload,
+                    request_deserializer=rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryModelUnloadRequest.FromString,
+                    response_serializer=rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryModelUnloadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -370,5 +402,39 @@ class GRPCInferenceService(object):
         return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/RepositoryIndex',
             rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
             rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RepositoryModelLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/RepositoryModelLoad',
+            rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryModelLoadRequest.SerializeToString,
+            rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryModelLoadResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RepositoryModelUnload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/RepositoryModelUnload',
+            rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
+            rtserve_dot_protocol_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
