@@ -41,8 +41,8 @@ class Load:
     """Client threads sending a mix of requests until stopped; counts answers by status.
 
     Per thread and round: one ``mlp`` request with fresh inputs, one ``scale`` request from a
-    small pool (cache hits after the first of each), and now and then a malformed body (400)
-    or a 1 µs timeout (504), so every panel has something to show. ``pause_s`` keeps the load
+    small pool (cache hits after the first of each), and now and then a malformed body (400),
+    a 1 µs timeout (504) or an unknown model (404), so every panel has something to show. ``pause_s`` keeps the load
     light on a shared 2-core machine.
     """
 
@@ -62,6 +62,10 @@ class Load:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop sending and wait for the answers still in flight."""
         self._stop.set()
         for t in self._threads:
             t.join(10)
@@ -83,6 +87,8 @@ class Load:
                 bodies = [("mlp", mlp), ("scale", {"inputs": [_tensor("x", rng.choice(pool))]})]
                 if n % 25 == 0:
                     bodies.append(("mlp", {"inputs": [{"name": "input", "shape": [1, 3]}]}))
+                if n % 50 == 0:
+                    bodies.append(("no_such_model", mlp))
                 for model, body in bodies:
                     r = client.post(f"/v2/models/{model}/infer", json=body)
                     with self._lock:

@@ -1,0 +1,242 @@
+"""The live dashboard at /dashboard, in headless Chromium against a server under load: its
+figures appear, change from second to second, and agree with /metrics; and the Grafana
+dashboard in deploy/ reads only metrics that a real server exposes.
+
+Chromium (Debian's ``chromium``, installed by ``make system-deps``) is driven over the
+DevTools protocol with the ``websockets`` client; without a Chromium the browser test skips.
+Set ``RTSERVE_DASHBOARD_SCREENSHOT=docs/img/dashboard.png`` to refresh the screenshot in docs.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from websockets.sync.client import ClientConnection, connect
+
+from tests.metrics_load import loaded_server, sample_names, sample_value, scrape
+
+ROOT = Path(__file__).resolve().parent.parent
+GRAFANA = ROOT / "deploy" / "grafana" / "rtserve-dashboard.json"
+CHROMIUM = next(
+    (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
+)
+FIGURES_JS = """JSON.stringify({
+  polls: window.rtserveDashboard ? window.rtserveDashboard.polls : 0,
+  failures: window.rtserveDashboard ? window.rtserveDashboard.failures : 0,
+  cells: Array.from(document.querySelectorAll('[data-field]'),
+                    e => [e.dataset.model || '', e.dataset.field, e.textContent.trim()]),
+})"""
+
+
+class DevTools:
+    """A minimal Chrome DevTools protocol client over one page's websocket."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.ids = itertools.count(1)
+        self.events: list[dict[str, Any]] = []
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        call_id = next(self.ids)
+        self.ws.send(json.dumps({"id": call_id, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv(timeout=30))
+            if msg.get("id") == call_id:
+                assert "error" not in msg, msg
+                return dict(msg["result"])
+            self.events.append(msg)
+
+    def evaluate(self, expression: str) -> Any:
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        return result["result"].get("value")
+
+    def errors(self) -> list[str]:
+        """Uncaught exceptions and console errors seen so far."""
+        out = []
+        for e in self.events:
+            if e.get("method") == "Runtime.exceptionThrown":
+                out.append(json.dumps(e["params"]["exceptionDetails"])[:500])
+            elif e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] == "error":
+                out.append(json.dumps(e["params"]["args"])[:500])
+        return out
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[DevTools]:
+    if CHROMIUM is None:
+        pytest.skip("chromium not installed")
+    profile = tmp_path / "chromium-profile"
+    proc = subprocess.Popen(
+        [
+            CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+            "--disable-background-networking", "--no-first-run", "--no-default-browser-check",
+            "--disable-extensions", "--disable-sync", "--mute-audio",
+            f"--user-data-dir={profile}", "--remote-debugging-address=127.0.0.1",
+            "--remote-debugging-port=0", "--window-size=1280,1000", "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        port_file = profile / "DevToolsActivePort"
+        deadline = time.monotonic() + 30
+        while not (port_file.exists() and port_file.read_text().count("\n") >= 1):
+            assert proc.poll() is None, "chromium exited at start"
+            assert time.monotonic() < deadline, "chromium did not open its DevTools port"
+            time.sleep(0.1)
+        port = int(port_file.read_text().split()[0])
+        pages = [
+            t
+            for t in httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
+            if t["type"] == "page"
+        ]
+        with connect(pages[0]["webSocketDebuggerUrl"], max_size=None, open_timeout=10) as ws:
+            tools = DevTools(ws)
+            tools.call("Runtime.enable")
+            tools.call("Page.enable")
+            yield tools
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _figures(tools: DevTools) -> tuple[int, dict[tuple[str, str], str]]:
+    doc = json.loads(tools.evaluate(FIGURES_JS))
+    assert doc["failures"] == 0, tools.evaluate("window.rtserveDashboard.lastError")
+    return doc["polls"], {(m, f): text for m, f, text in doc["cells"]}
+
+
+def _wait_polls(tools: DevTools, at_least: int, timeout: float = 20) -> dict[tuple[str, str], str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        polls, cells = _figures(tools)
+        if polls >= at_least:
+            return cells
+        assert time.monotonic() < deadline, f"the page polled {polls} times, not {at_least}"
+        time.sleep(0.2)
+
+
+def _number(text: str) -> float:
+    match = re.fullmatch(r"([0-9][0-9,]*(?:\.[0-9]+)?)(?: ms| %)?", text)
+    assert match, f"not a figure: {text!r}"
+    return float(match.group(1).replace(",", ""))
+
+
+def test_dashboard_is_one_self_contained_html_page(tmp_path: Path) -> None:
+    with loaded_server(tmp_path, threads=1) as (server, _):
+        r = httpx.get(f"{server.base}/dashboard", timeout=10)
+        head = httpx.head(f"{server.base}/dashboard", timeout=10)
+    assert r.status_code == 200 and head.status_code == 200
+    assert r.headers["content-type"].startswith("text/html")
+    page = r.text
+    assert page.lstrip().lower().startswith("<!doctype html>")
+    assert "<canvas" in page and 'fetch("/metrics"' in page
+    # No build step and nothing fetched from elsewhere: no external scripts, styles or URLs.
+    assert not re.search(r"<(script|link|img|iframe)[^>]+(src|href)=", page, re.IGNORECASE)
+    assert not re.search(r"https?://", page)
+
+
+def test_dashboard_figures_appear_change_and_match_metrics(
+    tmp_path: Path, browser: DevTools
+) -> None:
+    with loaded_server(tmp_path) as (server, load):
+        browser.call("Emulation.setDeviceMetricsOverride", width=1280, height=1000,
+                     deviceScaleFactor=1, mobile=False)  # fmt: skip
+        browser.call("Page.navigate", url=f"{server.base}/dashboard?window=2")
+        first = _wait_polls(browser, 3)
+        polls, _ = _figures(browser)
+        second = _wait_polls(browser, polls + 2)
+
+        for cells in (first, second):
+            for model in ("mlp", "scale"):
+                assert _number(cells[(model, "throughput")]) > 0, cells
+                assert cells[(model, "p99")].endswith(" ms"), cells
+                assert _number(cells[(model, "p50")]) <= _number(cells[(model, "p99")])
+            assert _number(cells[("mlp", "batch_mean")]) >= 1
+            assert cells[("mlp", "cache_hit_ratio")] == "no cache"
+            assert 0 < _number(cells[("scale", "cache_hit_ratio")]) <= 100
+            assert _number(cells[("mlp", "errors:client_error")]) > 0
+        # Live: the totals grow from one read to the next.
+        for model in ("mlp", "scale"):
+            assert _number(second[(model, "requests_total")]) > _number(
+                first[(model, "requests_total")]
+            )
+        assert _number(second[("mlp", "errors_total")]) > _number(first[("mlp", "errors_total")])
+
+        target = os.environ.get("RTSERVE_DASHBOARD_SCREENSHOT")
+        if target:  # for the docs: let the charts fill with a minute of history first
+            _wait_polls(browser, polls + 60, timeout=120)
+        height = browser.evaluate("document.documentElement.scrollHeight")
+        browser.call("Emulation.setDeviceMetricsOverride", width=1280, height=height,
+                     deviceScaleFactor=1, mobile=False)  # fmt: skip
+        _wait_polls(browser, _figures(browser)[0] + 1)  # redrawn at the full height
+        shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
+        assert shot.startswith(b"\x89PNG") and len(shot) > 20_000
+        (tmp_path / "dashboard.png").write_bytes(shot)
+        if target:
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            Path(target).write_bytes(shot)
+
+        load.stop()
+        polls, _ = _figures(browser)
+        quiet = _wait_polls(browser, polls + 4)  # the 2 s window has passed
+        exposition = scrape(server)
+
+    # Once the load stops, the page's totals are the server's counters, parsed in the browser.
+    for model in ("mlp", "scale"):
+        total = sample_value(exposition, "rtserve_requests_total", model=model)
+        errors = total - sample_value(
+            exposition, "rtserve_requests_total", model=model, outcome="success"
+        )
+        assert _number(quiet[(model, "requests_total")]) == total
+        assert _number(quiet[(model, "errors_total")]) == errors
+        assert quiet[(model, "throughput")] == "0.0"
+    assert browser.errors() == []
+
+
+def _grafana_exprs(doc: dict[str, Any]) -> list[str]:
+    panels = list(doc["panels"])
+    for p in list(panels):
+        panels.extend(p.get("panels", []))
+    exprs = [t["expr"] for p in panels for t in p.get("targets", [])]
+    exprs += [
+        v.get("query", {}).get("query", "") if isinstance(v.get("query"), dict) else v["query"]
+        for v in doc.get("templating", {}).get("list", [])
+        if v.get("type") == "query"
+    ]
+    return exprs
+
+
+def test_grafana_dashboard_reads_only_metrics_a_server_exposes(tmp_path: Path) -> None:
+    doc = json.loads(GRAFANA.read_text())
+    assert doc["title"] and doc["uid"] and doc["panels"]
+    exprs = _grafana_exprs(doc)
+    assert len(exprs) >= 8
+    titles = " ".join(p["title"].lower() for p in doc["panels"])
+    for topic in ("throughput", "latency", "batch", "queue", "cache", "error"):
+        assert topic in titles, f"no panel about {topic}"
+    used = {name for e in exprs for name in re.findall(r"\brtserve_[a-z_]+\b", e)}
+    assert {"rtserve_requests_total", "rtserve_request_duration_seconds_bucket"} <= used
+
+    with loaded_server(tmp_path, threads=1) as (server, load):
+        deadline = time.monotonic() + 20
+        while load.sent() < 100 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        exposed = sample_names(scrape(server))
+    assert used <= exposed, f"the dashboard reads metrics no server exposes: {used - exposed}"
