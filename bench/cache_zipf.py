@@ -25,35 +25,35 @@ the MLP, then MiniLM.
 Results go to docs/benchmarks-cache.md, one section per model between marker comments (a
 run rewrites only its own model's section), and bench/.work/cache/results.json (MLP) or
 results-minilm.json.
+
+The suite's helpers do the rest: ``bench.servers`` starts rtserve exactly as the main
+benchmark does (same model files, batching and threads; the cache section added to its
+model config), ``bench.procs`` runs redis-server and reads CPU time, ``bench.clients.wrk``
+drives the load, ``bench.machine`` and ``bench.report`` describe the machine and draw the
+tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import os
-import platform
 import re
 import shutil
-import subprocess
 import sys
-import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
-import redis
-import yaml
 
-from bench import servers
+from bench import machine, servers
 from bench.clients import wrk
-from bench.peers.common import PeerSettings, TensorSpec
-from bench.procs import Server, free_port
-from bench.workloads import MINILM, MINILM_SEQ_LEN, MLP, ROOT, WORK
+from bench.procs import RedisServer, cpu_seconds
+from bench.report import fmt_ms, fmt_ratio, fmt_rps, markdown_table
+from bench.results import Measurement
+from bench.workloads import MINILM, MINILM_SEQ_LEN, MLP, ROOT, WORK, Workload
 
 WORKDIR = WORK / "cache"
 DOC = ROOT / "docs" / "benchmarks-cache.md"
@@ -167,7 +167,7 @@ class ModelSpec:
     """What differs between the two workloads of this benchmark."""
 
     name: str
-    model_name: str
+    workload: Workload
     title: str
     describe: str  # the hot inputs, for the report ("2000 hot MLP inputs (256 FP32)")
     connections: int
@@ -181,7 +181,7 @@ class ModelSpec:
 SPECS = {
     "mlp": ModelSpec(
         name="mlp",
-        model_name=MLP.model_name,
+        workload=MLP,
         title="Response cache (Zipf stream with repeats)",
         describe="{hot} hot MLP inputs (256 FP32)",
         connections=32,
@@ -193,7 +193,7 @@ SPECS = {
     ),
     "minilm": ModelSpec(
         name="minilm",
-        model_name=MINILM.model_name,
+        workload=MINILM,
         title="Response cache on MiniLM, a compute-bound model (Zipf stream with repeats)",
         describe=(
             "{hot} hot sentences (examples/data/sentences.txt, tokenized to "
@@ -313,27 +313,6 @@ def model_dir(spec: ModelSpec) -> Path:
     return WORKDIR if spec.name == "mlp" else WORKDIR / spec.name
 
 
-def minilm_model() -> Path:
-    """all-MiniLM-L6-v2 as ONNX, exported once into bench/.work/cache/minilm/."""
-    path = WORKDIR / "minilm" / "model.onnx"
-    if not path.exists():
-        from bench.showcase.zoo import export_minilm
-
-        tmp = path.with_suffix(".tmp.onnx")
-        export_minilm(tmp, seq_len=MINILM_SEQ_LEN)
-        tmp.rename(path)
-    return path
-
-
-@functools.cache
-def minilm_inputs(model: Path) -> tuple[TensorSpec, ...]:
-    """The exported graph's inputs, read with onnxruntime (INT64 [batch, seq_len] each)."""
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    return tuple(TensorSpec(i.name, "INT64", (MINILM_SEQ_LEN,)) for i in session.get_inputs())
-
-
 def sentences() -> list[str]:
     """Distinct sentences of examples/data/sentences.txt ('#' lines and blanks skipped)."""
     seen: dict[str, None] = {}
@@ -355,13 +334,11 @@ def _minilm_body(names: tuple[str, ...], feeds: dict[str, np.ndarray], i: int) -
     return orjson.dumps({"inputs": inputs}).decode()
 
 
-def write_minilm_inputs(
-    folder: Path, stream: np.ndarray, hot: int, seed: int, model: Path
-) -> list[str]:
+def write_minilm_inputs(folder: Path, stream: np.ndarray, hot: int, seed: int) -> list[str]:
     """The MiniLM counterpart of :func:`write_inputs`: hot bodies are tokenized sentences."""
     from rtserve.optimize.text import minilm_tokenize
 
-    names = tuple(spec.name for spec in minilm_inputs(model))
+    names = tuple(spec.name for spec in MINILM.inputs)
     pool = sentences()
     order = np.random.default_rng(seed + 1).permutation(len(pool))
     feeds = minilm_tokenize([pool[i] for i in order], seq_len=MINILM_SEQ_LEN)
@@ -393,104 +370,19 @@ def write_minilm_inputs(
     return [str(paths[n]) for n in ("hot.txt", "stream.txt", "prefix.txt", "suffix.txt")]
 
 
-# ----------------------------------------------------------------------------- processes
-class RedisProcess:
-    """redis-server on a free 127.0.0.1 port without persistence, stopped by PID."""
-
-    def __init__(self, folder: Path) -> None:
-        self.port = free_port()
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        argv += ["--appendonly", "no", "--dir", str(folder)]
-        self.server = Server("redis", argv, dict(os.environ), folder / "redis.log", cwd=folder)
-        self.client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.client.ping()
-                return
-            except redis.RedisError as exc:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    tail = self.server.log_tail()
-                    raise RuntimeError(f"redis-server did not start: {tail}") from exc
-                time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def flush(self) -> None:
-        self.client.flushall()
-
-    def stop(self) -> None:
-        self.client.close()
-        self.server.stop(grace_s=5)
-
-
-def write_repository(
-    folder: Path,
-    setup: Setup,
-    redis_url: str,
-    l1_bytes: int = 256 * 1024 * 1024,
-    spec: ModelSpec = SPECS["mlp"],
-) -> Path:
-    """The main benchmark's rtserve repository for the model, plus this setup's cache section.
-
-    MiniLM gets the main benchmark's settings too (max_batch_size 32, max_queue_delay_us
-    1000, intra_op_threads 2, inter_op_threads 1), with the model exported into WORKDIR.
-    """
-    if spec.name == "mlp":
-        cfg = servers.peer_settings(MLP, folder)
-    else:
-        model = minilm_model()
-        cfg = PeerSettings(
-            model_name=spec.model_name,
-            model_path=str(model),
-            inputs=minilm_inputs(model),
-            outputs=MINILM.outputs,
-            intra_op_threads=MINILM.intra_op_threads,
-            inter_op_threads=servers.INTER_OP_THREADS,
-            max_batch_size=servers.MAX_BATCH,
-            max_wait_ms=servers.MAX_WAIT_MS,
-            workdir=str(folder),
-        )
-    repo = servers._rtserve_repository(cfg, folder)
-    config_path = repo / spec.model_name / "config.yaml"
-    config = yaml.safe_load(config_path.read_text())
+# ----------------------------------------------------------------------------- one run
+def cache_config(setup: Setup, redis_url: str, l1_bytes: int) -> dict[str, Any]:
+    """The ``response_cache`` section of rtserve's model config for ``setup`` (empty: none)."""
     cache: dict[str, Any] = {}
     if setup.memory:
         cache["memory"] = {"max_bytes": l1_bytes, "ttl_s": 600}
     if setup.redis:
         cache["redis"] = {"url": redis_url, "ttl_s": 600, "namespace": "bench"}
-    if cache:
-        config["response_cache"] = cache
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return repo
+    return {"response_cache": cache} if cache else {}
 
 
-def start_rtserve(repo: Path, log: Path) -> tuple[Server, str]:
-    http_port, grpc_port = free_port(), free_port()
-    rtserve = ROOT / ".venv" / "bin" / "rtserve"
-    argv = [str(rtserve) if rtserve.exists() else "rtserve", "serve"]
-    argv += ["--model-repository", str(repo), "--host", "127.0.0.1"]
-    argv += ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), PYTHONUNBUFFERED="1")
-    server = Server("rtserve", argv, env, log, cwd=ROOT)
-    base = f"http://127.0.0.1:{http_port}"
-    try:
-        server.wait_ready(base + "/v2/health/ready", timeout_s=90)
-    except RuntimeError:
-        server.stop()
-        raise
-    return server, base
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads included."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+# MiniLM warms up batches of 32 at start: allow more than the suite's default on a busy machine.
+RTSERVE = replace(servers.PEERS["rtserve"], start_timeout_s=90.0)
 
 
 def scrape(base: str, metric: str) -> float:
@@ -501,7 +393,6 @@ def scrape(base: str, metric: str) -> float:
     return sum(float(v) for v in pattern.findall(text))
 
 
-# ----------------------------------------------------------------------------- one run
 # One-off inputs of run n are numbered from (n + 1) * ONE_OFFS_PER_RUN: exact in FP32 (< 2**24)
 # for 80 runs of up to 200k one-offs each.
 ONE_OFFS_PER_RUN = 200_000
@@ -510,52 +401,47 @@ ONE_OFFS_PER_RUN = 200_000
 def measure(
     setup: Setup,
     args: argparse.Namespace,
-    redis_proc: RedisProcess,
+    redis_proc: RedisServer,
     lua_args: list[str],
     run_no: int,
     spec: ModelSpec = SPECS["mlp"],
 ) -> Result:
+    """One setup: a fresh rtserve with this setup's cache, wrk walking the stream."""
     folder = model_dir(spec) / "runs" / re.sub(r"[^a-z0-9]+", "-", setup.name.lower()).strip("-")
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     if not setup.warm_redis:
         redis_proc.flush()
-    repo = write_repository(folder, setup, redis_proc.url, args.l1_bytes, spec)
-    server, base = start_rtserve(repo, folder / "rtserve.log")
+    config = cache_config(setup, redis_proc.url, args.l1_bytes)
+    running = servers.start(RTSERVE, spec.workload, folder, model_config=config)
     try:
-        host = base.removeprefix("http://")
-        script = model_dir(spec) / "zipf.lua"
-        cmd = ["wrk", "-t1", f"-c{args.connections}", f"-d{args.duration}s", "--timeout", "10s"]
-        cmd += [
-            "-s",
-            str(script),
-            f"{base}/v2/models/{spec.model_name}/infer",
-            "--",
-            host,
-            *lua_args,
-        ]
-        cmd.append(str((run_no + 1) * ONE_OFFS_PER_RUN))
-        cpu_before = cpu_seconds(server.pid)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration + 60)
-        cpu = cpu_seconds(server.pid) - cpu_before
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("BENCH_JSON ")), None)
-        if line is None:
-            raise RuntimeError(f"wrk printed no result: {proc.stdout[-500:]} {proc.stderr[-500:]}")
-        parsed = wrk.parse(proc.stdout)
-        raw = json.loads(line.removeprefix("BENCH_JSON "))
-        redis_errors = scrape(base, "rtserve_cache_redis_errors_total") if setup.redis else 0.0
+        host = running.base_url.removeprefix("http://")
+        base = Measurement("rtserve", spec.name, "wrk-zipf", "closed", args.connections)
+        cpu_before = cpu_seconds(running.server.pid)
+        point = wrk.measure(
+            running.url(spec.workload.model_name), model_dir(spec) / "zipf.lua",
+            args.connections, args.duration, base,
+            script_args=[host, *lua_args, str((run_no + 1) * ONE_OFFS_PER_RUN)],
+        )  # fmt: skip
+        cpu = cpu_seconds(running.server.pid) - cpu_before
+        counts = point.extra.get("counts")
+        if point.error or not counts:
+            raise RuntimeError(f"{setup.name}: wrk gave no result ({point.error or 'no counts'})")
+        redis_errors = (
+            scrape(running.base_url, "rtserve_cache_redis_errors_total") if setup.redis else 0.0
+        )
     finally:
-        server.stop()
+        servers.stop(running)
     return Result(
         setup=setup.name,
-        rps=parsed["rps"],
-        p50_ms=parsed["p50_ms"],
-        p99_ms=parsed["p99_ms"],
-        requests=int(parsed["requests"]),
-        errors=int(parsed["errors"]),
-        tiers={k: int(raw[k]) for k in ("memory", "redis", "miss", "bypass", "none")},
+        rps=point.rps,
+        p50_ms=point.p50_ms or 0.0,
+        p99_ms=point.p99_ms or 0.0,
+        requests=point.requests,
+        errors=point.errors,
+        tiers={k: int(counts.get(k, 0)) for k in ("memory", "redis", "miss", "bypass", "none")},
         redis_errors=redis_errors,
-        server_cpu_us=cpu / max(1, int(parsed["requests"])) * 1e6,
+        server_cpu_us=cpu / max(1, point.requests) * 1e6,
     )
 
 
@@ -566,18 +452,6 @@ def _median(results: list[Result]) -> Result:
 
 
 # ----------------------------------------------------------------------------- report
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
-
-
 def walked_repeat_rate(stream: np.ndarray, sent: int) -> float:
     """Repeat rate of the first ``sent`` requests of the looped stream (one-offs never repeat)."""
     if sent <= 0:
@@ -596,11 +470,23 @@ def report(
     one_offs = int((stream == 0).sum())
     distinct = len(np.unique(stream[stream > 0])) + one_offs
     best = spec.name != "mlp"  # the MLP table keeps its columns
+    header = ["setup", "req/s", "vs no cache", "p50 ms", "p99 ms", "server CPU µs/req", "hit rate"]
+    header += ["best possible"] if best else []
+    header += ["L1 hits", "L2 hits", "errors", "Redis errors"]
+    rows = []
+    for r in results:
+        row = [r.setup, fmt_rps(r.rps), fmt_ratio(r.rps / base.rps if base.rps else None),
+               fmt_ms(r.p50_ms), fmt_ms(r.p99_ms), f"{r.server_cpu_us:.0f}", f"{r.hit_rate:.1%}"]  # fmt: skip
+        row += [f"{r.best_rate:.1%}"] if best else []
+        row += [f"{r.tiers.get('memory', 0):,}", f"{r.tiers.get('redis', 0):,}", str(r.errors),
+                f"{r.redis_errors:.0f}"]  # fmt: skip
+        rows.append(row)
     lines = [
         f"## {spec.title}",
         "",
         f"Command: `{' '.join(['python -m bench.cache_zipf', *args.argv])}`",
-        f"Machine: {machine()}; load client wrk -t1 -c{args.connections} on the same machine.",
+        f"Machine: {machine.summary()}; load client wrk -t1 -c{args.connections} on the same "
+        "machine.",
         "",
         f"Stream: {len(stream)} requests (replayed in a loop for {args.duration} s per setup) "
         f"over {spec.describe.format(hot=args.hot)} with Zipf exponent {args.exponent}, "
@@ -611,19 +497,8 @@ def report(
         "run left it (a restart or a new replica). "
         "Hit rate is counted from the `x-rtserve-cache` response header.",
         "",
-        "| setup | req/s | vs no cache | p50 ms | p99 ms | server CPU µs/req | hit rate "
-        + ("| best possible " if best else "")
-        + "| L1 hits | L2 hits | errors | Redis errors |",
-        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if best else "") + "---:|---:|---:|---:|",
+        *markdown_table(header, rows, numeric_from=1),
     ]
-    for r in results:
-        ratio = r.rps / base.rps if base.rps else float("nan")
-        extra = f" | {r.best_rate:.1%}" if best else ""
-        lines.append(
-            f"| {r.setup} | {r.rps:,.0f} | {ratio:.2f}x | {r.p50_ms:.2f} | {r.p99_ms:.2f} "
-            f"| {r.server_cpu_us:.0f} | {r.hit_rate:.1%}{extra} | {r.tiers.get('memory', 0):,} "
-            f"| {r.tiers.get('redis', 0):,} | {r.errors} | {r.redis_errors:.0f} |"
-        )
     if args.rounds > 1:
         lines += ["", f"Median of {args.rounds} rounds (setups alternate within each round)."]
     return "\n".join(lines) + "\n\n" + spec.notes
@@ -663,16 +538,16 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> str:
     folder = model_dir(spec)
     folder.mkdir(parents=True, exist_ok=True)
     stream, rate = stream_for(args.length, args.hot, args.exponent, args.repeat, args.seed)
+    spec.workload.model_path()  # build the model once, outside the timed runs
     if spec.name == "mlp":
-        MLP.model_path()  # build the model once, outside the timed runs
         lua_args = write_inputs(folder, stream, args.hot, args.seed)
     else:
-        lua_args = write_minilm_inputs(folder, stream, args.hot, args.seed, minilm_model())
-    lua = _LUA.replace("__MODEL__", spec.model_name).replace("__HEADER__", CACHE_HEADER)
+        lua_args = write_minilm_inputs(folder, stream, args.hot, args.seed)
+    lua = _LUA.replace("__MODEL__", spec.workload.model_name).replace("__HEADER__", CACHE_HEADER)
     (folder / "zipf.lua").write_text(lua.replace("__FRESH__", spec.fresh_lua))
     print(f"{spec.name}: stream of {len(stream)} requests, repeat rate {rate:.1%}", flush=True)
 
-    redis_proc = RedisProcess(WORKDIR)
+    redis_proc = RedisServer(WORKDIR)
     runs: dict[str, list[Result]] = {s.name: [] for s in SETUPS}
     done: list[Result] = []
     try:

@@ -52,3 +52,8 @@ def facts() -> dict[str, str]:
         "python": sys.version.split()[0],
         "load average at start": " / ".join(f"{v:.2f}" for v in load_average()),
     }
+
+
+def summary() -> str:
+    """One line for a report header: CPU model, core count, Python version."""
+    return f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}"

@@ -1,9 +1,13 @@
-"""Start a server in its own session, wait until it answers, stop it and every descendant."""
+"""Start a server in its own session, wait until it answers, stop it and every descendant.
+
+Also redis-server on a free loopback port (:class:`RedisServer`) and a process's CPU time.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -164,3 +169,49 @@ class Server:
             self.proc.wait(timeout=5)
         self._log.close()
         return killed
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads included."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class RedisServer:
+    """redis-server on a free 127.0.0.1 port, without persistence, stopped by its process group.
+
+    Raises RuntimeError with the log's tail when it does not answer PING within ``timeout_s``.
+    """
+
+    def __init__(self, folder: Path, timeout_s: float = 10.0) -> None:
+        import redis
+
+        self.port = free_port()
+        folder.mkdir(parents=True, exist_ok=True)
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        argv += ["--appendonly", "no", "--dir", str(folder)]
+        self.server = Server("redis", argv, dict(os.environ), folder / "redis.log", cwd=folder)
+        self.client: Any = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.client.ping()
+                return
+            except redis.RedisError as exc:
+                if time.monotonic() > deadline or self.server.proc.poll() is not None:
+                    tail = self.server.log_tail()
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not start: {tail}") from exc
+                time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def flush(self) -> None:
+        self.client.flushall()
+
+    def stop(self) -> None:
+        self.client.close()
+        self.server.stop(grace_s=5)

@@ -80,8 +80,13 @@ def fmt_ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}x"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+def markdown_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], numeric_from: int | None = None
+) -> list[str]:
+    """A Markdown table; columns from ``numeric_from`` on are right-aligned."""
+    rule = [" ---: " if numeric_from is not None and i >= numeric_from else " --- "
+            for i in range(len(header))]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
     lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
     return lines
 
@@ -178,7 +183,7 @@ def matrix_section(record: RunRecord, workload: str) -> list[str]:
             share_name = "p99 × rtserve" if mode == "open" else "req/s × rtserve"
             header = ["peer", load_name, "req/s", "p50 ms", "p90 ms", "p99 ms", "errors",
                       share_name, "note"]  # fmt: skip
-            lines += _table(
+            lines += markdown_table(
                 header, measurement_rows(chosen, record.order, record.labels, reference)
             )
     return lines
@@ -293,11 +298,11 @@ def headline_section(record: RunRecord) -> list[str]:
     header = ["server", "client", "req/s", "p50 ms", "p90 ms", "p99 ms", "errors",
               "req/s × rtserve JSON", "note"]  # fmt: skip
     lines = lines[:4] + headline_summary(record) + lines[4:]
-    lines += _table(header, rows)
+    lines += markdown_table(header, rows)
     lines += round_ratio_section(record)
     lines += ["", "Goals of the core serving issue:", ""]
     mark = {True: "met", False: "**not met**", None: "not measured"}
-    lines += _table(
+    lines += markdown_table(
         ["goal", "target", "measured", "status"],
         [[g.name, g.target, g.value, mark[g.met]]
          for g in headline_goals(points, record.headline_rounds)],
@@ -355,7 +360,7 @@ def round_ratio_section(record: RunRecord) -> list[str]:
         "rtserve's JSON req/s over each server's, round by round (the headline is the median "
         "of these, not the ratio of the medians above):",
         "",
-        *_table(header, table),
+        *markdown_table(header, table),
     ]
 
 
@@ -379,9 +384,9 @@ def render(record: RunRecord, title: str) -> str:
         "## Machine",
         "",
     ]
-    lines += _table(["fact", "value"], list(record.machine.items()))
+    lines += markdown_table(["fact", "value"], list(record.machine.items()))
     lines += ["", "## Settings", ""]
-    lines += _table(["setting", "value"], list(record.settings.items()))
+    lines += markdown_table(["setting", "value"], list(record.settings.items()))
     lines += headline_section(record)
     workloads = sorted({m.workload for m in record.matrix} | {m.workload for m in record.limits})
     for workload in sorted(workloads, key=lambda w: (w != "mlp", w)):
@@ -397,10 +402,12 @@ def render(record: RunRecord, title: str) -> str:
         for client, cmd in record.commands.items():
             lines += [f"- {client}: `{cmd}`"]
     lines += ["", "## Versions", ""]
-    lines += _table(["component", "version"], list(record.versions.items()))
+    lines += markdown_table(["component", "version"], list(record.versions.items()))
     if record.loads:
         lines += ["", "## Load average before each server started", ""]
-        lines += _table(["workload", "server", "1 / 5 / 15 min"], [list(x) for x in record.loads])
+        lines += markdown_table(
+            ["workload", "server", "1 / 5 / 15 min"], [list(x) for x in record.loads]
+        )
     if record.notes:
         lines += ["", "## Notes", ""]
         lines += [f"- {note}" for note in record.notes]

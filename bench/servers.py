@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from bench import envs
 from bench.peers.common import PeerSettings, TensorSpec
@@ -112,7 +114,10 @@ def _triton_type(spec: TensorSpec) -> str:
     return f"TYPE_{spec.datatype}"
 
 
-def _rtserve_repository(cfg: PeerSettings, workdir: Path) -> Path:
+def _rtserve_repository(
+    cfg: PeerSettings, workdir: Path, extra: Mapping[str, Any] | None = None
+) -> Path:
+    """rtserve's model repository for ``cfg``; ``extra`` adds config sections (a cache)."""
     repo = workdir / "repository"
     version = repo / cfg.model_name / "1"
     version.mkdir(parents=True, exist_ok=True)
@@ -134,6 +139,7 @@ def _rtserve_repository(cfg: PeerSettings, workdir: Path) -> Path:
         },
         "warmup": {"batch_sizes": [1, cfg.max_batch_size], "iterations": 3},
     }
+    config.update(extra or {})
     # JSON is valid YAML: no YAML writer needed here.
     (repo / cfg.model_name / "config.yaml").write_text(json.dumps(config, indent=2) + "\n")
     return repo
@@ -172,12 +178,17 @@ def _mlserver_folder(cfg: PeerSettings, workdir: Path) -> Path:
     return folder
 
 
-def command(peer: Peer, cfg: PeerSettings, workdir: Path) -> list[str]:
-    """The argv that starts ``peer`` (its settings travel in the environment)."""
+def command(
+    peer: Peer, cfg: PeerSettings, workdir: Path, model_config: Mapping[str, Any] | None = None
+) -> list[str]:
+    """The argv that starts ``peer`` (its settings travel in the environment).
+
+    ``model_config`` adds sections to rtserve's model config (other peers ignore it).
+    """
     env = envs.main_env() if peer.env == "main" else envs.peer_env(peer.env)
     python = str(env.python)
     if peer.is_rtserve:
-        repo = _rtserve_repository(cfg, workdir)
+        repo = _rtserve_repository(cfg, workdir, model_config)
         return [
             python, "-m", "rtserve.cli", "serve", "--model-repository", str(repo),
             "--host", cfg.host, "--http-port", str(cfg.port), "--grpc-port", str(cfg.grpc_port),
@@ -229,8 +240,17 @@ def environment(peer: Peer, cfg: PeerSettings, workdir: Path) -> dict[str, str]:
     return env
 
 
-def start(peer: Peer, workload: Workload, run_dir: Path) -> Running:
-    """Install (once), configure and start ``peer``; return when it answers its health route."""
+def start(
+    peer: Peer,
+    workload: Workload,
+    run_dir: Path,
+    model_config: Mapping[str, Any] | None = None,
+) -> Running:
+    """Install (once), configure and start ``peer``; return when it answers its health route.
+
+    Its log is ``run_dir/logs/<workload>-<peer>.log``; ``model_config`` adds sections to
+    rtserve's model config (e.g. ``response_cache``).
+    """
     if peer.env != "main":
         envs.ensure(peer.env)
     workdir = WORK / "peers" / f"{peer.name}-{workload.name}"
@@ -247,7 +267,7 @@ def start(peer: Peer, workload: Workload, run_dir: Path) -> Running:
         cfg = replace(cfg, workdir=f"/tmp/rtb-ray-{os.getpid()}")
     server = Server(
         peer.name,
-        command(peer, cfg, workdir),
+        command(peer, cfg, workdir, model_config),
         environment(peer, cfg, workdir),
         run_dir / "logs" / f"{workload.name}-{peer.name}.log",
         cwd=ROOT,

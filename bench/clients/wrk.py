@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.results import Measurement
@@ -90,6 +91,19 @@ def _parse_text(output: str) -> dict[str, float]:
     return result
 
 
+def done_counts(output: str) -> dict[str, int]:
+    """Counters a script's ``done`` hook added to the JSON line beyond the standard ones."""
+    for line in output.splitlines():
+        if line.startswith(_MARKER):
+            data = json.loads(line[len(_MARKER) :])
+            return {k: int(v) for k, v in data.items() if k not in _STANDARD}
+    return {}
+
+
+_STANDARD = {"requests", "duration_us", "connect", "read", "write", "status", "timeout",
+             "p50_us", "p90_us", "p99_us"}  # fmt: skip
+
+
 def measure(
     url: str,
     script: Path,
@@ -97,8 +111,13 @@ def measure(
     duration_s: float,
     base: Measurement,
     threads: int = 1,
+    script_args: Sequence[str] = (),
 ) -> Measurement:
-    """Run wrk once; a failure becomes a Measurement with ``error`` set."""
+    """Run wrk once; a failure becomes a Measurement with ``error`` set.
+
+    ``script_args`` go to the Lua script's ``init``; extra counters its ``done`` hook
+    prints land in ``base.extra["counts"]``.
+    """
     cmd = [
         "wrk",
         f"-t{min(threads, connections)}",
@@ -111,10 +130,13 @@ def measure(
         str(script),
         url,
     ]
+    if script_args:
+        cmd += ["--", *script_args]
     base.extra["command"] = " ".join(cmd)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 30)
         parsed = parse(proc.stdout)
+        counts = done_counts(proc.stdout)
     except (subprocess.TimeoutExpired, ValueError, OSError) as exc:
         base.error = f"wrk: {exc}"
         return base
@@ -122,6 +144,8 @@ def measure(
     base.requests = int(parsed["requests"])
     base.errors = int(parsed["errors"])
     base.p50_ms, base.p90_ms, base.p99_ms = parsed["p50_ms"], parsed["p90_ms"], parsed["p99_ms"]
+    if counts:
+        base.extra["counts"] = counts
     if base.requests and base.errors >= base.requests:
         base.error = "every request failed"
     return base
