@@ -14,7 +14,7 @@ export LD_LIBRARY_PATH := $(CURDIR)/$(VENV)/lib/python3.11/site-packages/nvidia/
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e '.[dev,optimize]'
+	$(BIN)/pip install -q -e '.[dev,optimize,tracing]'
 	$(BIN)/pip install -q --no-deps efficientnet-lite-pytorch
 	touch $@
 

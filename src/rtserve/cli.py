@@ -37,6 +37,10 @@ def _serve(args: argparse.Namespace) -> int:
             grace_period_s=args.grace_period,
             log_level=args.log_level,
             model_control_mode=args.model_control_mode,
+            log_format=args.log_format,
+            access_log=True if args.access_log else None,
+            trace_endpoint=args.trace_endpoint,
+            trace_sample_ratio=args.trace_sample_ratio,
             repository_poll_secs=args.repository_poll_secs,
             load_models=tuple(args.load_model) if args.load_model else None,
             **{f"http_{name}": getattr(args, f"http_{name}") for name in _HTTP_LIMITS},
@@ -71,6 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     for name, (kind, help_text) in _HTTP_LIMITS.items():
         s.add_argument(f"--http-{name.replace('_', '-')}", type=kind, help=help_text)
+    s.add_argument("--log-format", choices=["text", "json"], help="log lines (default text)")
+    s.add_argument(
+        "--access-log", action="store_true", help="log one line per request (default off)"
+    )
+    s.add_argument(
+        "--trace-endpoint",
+        help="export OpenTelemetry spans over OTLP/HTTP to this URL "
+        "(e.g. http://127.0.0.1:4318/v1/traces; default off; needs rtserve[tracing])",
+    )
+    s.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        help="fraction of new traces sampled (default 1.0; a client's sampled traceparent "
+        "is always followed)",
+    )
     s.add_argument(
         "--model-control-mode",
         choices=["none", "poll", "explicit"],

@@ -339,6 +339,11 @@ class ServerConfig:
     model_control_mode: str = "none"
     repository_poll_secs: float = 15.0
     load_models: tuple[str, ...] = ()
+    # Observability: log format (text | json), access log, OpenTelemetry export.
+    log_format: str = "text"
+    access_log: bool = False
+    trace_endpoint: str = ""  # OTLP/HTTP traces URL, e.g. http://127.0.0.1:4318/v1/traces
+    trace_sample_ratio: float = 1.0
     # Set by ``--workers N`` for its workers: a directory they share (model control journal,
     # metrics snapshots) and each worker's index. Not a user setting.
     shared_dir: str = ""
@@ -377,6 +382,10 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
             ),
             "repository_poll_secs": f.number("repository_poll_secs", 15.0),
             "load_models": tuple(f.get("load_models", []) or []),
+            "log_format": f.string("log_format", "text", ("text", "json")),
+            "access_log": f.boolean("access_log", False),
+            "trace_endpoint": f.string("trace_endpoint", ""),
+            "trace_sample_ratio": f.number("trace_sample_ratio", 1.0),
         }
         f.check_unknown()
     data.update({k: v for k, v in overrides.items() if v is not None})

@@ -31,6 +31,7 @@ from rtserve.core.info import (
 from rtserve.core.model import ModelVersion
 from rtserve.core.registry import IndexEntry, ModelRegistry
 from rtserve.errors import (
+    ClientClosed,
     DeadlineExceeded,
     InvalidInput,
     ModelNotFound,
@@ -39,7 +40,9 @@ from rtserve.errors import (
     ShuttingDown,
     as_error,
 )
+from rtserve.observability.logs import access_line
 from rtserve.observability.metrics import Metrics
+from rtserve.observability.tracing import Tracer
 from rtserve.observability.workers import WorkerView
 from rtserve.protocol.types import InferRequest, InferResponse, Tensor, Timings
 
@@ -88,13 +91,21 @@ def _config_type(datatype: str) -> str:
 
 class DataPlane:
     def __init__(
-        self, registry: ModelRegistry, metrics: Metrics, workers: WorkerView | None = None
+        self,
+        registry: ModelRegistry,
+        metrics: Metrics,
+        workers: WorkerView | None = None,
+        tracer: Tracer | None = None,
+        access_log: bool = False,
     ) -> None:
         """``workers``: with ``--workers N``, the merged view of every worker's metrics and
-        statistics (None: this process is the whole server)."""
+        statistics (None: this process is the whole server). ``tracer``/``access_log``:
+        what else ``observe`` emits per finished request (both off by default)."""
         self.registry = registry
         self.metrics = metrics
         self.workers = workers
+        self.tracer = tracer
+        self.access_log = access_log
         self.started = False
         self.draining = False
         self.drain_started_ns = 0
@@ -184,8 +195,11 @@ class DataPlane:
 
     def infer_nowait(
         self, request: InferRequest, done: Done, mv: ModelVersion | None = None
-    ) -> None:
-        """Run one inference; ``done`` is called exactly once, maybe before this returns."""
+    ) -> Callable[[], object] | None:
+        """Run one inference; ``done`` is called exactly once, maybe before this returns.
+
+        Returns what to call if the client goes away first (the request is then dropped
+        from its queue, never computed, and ``done`` gets a ``ClientClosed``), or None."""
         try:
             if mv is None:
                 mv = self.resolve(request.model_name, request.model_version, request.timings)
@@ -197,21 +211,25 @@ class DataPlane:
                 outputs, key = cache.lookup_memory(request)
                 if outputs is not None:
                     request.timings.cache = "memory"
+                    request.timings.done = _now()
                     done(request, mv, InferResponse(mv.name, mv.version, outputs, request.id), None)
-                    return
+                    return None
                 if key is not None:
                     task = asyncio.get_running_loop().create_task(
                         self._fill(request, mv, feeds, rows, wanted, timeout_s, key, done)
                     )
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
-                    return
+                    return None
                 request.timings.cache = "bypass"
-            future = mv.submit(feeds, rows, request.timings, timeout_s)
+            future = mv.submit(
+                feeds, rows, request.timings, timeout_s, request.parameters.get("priority")
+            )
         except Exception as exc:
             done(request, mv, None, as_error(exc, "inference request"))
-            return
+            return None
         future.add_done_callback(partial(self._complete, request, mv, wanted, done))
+        return future.cancel
 
     async def infer(self, request: InferRequest, mv: ModelVersion | None = None) -> InferResponse:
         """``infer_nowait`` as a coroutine; raises the request's ``RTServeError``."""
@@ -228,8 +246,13 @@ class DataPlane:
             else:
                 answer.set_result(response)  # type: ignore[arg-type]
 
-        self.infer_nowait(request, done, mv)
-        return await answer
+        cancel = self.infer_nowait(request, done, mv)
+        try:
+            return await answer
+        except asyncio.CancelledError:  # the caller went away (a cancelled gRPC call)
+            if cancel is not None:
+                cancel()
+            raise
 
     def observe(
         self,
@@ -238,18 +261,43 @@ class DataPlane:
         error: RTServeError | None,
         end_ns: int,
     ) -> None:
-        """Record the finished request's metrics (the frontends call this once, after send)."""
+        """Record the finished request: metrics, and when enabled its trace and access-log
+        line. The frontends call this once per request, after sending the answer."""
+        rows = 1
         if mv is None:
             self.metrics.unrouted.labels(outcome_of(error) if error else "error").inc()
         elif error is None:
-            rows = (
-                request.inputs[0].shape[0]
-                if mv.config.max_batch_size > 0 and request.inputs and request.inputs[0].shape
-                else 1
-            )
+            if mv.config.max_batch_size > 0 and request.inputs and request.inputs[0].shape:
+                rows = request.inputs[0].shape[0]
             mv.metrics.observe_success(request.timings, rows, end_ns)
         else:
             mv.metrics.observe_failure(outcome_of(error), request.timings, end_ns)
+        if self.tracer is not None or self.access_log:
+            self._trace_and_log(request, mv, error, rows, end_ns)
+
+    def _trace_and_log(
+        self,
+        request: InferRequest,
+        mv: ModelVersion | None,
+        error: RTServeError | None,
+        rows: int,
+        end_ns: int,
+    ) -> None:
+        model = mv.name if mv is not None else request.model_name[:100]
+        version = mv.version if mv is not None else request.model_version[:20]
+        status = error.http_status if error is not None else 200
+        trace_id = ""
+        if self.tracer is not None:
+            trace_id = self.tracer.record(
+                request.timings,
+                model,
+                version,
+                status,
+                error.message if error is not None else "",
+                end_ns,
+            )
+        if self.access_log:
+            access_line(request.timings, model, version, status, rows, end_ns, trace_id)
 
     def _complete(
         self,
@@ -259,11 +307,15 @@ class DataPlane:
         done: Done,
         future: asyncio.Future[dict[str, np.ndarray]],
     ) -> None:
+        if future.cancelled():
+            done(request, mv, None, ClientClosed("the client went away before the answer"))
+            return
         try:
             outputs = self._select(mv, future.result(), wanted)
         except BaseException as exc:
             done(request, mv, None, as_error(exc, "inference request"))
             return
+        request.timings.done = _now()
         done(request, mv, InferResponse(mv.name, mv.version, outputs, request.id), None)
 
     async def _fill(
@@ -280,7 +332,9 @@ class DataPlane:
         """After an L1 miss: single-flight, then Redis, then the model."""
 
         async def run() -> list[Tensor]:
-            results = await mv.submit(feeds, rows, request.timings, timeout_s)
+            results = await mv.submit(
+                feeds, rows, request.timings, timeout_s, request.parameters.get("priority")
+            )
             return self._select(mv, results, wanted)
 
         assert mv.cache is not None
@@ -290,6 +344,7 @@ class DataPlane:
             done(request, mv, None, as_error(exc, "inference request"))
             return
         request.timings.cache = tier or "miss"
+        request.timings.done = _now()
         done(request, mv, InferResponse(mv.name, mv.version, outputs, request.id), None)
 
     @staticmethod

@@ -49,15 +49,18 @@ class RequestedOutput:
 
 @dataclass(slots=True)
 class Timings:
-    """Per-stage timestamps (time.perf_counter_ns) of one request; read by metrics after send."""
+    """Per-stage timestamps (time.perf_counter_ns) of one request and what identifies it
+    for logs and traces; read by metrics, the access log and the tracer after send."""
 
     received: int = 0
     enqueued: int = 0
     batch_start: int = 0
     batch_end: int = 0
-    done: int = 0
+    done: int = 0  # the answer was ready (encoding starts)
     batch_size: int = 0
     cache: str = ""  # "", "memory", "redis"
+    request_id: str = ""  # the client's x-request-id, echoed back
+    traceparent: str = ""  # the client's W3C trace context
 
 
 @dataclass(slots=True)

@@ -19,7 +19,6 @@ import os
 import queue
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -31,7 +30,9 @@ from rtserve.config import ServerConfig
 from rtserve.core.dataplane import DataPlane
 from rtserve.core.model import BuildContext
 from rtserve.core.registry import ModelRegistry
+from rtserve.observability.logs import configure_logging
 from rtserve.observability.metrics import Metrics
+from rtserve.observability.tracing import Tracer
 from rtserve.observability.workers import WorkerView
 from rtserve.server.control import ModelControl
 from rtserve.server.grpc import GrpcFrontend, start_grpc_server
@@ -71,7 +72,14 @@ class Server:
             if shared is not None
             else None
         )
-        self.dataplane = DataPlane(self.registry, self.metrics, self.workers)
+        self.tracer = (
+            Tracer(config.trace_endpoint, config.trace_sample_ratio)
+            if config.trace_endpoint
+            else None
+        )
+        self.dataplane = DataPlane(
+            self.registry, self.metrics, self.workers, self.tracer, config.access_log
+        )
         self.control = ModelControl(
             self.registry,
             config.model_repository,
@@ -142,6 +150,8 @@ class Server:
         await self.registry.stop()
         if self.workers is not None:
             await self.workers.stop()
+        if self.tracer is not None:
+            self.tracer.shutdown()
         log.info("stopped")
 
     async def _drain(self, http_server: HttpServer, grpc_server: object) -> None:
@@ -197,14 +207,6 @@ def _cache_default(config: ServerConfig) -> CacheConfig | None:
     return CacheConfig.from_dict(config.response_cache, config.config_file or "server config")
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-
-
 def _run(server: Server) -> None:
     try:
         import uvloop
@@ -215,7 +217,7 @@ def _run(server: Server) -> None:
 
 
 def serve(config: ServerConfig, ports_file: Path | None = None, workers: int = 1) -> int:
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     if workers <= 1:
         _run(Server(config, ports_file))
         return 0

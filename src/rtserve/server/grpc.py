@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from rtserve.core.dataplane import DataPlane
-from rtserve.errors import InvalidInput, RTServeError, as_error
+from rtserve.errors import ClientClosed, InvalidInput, RTServeError, as_error
 from rtserve.observability.metrics import Metrics, server_timing
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol.grpc_codec import decode_model_infer, encode_model_infer
@@ -215,11 +215,20 @@ class GrpcFrontend:
             mv = dp.resolve(message.model_name, message.model_version, timings)
             request = decode_model_infer(message)
             request.timings = timings
+            if context is not None:
+                for key, value in context.invocation_metadata() or ():
+                    if key == "x-request-id":
+                        timings.request_id = str(value)[:128]
+                    elif key == "traceparent":
+                        timings.traceparent = str(value)[:128]
             remaining = context.time_remaining() if context is not None else None
             if remaining is not None and "timeout" not in request.parameters:
                 request.parameters["timeout"] = max(1.0, remaining * 1e6)
             response = await dp.infer(request, mv)
             answer = encode_model_infer(response)
+        except asyncio.CancelledError:  # the client cancelled: its queued work was dropped
+            dp.observe(request, mv, ClientClosed("the client cancelled the call"), _now())
+            raise
         except BaseException as exc:
             error = as_error(exc, "inference request")
             dp.observe(request, mv, error, _now())
@@ -239,6 +248,8 @@ class GrpcFrontend:
         metadata = [("server-timing", server_timing(timings, _now()))]
         if timings.cache:
             metadata.append(("x-rtserve-cache", timings.cache))
+        if timings.request_id:
+            metadata.append(("x-request-id", timings.request_id))
         context.set_trailing_metadata(metadata)
         return message
 

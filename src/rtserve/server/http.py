@@ -177,11 +177,19 @@ class HttpFrontend:
                 version,
             )
         except Exception as exc:
-            error = as_error(exc, "inference request")
-            self.answer(conn, InferRequest("", "", [], timings=timings), mv, None, error)
+            # No local may hold the error: its traceback holds this frame, and the cycle would
+            # keep the request (its body) alive until the rare cyclic collection.
+            empty = InferRequest("", "", [], timings=timings)
+            self.answer(conn, empty, mv, None, as_error(exc, "inference request"))
             return
         request.timings = timings
-        self.dataplane.infer_nowait(request, partial(self.answer, conn), mv)
+        request_id = headers.get(b"x-request-id")
+        if request_id is not None:
+            timings.request_id = request_id[:128].decode("latin-1")
+        traceparent = headers.get(b"traceparent")
+        if traceparent is not None:
+            timings.traceparent = traceparent[:128].decode("latin-1")
+        conn.on_lost = self.dataplane.infer_nowait(request, partial(self.answer, conn), mv)
 
     def answer(
         self,
@@ -211,11 +219,15 @@ class HttpFrontend:
                     ]
                 if timings.cache:
                     headers.append((b"x-rtserve-cache", timings.cache.encode()))
+                if timings.request_id:
+                    headers.append((b"x-request-id", timings.request_id.encode("latin-1")))
                 conn.respond(200, body, headers)
                 self.dataplane.observe(request, mv, None, end)
                 return
         assert error is not None
         status, body, headers = http_error(error)
+        if timings.request_id:
+            headers.append((b"x-request-id", timings.request_id.encode("latin-1")))
         conn.respond(status, body, headers)
         self.dataplane.observe(request, mv, error, _now())
 
