@@ -160,6 +160,19 @@ def test_dashboard_figures_appear_change_and_match_metrics(
                      deviceScaleFactor=1, mobile=False)  # fmt: skip
         browser.call("Page.navigate", url=f"{server.base}/dashboard?window=2")
         first = _wait_polls(browser, 3)
+        # The page's quantile is Prometheus' (the same buckets as the promtool unit test).
+        buckets = '{"0.005": 480, "0.01": 504, "0.025": 600, "+Inf": 600}'
+        for q, expected in ((0.5, 0.003125), (0.95, 0.0203125), (0.99, 0.0240625)):
+            assert browser.evaluate(f"histogramQuantile({q}, {buckets})") == pytest.approx(expected)
+        parsed = browser.evaluate(
+            r"""parseExposition('a_total{model="m\\"x",le="+Inf"} 3 1700000000\n# HELP x\nb NaN')"""
+        )
+        assert parsed[0] == {
+            "name": "a_total",
+            "labels": {"model": 'm"x', "le": "+Inf"},
+            "value": 3,
+        }
+        assert parsed[1]["name"] == "b" and len(parsed) == 2
         polls, _ = _figures(browser)
         second = _wait_polls(browser, polls + 2)
 
