@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -54,7 +55,14 @@ class RunningServer:
         return self.proc.returncode
 
 
-def start_server(repo: Path, workdir: Path, *extra: str, timeout: float = 90.0) -> RunningServer:
+def start_server(
+    repo: Path,
+    workdir: Path,
+    *extra: str,
+    timeout: float = 90.0,
+    tls: ssl.SSLContext | None = None,
+) -> RunningServer:
+    """Start ``rtserve serve`` and wait until it is ready (``tls``: it serves HTTPS)."""
     workdir.mkdir(parents=True, exist_ok=True)
     ports = workdir / "ports.json"
     ports.unlink(missing_ok=True)
@@ -75,7 +83,9 @@ def start_server(repo: Path, workdir: Path, *extra: str, timeout: float = 90.0) 
             if ports.exists() and ports.stat().st_size:
                 info = json.loads(ports.read_text())
                 server = RunningServer(proc, info["http_port"], info["grpc_port"], log_path)
-                with urllib.request.urlopen(f"{server.base}/v2/health/ready", timeout=5) as r:
+                scheme = "https" if tls is not None else "http"
+                ready = f"{scheme}://{server.http}/v2/health/ready"
+                with urllib.request.urlopen(ready, timeout=5, context=tls) as r:
                     assert r.status == 200
                 return server
             time.sleep(0.05)

@@ -41,6 +41,12 @@ def _serve(args: argparse.Namespace) -> int:
             access_log=True if args.access_log else None,
             trace_endpoint=args.trace_endpoint,
             trace_sample_ratio=args.trace_sample_ratio,
+            auth_file=args.auth_file,
+            rate_limit_rps=args.rate_limit,
+            rate_limit_burst=args.rate_burst,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
             repository_poll_secs=args.repository_poll_secs,
             load_models=tuple(args.load_model) if args.load_model else None,
             **{f"http_{name}": getattr(args, f"http_{name}") for name in _HTTP_LIMITS},
@@ -75,6 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     for name, (kind, help_text) in _HTTP_LIMITS.items():
         s.add_argument(f"--http-{name.replace('_', '-')}", type=kind, help=help_text)
+    s.add_argument(
+        "--auth-file",
+        help="YAML of API keys (tokens, allowed models, admin); default: no authentication",
+    )
+    s.add_argument(
+        "--rate-limit", type=float, help="requests/s per client address (default: no limit)"
+    )
+    s.add_argument("--rate-burst", type=int, help="requests a client may send at once")
+    s.add_argument("--tls-cert", help="PEM certificate chain: serve HTTP and gRPC over TLS")
+    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", help="PEM CA: require client certificates (mTLS)")
     s.add_argument("--log-format", choices=["text", "json"], help="log lines (default text)")
     s.add_argument(
         "--access-log", action="store_true", help="log one line per request (default off)"

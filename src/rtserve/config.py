@@ -39,10 +39,30 @@ class _Fields:
         self.seen.add(key)
         return self.data.get(key, default)
 
-    def integer(self, key: str, default: int, minimum: int = 0) -> int:
+    # Upper bounds by field path; any other integer field is bounded by INT32_MAX.
+    _MAXIMA = {
+        "max_batch_size": 1 << 20,
+        "instance_count": 1024,
+        "dynamic_batching.max_queue_delay_us": 60_000_000,
+        "dynamic_batching.max_queue_size": 1 << 24,
+        "dynamic_batching.default_timeout_us": 3_600_000_000,
+        "onnxruntime.intra_op_threads": 1024,
+        "onnxruntime.inter_op_threads": 1024,
+        "warmup.iterations": 10_000,
+        "http_port": 65535,
+        "grpc_port": 65535,
+        "max_request_bytes": 1 << 34,
+    }
+
+    def integer(self, key: str, default: int, minimum: int = 0, maximum: int | None = None) -> int:
         value = self.get(key, default)
+        if maximum is None:
+            maximum = self._MAXIMA.get(self.path(key), 2**31 - 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise self.fail(key, f"an integer >= {minimum}", value)
+        if value > maximum:
+            shown = value if value < 10**30 else "a larger integer"
+            raise self.fail(key, f"an integer <= {maximum}", shown)
         return value
 
     def number(self, key: str, default: float, minimum: float = 0.0) -> float:
@@ -308,11 +328,36 @@ def _slo_section(f: _Fields) -> tuple[SLO | None, int, int]:
     return slo, levels, default
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """Safe YAML without aliases: ``*name`` could expand a small file into gigabytes."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                "aliases (*name) are not allowed in rtserve config files",
+                event.start_mark,
+            )
+        return super().compose_node(parent, index)
+
+
 def load_yaml(path: Path) -> Any:
+    """Parse a config file: at most MAX_CONFIG_BYTES, safe YAML without aliases."""
+    if not path.exists():
+        return {}
+    with path.open("rb") as fh:
+        raw = fh.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        return yaml.safe_load(path.read_text()) if path.exists() else {}
+        return yaml.load(raw, Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {str(exc)[:500]}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,6 +389,13 @@ class ServerConfig:
     access_log: bool = False
     trace_endpoint: str = ""  # OTLP/HTTP traces URL, e.g. http://127.0.0.1:4318/v1/traces
     trace_sample_ratio: float = 1.0
+    # Security (rtserve.server.security): auth keys file, per-client rate limit, TLS.
+    auth_file: str = ""
+    rate_limit_rps: float = 0.0  # 0: no limit
+    rate_limit_burst: int = 0  # 0: 2 x the rate
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""  # set: clients must present a certificate it signed (mTLS)
     # Set by ``--workers N`` for its workers: a directory they share (model control journal,
     # metrics snapshots) and each worker's index. Not a user setting.
     shared_dir: str = ""
@@ -386,6 +438,12 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
             "access_log": f.boolean("access_log", False),
             "trace_endpoint": f.string("trace_endpoint", ""),
             "trace_sample_ratio": f.number("trace_sample_ratio", 1.0),
+            "auth_file": f.string("auth_file", ""),
+            "rate_limit_rps": f.number("rate_limit_rps", 0.0),
+            "rate_limit_burst": f.integer("rate_limit_burst", 0),
+            "tls_cert": f.string("tls_cert", ""),
+            "tls_key": f.string("tls_key", ""),
+            "tls_client_ca": f.string("tls_client_ca", ""),
         }
         f.check_unknown()
     data.update({k: v for k, v in overrides.items() if v is not None})

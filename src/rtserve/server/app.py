@@ -30,6 +30,7 @@ from rtserve.config import ServerConfig
 from rtserve.core.dataplane import DataPlane
 from rtserve.core.model import BuildContext
 from rtserve.core.registry import ModelRegistry
+from rtserve.errors import ConfigError
 from rtserve.observability.logs import configure_logging
 from rtserve.observability.metrics import Metrics
 from rtserve.observability.tracing import Tracer
@@ -38,6 +39,13 @@ from rtserve.server.control import ModelControl
 from rtserve.server.grpc import GrpcFrontend, start_grpc_server
 from rtserve.server.http import HttpFrontend
 from rtserve.server.httpserver import HttpLimits, HttpServer
+from rtserve.server.security import (
+    Auth,
+    Guard,
+    RateLimiter,
+    grpc_credentials,
+    server_ssl_context,
+)
 
 if TYPE_CHECKING:
     from rtserve.cache import CacheConfig
@@ -88,11 +96,20 @@ class Server:
             config.load_models,
             journal=shared / "model-control.jsonl" if shared is not None else None,
         )
+        guard = _guard(config)
         self.http = HttpFrontend(
-            self.dataplane, self.metrics, config.max_request_bytes, control=self.control
+            self.dataplane,
+            self.metrics,
+            config.max_request_bytes,
+            control=self.control,
+            guard=guard,
         )
         self.grpc = GrpcFrontend(
-            self.dataplane, self.metrics, config.max_request_bytes, control=self.control
+            self.dataplane,
+            self.metrics,
+            config.max_request_bytes,
+            control=self.control,
+            guard=guard,
         )
         self._stop = asyncio.Event()
         self.http_port = 0
@@ -114,12 +131,20 @@ class Server:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
         cfg = self.config
+        tls = bool(cfg.tls_cert)
         http_server = self.http_server = HttpServer(
-            self.http.handle, cfg.max_request_bytes, limits=HttpLimits.from_config(cfg)
+            self.http.handle,
+            cfg.max_request_bytes,
+            limits=HttpLimits.from_config(cfg),
+            ssl=server_ssl_context(*_tls_files(cfg)) if tls else None,
         )
         self.http_port = await http_server.start(cfg.host, cfg.http_port, self.http_sock)
         grpc_server, self.grpc_port = await start_grpc_server(
-            self.grpc, cfg.host, cfg.grpc_port, reuse_port=self.http_sock is not None
+            self.grpc,
+            cfg.host,
+            cfg.grpc_port,
+            reuse_port=self.http_sock is not None,
+            credentials=grpc_credentials(*_tls_files(cfg)) if tls else None,
         )
         log.info(
             "listening: http://%s:%d grpc %s:%d", cfg.host, self.http_port, cfg.host, self.grpc_port
@@ -176,6 +201,27 @@ class Server:
             )
         remaining = max(0.0, deadline - time.monotonic())
         await grpc_server.stop(remaining)  # type: ignore[attr-defined]
+
+
+def _guard(config: ServerConfig) -> Guard | None:
+    """Authentication and rate limits, if configured (errors name the setting)."""
+    auth = Auth.from_file(Path(config.auth_file)) if config.auth_file else None
+    limiter = None
+    if config.rate_limit_rps > 0:
+        burst = config.rate_limit_burst or max(1, int(2 * config.rate_limit_rps))
+        limiter = RateLimiter(config.rate_limit_rps, burst)
+    return Guard(auth, limiter) if auth is not None or limiter is not None else None
+
+
+def _tls_files(config: ServerConfig) -> tuple[Path, Path, Path | None]:
+    if not config.tls_key:
+        raise ConfigError("tls_key: expected the private key of tls_cert (--tls-key)")
+    for name in ("tls_cert", "tls_key", "tls_client_ca"):
+        value = getattr(config, name)
+        if value and not Path(value).is_file():
+            raise ConfigError(f"{name}: no such file: {value}")
+    ca = Path(config.tls_client_ca) if config.tls_client_ca else None
+    return Path(config.tls_cert), Path(config.tls_key), ca
 
 
 def announce(

@@ -25,6 +25,7 @@ from rtserve.protocol.grpc_codec import decode_model_infer, encode_model_infer
 from rtserve.protocol.types import InferRequest, Timings
 from rtserve.server.control import ModelControl
 from rtserve.server.errors import grpc_error
+from rtserve.server.security import Guard
 from rtserve.server.stats import inference_stats
 
 _now = time.perf_counter_ns
@@ -65,6 +66,8 @@ def _unary(fn: Handler) -> Handler:
     @functools.wraps(fn)
     async def handler(self: Any, request: Any, context: Any) -> Any:
         try:
+            if self.guard is not None:
+                self.guard.grpc(fn.__name__, _check(request), context)
             return await fn(self, _check(request), context)
         except Exception as exc:
             code, details = grpc_error(exc)
@@ -80,8 +83,10 @@ class GrpcFrontend:
         metrics: Metrics,
         max_message_bytes: int,
         control: ModelControl | None = None,
+        guard: Guard | None = None,
     ) -> None:
         self.control = control
+        self.guard = guard
         self.dataplane = dataplane
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
@@ -212,6 +217,8 @@ class GrpcFrontend:
         request = InferRequest("", "", [], timings=timings)
         try:
             message = _check(message)
+            if self.guard is not None and context is not None:
+                self.guard.grpc("ModelInfer", message, context)
             mv = dp.resolve(message.model_name, message.model_version, timings)
             request = decode_model_infer(message)
             request.timings = timings
@@ -262,6 +269,8 @@ class GrpcFrontend:
 
         async def answer(request: Any) -> None:
             try:
+                if self.guard is not None:
+                    self.guard.grpc("ModelStreamInfer", _check(request), context)
                 message, _ = await self._infer(request, None)
                 reply = pb.ModelStreamInferResponse(infer_response=message)
             except BaseException as exc:
@@ -336,8 +345,13 @@ def _generic_handler(frontend: GrpcFrontend) -> grpc.GenericRpcHandler:
 
 
 async def start_grpc_server(
-    frontend: GrpcFrontend, host: str, port: int, reuse_port: bool = False
+    frontend: GrpcFrontend,
+    host: str,
+    port: int,
+    reuse_port: bool = False,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
+    """``credentials``: serve over TLS (None: plaintext)."""
     limit = frontend.max_message_bytes
     server = grpc.aio.server(
         options=[
@@ -347,7 +361,10 @@ async def start_grpc_server(
         ]
     )
     server.add_generic_rpc_handlers((_generic_handler(frontend),))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if credentials is not None:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind gRPC to {host}:{port}")
     await server.start()

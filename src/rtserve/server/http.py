@@ -27,6 +27,7 @@ from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.control import ModelControl
 from rtserve.server.errors import JSON_TYPE, http_error
 from rtserve.server.httpserver import Connection, Request
+from rtserve.server.security import Guard
 from rtserve.server.stats import statistics_json
 
 Headers = list[tuple[bytes, bytes]]
@@ -56,6 +57,11 @@ def _infer_target(path: str) -> tuple[str, str]:
     if n == 7 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "versions":
         return parts[3], parts[5]
     raise RouteNotFound(f"no route for POST {path[:200]}")
+
+
+def _peer(conn: Connection) -> str:
+    peer = conn.transport.get_extra_info("peername") if conn.transport is not None else None
+    return str(peer[0]) if peer else "?"
 
 
 def _ready_only(body: bytes) -> bool:
@@ -133,7 +139,10 @@ class HttpFrontend:
         metrics: Metrics,
         max_request_bytes: int,
         control: ModelControl | None = None,
+        guard: Guard | None = None,
     ) -> None:
+        """``guard``: authentication and rate limits (None: open, as by default)."""
+        self.guard = guard
         self.dataplane = dataplane
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
@@ -141,6 +150,13 @@ class HttpFrontend:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def handle(self, conn: Connection, request: Request) -> None:
+        if self.guard is not None:
+            try:
+                self.guard.http(request.path, request.headers, _peer(conn))
+            except Exception as exc:
+                status, body, headers = http_error(exc)
+                conn.respond(status, body, headers)
+                return
         if request.method == b"POST" and request.path.endswith("/infer"):
             self._infer(conn, request)
             return

@@ -4,32 +4,124 @@ Why not a general ASGI server: on a 2-core machine the HTTP layer is most of a s
 model's budget. ASGI costs a task, several message dicts and two socket writes per
 request; here a request is parsed in place, handed to a plain callback, and its response
 goes out in one write. Keep-alive, pipelining (answers in order), chunked request bodies,
-``Expect: 100-continue``, a body-size limit, idle timeouts and a graceful close are
-handled; anything else malformed is answered with 400 and the connection closed.
+``Expect: 100-continue``, HTTP/1.0 and HEAD are handled.
+
+A client is bounded by ``HttpLimits``: URL, header count, header and head sizes, body size,
+idle / header / body timeouts and a cap on open connections; each refusal names the limit.
+What a connection holds is freed by reference counting alone (the server makes cyclic GC
+rare): the parser is dropped when the connection closes, buffers when a request ends.
+Timeouts are checked by one periodic sweep, never by a timer per request. Reading pauses
+while answers pile up (pipelining) or the peer does not read them (write backpressure).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import logging
+import resource
 import socket
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
 import httptools
+import orjson
+
+from rtserve.errors import (
+    HeaderTooLarge,
+    InferenceFailed,
+    InvalidInput,
+    NotSupported,
+    Overloaded,
+    PayloadTooLarge,
+    RequestTimeout,
+    RTServeError,
+    UriTooLong,
+)
+
+log = logging.getLogger(__name__)
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# Parsed requests waiting behind the one being answered before reading pauses.
 MAX_PIPELINED = 32
+# Bytes of answers the transport may buffer (the peer not reading) before reading pauses.
+WRITE_HIGH_WATER = 256 * 1024
 # Accept-queue length (the kernel caps it at net.core.somaxconn): clients that open a
 # connection per request must not be reset while the loop is busy.
 _BACKLOG = 65535
+# After a refusal the connection reads (and drops) what the client still sends for this
+# long, so that the client sees the answer instead of a reset, then closes.
+_LINGER_S = 2.0
+# Connections over the cap that may linger like that; beyond it they are closed at once.
+_REFUSED_LINGERING = 256
 _now = time.perf_counter_ns
+
+# Where a connection's parser is: between requests, inside a request's head, in its body.
+_IDLE, _HEAD, _BODY = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one client may send; each limit is named (by its config field) in its refusal."""
+
+    max_url_bytes: int = 8 * 1024  # the request target (414)
+    max_headers: int = 100  # header lines per request (431)
+    max_header_bytes: int = 16 * 1024  # one header, name + value (431)
+    max_head_bytes: int = 64 * 1024  # request line + all headers (431)
+    idle_timeout_s: float = 75.0  # keep-alive with no request in progress: closed
+    header_timeout_s: float = 20.0  # from a request's first byte to the end of its head (408)
+    body_timeout_s: float = 30.0  # silence while a body arrives, or while answers wait (408)
+    max_connections: int = 10_000  # open HTTP connections; more are refused with 503
+
+    @classmethod
+    def from_config(cls, config: Any) -> HttpLimits:
+        """The limits from a ``ServerConfig`` (its ``http_*`` fields; defaults where absent)."""
+        kwargs = {}
+        for name in cls.__dataclass_fields__:
+            value = getattr(config, f"http_{name}", None)
+            if value is not None:
+                kwargs[name] = value
+        return cls(**kwargs)
+
+
+def error_answer(exc: RTServeError) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    """(status, body, headers) of the transport's own refusals: the one place that turns an
+    error into an answer here (the frontend's mapping can replace it)."""
+    headers = [(b"content-type", b"application/json")]
+    if isinstance(exc, Overloaded):
+        headers.append((b"retry-after", b"%d" % max(1, round(exc.retry_after_s))))
+    return exc.http_status, orjson.dumps({"error": exc.message}), headers
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft descriptor limit to the hard one; the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:  # pragma: no cover - a restricted sandbox
+            log.warning("could not raise the descriptor limit from %d to %d: %s", soft, hard, exc)
+    return soft
 
 
 class Request:
-    __slots__ = ("method", "path", "query", "headers", "body", "keep_alive", "received_ns")
+    __slots__ = (
+        "method",
+        "path",
+        "query",
+        "headers",
+        "body",
+        "keep_alive",
+        "received_ns",
+        "http10",
+    )
 
     def __init__(
         self,
@@ -40,6 +132,7 @@ class Request:
         body: bytes,
         keep_alive: bool,
         received_ns: int,
+        http10: bool = False,
     ) -> None:
         self.method = method
         self.path = path
@@ -48,6 +141,7 @@ class Request:
         self.body = body
         self.keep_alive = keep_alive
         self.received_ns = received_ns
+        self.http10 = http10
 
 
 Handler = Callable[["Connection", Request], None]
@@ -73,106 +167,268 @@ def response_bytes(
 class Connection(asyncio.Protocol):
     """One client connection: parses requests and writes their answers in order."""
 
+    __slots__ = (
+        "server",
+        "limits",
+        "transport",
+        "parser",
+        "current",
+        "on_lost",
+        "pipeline",
+        "closing",
+        "last_active",
+        "state",
+        "read_paused",
+        "write_paused",
+        "_write_paused_at",
+        "_dispatching",
+        "_rejected",
+        "_final",
+        "_gen",
+        "_url",
+        "_url_size",
+        "_headers",
+        "_header_count",
+        "_head_size",
+        "_head_raw",
+        "_body",
+        "_size",
+        "_started",
+    )
+
     def __init__(self, server: HttpServer) -> None:
         self.server = server
+        self.limits = server.limits
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.current: Request | None = None
+        # Set by the handler while the current request waits for its answer: called if the
+        # connection closes first (the request is dropped from its queue, not computed).
+        self.on_lost: Callable[[], object] | None = None
         self.pipeline: deque[Request] = deque()
-        self.paused = False
         self.closing = False
         self.last_active = time.monotonic()
-        self._url = b""
+        # A new connection is waiting for its first head: the header timeout applies.
+        self.state = _HEAD
+        self.read_paused = False  # by us: answers pile up or the peer does not read them
+        self.write_paused = False  # by the transport: its buffer is above the high-water mark
+        self._write_paused_at = 0.0
+        self._dispatching = False  # inside the loop that hands requests to the handler
+        self._rejected = False  # refused: input is dropped from now on
+        self._final: bytes | None = None  # a refusal to write once earlier answers are out
+        self._gen = 0  # requests begun on this connection
+        self._url: list[bytes] = []
+        self._url_size = 0
         self._headers: dict[bytes, bytes] = {}
+        self._header_count = 0
+        self._head_size = 0  # URL + headers, counted exactly as the parser reports them
+        self._head_raw = 0  # bytes of reads that fell wholly inside the current head
         self._body: list[bytes] = []
         self._size = 0
-        self._started = 0
-        self._rejected = False
+        self._started = _now()
 
     # ------------------------------------------------------------------ transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport
-        self.server.connections.add(self)
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            self._refuse_over_cap()
+            return
+        server.connections.add(self)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)  # type: ignore[attr-defined]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.server.connections.discard(self)
+        server = self.server
+        server.connections.discard(self)
         if self.current is not None:  # its answer, when ready, goes nowhere
             self.current = None
-            self.server.busy_connections -= 1
+            server.busy_connections -= 1
+            if self.on_lost is not None:
+                self.on_lost()
+        self.on_lost = None
         self.pipeline.clear()
         self.closing = True
         self.transport = None
+        self._rejected = True
+        # The parser holds this connection's bound methods: drop it so that the connection
+        # (and what it buffered: a partial upload, the last request) is freed by refcount.
+        del self.parser
+        self._url = []
+        self._headers = {}
+        self._body = []
+        self._final = None
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self._write_paused_at = time.monotonic()
+        self._pause_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.current is None and self.pipeline and not self._dispatching:
+            self._run(self.pipeline.popleft())
+        self._maybe_resume_reading()
+
+    def eof_received(self) -> bool:
+        """The client will send nothing more: answer what it sent, then close."""
+        self._rejected = True
+        if self.current is None and not self.pipeline and not self._dispatching:
+            return False  # the transport closes
+        if self._final is None:
+            self._final = b""
+        return True  # keep writing; closed after the last answer
 
     def data_received(self, data: bytes) -> None:
-        self.last_active = time.monotonic()
-        if self._rejected:
+        if self._rejected:  # refused: dropped, and the linger is not extended
             return
+        self.last_active = time.monotonic()
+        state = self.state
+        gen = self._gen
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            # No local may hold the callback's exception: its traceback holds this frame.
+            self._refuse_raised(exc.__context__)
+            return
         except httptools.HttpParserUpgrade:
-            self.fail(400, b"protocol upgrades are not supported")
+            # An Upgrade the server ignores (e.g. h2c; WebSocket and CONNECT were refused in
+            # on_headers_complete): answered as usual without keep-alive, later input dropped.
+            return
         except httptools.HttpParserError as exc:
-            self.fail(400, f"malformed HTTP request: {exc}".encode())
+            self.refuse(InvalidInput(f"malformed HTTP request: {exc}"))
+            return
+        if state == self.state != _BODY and gen == self._gen:
+            # The whole read continued one unfinished head (or junk between requests): the
+            # parser buffers a header that arrives in pieces, so bound what it may gather.
+            self._head_raw += len(data)
+            if self._head_raw > self.limits.max_head_bytes:
+                self.refuse(self._head_too_large())
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
-        self._url = b""
-        self._headers = {}
-        self._body = []
+        self.state = _HEAD
+        self._gen += 1
+        self._url_size = 0
+        self._header_count = 0
+        self._head_size = 0
+        self._head_raw = 0
         self._size = 0
         self._started = _now()
 
     def on_url(self, url: bytes) -> None:
-        self._url += url
+        self._url.append(url)
+        self._url_size += len(url)
+        if self._url_size > self.limits.max_url_bytes:
+            raise UriTooLong(
+                f"the request URL exceeds the limit of {self.limits.max_url_bytes} bytes "
+                "(http_max_url_bytes)"
+            )
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        limits = self.limits
+        size = len(name) + len(value)
+        self._header_count += 1
+        self._head_size += size + 4
+        if (
+            size > limits.max_header_bytes
+            or self._header_count > limits.max_headers
+            or self._head_size > limits.max_head_bytes
+        ):
+            raise self._header_error(name, size)
         self._headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
-        declared = self._headers.get(b"content-length")
+        self.state = _BODY
+        parser = self.parser
+        if parser.should_upgrade():
+            if parser.get_method() == b"CONNECT":
+                raise NotSupported("CONNECT is not supported: this is not a proxy")
+            protocol = self._headers.get(b"upgrade", b"").decode("latin-1")
+            if "websocket" in protocol.lower():
+                raise NotSupported(
+                    f"Upgrade to {protocol!r} is not supported (plain requests only)"
+                )
+            self._rejected = True  # another protocol (e.g. h2c): answered as usual, then closed
+        headers = self._headers
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.server.max_body:
-            self.fail(
-                413,
-                b"request body of %s bytes exceeds the limit of %d bytes"
-                % (declared, self.server.max_body),
+            raise PayloadTooLarge(
+                f"request body of {declared.decode()} bytes exceeds the limit of "
+                f"{self.server.max_body} bytes (max_request_bytes)"
             )
-            return
-        if self._headers.get(b"expect", b"").lower() == b"100-continue" and self.transport:
+        if headers.get(b"expect", b"").lower() == b"100-continue" and self.transport:
             self.transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
         if self._size > self.server.max_body:
-            self.fail(413, b"request body exceeds the limit of %d bytes" % self.server.max_body)
-            return
+            raise PayloadTooLarge(
+                f"request body exceeds the limit of {self.server.max_body} bytes "
+                "(max_request_bytes)"
+            )
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self._rejected:
-            return
-        url = self._url
+        self.state = _IDLE
+        parser = self.parser
+        parts = self._url
+        url = parts[0] if len(parts) == 1 else b"".join(parts)
         path, _, query = url.partition(b"?")
-        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        parts = self._body
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        # The request owns these now; the connection keeps no reference to them.
+        headers = self._headers
+        self._url = []
+        self._headers = {}
+        self._body = []
         request = Request(
-            self.parser.get_method(),
+            parser.get_method(),
             path.decode("utf-8", "replace"),
             query.decode("latin-1"),
-            self._headers,
+            headers,
             body,
-            self.parser.should_keep_alive() and not self.server.draining,
+            parser.should_keep_alive() and not self.server.draining and not self._rejected,
             self._started,
+            parser.get_http_version() == "1.0",
         )
-        if self.current is not None:
+        if self.current is not None or self._dispatching or self.write_paused:
             self.pipeline.append(request)
-            if len(self.pipeline) >= MAX_PIPELINED and self.transport and not self.paused:
-                self.transport.pause_reading()
-                self.paused = True
+            if len(self.pipeline) >= MAX_PIPELINED:
+                self._pause_reading()
             return
-        self.current = request
-        self.server.busy_connections += 1
-        self.server.handler(self, request)
+        self._run(request)
 
     # ------------------------------------------------------------------ answering
+    def _run(self, request: Request) -> None:
+        """Hand requests to the handler one after another. A loop, not recursion: many
+        pipelined requests answered synchronously (e.g. health checks) must not nest."""
+        server = self.server
+        self._dispatching = True
+        try:
+            while True:
+                self.current = request
+                server.busy_connections += 1
+                try:
+                    server.handler(self, request)
+                except Exception as exc:  # a bug must still produce an answer
+                    log.error("error answering %r %s", request.method, request.path, exc_info=exc)
+                    if self.current is request:
+                        self.respond(*error_answer(InferenceFailed("internal error")))
+                if (
+                    self.current is not None
+                    or not self.pipeline
+                    or self.write_paused
+                    or self.transport is None
+                ):
+                    return
+                request = self.pipeline.popleft()
+                if self.read_paused:
+                    self._maybe_resume_reading()
+        finally:
+            self._dispatching = False
+            if self.current is None and not self.pipeline and self._final is not None:
+                self._write_final()
+
     def respond(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         """Answer the current request; then start the next pipelined one."""
         request = self.current
@@ -180,47 +436,193 @@ class Connection(asyncio.Protocol):
             return
         self.current = None
         self.server.busy_connections -= 1
-        if self.transport is None or self.transport.is_closing():
+        transport = self.transport
+        if transport is None or transport.is_closing():
             return
         keep_alive = request.keep_alive and not self.server.draining
-        http10 = self.parser.get_http_version() == "1.0"
         if request.method == b"HEAD":
             body = b""
-        self.transport.write(response_bytes(status, body, headers, keep_alive, http10))
+        transport.write(response_bytes(status, body, headers, keep_alive, request.http10))
         self.last_active = time.monotonic()
         if not keep_alive:
-            self.transport.close()
+            transport.close()
             return
         if self.pipeline:
-            nxt = self.pipeline.popleft()
-            if self.paused and len(self.pipeline) < MAX_PIPELINED // 2:
-                self.transport.resume_reading()
-                self.paused = False
-            self.current = nxt
-            self.server.busy_connections += 1
-            self.server.handler(self, nxt)
+            if not self._dispatching and not self.write_paused:
+                self._run(self.pipeline.popleft())
+        elif self._final is not None:
+            if not self._dispatching:
+                self._write_final()
         elif self.server.draining:
-            self.transport.close()
+            transport.close()
 
-    def fail(self, status: int, message: bytes) -> None:
-        """Answer a request the parser or the limits refused, then close the connection."""
+    def refuse(self, exc: RTServeError) -> None:
+        """Answer a request the parser or a limit refused (after the answers to the requests
+        before it), then close the connection. Later input is dropped."""
         self._rejected = True
-        if self.transport is not None and not self.transport.is_closing():
-            body = b'{"error":"%s"}' % message.replace(b"\\", b"\\\\").replace(b'"', b'\\"')
-            headers = [(b"content-type", b"application/json")]
-            self.transport.write(response_bytes(status, body, headers, False, False))
-            self.transport.close()
+        self.state = _IDLE
+        self._url = []
+        self._headers = {}
+        self._body = []
+        status, body, headers = error_answer(exc)
+        self._final = response_bytes(status, body, headers, False, False)
+        if self.current is None and not self.pipeline and not self._dispatching:
+            self._write_final()
+        else:
+            self._pause_reading()
+
+    def _refuse_raised(self, exc: BaseException | None) -> None:
+        if isinstance(exc, RTServeError):
+            self.refuse(exc)
+        else:  # a bug in a callback
+            log.error("error parsing an HTTP request", exc_info=exc)
+            self.refuse(InferenceFailed("internal error parsing the request"))
+
+    def _write_final(self) -> None:
+        final, self._final = self._final, None
+        transport = self.transport
+        if final is None or transport is None or transport.is_closing():
+            return
+        if not final:  # the client half-closed: nothing more to say
+            transport.close()
+            return
+        transport.write(final)
+        self.last_active = time.monotonic()
+        if self.read_paused:
+            transport.resume_reading()
+            self.read_paused = False
+        # Half-close and keep reading (dropping it) for a moment: closing with unread input
+        # would reset the connection and could destroy the answer before the client reads it.
+        if transport.can_write_eof():
+            transport.write_eof()
+        else:  # pragma: no cover - TCP transports can
+            transport.close()
+
+    def _refuse_over_cap(self) -> None:
+        server = self.server
+        self._rejected = True
+        self.state = _IDLE
+        exc = Overloaded(
+            f"the server is at its limit of {server.max_connections} open HTTP connections "
+            "(http_max_connections); retry later"
+        )
+        status, body, headers = error_answer(exc)
+        self._final = response_bytes(status, body, headers, False, False)
+        if len(server.connections) < server.max_connections + _REFUSED_LINGERING:
+            server.connections.add(self)  # swept away after lingering
+            self._write_final()
+        else:
+            transport = self.transport
+            assert transport is not None
+            transport.write(self._final)
+            transport.close()
+
+    def _pause_reading(self) -> None:
+        if not self.read_paused and self.transport is not None:
+            self.transport.pause_reading()
+            self.read_paused = True
+
+    def _maybe_resume_reading(self) -> None:
+        if (
+            self.read_paused
+            and not self.write_paused
+            and len(self.pipeline) < MAX_PIPELINED // 2
+            and self._final is None
+            and self.transport is not None
+        ):
+            self.transport.resume_reading()
+            self.read_paused = False
+
+    def _header_error(self, name: bytes, size: int) -> HeaderTooLarge:
+        limits = self.limits
+        if size > limits.max_header_bytes:
+            shown = name[:64].decode("latin-1")
+            return HeaderTooLarge(
+                f"header {shown!r} of {size} bytes exceeds the limit of "
+                f"{limits.max_header_bytes} bytes per header (http_max_header_bytes)"
+            )
+        if self._header_count > limits.max_headers:
+            return HeaderTooLarge(
+                f"more than {limits.max_headers} request headers (http_max_headers)"
+            )
+        return self._head_too_large()
+
+    def _head_too_large(self) -> HeaderTooLarge:
+        return HeaderTooLarge(
+            f"the request headers exceed the limit of {self.limits.max_head_bytes} bytes "
+            "in all (http_max_head_bytes)"
+        )
+
+    # ------------------------------------------------------------------ timeouts
+    def expire(self, now: float, now_ns: int) -> None:
+        """Close the connection if it has been waiting on its client for too long (called by
+        the server's periodic sweep)."""
+        transport = self.transport
+        if transport is None:
+            return
+        limits = self.limits
+        if self.write_paused:  # the peer does not read its answers
+            if now - self._write_paused_at > limits.body_timeout_s:
+                transport.abort()
+            return
+        if self.current is not None or self.pipeline:
+            return  # being answered: the server's own work, bounded elsewhere
+        if self._rejected:
+            if now - self.last_active > _LINGER_S:
+                transport.abort()
+            return
+        state = self.state
+        if state == _IDLE:
+            if now - self.last_active > limits.idle_timeout_s:
+                transport.close()
+        elif state == _HEAD:
+            if now_ns - self._started > limits.header_timeout_s * 1e9:
+                if self._gen == 0:  # nothing was ever sent
+                    transport.close()
+                else:
+                    self.refuse(
+                        RequestTimeout(
+                            f"the request head did not arrive within {limits.header_timeout_s:g} s"
+                            " (http_header_timeout_s)"
+                        )
+                    )
+        elif now - self.last_active > limits.body_timeout_s:
+            self.refuse(
+                RequestTimeout(
+                    f"no part of the request body arrived for {limits.body_timeout_s:g} s "
+                    "(http_body_timeout_s)"
+                )
+            )
 
     @property
     def idle(self) -> bool:
         return self.current is None and not self.pipeline
 
+    @property
+    def stuck(self) -> bool:
+        """Answers wait on a peer that does not read them: no progress is possible."""
+        return self.write_paused
+
 
 class HttpServer:
-    def __init__(self, handler: Handler, max_body: int, idle_timeout_s: float = 75.0) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        max_body: int,
+        idle_timeout_s: float | None = None,
+        limits: HttpLimits | None = None,
+        ssl: Any = None,
+    ) -> None:
+        """``ssl``: an ``ssl.SSLContext`` to serve HTTPS (None: plain HTTP)."""
+        self.ssl = ssl
         self.handler = handler
         self.max_body = max_body
-        self.idle_timeout_s = idle_timeout_s
+        limits = limits or HttpLimits()
+        if idle_timeout_s is not None:
+            limits = dataclasses.replace(limits, idle_timeout_s=idle_timeout_s)
+        self.limits = limits
+        self.idle_timeout_s = limits.idle_timeout_s
+        self.max_connections = limits.max_connections
         self.connections: set[Connection] = set()
         self.busy_connections = 0  # connections with a request being answered
         self.draining = False
@@ -229,41 +631,65 @@ class HttpServer:
 
     async def start(self, host: str, port: int, sock: socket.socket | None = None) -> int:
         """Listen on ``host:port``, or on an already bound socket (shared by worker processes)."""
+        soft = raise_fd_limit()
+        # Keep a quarter of the descriptors for gRPC, models, files and the refusals.
+        room = max(16, soft * 3 // 4 - 64)
+        if self.max_connections > room:
+            log.warning(
+                "http_max_connections %d lowered to %d: the descriptor limit is %d",
+                self.max_connections,
+                room,
+                soft,
+            )
+            self.max_connections = room
         loop = asyncio.get_running_loop()
         if sock is not None:
             self._server = await loop.create_server(
-                lambda: Connection(self), sock=sock, backlog=_BACKLOG
+                lambda: Connection(self), sock=sock, backlog=_BACKLOG, ssl=self.ssl
             )
         else:
             self._server = await loop.create_server(
-                lambda: Connection(self), host, port, reuse_address=True, backlog=_BACKLOG
+                lambda: Connection(self),
+                host,
+                port,
+                reuse_address=True,
+                backlog=_BACKLOG,
+                ssl=self.ssl,
             )
-        self._sweeper = loop.create_task(self._sweep_idle())
+        self._sweeper = loop.create_task(self._sweep())
         sock = self._server.sockets[0]
         return int(sock.getsockname()[1])
 
     @property
     def busy(self) -> bool:
-        return any(not c.idle for c in self.connections)
+        """Whether an accepted request is still being answered (a peer that does not read
+        its answers is not waited for)."""
+        return any(not c.idle and not c.stuck for c in self.connections)
 
     @property
     def idle_connections(self) -> int:
         """Open connections with no request in progress: clients that may send one soon."""
         return len(self.connections) - self.busy_connections
 
-    async def _sweep_idle(self) -> None:
+    async def _sweep(self) -> None:
+        limits = self.limits
+        shortest = min(limits.idle_timeout_s, limits.header_timeout_s, limits.body_timeout_s)
+        interval = min(1.0, max(0.05, shortest / 4))
         while True:
-            await asyncio.sleep(1.0)
-            cutoff = time.monotonic() - self.idle_timeout_s
+            await asyncio.sleep(interval)
+            now, now_ns = time.monotonic(), _now()
             for conn in list(self.connections):
-                if conn.idle and conn.last_active < cutoff and conn.transport is not None:
-                    conn.transport.close()
+                conn.expire(now, now_ns)
 
     def begin_drain(self) -> None:
         """Answer what was accepted; close connections as they fall idle."""
         self.draining = True
         for conn in list(self.connections):
-            if conn.idle and conn.transport is not None:
+            if conn.transport is None:
+                continue
+            if conn.stuck:
+                conn.transport.abort()
+            elif conn.idle:
                 conn.transport.close()
 
     async def close(self) -> None:
@@ -272,7 +698,13 @@ class HttpServer:
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
-            if conn.transport is not None:
-                conn.transport.close()
+            transport = conn.transport
+            if transport is None:
+                continue
+            if transport.get_write_buffer_size() or conn.stuck:
+                transport.abort()  # a peer that does not read would hold the close forever
+            else:
+                transport.close()
         if self._server is not None:
-            await self._server.wait_closed()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), 5.0)

@@ -1,0 +1,245 @@
+"""Authentication, per-client rate limits and TLS settings (all optional, off by default).
+
+Auth (``--auth-file``): API keys / bearer tokens, each allowed some models (or all) and
+optionally the admin routes (repository index and model control, metrics, dashboard,
+statistics of every model). Tokens are compared in constant time (``hmac.compare_digest``)
+against each configured token; health probes stay open. Clients send
+``Authorization: Bearer <token>`` (or ``x-api-key: <token>``) as an HTTP header or gRPC
+metadata.
+
+Rate limits (``--rate-limit RPS [--rate-burst N]``): a token bucket per client address;
+over the limit a request is refused with 429 + Retry-After / RESOURCE_EXHAUSTED before any
+decoding.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import ssl
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import yaml
+
+from rtserve.errors import ConfigError, Overloaded, RTServeError
+
+
+class Unauthenticated(RTServeError):
+    """No credentials, or credentials that match no configured token."""
+
+    http_status = 401
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Forbidden(RTServeError):
+    """A valid token that is not allowed this model or route."""
+
+    http_status = 403
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class RateLimited(Overloaded):
+    """This client sends faster than its configured rate."""
+
+    http_status = 429
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    name: str  # for logs: which key was used
+    token: bytes
+    models: frozenset[str]  # "*" = every model
+    admin: bool
+
+
+def _token_value(entry: dict[str, object], where: str, i: int) -> str:
+    if "token" in entry:
+        value = entry["token"]
+    elif "token_env" in entry:
+        env = str(entry["token_env"])
+        value = os.environ.get(env, "")
+        if not value:
+            raise ConfigError(f"{where}: keys[{i}].token_env: environment variable {env} is empty")
+    elif "token_file" in entry:
+        value = Path(str(entry["token_file"])).read_text().strip()
+    else:
+        raise ConfigError(f"{where}: keys[{i}]: expected token, token_env or token_file")
+    if not isinstance(value, str) or len(value) < 16:
+        raise ConfigError(f"{where}: keys[{i}]: a token must be a string of 16+ characters")
+    return value
+
+
+class Auth:
+    def __init__(self, grants: list[Grant], open_metrics: bool = False) -> None:
+        self.grants = grants
+        self.open_metrics = open_metrics
+
+    @classmethod
+    def from_file(cls, path: Path) -> Auth:
+        """``keys: [{name, token | token_env | token_file, models: [..] | "*", admin}]``,
+        ``open_metrics: false``."""
+        where = str(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read the auth file ({exc.strerror})") from None
+        if len(text) > 1_000_000:
+            raise ConfigError(f"{where}: auth file larger than 1 MB")
+        doc = yaml.safe_load(text) or {}
+        if not isinstance(doc, dict) or not isinstance(doc.get("keys"), list) or not doc["keys"]:
+            raise ConfigError(f"{where}: keys: expected a non-empty list of keys")
+        grants = []
+        for i, entry in enumerate(doc["keys"]):
+            if not isinstance(entry, dict):
+                raise ConfigError(f"{where}: keys[{i}]: expected a mapping")
+            models = entry.get("models", "*")
+            if models == "*":
+                allowed = frozenset({"*"})
+            elif isinstance(models, list) and all(isinstance(m, str) for m in models):
+                allowed = frozenset(models)
+            else:
+                raise ConfigError(f'{where}: keys[{i}].models: expected "*" or a list of names')
+            grants.append(
+                Grant(
+                    str(entry.get("name", f"key{i}")),
+                    _token_value(entry, where, i).encode(),
+                    allowed,
+                    bool(entry.get("admin", False)),
+                )
+            )
+        return cls(grants, bool(doc.get("open_metrics", False)))
+
+    def _grant(self, credential: str | None) -> Grant:
+        if not credential:
+            raise Unauthenticated("missing credentials (Authorization: Bearer <token>)")
+        token = credential[7:] if credential[:7].lower() == "bearer " else credential
+        presented = token.strip().encode("utf-8", "replace")
+        found = None
+        for grant in self.grants:  # every token is compared, in constant time each
+            if hmac.compare_digest(presented, grant.token):
+                found = grant
+        if found is None:
+            raise Unauthenticated("invalid credentials")
+        return found
+
+    def check_model(self, credential: str | None, model: str) -> None:
+        grant = self._grant(credential)
+        if "*" not in grant.models and model not in grant.models:
+            raise Forbidden(f"this key may not use model '{model[:100]}'")
+
+    def check_admin(self, credential: str | None) -> None:
+        if not self._grant(credential).admin:
+            raise Forbidden("this route needs an admin key")
+
+    def check_any(self, credential: str | None) -> None:
+        self._grant(credential)
+
+
+class RateLimiter:
+    """A token bucket per client address (``rate`` requests/s, ``burst`` at once)."""
+
+    def __init__(self, rate: float, burst: int, clock: object = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = float(max(1, burst))
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, at)
+
+    def take(self, client: str) -> None:
+        now = self._clock()  # type: ignore[operator]
+        tokens, at = self._buckets.get(client, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        if tokens < 1.0:
+            self._buckets[client] = (tokens, now)
+            raise RateLimited(
+                f"rate limit of {self.rate:g} requests/s exceeded for this client",
+                retry_after_s=(1.0 - tokens) / self.rate,
+            )
+        self._buckets[client] = (tokens - 1.0, now)
+        if len(self._buckets) > 100_000:  # forget idle clients
+            cutoff = now - self.burst / self.rate
+            self._buckets = {k: v for k, v in self._buckets.items() if v[1] > cutoff}
+
+
+def server_ssl_context(cert: Path, key: Path, client_ca: Path | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(str(cert), str(key))
+    if client_ca is not None:
+        ctx.load_verify_locations(str(client_ca))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
+def grpc_credentials(
+    cert: Path, key: Path, client_ca: Path | None = None
+) -> grpc.ServerCredentials:
+    return grpc.ssl_server_credentials(
+        [(key.read_bytes(), cert.read_bytes())],
+        root_certificates=client_ca.read_bytes() if client_ca is not None else None,
+        require_client_auth=client_ca is not None,
+    )
+
+
+_OPEN_GRPC = ("ServerLive", "ServerReady", "ModelReady")
+_ADMIN_GRPC = ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
+
+
+class Guard:
+    """Decides, before any decoding, whether a request may proceed (auth, rate limit)."""
+
+    def __init__(self, auth: Auth | None = None, limiter: RateLimiter | None = None) -> None:
+        self.auth = auth
+        self.limiter = limiter
+
+    def http(self, path: str, headers: dict[bytes, bytes], peer: str) -> None:
+        parts = [p for p in path.split("?", 1)[0].split("/") if p]
+        if parts[:2] == ["v2", "health"]:
+            return  # probes stay open
+        if self.limiter is not None:
+            self.limiter.take(peer)
+        auth = self.auth
+        if auth is None:
+            return
+        raw = headers.get(b"authorization") or headers.get(b"x-api-key")
+        credential = raw.decode("latin-1") if raw is not None else None
+        if parts in (["metrics"], ["dashboard"]):
+            if not auth.open_metrics:
+                auth.check_admin(credential)
+        elif parts[:2] == ["v2", "repository"] or parts == ["v2", "models", "stats"]:
+            auth.check_admin(credential)
+        elif len(parts) >= 3 and parts[:2] == ["v2", "models"]:
+            auth.check_model(credential, parts[2])
+        else:
+            auth.check_any(credential)
+
+    def grpc(self, method: str, request: object, context: object) -> None:
+        if method in _OPEN_GRPC:
+            return
+        if self.limiter is not None:
+            peer = str(context.peer())  # type: ignore[attr-defined]
+            self.limiter.take(peer.rsplit(":", 1)[0])
+        auth = self.auth
+        if auth is None:
+            return
+        credential = grpc_credential(context)
+        if method in _ADMIN_GRPC:
+            auth.check_admin(credential)
+        elif method == "ServerMetadata":
+            auth.check_any(credential)
+        elif method == "ModelStatistics" and not getattr(request, "name", ""):
+            auth.check_admin(credential)
+        else:
+            name = getattr(request, "name", "") or getattr(request, "model_name", "")
+            auth.check_model(credential, str(name))
+
+
+def grpc_credential(context: object) -> str | None:
+    for key, value in context.invocation_metadata() or ():  # type: ignore[attr-defined]
+        if key in ("authorization", "x-api-key"):
+            return str(value)
+    return None
