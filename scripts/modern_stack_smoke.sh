@@ -3,7 +3,8 @@
 #
 # The dev venv (.venv) keeps numpy<2 / protobuf<5 because the test tools need them
 # (tritonclient 2.51, grpcio-tools 1.62.3); the product must not. This script
-#   1. builds a second venv (.venv-modern) holding what a current ML environment has,
+#   1. builds a second venv (.venv-modern) holding what a current PyTorch environment has
+#      (torch, numpy 2, protobuf 5+, onnx, onnxruntime, grpcio),
 #   2. pip-installs rtserve from this checkout into it, as a user would,
 #   3. checks that the install kept numpy 2 / protobuf 5+ and that `import onnx` still works,
 #   4. loads rtserve's checked-in gRPC code under protobuf 4.25, 5.26, 5.29, 6.x and the
@@ -28,7 +29,8 @@ test -f "$REPO/.built" || { echo "missing $REPO: run 'make examples' first" >&2;
 say "venv $VENV with a current ML stack"
 test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q -U pip
-"$VENV/bin/pip" install -q -U "numpy>=2" "protobuf>=5" onnx onnxruntime grpcio
+# torch: the CPU wheel this project pins (a plain `torch` would pull a multi-GB CUDA build).
+"$VENV/bin/pip" install -q -U "numpy>=2" "protobuf>=5" onnx onnxruntime grpcio "torch==2.13.0"
 
 say "pip install rtserve from this checkout"
 # A fresh wheel every run, resolved against what the venv already holds.
@@ -38,10 +40,12 @@ say "pip install rtserve from this checkout"
 "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md
 
-import numpy, onnx, onnxruntime
+import numpy, onnx, onnxruntime, torch
 from google.protobuf import __version__ as pb
 
-print(f"numpy {numpy.__version__}, protobuf {pb}, onnx {onnx.__version__}, "
+import rtserve.protocol.grpc_service_pb2
+
+print(f"torch {torch.__version__}, numpy {numpy.__version__}, protobuf {pb}, onnx {onnx.__version__}, "
       f"onnxruntime {onnxruntime.__version__}, rtserve {md.version('rtserve')}")
 assert int(numpy.__version__.split(".")[0]) >= 2, "installing rtserve downgraded numpy below 2"
 assert int(pb.split(".")[0]) >= 5, "installing rtserve downgraded protobuf below 5"
@@ -49,7 +53,7 @@ onnx.checker.check_model(onnx.helper.make_model(onnx.helper.make_graph(
     [onnx.helper.make_node("Relu", ["x"], ["y"])], "g",
     [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
     [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])))
-print("ok    import onnx works after installing rtserve")
+print("ok    import onnx (and torch, rtserve) works after installing rtserve")
 EOF
 
 say "rtserve's generated gRPC code on each protobuf runtime"
