@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rtserve.core.model import BuildContext, ModelVersion, build_version
 from rtserve.errors import ConfigError, ModelNotFound, ModelNotReady
@@ -41,8 +42,11 @@ def _short(name: str) -> str:
 
 
 class ModelRegistry:
-    def __init__(self, ctx: BuildContext) -> None:
+    def __init__(self, ctx: BuildContext, root: Path | None = None) -> None:
+        """``root``: the repository directory; error reasons that clients can read name
+        paths relative to it (never the server's absolute paths)."""
         self.ctx = ctx
+        self._roots = [f"{r}/" for r in {str(root), str(root.resolve())}] if root else []
         ctx.lookup = self.get
         self.models: dict[str, ModelEntry] = {}
 
@@ -59,7 +63,7 @@ class ModelRegistry:
         if entry is None:
             entry = self.models[source.name] = ModelEntry(source.name)
         if source.error or source.config is None:
-            entry.error = source.error or f"model '{source.name}': no config"
+            entry.error = self._redact(source.error or f"model '{source.name}': no config")
             log.error("model %s not loaded: %s", source.name, entry.error)
             return entry
         built: dict[str, ModelVersion] = {}
@@ -69,7 +73,7 @@ class ModelRegistry:
         except ConfigError as exc:
             for mv in built.values():
                 await mv.stop()
-            entry.error = str(exc)
+            entry.error = self._redact(str(exc))
             log.error("model %s not loaded: %s", source.name, exc)
             return entry
         old = entry.versions
@@ -85,6 +89,11 @@ class ModelRegistry:
         for mv in old.values():
             await mv.stop()  # drains: requests it admitted are answered
         return entry
+
+    def _redact(self, message: str) -> str:
+        for root in self._roots:
+            message = message.replace(root, "")
+        return message
 
     async def unload(self, name: str) -> None:
         """Stop routing to the model, answer what it admitted, then release it."""

@@ -72,7 +72,8 @@ class Server:
                 self.metrics,
                 more_expected=self._more_expected,
                 cache_default=_cache_default(config),
-            )
+            ),
+            root=config.model_repository,
         )
         shared = Path(config.shared_dir) if config.shared_dir else None
         self.workers = (
