@@ -9,7 +9,7 @@ Layout, little-endian::
         u8 ndim, ndim x u64 dims
         u64 payload length, payload
             numeric: the C-order array bytes (length must equal prod(shape) * itemsize)
-            BYTES:   prod(shape) x (u32 length, bytes)
+            BYTES:   prod(shape) x (u32 length, bytes)  (rtserve.protocol.bytes_codec)
         u32 parameters length, parameters (a JSON object of scalars; length 0: none)
 
 :func:`decode` checks every length, code and count and that nothing trails, and raises
@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from rtserve.errors import RTServeError
+from rtserve.protocol.bytes_codec import decode_bytes_elements, encode_bytes_elements
 from rtserve.protocol.types import DATATYPE_TO_NUMPY, Tensor
 
 MAGIC = b"RTSC"
@@ -121,16 +123,6 @@ def _decode_parameters(raw: memoryview, name: str) -> dict[str, Any] | None:
     return params
 
 
-def encode_bytes_elements(data: np.ndarray[Any, Any]) -> bytes:
-    """Each element of a BYTES tensor as (u32 length, bytes); str elements as UTF-8."""
-    parts: list[bytes] = []
-    for e in data.reshape(-1):
-        b = e.encode() if isinstance(e, str) else bytes(e)
-        parts.append(_U32.pack(len(b)))
-        parts.append(b)
-    return b"".join(parts)
-
-
 class _Reader:
     __slots__ = ("buf", "pos")
 
@@ -208,15 +200,11 @@ class _Reader:
 
 
 def _decode_bytes_elements(payload: memoryview, count: int, name: str) -> np.ndarray[Any, Any]:
-    # Each element needs at least its 4-byte length: bounds the allocation below.
     if count * 4 > len(payload):
         raise CacheDecodeError(f"tensor {name!r}: {count} BYTES elements do not fit the payload")
-    r = _Reader(payload)
-    out = np.empty(count, dtype=np.object_)
-    for i in range(count):
-        (n,) = r.unpack(_U32, f"tensor {name!r} element {i} length")
-        out[i] = bytes(r.take(n, f"tensor {name!r} element {i}"))
-    if r.pos != len(payload):
-        raise CacheDecodeError(f"tensor {name!r}: {len(payload) - r.pos} trailing payload bytes")
+    try:
+        out = decode_bytes_elements(payload, count, f"tensor {name!r}", count)
+    except RTServeError as e:
+        raise CacheDecodeError(e.message) from None
     out.flags.writeable = False
     return out

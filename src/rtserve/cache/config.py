@@ -3,17 +3,25 @@
 ```yaml
 response_cache:
   memory: {max_bytes: 67108864, ttl_s: 60}          # L1, in-process
-  redis:  {url: "redis://127.0.0.1:6379/0", ttl_s: 600, namespace: prod}   # L2
+  redis:  {url: "redis://127.0.0.1:6379/0", ttl_s: 600, namespace: prod,    # L2
+           hmac_key_env: RTSERVE_CACHE_KEY}   # or hmac_key: "..." (at least 16 bytes)
   round_floats: 4                                   # optional: key on rounded float inputs
 ```
 
 ``response_cache: false`` (or ``{enabled: false}``) turns the cache off for a model even when
 the server has a default. Every error names the file and the field.
+
+Redis values are authenticated: each is stored with an HMAC-SHA256 over the Redis key
+and the value, keyed by ``hmac_key`` (or the environment variable named by
+``hmac_key_env``). Without a key, each process signs with its own random key: Redis
+still works as a cache for that process (and survives its L1 evictions), but replicas
+do not share entries. Configure the same key on every replica to share them.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +31,8 @@ from rtserve.errors import ConfigError
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+MIN_HMAC_KEY_BYTES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +51,9 @@ class RedisTierConfig:
     after ``breaker_failures`` consecutive failures Redis is skipped for
     ``breaker_cooldown_s``, then probed in the background. At most ``max_pending_writes``
     writes wait for Redis; more are dropped (and counted).
+
+    ``hmac_key``: the key that signs and checks values (from ``hmac_key`` or the variable
+    named by ``hmac_key_env``); None: a random key per process (no sharing).
     """
 
     url: str
@@ -50,6 +63,8 @@ class RedisTierConfig:
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
     max_pending_writes: int = 1024
+    hmac_key: bytes | None = field(default=None, repr=False)
+    hmac_key_env: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +156,7 @@ def _redis_tier(d: Any, p: _Path) -> RedisTierConfig | None:
         return None
     if not isinstance(d, Mapping):
         raise p.error("expected a mapping with url, ttl_s and namespace", d)
-    fields = RedisTierConfig.__dataclass_fields__
-    p.reject_unknown(d, tuple(fields))
+    p.reject_unknown(d, tuple(RedisTierConfig.__dataclass_fields__))
     if "url" not in d:
         raise p.child("url").error("required, e.g. redis://127.0.0.1:6379/0", None)
     url = d["url"]
@@ -152,6 +166,7 @@ def _redis_tier(d: Any, p: _Path) -> RedisTierConfig | None:
     if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
         raise p.child("namespace").error("expected 1-64 characters of [A-Za-z0-9_.-]", namespace)
     default = RedisTierConfig(url=url)
+    key_env = d.get("hmac_key_env")
     return RedisTierConfig(
         url=url,
         ttl_s=p.child("ttl_s").positive(d.get("ttl_s", default.ttl_s)),
@@ -166,7 +181,40 @@ def _redis_tier(d: Any, p: _Path) -> RedisTierConfig | None:
         max_pending_writes=p.child("max_pending_writes").integer(
             d.get("max_pending_writes", default.max_pending_writes), 1
         ),
+        hmac_key=_hmac_key(d, p),
+        hmac_key_env=key_env,
     )
+
+
+def _hmac_key(d: Mapping[str, Any], p: _Path) -> bytes | None:
+    """The configured signing key; errors never show the key itself."""
+    if "hmac_key" in d and "hmac_key_env" in d:
+        raise ConfigError(f"{p.where}: {p.dotted}: give hmac_key or hmac_key_env, not both")
+    if "hmac_key" in d:
+        value = d["hmac_key"]
+        where = p.child("hmac_key")
+        if not isinstance(value, str):
+            raise ConfigError(f"{where.where}: {where.dotted}: expected a string")
+    elif "hmac_key_env" in d:
+        name = d["hmac_key_env"]
+        where = p.child("hmac_key_env")
+        if not isinstance(name, str) or not _ENV_NAME_RE.match(name):
+            raise where.error("expected an environment variable name", name)
+        env = os.environ.get(name)
+        if env is None:
+            raise ConfigError(
+                f"{where.where}: {where.dotted}: environment variable {name} is not set"
+            )
+        value = env
+    else:
+        return None
+    key = value.encode()
+    if len(key) < MIN_HMAC_KEY_BYTES:
+        raise ConfigError(
+            f"{where.where}: {where.dotted}: the key must have at least "
+            f"{MIN_HMAC_KEY_BYTES} bytes, got {len(key)}"
+        )
+    return key
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rtserve.cache.codec import encode_bytes_elements
+from rtserve.protocol.bytes_codec import encode_bytes_elements
 from rtserve.protocol.types import DATATYPE_TO_NUMPY, RequestedOutput, Tensor
 
 KEY_FORMAT = b"rtserve-cache-key/1"

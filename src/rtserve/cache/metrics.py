@@ -21,6 +21,9 @@ class ModelCacheMetrics:
     redis_errors: Counter
     redis_dropped_writes: Counter
     invalid_values: Counter
+    rejected_signature: Counter
+    rejected_format: Counter
+    rejected_outputs: Counter
     breaker_open: Gauge
     _owner: CacheMetrics
     _model: str
@@ -66,8 +69,17 @@ class CacheMetrics:
         )
         self.invalid_values = Counter(
             "rtserve_cache_invalid_values",
-            "Redis values that were not well-formed cache entries (treated as misses).",
+            "Redis values rejected (treated as misses): not authentic, malformed, or not "
+            "matching the model's outputs.",
             ["model"],
+            registry=registry,
+        )
+        self.rejected_values = Counter(
+            "rtserve_cache_rejected_values",
+            "Redis values rejected by reason: signature (HMAC check failed: written "
+            "without the key or under another key), format (not a cache entry), outputs "
+            "(names, datatypes or shapes do not match the model's outputs).",
+            ["model", "reason"],
             registry=registry,
         )
         self.breaker_open = Gauge(
@@ -94,6 +106,9 @@ class CacheMetrics:
             redis_errors=self.redis_errors.labels(model),
             redis_dropped_writes=self.redis_dropped_writes.labels(model),
             invalid_values=self.invalid_values.labels(model),
+            rejected_signature=self.rejected_values.labels(model, "signature"),
+            rejected_format=self.rejected_values.labels(model, "format"),
+            rejected_outputs=self.rejected_values.labels(model, "outputs"),
             breaker_open=self.breaker_open.labels(model),
             _owner=self,
             _model=model,

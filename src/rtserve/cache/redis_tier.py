@@ -10,12 +10,22 @@ of a batch, so both directions are batched: reads issued in the same event-loop 
 go out as one ``MGET``, and writes go through a bounded queue drained by one background
 task that pipelines ``SET key value PX ttl`` (a miss pays a deque append, never a round
 trip).
+
+Values are authenticated: what is stored is ``value + HMAC-SHA256(key, redis key + value)``
+(32 bytes), so a value written by anyone without the key, or moved from another key, is
+a miss (counted as ``rtserve_cache_rejected_values{reason="signature"}``). Without a
+configured key each process uses its own random key (see ``RedisTierConfig``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import secrets
 from collections import deque
 from collections.abc import Sequence
 
@@ -29,6 +39,42 @@ from rtserve.cache.metrics import ModelCacheMetrics
 
 _WRITE_BATCH = 128
 _READ_BATCH = 128
+TAG_BYTES = 32
+_TAG_CONTEXT = b"rtserve-cache-v1\0"
+log = logging.getLogger(__name__)
+_process_keys: dict[int, bytes] = {}
+
+
+def process_key() -> bytes:
+    """This process's random signing key (a forked child draws its own)."""
+    pid = os.getpid()
+    key = _process_keys.get(pid)
+    if key is None:
+        key = _process_keys[pid] = secrets.token_bytes(32)
+    return key
+
+
+def sign(key: bytes, redis_key: bytes, value: bytes) -> bytes:
+    """``value`` followed by its tag; the tag binds the value to its Redis key."""
+    mac = hmac.new(key, _TAG_CONTEXT, hashlib.sha256)
+    mac.update(redis_key)
+    mac.update(b"\0")
+    mac.update(value)
+    return value + mac.digest()
+
+
+def verify(key: bytes, redis_key: bytes, stored: bytes) -> bytes | None:
+    """The value inside ``stored`` if its tag is right, else None."""
+    if len(stored) < TAG_BYTES:
+        return None
+    value = memoryview(stored)[:-TAG_BYTES]
+    mac = hmac.new(key, _TAG_CONTEXT, hashlib.sha256)
+    mac.update(redis_key)
+    mac.update(b"\0")
+    mac.update(value)
+    if not hmac.compare_digest(mac.digest(), stored[-TAG_BYTES:]):
+        return None
+    return bytes(value)
 
 
 def key_prefix(namespace: str, model_name: str, version: str) -> bytes:
@@ -47,6 +93,15 @@ class RedisTier:
         self._ttl_ms = max(1, int(config.ttl_s * 1000))
         self._max_pending = config.max_pending_writes
         self._metrics = metrics
+        if config.hmac_key is None:
+            log.warning(
+                "model %s version %s: response_cache.redis has no hmac_key; values are "
+                "signed with a per-process random key, so other processes and replicas "
+                "cannot use them (set hmac_key or hmac_key_env to share)",
+                model_name,
+                version,
+            )
+        self._key = config.hmac_key if config.hmac_key is not None else process_key()
         self._client = aioredis.Redis.from_url(
             config.url,
             socket_timeout=timeout_s,
@@ -69,14 +124,23 @@ class RedisTier:
         return self.prefix + key.hex().encode()
 
     async def get(self, key: bytes) -> bytes | None:
-        """The stored value, or None on a miss, an error, or while the breaker is open."""
+        """The stored value, or None on a miss, an error, while the breaker is open, or
+        when the value is not signed with this tier's key for this Redis key."""
         if not self._usable():
             return None
+        redis_key = self.redis_key(key)
         fut: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
-        self._reads.append((self.redis_key(key), fut))
+        self._reads.append((redis_key, fut))
         if len(self._reads) == 1:
             asyncio.get_running_loop().call_soon(self._send_reads)
-        return await fut
+        stored = await fut
+        if stored is None:
+            return None
+        value = verify(self._key, redis_key, stored)
+        if value is None:
+            self._metrics.invalid_values.inc()
+            self._metrics.rejected_signature.inc()
+        return value
 
     def _send_reads(self) -> None:
         """Runs once per loop iteration that queued reads: one MGET per ``_READ_BATCH``."""
@@ -107,7 +171,8 @@ class RedisTier:
         if self._closed or not self._usable() or len(self._pending) >= self._max_pending:
             self._metrics.redis_dropped_writes.inc()
             return
-        self._pending.append((self.redis_key(key), value))
+        redis_key = self.redis_key(key)
+        self._pending.append((redis_key, sign(self._key, redis_key, value)))
         self._idle.clear()
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write_loop())

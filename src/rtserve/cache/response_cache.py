@@ -10,12 +10,17 @@ does not track; it stops tracking such a tuple the first time it sees one), so L
 never reach the oldest generation and a large L1 adds nothing to full-collection pauses.
 Tensor objects and nested tuples did: a growing 50k-entry L1 triggered gen-2 collections
 of tens of milliseconds each.
+
+A value read from Redis is used only if it is authentic (see ``redis_tier``), decodes,
+and matches what the model would answer: the requested output names in order, and, when
+the model's output signature is given, each output's datatype and shape (the request's
+rows first when the model batches). Anything else is a miss, counted by reason.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -47,11 +52,35 @@ _Stored = tuple[Any, ...]
 _FIELDS = 4
 
 
+class OutputSpec(Protocol):
+    """One model output as the cache checks it (``rtserve.config.TensorSpec`` fits):
+    ``shape`` is per row when the model batches; -1 is any size."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def datatype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
 class ResponseCache:
-    """Create one per loaded model version whose merged config is enabled."""
+    """Create one per loaded model version whose merged config is enabled.
+
+    ``outputs``: the model's output signature (every output, in the model's order) and
+    ``max_batch_size`` (> 0: shapes are per row and the first dimension is the rows):
+    values from Redis must match them. Without ``outputs`` only the names requested are
+    checked.
+    """
 
     def __init__(
-        self, config: CacheConfig, model_name: str, version: str, metrics: CacheMetrics
+        self,
+        config: CacheConfig,
+        model_name: str,
+        version: str,
+        metrics: CacheMetrics,
+        outputs: Iterable[OutputSpec] | None = None,
+        max_batch_size: int = 0,
     ) -> None:
         if not config.enabled:
             raise ValueError(f"model {model_name!r}: response cache config has no tier enabled")
@@ -68,6 +97,10 @@ class ResponseCache:
         if config.redis is not None:
             self._redis = RedisTier(config.redis, model_name, version, m)
         self._flights: SingleFlight[bytes, tuple[_Stored, str]] = SingleFlight()
+        self._outputs: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        if outputs is not None:
+            self._outputs = {o.name: (o.datatype, tuple(o.shape)) for o in outputs}
+        self._batched = max_batch_size > 0
 
     @property
     def memory(self) -> MemoryCache[_Stored] | None:
@@ -163,11 +196,43 @@ class ResponseCache:
             tensors = decode(value)
         except CacheDecodeError:
             self._metrics.invalid_values.inc()
+            self._metrics.rejected_format.inc()
             return None
-        if request.outputs and [t.name for t in tensors] != [o.name for o in request.outputs]:
+        if not self._matches(tensors, request):
             self._metrics.invalid_values.inc()
+            self._metrics.rejected_outputs.inc()
             return None
         return _flat(tensors, [t.data for t in tensors])
+
+    def _matches(self, tensors: Sequence[Tensor], request: InferRequest) -> bool:
+        """Do the cached outputs look like the model's answer to ``request``?"""
+        names = [t.name for t in tensors]
+        signature = self._outputs
+        if request.outputs:
+            if names != [o.name for o in request.outputs]:
+                return False
+        elif signature is not None and names != list(signature):
+            return False
+        if signature is None:
+            return True
+        rows = request.inputs[0].shape[0] if self._batched and request.inputs else None
+        for t in tensors:
+            spec = signature.get(t.name)
+            if spec is None:
+                return False
+            datatype, dims = spec
+            if t.datatype != datatype:
+                return False
+            shape = t.data.shape
+            if rows is not None:
+                if not shape or shape[0] != rows:
+                    return False
+                shape = shape[1:]
+            if len(shape) != len(dims) or any(
+                want != -1 and got != want for got, want in zip(shape, dims, strict=True)
+            ):
+                return False
+        return True
 
 
 def wants_cache(value: Any) -> bool:

@@ -1,4 +1,10 @@
-"""Conversions between the gRPC messages and the in-memory request and response types."""
+"""Conversions between the gRPC messages and the in-memory request and response types.
+
+Decoding follows the same budget as the HTTP codec (:class:`DecodeLimits`): element
+counts are checked against the bytes present and the limits before any allocation, typed
+``contents`` must fit the datatype's range, and a decode error carries no traceback into
+the decoder's frames (so an error answer never pins the buffers it was decoding).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,12 @@ import math
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
-from rtserve.errors import InvalidInput
+from rtserve.errors import InvalidInput, PayloadTooLarge, RTServeError
 from rtserve.protocol import grpc_service_pb2 as pb
-from rtserve.protocol.http_codec import decode_bytes_elements, encode_bytes_elements
+from rtserve.protocol.bytes_codec import decode_bytes_elements, encode_bytes_elements
+from rtserve.protocol.limits import DEFAULT_LIMITS, MAX_NDIM, DecodeLimits, shown, shown_name
 from rtserve.protocol.types import (
     DATATYPE_TO_NUMPY,
     InferRequest,
@@ -33,6 +41,17 @@ _CONTENTS_FIELD = {
     "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
 }
+# The wide type of each contents field, before narrowing to the datatype.
+_CONTENTS_DTYPE: dict[str, np.dtype[Any]] = {
+    "int_contents": np.dtype(np.int32),
+    "int64_contents": np.dtype(np.int64),
+    "uint_contents": np.dtype(np.uint32),
+    "uint64_contents": np.dtype(np.uint64),
+    "fp32_contents": np.dtype(np.float32),
+    "fp64_contents": np.dtype(np.float64),
+    "bool_contents": np.dtype(np.bool_),
+}
+_NARROW = frozenset({"INT8", "INT16", "UINT8", "UINT16"})
 
 
 def parameters_to_dict(params: Any) -> dict[str, Any]:
@@ -44,33 +63,82 @@ def parameters_to_dict(params: Any) -> dict[str, Any]:
     return out
 
 
-def decode_model_infer(request: pb.ModelInferRequest) -> InferRequest:
+def parse_model_infer(data: bytes) -> pb.ModelInferRequest:
+    """A serialized ModelInferRequest; a malformed one is InvalidInput (INVALID_ARGUMENT).
+
+    Register the RPC with no request deserializer (the handler gets bytes) and call this,
+    or pass the bytes to :func:`decode_model_infer`, so that a bad message gets an answer
+    instead of an UNKNOWN status and a logged traceback.
+    """
+    try:
+        return pb.ModelInferRequest.FromString(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise InvalidInput(
+            f"request is not a valid inference.ModelInferRequest message: {shown(str(exc))}"
+        ) from None
+
+
+def decode_model_infer(
+    request: pb.ModelInferRequest | bytes, limits: DecodeLimits = DEFAULT_LIMITS
+) -> InferRequest:
+    """Decode a ModelInferRequest (or its serialized bytes); raises 4xx RTServeErrors."""
+    try:
+        if isinstance(request, bytes | bytearray | memoryview):
+            request = parse_model_infer(bytes(request))
+        return _decode(request, limits)
+    except RTServeError as exc:
+        # Drop the decoder's frames (and the arrays they hold) from the error.
+        raise exc.with_traceback(None) from None
+
+
+def _decode(request: pb.ModelInferRequest, limits: DecodeLimits) -> InferRequest:
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput(
             f"raw_input_contents: {len(raw)} entries for {len(request.inputs)} inputs "
             "(expected one per input)"
         )
+    elements = 0
+    bytes_elements = 0
     inputs: list[Tensor] = []
     for i, inp in enumerate(request.inputs):
         name = inp.name
-        where = f"input '{name}'" if name else f"inputs[{i}]"
         if not name:
             raise InvalidInput(f"inputs[{i}].name: expected a non-empty string")
+        where = f"input {shown_name(name)}"
         datatype = inp.datatype
         dtype = DATATYPE_TO_NUMPY.get(datatype)
         if dtype is None:
             raise InvalidInput(
-                f"{where}.datatype: expected one of {', '.join(DATATYPE_TO_NUMPY)}, got {datatype!r}"
+                f"{where}.datatype: expected one of {', '.join(DATATYPE_TO_NUMPY)}, "
+                f"got {shown(datatype)!r}"
             )
+        if len(inp.shape) > MAX_NDIM:
+            raise InvalidInput(f"{where}.shape: more than {MAX_NDIM} dimensions")
         shape = tuple(inp.shape)
         if any(d < 0 for d in shape):
             raise InvalidInput(f"{where}.shape: dimensions must be >= 0, got {list(shape)}")
         count = math.prod(shape)
+        elements += count
+        if elements > limits.max_elements:
+            raise PayloadTooLarge(
+                f"{where}.shape: {list(shape)} brings the request to {elements} elements, "
+                f"over the limit of {limits.max_elements} (max_elements)"
+            )
+        if datatype == "BYTES":
+            bytes_elements += count
+            if bytes_elements > limits.max_bytes_elements:
+                raise PayloadTooLarge(
+                    f"{where}.shape: {list(shape)} brings the request to {bytes_elements} "
+                    f"BYTES elements, over the limit of {limits.max_bytes_elements} "
+                    "(max_bytes_elements)"
+                )
         if raw:
             buf = raw[i]
             if datatype == "BYTES":
-                arr = decode_bytes_elements(memoryview(buf), count, where)
+                arr = decode_bytes_elements(
+                    memoryview(buf), count, f"{where}.raw_input_contents", count
+                )
             else:
                 expected = count * dtype.itemsize
                 if len(buf) != expected:
@@ -79,26 +147,10 @@ def decode_model_infer(request: pb.ModelInferRequest) -> InferRequest:
                         f"of {datatype} needs {expected}"
                     )
                 arr = np.frombuffer(buf, dtype=dtype, count=count)
+                if datatype == "BOOL" and count and bool((arr.view(np.uint8) > 1).any()):
+                    raise InvalidInput(f"{where}: BOOL raw contents hold bytes other than 0 and 1")
         else:
-            field = _CONTENTS_FIELD.get(datatype)
-            if field is None:
-                raise InvalidInput(
-                    f"{where}: {datatype} tensors must be sent in raw_input_contents"
-                )
-            values = getattr(inp.contents, field)
-            if len(values) != count:
-                raise InvalidInput(
-                    f"{where}.contents.{field}: has {len(values)} elements, shape {list(shape)} "
-                    f"needs {count}"
-                )
-            if datatype == "BYTES":
-                arr = np.empty(count, dtype=object)
-                arr[:] = list(values)
-            else:
-                try:
-                    arr = np.array(values, dtype=dtype)
-                except (OverflowError, ValueError) as exc:
-                    raise InvalidInput(f"{where}.contents.{field}: {exc}") from None
+            arr = _from_contents(inp, datatype, count, where)
         inputs.append(Tensor(name, datatype, shape, arr.reshape(shape)))
     outputs = None
     if request.outputs:
@@ -111,6 +163,32 @@ def decode_model_infer(request: pb.ModelInferRequest) -> InferRequest:
         id=request.id,
         parameters=parameters_to_dict(request.parameters) if request.parameters else {},
     )
+
+
+def _from_contents(inp: Any, datatype: str, count: int, where: str) -> np.ndarray[Any, Any]:
+    field = _CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise InvalidInput(f"{where}: {datatype} tensors must be sent in raw_input_contents")
+    values = getattr(inp.contents, field)
+    if len(values) != count:
+        raise InvalidInput(
+            f"{where}.contents.{field}: has {len(values)} elements, shape needs {count}"
+        )
+    if datatype == "BYTES":
+        arr = np.empty(count, dtype=object)
+        arr[:] = list(values)
+        return arr
+    wide = np.array(values, dtype=_CONTENTS_DTYPE[field])
+    if datatype in _NARROW and count:
+        info = np.iinfo(DATATYPE_TO_NUMPY[datatype])
+        bad = np.flatnonzero((wide < info.min) | (wide > info.max))
+        if bad.size:
+            j = int(bad[0])
+            raise InvalidInput(
+                f"{where}.contents.{field}[{j}]: {wide[j]} is out of range for {datatype} "
+                f"({info.min} to {info.max})"
+            )
+    return wide.astype(DATATYPE_TO_NUMPY[datatype], copy=False)
 
 
 def encode_model_infer(response: InferResponse) -> pb.ModelInferResponse:

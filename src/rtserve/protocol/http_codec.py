@@ -3,18 +3,41 @@
 A request body is a JSON header, optionally followed by raw tensor bytes; the header's
 length comes in the ``Inference-Header-Content-Length`` HTTP header. Binary inputs become
 numpy arrays over the body without a copy.
+
+Decoding is strict and budgeted (see :class:`~rtserve.protocol.limits.DecodeLimits`):
+element counts are checked against the data actually present and the limits before any
+allocation; a JSON header above a few KiB is checked for its number of lists and objects
+before it is parsed; numeric ``data`` must hold JSON numbers in the datatype's range
+(``null``, strings and booleans are refused, as are 1e39 for FP32 or -1 for UINT8).
+
+JSON ``data`` lists become numpy arrays through ``struct`` (one C call packs the whole
+list, refusing non-numbers and out-of-range values as it goes) and ``np.frombuffer``.
+
+Non-finite floats in JSON outputs are written as the strings ``"NaN"``, ``"Infinity"``
+and ``"-Infinity"`` (JSON has no such numbers; ``numpy`` and tritonclient read these
+strings back as floats).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import struct
+from itertools import chain
 from typing import Any
 
 import numpy as np
 import orjson
 
-from rtserve.errors import InvalidInput
+from rtserve.errors import InvalidInput, PayloadTooLarge
+from rtserve.protocol.bytes_codec import decode_bytes_elements, encode_bytes_elements
+from rtserve.protocol.limits import (
+    DEFAULT_LIMITS,
+    MAX_NDIM,
+    DecodeLimits,
+    shown,
+    shown_name,
+)
 from rtserve.protocol.types import (
     DATATYPE_TO_NUMPY,
     InferRequest,
@@ -23,8 +46,54 @@ from rtserve.protocol.types import (
     Tensor,
 )
 
+__all__ = [
+    "decode_bytes_elements",
+    "decode_infer_request",
+    "encode_bytes_elements",
+    "encode_infer_response",
+]
+
 _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
-_U32 = struct.Struct("<I")
+# A JSON header this long or shorter is parsed without counting its containers first:
+# at worst it holds ~2k lists, well under a millisecond of parsing.
+_PRESCAN_BYTES = 4096
+# struct format characters (native byte order, standard sizes) of the numeric datatypes.
+_STRUCT_CODE = {
+    "BOOL": "?",
+    "UINT8": "B",
+    "UINT16": "H",
+    "UINT32": "I",
+    "UINT64": "Q",
+    "INT8": "b",
+    "INT16": "h",
+    "INT32": "i",
+    "INT64": "q",
+    "FP16": "e",
+    "FP32": "f",
+    "FP64": "d",
+}
+_FLOATS = frozenset({"FP16", "FP32", "FP64"})
+# A JSON boolean packs as 0.0 or 1.0: a float tensor holding neither bit pattern cannot
+# have come from one, so the exact (slower) type check runs only when one occurs.
+_ZERO_OR_ONE = {
+    name: re.compile(
+        re.escape(DATATYPE_TO_NUMPY[name].type(0).tobytes())
+        + b"|"
+        + re.escape(DATATYPE_TO_NUMPY[name].type(1).tobytes())
+    )
+    for name in _FLOATS
+}
+_CHUNK = 1 << 14
+_structs: dict[tuple[str, int], struct.Struct] = {}
+
+
+def _struct(code: str, n: int) -> struct.Struct:
+    s = _structs.get((code, n))
+    if s is None:
+        if len(_structs) >= 256:
+            _structs.clear()
+        s = _structs[(code, n)] = struct.Struct(f"={n}{code}")
+    return s
 
 
 def _fail(where: str, message: str) -> InvalidInput:
@@ -32,142 +101,271 @@ def _fail(where: str, message: str) -> InvalidInput:
 
 
 def _shape(value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or any(
-        isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in value
-    ):
-        raise _fail(f"{where}.shape", f"expected a list of non-negative integers, got {value!r}")
-    return tuple(value)
-
-
-def _flatten(data: Any) -> list[Any]:
-    if not isinstance(data, list):
-        return [data]
-    out: list[Any] = []
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(reversed(item))
+    if type(value) is list and len(value) <= MAX_NDIM:
+        for d in value:
+            if type(d) is not int or d < 0:
+                break
         else:
+            return tuple(value)
+    raise _fail(
+        f"{where}.shape",
+        f"expected a list of at most {MAX_NDIM} non-negative integers, got {shown(value)}",
+    )
+
+
+def _json_value(v: Any) -> str:
+    """A parsed JSON value as the client wrote it (``null``, ``"0.5"``, ``true``), cut short."""
+    try:
+        return shown(orjson.dumps(v).decode())
+    except TypeError:
+        return shown(v)
+
+
+def _flat_list(data: Any, ndim: int, count: int, where: str) -> list[Any]:
+    """The leaves of (nested) ``data`` in row-major order, nested at most ``ndim`` deep;
+    stops as soon as there are more than ``count``."""
+    if type(data) is not list:
+        return [data]
+    max_depth = max(ndim, 1)
+    out: list[Any] = []
+    stack: list[tuple[list[Any], int, int]] = [(data, 0, 1)]
+    while stack:
+        items, start, depth = stack.pop()
+        for i in range(start, len(items)):
+            item = items[i]
+            if type(item) is list:
+                if depth >= max_depth:
+                    raise _fail(
+                        f"{where}.data",
+                        f"nested deeper than the tensor's {ndim} dimension(s)",
+                    )
+                stack.append((items, i + 1, depth))
+                stack.append((item, 0, depth + 1))
+                break
             out.append(item)
+            if len(out) > count:
+                raise _fail(f"{where}.data", f"has more than the {count} elements of its shape")
     return out
 
 
-def decode_bytes_elements(buf: memoryview, count: int, where: str) -> np.ndarray:
-    """BYTES tensors in binary form: each element is a 4-byte little-endian length + bytes."""
-    out = np.empty(count, dtype=object)
-    pos = 0
-    n = len(buf)
-    for i in range(count):
-        if pos + 4 > n:
-            raise _fail(where, f"BYTES data ends inside element {i} (expected {count} elements)")
-        (length,) = _U32.unpack_from(buf, pos)
-        pos += 4
-        if pos + length > n:
-            raise _fail(where, f"BYTES element {i} claims {length} bytes but the data ends first")
-        out[i] = bytes(buf[pos : pos + length])
-        pos += length
-    if pos != n:
-        raise _fail(where, f"BYTES data has {n - pos} bytes beyond its {count} elements")
-    return out
+def _bad_element(flat: list[Any], datatype: str, where: str) -> InvalidInput:
+    """Why ``flat`` does not pack as ``datatype``: the first offending element."""
+    code = _STRUCT_CODE[datatype]
+    one = _struct(code, 1)
+    kind = (
+        "booleans"
+        if datatype == "BOOL"
+        else (f"{datatype} numbers" if datatype in _FLOATS else f"{datatype} integers")
+    )
+    for i, v in enumerate(flat):
+        if datatype == "BOOL":
+            ok_type = type(v) is bool
+        elif datatype in _FLOATS:
+            ok_type = type(v) is float or type(v) is int
+        else:
+            ok_type = type(v) is int
+        if not ok_type:
+            return _fail(f"{where}.data[{i}]", f"expected {kind}, got {_json_value(v)}")
+        try:
+            one.pack(v)
+        except (struct.error, OverflowError, TypeError):
+            info = np.iinfo if datatype not in _FLOATS else np.finfo
+            dt = DATATYPE_TO_NUMPY[datatype]
+            lo, hi = info(dt).min, info(dt).max
+            return _fail(
+                f"{where}.data[{i}]",
+                f"{_json_value(v)} is out of range for {datatype} ({lo} to {hi})",
+            )
+    return _fail(f"{where}.data", f"expected {kind}")
 
 
-def encode_bytes_elements(arr: np.ndarray) -> bytes:
-    parts = []
-    for item in arr.reshape(-1):
-        b = item if isinstance(item, bytes) else str(item).encode()
-        parts.append(_U32.pack(len(b)))
-        parts.append(b)
-    return b"".join(parts)
+def _pack(flat: list[Any], datatype: str, where: str) -> np.ndarray[Any, Any]:
+    """Pack a flat list of JSON values into a numpy array of ``datatype``, strictly."""
+    code = _STRUCT_CODE[datatype]
+    dtype = DATATYPE_TO_NUMPY[datatype]
+    n = len(flat)
+    suspect = False
+    if datatype == "BOOL" and not {*map(type, flat)} <= {bool}:
+        raise _bad_element(flat, datatype, where)
+    try:
+        if n <= _CHUNK:
+            buf = _struct(code, n).pack(*flat)
+            arr = np.frombuffer(buf, dtype=dtype)
+            if datatype in _FLOATS:
+                suspect = _ZERO_OR_ONE[datatype].search(buf) is not None
+            else:
+                suspect = datatype != "BOOL"
+        else:
+            arr = np.empty(n, dtype=dtype)
+            out = arr.data.cast("B")
+            step = _struct(code, _CHUNK)
+            size = dtype.itemsize
+            for i in range(0, n - _CHUNK + 1, _CHUNK):
+                step.pack_into(out, i * size, *flat[i : i + _CHUNK])
+            rest = n % _CHUNK
+            if rest:
+                _struct(code, rest).pack_into(out, (n - rest) * size, *flat[n - rest :])
+            suspect = datatype != "BOOL" and bool(((arr == 0) | (arr == 1)).any())
+    except (struct.error, OverflowError, TypeError):
+        raise _bad_element(flat, datatype, where) from None
+    # JSON true/false pack as 1/0: only when such values occur, look at the types.
+    if suspect and bool in {*map(type, flat)}:
+        raise _bad_element(flat, datatype, where)
+    return arr
 
 
-def _json_array(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
-    count = math.prod(shape)
+def _json_array(
+    data: Any, datatype: str, shape: tuple[int, ...], count: int, where: str
+) -> np.ndarray[Any, Any]:
     if datatype == "BYTES":
-        flat = _flatten(data)
+        flat = _flat_list(data, len(shape), count, where)
         if len(flat) != count:
             raise _fail(
                 f"{where}.data", f"has {len(flat)} elements, shape {list(shape)} needs {count}"
             )
         arr = np.empty(count, dtype=object)
         for i, item in enumerate(flat):
-            if isinstance(item, str):
-                arr[i] = item.encode()
-            else:
-                raise _fail(f"{where}.data", f"BYTES elements must be strings, got {item!r}")
+            if type(item) is not str:
+                raise _fail(
+                    f"{where}.data[{i}]", f"BYTES elements must be strings, got {_json_value(item)}"
+                )
+            arr[i] = item.encode()
         return arr.reshape(shape)
-    dtype = DATATYPE_TO_NUMPY[datatype]
-    if type(data) is list and len(data) == count and count and type(data[0]) is float:
-        # The common case, a flat list of floats: fromiter skips numpy's nesting checks.
+    if type(data) is list and len(data) == count and count:
+        # The common case, a flat list: nested lists inside fail to pack and are diagnosed.
         try:
-            return np.fromiter(data, dtype=dtype, count=count).reshape(shape)
-        except (ValueError, TypeError):
-            pass  # mixed content: let np.array report it below
-    try:
-        arr = np.array(data, dtype=dtype)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise _fail(
-            f"{where}.data", f"expected a (nested) list of {datatype} numbers: {exc}"
-        ) from None
-    if arr.size != count:
-        raise _fail(f"{where}.data", f"has {arr.size} elements, shape {list(shape)} needs {count}")
-    if datatype != "BOOL" and arr.size and _has_non_numbers(data):
-        raise _fail(f"{where}.data", f"expected {datatype} numbers")
-    return arr.reshape(shape)
+            return _pack(data, datatype, where).reshape(shape)
+        except InvalidInput:
+            if not any(type(v) is list for v in data):
+                raise
+    unnested = _unnest(data, len(shape), count)
+    if unnested is None or len(unnested) != count:
+        unnested = _flat_list(data, len(shape), count, where)
+    flat = unnested
+    if len(flat) != count:
+        raise _fail(f"{where}.data", f"has {len(flat)} elements, shape {list(shape)} needs {count}")
+    return _pack(flat, datatype, where).reshape(shape)
 
 
-def _has_non_numbers(data: Any) -> bool:
-    """numpy quietly turns True into 1; V2 numeric tensors must hold numbers."""
-    first = data
-    while isinstance(first, list) and first:
-        first = first[0]
-    return isinstance(first, bool)
+def _unnest(data: Any, ndim: int, count: int) -> list[Any] | None:
+    """Fully nested ``data`` flattened level by level in C; None when it is not a list of
+    lists down to the last level (then :func:`_flat_list` walks it)."""
+    level = data
+    if type(level) is not list:
+        return None
+    for _ in range(ndim - 1):
+        if len(level) > count or {*map(type, level)} != {list}:
+            return None
+        level = list(chain.from_iterable(level))
+    return level
+
+
+def _check_parameters(value: Any, where: str, limits: DecodeLimits) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _fail(where, f"expected an object, got {_json_value(value)}")
+    if value:
+        stack: list[tuple[Any, int]] = [(value, 1)]
+        while stack:
+            obj, depth = stack.pop()
+            if depth > limits.max_json_depth:
+                raise _fail(
+                    where, f"nested deeper than {limits.max_json_depth} levels (max_json_depth)"
+                )
+            children = obj.values() if isinstance(obj, dict) else obj
+            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return value
+
+
+def _prescan(body: bytes, header_length: int, limits: DecodeLimits) -> None:
+    """Bound the parse: count the header's lists and objects (an over-count: brackets
+    inside strings count too) before orjson builds them."""
+    containers = body.count(b"[", 0, header_length) + body.count(b"{", 0, header_length)
+    if containers > limits.max_json_containers:
+        raise PayloadTooLarge(
+            f"request JSON: more than {limits.max_json_containers} lists and objects "
+            "(max_json_containers); send large tensors as flat data lists or binary data"
+        )
+    commas = body.count(b",", 0, header_length)
+    if commas > limits.max_elements + containers:
+        raise PayloadTooLarge(
+            f"request JSON: more than {limits.max_elements} values (max_elements)"
+        )
 
 
 def decode_infer_request(
-    body: bytes, header_length: int | None, model_name: str, model_version: str
+    body: bytes,
+    header_length: int | None,
+    model_name: str,
+    model_version: str,
+    limits: DecodeLimits = DEFAULT_LIMITS,
 ) -> InferRequest:
+    """Decode a V2 inference request body; raises InvalidInput / PayloadTooLarge (4xx)."""
     if header_length is None:
         header_length = len(body)
     elif header_length < 0 or header_length > len(body):
         raise InvalidInput(
-            f"Inference-Header-Content-Length: {header_length} is outside the body of {len(body)} bytes"
+            f"Inference-Header-Content-Length: {header_length} is outside the body of "
+            f"{len(body)} bytes"
         )
+    if header_length > _PRESCAN_BYTES:
+        _prescan(body, header_length, limits)
     try:
-        doc = orjson.loads(memoryview(body)[:header_length])
+        doc = orjson.loads(memoryview(body)[:header_length] if header_length != len(body) else body)
     except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
+        raise InvalidInput(f"request body is not valid JSON: {shown(str(exc), 200)}") from None
+    if type(doc) is not dict:
         raise InvalidInput("request body: expected a JSON object with an 'inputs' list")
     raw_inputs = doc.get("inputs")
-    if not isinstance(raw_inputs, list) or not raw_inputs:
+    if type(raw_inputs) is not list or not raw_inputs:
         raise InvalidInput("inputs: expected a non-empty list of tensors")
     binary = memoryview(body)[header_length:]
     offset = 0
+    elements = 0
+    bytes_elements = 0
     inputs: list[Tensor] = []
     for i, item in enumerate(raw_inputs):
         where = f"inputs[{i}]"
-        if not isinstance(item, dict):
+        if type(item) is not dict:
             raise _fail(where, "expected an object with name, shape, datatype and data")
         name = item.get("name")
-        if not isinstance(name, str) or not name:
-            raise _fail(f"{where}.name", f"expected a non-empty string, got {name!r}")
-        where = f"input '{name}'"
+        if type(name) is not str or not name:
+            raise _fail(f"{where}.name", f"expected a non-empty string, got {_json_value(name)}")
+        where = f"input {shown_name(name)}"
         datatype = item.get("datatype")
-        dtype = DATATYPE_TO_NUMPY.get(datatype) if isinstance(datatype, str) else None
+        dtype = DATATYPE_TO_NUMPY.get(datatype) if type(datatype) is str else None
         if dtype is None:
             raise _fail(
                 f"{where}.datatype",
-                f"expected one of {', '.join(DATATYPE_TO_NUMPY)}, got {datatype!r}",
+                f"expected one of {', '.join(DATATYPE_TO_NUMPY)}, got {_json_value(datatype)}",
             )
         assert isinstance(datatype, str)
         shape = _shape(item.get("shape"), where)
+        count = math.prod(shape)
+        elements += count
+        if elements > limits.max_elements:
+            raise PayloadTooLarge(
+                f"{where}.shape: {list(shape)} brings the request to {elements} elements, "
+                f"over the limit of {limits.max_elements} (max_elements)"
+            )
+        is_bytes = datatype == "BYTES"
+        if is_bytes:
+            bytes_elements += count
+            if bytes_elements > limits.max_bytes_elements:
+                raise PayloadTooLarge(
+                    f"{where}.shape: {list(shape)} brings the request to {bytes_elements} "
+                    f"BYTES elements, over the limit of {limits.max_bytes_elements} "
+                    "(max_bytes_elements)"
+                )
         params = item.get("parameters")
-        size = params.get("binary_data_size") if isinstance(params, dict) else None
+        size = None
+        if params is not None:
+            params = _check_parameters(params, f"{where}.parameters", limits)
+            size = params.get("binary_data_size")
         if size is not None:
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            if type(size) is not int or size < 0:
                 raise _fail(
-                    f"{where}.parameters.binary_data_size", f"expected a byte count, got {size!r}"
+                    f"{where}.parameters.binary_data_size",
+                    f"expected a byte count, got {_json_value(size)}",
                 )
             if offset + size > len(binary):
                 raise _fail(
@@ -176,9 +374,9 @@ def decode_infer_request(
                 )
             chunk = binary[offset : offset + size]
             offset += size
-            count = math.prod(shape)
-            if datatype == "BYTES":
-                arr = decode_bytes_elements(chunk, count, where).reshape(shape)
+            if is_bytes:
+                arr = decode_bytes_elements(chunk, count, where, limits.max_bytes_elements)
+                arr = arr.reshape(shape)
             else:
                 expected = count * dtype.itemsize
                 if size != expected:
@@ -188,41 +386,54 @@ def decode_infer_request(
                         f"({expected} bytes)",
                     )
                 arr = np.frombuffer(chunk, dtype=dtype, count=count).reshape(shape)
+                if datatype == "BOOL" and count and bool((arr.view(np.uint8) > 1).any()):
+                    raise _fail(where, "BOOL binary data holds bytes other than 0 and 1")
                 if not arr.flags.aligned:
                     arr = arr.copy()
         else:
             if "data" not in item:
                 raise _fail(where, "has neither 'data' nor parameters.binary_data_size")
-            arr = _json_array(item["data"], datatype, shape, where)
+            arr = _json_array(item["data"], datatype, shape, count, where)
         inputs.append(Tensor(name, datatype, shape, arr))
     if offset != len(binary):
         raise InvalidInput(
             f"binary data: {len(binary) - offset} bytes after the last input's binary_data_size"
         )
-    params = doc.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise InvalidInput("parameters: expected an object")
+    params = doc.get("parameters")
+    params = {} if params is None else _check_parameters(params, "parameters", limits)
     outputs = None
     raw_outputs = doc.get("outputs")
     if raw_outputs is not None:
-        if not isinstance(raw_outputs, list):
+        if type(raw_outputs) is not list:
             raise InvalidInput("outputs: expected a list of {name, parameters}")
         outputs = []
         for i, out in enumerate(raw_outputs):
-            if not isinstance(out, dict) or not isinstance(out.get("name"), str):
+            if type(out) is not dict or type(out.get("name")) is not str:
                 raise InvalidInput(f"outputs[{i}].name: expected a string")
             op = out.get("parameters")
-            flag = op.get("binary_data") if isinstance(op, dict) else None
-            outputs.append(RequestedOutput(out["name"], flag if isinstance(flag, bool) else None))
+            flag = None
+            if op is not None:
+                flag = _check_parameters(op, f"outputs[{i}].parameters", limits).get("binary_data")
+            outputs.append(RequestedOutput(out["name"], flag if type(flag) is bool else None))
     req_id = doc.get("id", "")
     return InferRequest(
         model_name=model_name,
         model_version=model_version,
         inputs=inputs,
         outputs=outputs,
-        id=req_id if isinstance(req_id, str) else str(req_id),
+        id=req_id if type(req_id) is str else str(req_id),
         parameters=params,
     )
+
+
+def _non_finite_as_strings(arr: np.ndarray[Any, Any]) -> list[Any]:
+    out: list[Any] = arr.reshape(-1).tolist()
+    for i, v in enumerate(out):
+        if v != v:
+            out[i] = "NaN"
+        elif v in (math.inf, -math.inf):
+            out[i] = "Infinity" if v > 0 else "-Infinity"
+    return out
 
 
 def encode_infer_response(
@@ -266,6 +477,17 @@ def encode_infer_response(
     if response.parameters:
         doc["parameters"] = response.parameters
     header = orjson.dumps(doc, option=_JSON_OPTS)
+    if b"null" in header:
+        # orjson writes NaN and infinities as null: spell them out instead.
+        for entry in outs:
+            data = entry.get("data")
+            if (
+                isinstance(data, np.ndarray)
+                and data.dtype.kind == "f"
+                and not bool(np.isfinite(data).all())
+            ):
+                entry["data"] = _non_finite_as_strings(data)
+        header = orjson.dumps(doc, option=_JSON_OPTS)
     if not blobs:
         return header, None
     return header + b"".join(blobs), len(header)

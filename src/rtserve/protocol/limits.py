@@ -1,0 +1,52 @@
+"""Per-request decoding budgets, checked before anything is allocated.
+
+Every decoder takes a :class:`DecodeLimits`; a request over a limit is refused with a
+4xx that names the limit. The defaults suit the default 64 MiB request size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# numpy (1.x) arrays have at most 32 dimensions; the cache format uses the same bound.
+MAX_NDIM = 32
+# Echoed client strings (names, values) are cut to this many characters in error messages.
+SHOWN_CHARS = 100
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLimits:
+    """What one request may cost to decode.
+
+    ``max_elements``: tensor elements over all inputs of one request (any datatype).
+    ``max_bytes_elements``: BYTES elements over all inputs of one request; each becomes a
+    Python object, so this bound is lower.
+    ``max_json_depth``: nesting of JSON ``parameters`` (tensor ``data`` may nest only as
+    deep as its tensor's rank).
+    ``max_json_containers``: lists and objects in a JSON header above a few KiB, counted
+    before parsing (parsing a list costs far more than parsing a number).
+    """
+
+    max_elements: int = 1 << 24
+    max_bytes_elements: int = 1 << 16
+    max_json_depth: int = 32
+    max_json_containers: int = 1 << 16
+
+
+DEFAULT_LIMITS = DecodeLimits()
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr`` of a client-supplied value, cut to ``limit`` characters for error messages."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) > limit:
+        return f"{text[:limit]}... ({len(text)} characters)"
+    return text
+
+
+def shown_name(name: str, limit: int = SHOWN_CHARS) -> str:
+    """A client-supplied name for an error message: quoted, cut to ``limit`` characters."""
+    if len(name) > limit:
+        return f"'{name[:limit]}...' ({len(name)} characters)"
+    return f"'{name}'"
