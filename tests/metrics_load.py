@@ -101,9 +101,11 @@ def _tensor(name: str, data: list[float]) -> dict[str, object]:
 
 
 @contextmanager
-def loaded_server(tmp: Path, **load: float) -> Iterator[tuple[RunningServer, Load]]:
+def loaded_server(
+    tmp: Path, *server_args: str, **load: float
+) -> Iterator[tuple[RunningServer, Load]]:
     """A fresh server on the metrics repository with the load running."""
-    server = start_server(build_metrics_repository(tmp / "repo"), tmp / "server")
+    server = start_server(build_metrics_repository(tmp / "repo"), tmp / "server", *server_args)
     try:
         with Load(server.base, **load) as running:  # type: ignore[arg-type]
             yield server, running

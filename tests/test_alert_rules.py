@@ -74,8 +74,12 @@ def test_promtool_test_rules_fails_when_an_alert_misbehaves(tmp_path: Path) -> N
     assert "RtserveErrorRatioHigh" in r.stdout + r.stderr
 
 
-def test_scrape_under_load_passes_promtool_and_has_what_the_rules_read(tmp_path: Path) -> None:
-    with loaded_server(tmp_path) as (server, load):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_scrape_under_load_passes_promtool_and_has_what_the_rules_read(
+    tmp_path: Path, workers: str
+) -> None:
+    """One process, and the merged view of two worker processes."""
+    with loaded_server(tmp_path, "--workers", workers) as (server, load):
         deadline = time.monotonic() + 20
         while load.sent() < 200 and time.monotonic() < deadline:
             time.sleep(0.1)
