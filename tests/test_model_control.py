@@ -213,3 +213,36 @@ def test_workers_give_one_monotonic_view_of_metrics_and_statistics(tmp_path: Pat
     finally:
         stop.set()
         s.stop()
+
+
+def test_every_worker_converges_on_explicit_loads_and_unloads(tmp_path: Path) -> None:
+    repo = scale_repo(tmp_path / "repo", {"a": 2.0, "b": 3.0})
+    s = start_server(
+        repo, tmp_path / "s", "--workers", "3", "--model-control-mode", "explicit",
+        "--load-model", "a", timeout=180,
+    )  # fmt: skip
+
+    def answers(model: str) -> list[float | None]:
+        out: list[float | None] = []
+        for _ in range(24):  # a new connection each time: any worker may take it
+            try:
+                out.append(infer(s.base, model))
+            except urllib.error.HTTPError:
+                out.append(None)
+        return out
+
+    try:
+        status, doc = post(s.base, "/v2/repository/models/b/load")
+        assert status == 200, doc
+        deadline = time.monotonic() + 30
+        while answers("b") != [3.0] * 24 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert answers("b") == [3.0] * 24
+        status, doc = post(s.base, "/v2/repository/models/b/unload")
+        assert status == 200, doc
+        while answers("b") != [None] * 24 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert answers("b") == [None] * 24
+        assert answers("a") == [2.0] * 24
+    finally:
+        s.stop()
