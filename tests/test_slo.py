@@ -395,7 +395,7 @@ def test_simulated_model_turning_3x_slower_keeps_admitted_latency_bounded() -> N
     # Work admitted before the change, on the fast model's predictions, runs 3x slower;
     # within a few batches the prediction follows and later admissions are on time again.
     late_ones = [enq for enq, lat in sim.served if lat > obj.budget_ns]
-    assert late_ones and max(late_ones) < 520 * MS
+    assert late_ones and max(late_ones) < 540 * MS  # a slow batch takes 15.6 ms
     assert len(late_ones) < 0.05 * len(sim.served)
     assert sim.refused[1] > 0  # after the change, capacity is a third: shedding starts
 

@@ -66,6 +66,13 @@ class ObjectiveRefused(Overloaded):
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class ClientClosed(RTServeError):
+    """The client went away (HTTP connection closed, gRPC cancelled) before its answer."""
+
+    http_status = 499
+    grpc_code = grpc.StatusCode.CANCELLED
+
+
 class ShuttingDown(RTServeError):
     http_status = 503
     grpc_code = grpc.StatusCode.UNAVAILABLE

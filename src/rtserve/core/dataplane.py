@@ -241,6 +241,8 @@ class DataPlane:
             response: InferResponse | None,
             error: RTServeError | None,
         ) -> None:
+            if answer.done():  # the caller was cancelled first
+                return
             if error is not None:
                 answer.set_exception(error)
             else:

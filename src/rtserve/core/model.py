@@ -28,6 +28,13 @@ from rtserve.protocol.types import DATATYPE_TO_NUMPY, Timings
 from rtserve.runtime.base import Runtime, load_runtime
 from rtserve.scheduling.batcher import Batcher
 from rtserve.scheduling.policy import DynamicBatchPolicy
+from rtserve.scheduling.slo import (
+    BatchTimeModel,
+    SLOController,
+    calibration_sizes,
+    measure,
+    objective_from_config,
+)
 
 if TYPE_CHECKING:
     from rtserve.cache import CacheConfig, CacheMetrics, ResponseCache
@@ -76,8 +83,16 @@ class ModelVersion:
     closers: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
 
     def submit(
-        self, feeds: dict[str, np.ndarray], rows: int, timings: Timings, timeout_s: float = 0.0
+        self,
+        feeds: dict[str, np.ndarray],
+        rows: int,
+        timings: Timings,
+        timeout_s: float = 0.0,
+        priority: object = None,
     ) -> asyncio.Future[Outputs]:
+        """``priority``: the request parameter; only a batcher with priority levels uses it."""
+        if priority is not None and isinstance(self.scheduler, Batcher):
+            return self.scheduler.submit(feeds, rows, timings, timeout_s, priority)
         return self.scheduler.submit(feeds, rows, timings, timeout_s)
 
     async def drain(self) -> None:
@@ -161,6 +176,21 @@ def warmup(runtime: Runtime, config: ModelConfig) -> int:
     return int(statistics.median(times)) if times else 0
 
 
+def slo_controller(runtime: Runtime, config: ModelConfig) -> SLOController:
+    """The latency objective's controller, its batch-time model fitted from timed batches."""
+    assert config.slo is not None
+    batched = config.max_batch_size > 0
+    max_rows = max(1, config.max_batch_size)
+    sizes = calibration_sizes(max_rows) if batched else (1,)
+    samples = measure(
+        lambda rows: runtime.run(0, example_batch(runtime.inputs, rows, batched)), sizes
+    )
+    objective = objective_from_config(
+        config.slo.p99_ms, config.slo.p50_ms, config.priority_levels, config.default_priority
+    )
+    return SLOController(objective, BatchTimeModel.fit(samples))
+
+
 async def build_runtime_version(
     config: ModelConfig, version_dir: Path, version: str, ctx: BuildContext
 ) -> ModelVersion:
@@ -186,6 +216,9 @@ async def build_runtime_version(
         or (mode == "auto" and runtime.instance_count == 1 and batch_ns < INLINE_MAX_BATCH_NS)
     )
     metrics = ctx.metrics.model(config.name, version)
+    controller = None
+    if config.slo is not None:
+        controller = await loop.run_in_executor(None, slo_controller, runtime, config)
     batcher = Batcher(
         f"{config.name}:{version}",
         runtime,
@@ -195,6 +228,8 @@ async def build_runtime_version(
         inline=inline,
         more_expected=ctx.more_expected,
         on_batch=metrics.observe_batch,
+        controller=controller,
+        stats=metrics.scheduler,
     )
     batcher.start()
     metrics.track_queue_depth(lambda: batcher.queue_depth)

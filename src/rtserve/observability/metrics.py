@@ -84,6 +84,26 @@ class ModelStats:
     batch_sizes: dict[int, StatDuration] = field(default_factory=dict)
 
 
+class SchedulerStats:
+    """What the batcher decides: requests shed before running (by reason and priority) and,
+    for a model with a latency objective, the controller's predictions and choices."""
+
+    __slots__ = ("shed", "objective_ns", "goodput", "predicted", "observed", "window_ns", "target")
+
+    def __init__(self) -> None:
+        self.shed: dict[tuple[str, int], int] = {}
+        self.objective_ns = 0  # p99 objective; 0: the model has none
+        self.goodput = 0  # answers within the objective
+        self.predicted = Accumulator(LATENCY_BUCKETS)  # admission to batch end, as predicted
+        self.observed = Accumulator(LATENCY_BUCKETS)  # the same span, as it happened
+        self.window_ns = 0  # the controller's last gathering window
+        self.target = 0  # the controller's last target batch (rows)
+
+    def count_shed(self, reason: str, priority: int) -> None:
+        key = (reason, priority)
+        self.shed[key] = self.shed.get(key, 0) + 1
+
+
 class ModelMetrics:
     """Everything measured about one model version."""
 
@@ -96,6 +116,7 @@ class ModelMetrics:
         self.batch_size = Accumulator(BATCH_BUCKETS)
         self.queue_depth: Callable[[], float] = lambda: 0.0
         self.stats = ModelStats()
+        self.scheduler = SchedulerStats()
 
     def observe_batch(self, rows: int, compute_ns: int) -> None:
         self.batch_size.observe(rows)
@@ -112,6 +133,9 @@ class ModelMetrics:
         self.outcomes["success"] += 1
         total = end_ns - t.received
         self.e2e.observe(total * 1e-9)
+        objective = self.scheduler.objective_ns
+        if objective and total <= objective:
+            self.scheduler.goodput += 1
         stats = self.stats
         stats.inference_count += rows
         stats.success.add(total)
@@ -164,12 +188,57 @@ class _ModelCollector(Collector):
             depth.add_metric(list(mm.labels), mm.queue_depth())
         yield requests
         yield depth
+        yield from _scheduler_families(models)
         for name, attr, doc in _HISTOGRAMS:
             family = HistogramMetricFamily(name, doc, labels=["model", "version"])
             for mm in models:
                 acc: Accumulator = getattr(mm, attr)
                 family.add_metric(list(mm.labels), acc.buckets(), acc.sum)
             yield family
+
+
+def _scheduler_families(models: list[ModelMetrics]) -> Iterator[Metric]:
+    labels = ["model", "version"]
+    shed = CounterMetricFamily(
+        "rtserve_shed_requests",
+        "Requests dropped before their batch ran, by reason (objective, deadline: refused at "
+        "admission; expired: deadline passed in the queue; cancelled: client disconnected)",
+        labels=[*labels, "reason", "priority"],
+    )
+    goodput = CounterMetricFamily(
+        "rtserve_slo_goodput_requests", "Answers within the latency objective", labels=labels
+    )
+    objective = GaugeMetricFamily(
+        "rtserve_slo_objective_seconds", "The model's p99 latency objective", labels=labels
+    )
+    window = GaugeMetricFamily(
+        "rtserve_slo_window_seconds", "The SLO controller's last gathering window", labels=labels
+    )
+    target = GaugeMetricFamily(
+        "rtserve_slo_target_batch_rows", "The SLO controller's target batch size", labels=labels
+    )
+    predicted = HistogramMetricFamily(
+        "rtserve_slo_predicted_seconds",
+        "Predicted time from admission to the end of the request's batch",
+        labels=labels,
+    )
+    observed = HistogramMetricFamily(
+        "rtserve_slo_observed_seconds",
+        "Observed time from admission to the end of the request's batch (same requests)",
+        labels=labels,
+    )
+    for mm in models:
+        st = mm.scheduler
+        for (reason, priority), count in st.shed.items():
+            shed.add_metric([*mm.labels, reason, str(priority)], count)
+        if st.objective_ns:
+            goodput.add_metric(list(mm.labels), st.goodput)
+            objective.add_metric(list(mm.labels), st.objective_ns * 1e-9)
+            window.add_metric(list(mm.labels), st.window_ns * 1e-9)
+            target.add_metric(list(mm.labels), st.target)
+            predicted.add_metric(list(mm.labels), st.predicted.buckets(), st.predicted.sum)
+            observed.add_metric(list(mm.labels), st.observed.buckets(), st.observed.sum)
+    yield from (shed, goodput, objective, window, target, predicted, observed)
 
 
 class Metrics:

@@ -23,12 +23,15 @@ import numpy as np
 from rtserve.errors import (
     DeadlineExceeded,
     InferenceFailed,
+    ObjectiveRefused,
     Overloaded,
     RTServeError,
     ShuttingDown,
 )
+from rtserve.observability.metrics import SchedulerStats
 from rtserve.protocol.types import Timings
 from rtserve.runtime.base import Runtime
+from rtserve.scheduling import slo
 from rtserve.scheduling.policy import DynamicBatchPolicy
 
 Outputs = dict[str, np.ndarray]
@@ -36,7 +39,19 @@ log = logging.getLogger(__name__)
 
 
 class _Pending:
-    __slots__ = ("feeds", "rows", "future", "enqueued_ns", "timings", "shape_key", "timer")
+    __slots__ = (
+        "feeds",
+        "rows",
+        "future",
+        "enqueued_ns",
+        "timings",
+        "shape_key",
+        "timer",
+        "priority",
+        "deadline_ns",
+        "timeout_ns",
+        "predicted_ns",
+    )
 
     def __init__(
         self,
@@ -53,6 +68,13 @@ class _Pending:
         self.enqueued_ns = timings.enqueued
         self.shape_key = shape_key
         self.timer: asyncio.TimerHandle | None = None
+        # Set under a latency objective: priority level, the deadline gathering keeps (the
+        # earlier of its timeout and the objective), its own timeout (0: none), and the
+        # completion predicted at admission.
+        self.priority = 1
+        self.deadline_ns = 0
+        self.timeout_ns = 0
+        self.predicted_ns = 0
 
 
 BatchObserver = Callable[[int, int], None]  # (rows in batch, compute ns)
@@ -70,9 +92,13 @@ class Batcher:
         more_expected: Callable[[], bool],
         on_batch: BatchObserver | None = None,
         clock: Callable[[], int] = time.perf_counter_ns,
+        controller: slo.SLOController | None = None,
+        stats: SchedulerStats | None = None,
     ) -> None:
         """``more_expected``: whether another request may arrive soon (the transports know
-        their idle clients); ``clock``: nanoseconds, injectable so tests need no sleeps."""
+        their idle clients); ``clock``: nanoseconds, injectable so tests need no sleeps;
+        ``controller``: a latency objective's state; when set it replaces the policy's fixed
+        window (admission, priorities, deadline-aware gathering; see ``slo``)."""
         self.name = name
         self._runtime = runtime
         self._policy = policy
@@ -99,6 +125,17 @@ class Batcher:
         self._instance_wait: asyncio.Future[None] | None = None
         self._drained: asyncio.Future[None] | None = None
         self._closing = False
+        self.stats = stats if stats is not None else SchedulerStats()
+        self.cancelled = 0  # requests whose client went away before their batch ran
+        self._slo = controller
+        levels = controller.objective.priority_levels if controller is not None else 1
+        # Under an objective: one FIFO per priority level (index 0 is priority 1, the highest).
+        self._levels: list[deque[_Pending]] = [deque() for _ in range(levels)]
+        self._level_rows = [0] * levels
+        self._busy_until: dict[int, int] = {}  # instance -> predicted end of its batch
+        self._dispatched: dict[int, int] = {}  # instance -> when its batch was dispatched
+        if controller is not None:
+            self.stats.objective_ns = controller.objective.p99_ns
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -107,15 +144,18 @@ class Batcher:
             self._executor = ThreadPoolExecutor(
                 max_workers=self._runtime.instance_count, thread_name_prefix=f"rt-{self.name}"
             )
-        self._task = self._loop.create_task(self._gather_loop(), name=f"batcher-{self.name}")
+        loop = self._gather_loop() if self._slo is None else self._gather_slo()
+        self._task = self._loop.create_task(loop, name=f"batcher-{self.name}")
 
     @property
     def queue_depth(self) -> int:
+        if self._slo is not None:
+            return sum(len(q) for q in self._levels)
         return len(self._queue)
 
     @property
     def busy(self) -> bool:
-        return bool(self._queue) or self._in_flight > 0
+        return self.queue_depth > 0 or self._in_flight > 0
 
     async def drain(self) -> None:
         """Wait until every admitted request has been answered."""
@@ -138,10 +178,20 @@ class Batcher:
 
     # ------------------------------------------------------------------ admission
     def submit(
-        self, feeds: dict[str, np.ndarray], rows: int, timings: Timings, timeout_s: float = 0.0
+        self,
+        feeds: dict[str, np.ndarray],
+        rows: int,
+        timings: Timings,
+        timeout_s: float = 0.0,
+        priority: object = None,
     ) -> asyncio.Future[Outputs]:
+        """Queue a request; its future gets the outputs. Cancelling the future (the client
+        went away) drops the request before its batch runs. ``priority``: the request
+        parameter, used under a latency objective with priority levels."""
         if self._closing:
             raise ShuttingDown(f"model '{self.name}' is shutting down")
+        if self._slo is not None:
+            return self._submit_slo(feeds, rows, timings, timeout_s, priority)
         if len(self._queue) >= self._max_queue:
             raise Overloaded(
                 f"model '{self.name}' queue is full ({self._max_queue} requests); retry later"
@@ -170,8 +220,78 @@ class Batcher:
             wakeup.set_result(None)
         return future
 
+    def _submit_slo(
+        self,
+        feeds: dict[str, np.ndarray],
+        rows: int,
+        timings: Timings,
+        timeout_s: float,
+        priority: object,
+    ) -> asyncio.Future[Outputs]:
+        controller = self._slo
+        assert controller is not None
+        objective = controller.objective
+        level = slo.parse_priority(priority, objective) if objective.priority_levels > 1 else 1
+        if self.queue_depth >= self._max_queue:
+            self.stats.count_shed("queue_full", level)
+            raise Overloaded(
+                f"model '{self.name}' queue is full ({self._max_queue} requests); retry later"
+            )
+        loop = self._loop
+        assert loop is not None, "batcher not started"
+        now = timings.enqueued = self._now()
+        controller.rate.observe(now, rows)
+        timeout_ns = now + int(timeout_s * 1e9) if timeout_s > 0 else 0
+        busy_ns = 0
+        if not self._free and self._busy_until:
+            busy_ns = max(0, min(self._busy_until.values()) - now)
+        decision = slo.admit(
+            rows,
+            level,
+            now,
+            timeout_ns,
+            sum(self._level_rows[:level]),
+            busy_ns,
+            controller.model,
+            self._policy.max_rows,
+            objective,
+            self._runtime.instance_count,
+            controller.target,
+            controller.rate.rate(now),
+            controller.error.value,
+        )
+        if not decision.admitted:
+            self.stats.count_shed(decision.reason, level)
+            what = "its deadline" if decision.reason == "deadline" else "the latency objective"
+            raise ObjectiveRefused(
+                f"model '{self.name}': predicted completion in "
+                f"{(decision.predicted_ns - now) / 1e6:.3g} ms is past {what}; retry later",
+                retry_after_s=decision.retry_after_ns / 1e9,
+            )
+        future: asyncio.Future[Outputs] = loop.create_future()
+        shape_key = tuple(a.shape[1:] for a in feeds.values()) if self._ragged else None
+        pending = _Pending(feeds, rows, future, timings, shape_key)
+        pending.priority = level
+        pending.deadline_ns = decision.deadline_ns
+        pending.timeout_ns = timeout_ns
+        pending.predicted_ns = decision.predicted_ns
+        if timeout_s > 0:
+            pending.timer = loop.call_later(timeout_s, self._expire, pending, timeout_s)
+        self._levels[level - 1].append(pending)
+        self._level_rows[level - 1] += rows
+        self._queued_rows += rows
+        wakeup = self._wakeup
+        if (
+            wakeup is not None
+            and not wakeup.done()
+            and (self._idle_wait or self._queued_rows >= self._threshold)
+        ):
+            wakeup.set_result(None)
+        return future
+
     def _expire(self, pending: _Pending, timeout_s: float) -> None:
         if not pending.future.done():
+            self.stats.count_shed("expired", pending.priority)
             pending.future.set_exception(
                 DeadlineExceeded(
                     f"model '{self.name}': request timed out after {timeout_s * 1e3:.3g} ms"
@@ -190,8 +310,10 @@ class Batcher:
         policy = self._policy
         max_rows = policy.max_rows
         while True:
-            while queue and queue[0].future.done():  # expired while queued
-                self._queued_rows -= queue.popleft().rows
+            while queue and queue[0].future.done():  # expired or cancelled while queued
+                dead = queue.popleft()
+                self._queued_rows -= dead.rows
+                self._dropped(dead)
             if not queue:
                 self._notify_drained()
                 self._idle_wait = True
@@ -236,16 +358,171 @@ class Batcher:
             batch = [queue.popleft() for _ in range(plan.take)]
             self._queued_rows -= sum(p.rows for p in batch)
             live = [p for p in batch if not p.future.done()]
+            if len(live) < len(batch):
+                for p in batch:
+                    if p.future.done():
+                        self._dropped(p)
             if not live:
                 continue
-            instance = self._free.pop()
-            self._in_flight += 1
-            if self.inline:
-                self._finish(live, instance, *self._compute(live, instance))
-                await asyncio.sleep(0)  # let the frontends run between inline batches
-            else:
-                assert self._executor is not None
-                self._executor.submit(self._compute_threaded, live, instance)
+            await self._dispatch(live)
+
+    async def _dispatch(self, live: list[_Pending]) -> None:
+        instance = self._free.pop()
+        self._in_flight += 1
+        if self.inline:
+            self._finish(live, instance, *self._compute(live, instance))
+            await asyncio.sleep(0)  # let the frontends run between inline batches
+        else:
+            assert self._executor is not None
+            self._executor.submit(self._compute_threaded, live, instance)
+
+    def _dropped(self, pending: _Pending) -> None:
+        """A queued request that will not run: count it if its client went away."""
+        if pending.future.cancelled():
+            self.cancelled += 1
+            self.stats.count_shed("cancelled", pending.priority)
+            if pending.timer is not None:
+                pending.timer.cancel()
+
+    # ------------------------------------------------------------------ the SLO loop
+    def _pop_dead(self, now: int) -> None:
+        """Drop finished (cancelled, expired) requests at the head of each level, and those
+        that can no longer finish by their own timeout: they are answered, never run."""
+        controller = self._slo
+        assert controller is not None
+        for i, level in enumerate(self._levels):
+            while level:
+                head = level[0]
+                if not head.future.done():
+                    if not head.timeout_ns or not slo.late(
+                        head.timeout_ns, now, controller.model.predict(head.rows)
+                    ):
+                        break
+                    self._late(head, now)
+                level.popleft()
+                self._level_rows[i] -= head.rows
+                self._queued_rows -= head.rows
+                self._dropped(head)
+
+    def _late(self, pending: _Pending, now: int) -> None:
+        if pending.timer is not None:
+            pending.timer.cancel()
+        self.stats.count_shed("expired", pending.priority)
+        left = (pending.timeout_ns - now) / 1e6
+        pending.future.set_exception(
+            DeadlineExceeded(
+                f"model '{self.name}': the request's deadline ({left:.3g} ms away) is "
+                f"sooner than its batch can finish; not run"
+            )
+        )
+
+    def _candidates(self, now: int) -> list[_Pending]:
+        """Queued requests in schedule order (priority, bounded wait), up to one past a full
+        batch, all with the head's input shapes."""
+        controller = self._slo
+        assert controller is not None
+        objective = controller.objective
+        levels = self._levels
+        max_rows = self._policy.max_rows
+        if len(levels) == 1:
+            out = []
+            count = 0
+            head = levels[0][0]
+            for p in levels[0]:
+                if p.shape_key != head.shape_key:
+                    break
+                out.append(p)
+                count += p.rows
+                if count > max_rows:
+                    break
+            return out
+        index = [0] * len(levels)
+        out = []
+        count = 0
+        shape = None
+        while count <= max_rows:
+            best = -1
+            best_key: tuple[int, int] | None = None
+            for i, level in enumerate(levels):
+                if index[i] < len(level):
+                    p = level[index[i]]
+                    key = slo.schedule_key(p.priority, p.enqueued_ns, now, objective)
+                    if best_key is None or key < best_key:
+                        best, best_key = i, key
+            if best < 0:
+                break
+            p = levels[best][index[best]]
+            if out and p.shape_key != shape:
+                break
+            shape = p.shape_key
+            out.append(p)
+            index[best] += 1
+            count += p.rows
+        return out
+
+    async def _gather_slo(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        controller = self._slo
+        assert controller is not None
+        stats = self.stats
+        max_rows = self._policy.max_rows
+        while True:
+            now = self._now()
+            self._pop_dead(now)
+            if not any(self._levels):
+                self._notify_drained()
+                self._idle_wait = True
+                self._wakeup = loop.create_future()
+                await self._wakeup
+                self._idle_wait = False
+                continue
+            if not self._free:
+                self._instance_wait = loop.create_future()
+                await self._instance_wait
+                continue
+            candidates = self._candidates(now)
+            plan = slo.plan(
+                [p.rows for p in candidates],
+                [p.deadline_ns for p in candidates],
+                now,
+                controller.model,
+                controller.rate.rate(now),
+                max_rows,
+                controller.objective,
+            )
+            controller.target = plan.target_rows
+            stats.target = plan.target_rows
+            stats.window_ns = plan.window_ns
+            if plan.take == 0:
+                self._threshold = plan.wake_rows or max_rows
+                self._wakeup = loop.create_future()
+                timer = loop.call_later((plan.wait_until_ns - now) / 1e9, self._wake)
+                await self._wakeup
+                timer.cancel()
+                continue
+            batch = candidates[: plan.take]
+            for p in batch:
+                level = p.priority - 1
+                popped = self._levels[level].popleft()
+                assert popped is p
+                self._level_rows[level] -= p.rows
+                self._queued_rows -= p.rows
+            live = []
+            batch_ns = controller.model.predict(sum(p.rows for p in batch))
+            for p in batch:
+                if not p.future.done() and p.timeout_ns and slo.late(p.timeout_ns, now, batch_ns):
+                    self._late(p, now)
+                if p.future.done():
+                    self._dropped(p)
+                else:
+                    live.append(p)
+            if not live:
+                continue
+            rows = sum(p.rows for p in live)
+            self._busy_until[self._free[-1]] = now + int(controller.model.predict(rows))
+            self._dispatched[self._free[-1]] = now
+            await self._dispatch(live)
 
     # ------------------------------------------------------------------ execution
     def _compute(
@@ -282,6 +559,20 @@ class Batcher:
         self._in_flight -= 1
         total_rows = sum(p.rows for p in batch)
         self.batch_ns += 0.1 * ((end - start) - self.batch_ns)
+        if self._slo is not None:
+            # Timed on the loop from dispatch: the thread hops and a busy loop count too.
+            now = self._now()
+            dispatched = self._dispatched.pop(instance, start)
+            self._busy_until.pop(instance, None)
+            controller = self._slo
+            controller.model.observe(total_rows, max(end - start, now - dispatched))
+            stats = self.stats
+            for p in batch:
+                predicted = p.predicted_ns - p.enqueued_ns
+                observed = now - p.enqueued_ns
+                controller.error.observe(observed, predicted)
+                stats.predicted.observe(predicted * 1e-9)
+                stats.observed.observe(observed * 1e-9)
         if self._on_batch is not None:
             self._on_batch(total_rows, end - start)
         if outputs is not None and self._batched:

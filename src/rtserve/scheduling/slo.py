@@ -26,7 +26,8 @@ Every time is in nanoseconds from the same monotonic clock (``time.perf_counter_
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from rtserve.errors import InvalidInput
@@ -216,12 +217,15 @@ class ArrivalRate:
 
     def rate(self, now_ns: int) -> float:
         """The decayed count over the decayed length of the window seen so far (at start-up
-        the window is shorter than ``tau``: dividing by ``tau`` would under-read a burst)."""
+        the window is shorter than ``tau``: dividing by ``tau`` would under-read a burst).
+        The latest arrival is left out (n arrivals span n - 1 gaps): one lone request is no
+        evidence of company coming, so it is never kept waiting for it."""
         if not self._last_ns:
             return 0.0
         tau = self.tau_ns
         window = tau * -math.expm1(-max(now_ns - self._first_ns, tau / 100) / tau)
-        return self._count * math.exp(-(now_ns - self._last_ns) / tau) / window
+        count = self._count * math.exp(-(now_ns - self._last_ns) / tau) - 1.0
+        return max(0.0, count) / window
 
 
 # ---------------------------------------------------------------------------- plan
@@ -281,15 +285,17 @@ def plan(
     if fit == 0:
         return SLOPlan(0, 0)
     earliest = min(deadlines[:fit])
+    overflow = fit < len(rows)
     head_on_time = now_ns + model.predict(rows[0]) <= deadlines[0]
-    while head_on_time and fit > 1 and now_ns + model.predict(total) > earliest:
+    while not overflow and head_on_time and fit > 1 and now_ns + model.predict(total) > earliest:
         # A batch so big that it finishes late: keep the head's deadline, the rest waits.
-        # (Once the head is late anyway, full batches are what catches up.)
+        # Not when more is queued than one batch holds: admission counted on full batches
+        # to drain it, and a smaller one would make everyone behind late.
         fit -= 1
         total -= rows[fit]
         earliest = min(deadlines[:fit])
     target = target_rows(model, rate, max_rows, objective.headroom)
-    if total >= target or fit < len(rows):
+    if total >= target or overflow:
         return SLOPlan(fit, 0, target_rows=target)
     latest_start = earliest - int(model.predict(target))
     gather = (target - total) / rate if rate > 0 else math.inf
@@ -322,6 +328,7 @@ def admit(
     instances: int = 1,
     batch_rows: int = 0,
     rate: float = 0.0,
+    error: float = 1.0,
 ) -> Admission:
     """Admit or refuse a request of ``rows`` rows.
 
@@ -329,7 +336,9 @@ def admit(
     ``busy_ns``: the in-flight batch's remaining time; ``timeout_deadline_ns``: its own
     deadline (0: none). Requests arriving after this one fill its batch until it starts, so
     its own batch is predicted with the rows ``rate`` brings meanwhile, and at least
-    ``batch_rows`` (the controller's current target). A request with nothing ahead of it is admitted even if its
+    ``batch_rows`` (the controller's current target). ``error``: how much longer than
+    predicted requests have been taking (an upper quantile of observed / predicted; see
+    ``ErrorQuantile``) stretches the prediction. A request with nothing ahead of it is admitted even if its
     own batch alone is predicted past the objective: queueing is not what makes it late.
     """
     queued = rows_ahead + rows
@@ -337,7 +346,7 @@ def admit(
     ahead_ns = busy_ns + model.drain_ns(full, max_rows, instances)
     last = min(max_rows, max(queued - full + int(rate * ahead_ns), batch_rows))
     drain = model.drain_ns(full, max_rows, instances) + model.predict(last)
-    predicted = now_ns + int(busy_ns + drain)
+    predicted = now_ns + int((busy_ns + drain) * error)
     limit = now_ns + objective.budget_for(priority)
     deadline = now_ns + objective.gather_ns
     if timeout_deadline_ns and timeout_deadline_ns < deadline:
@@ -372,3 +381,64 @@ def schedule_order(
         range(len(priorities)),
         key=lambda i: schedule_key(priorities[i], enqueued[i], now_ns, objective),
     )
+
+
+# ---------------------------------------------------------------------------- state
+class ErrorQuantile:
+    """A running upper quantile of observed / predicted time (stochastic approximation:
+    each observation nudges the estimate up by ``step * q`` if above it, down by
+    ``step * (1 - q)`` if not). It closes the loop on what the batch-time model cannot see:
+    thread hops, a busy event loop, gaps between batches."""
+
+    __slots__ = ("value", "q", "step", "low", "high")
+
+    def __init__(
+        self, q: float = 0.99, step: float = 0.05, low: float = 0.5, high: float = 4.0
+    ) -> None:
+        self.value = 1.0
+        self.q = q
+        self.step = step
+        self.low = low
+        self.high = high
+
+    def observe(self, observed: float, predicted: float) -> None:
+        if predicted <= 0:
+            return
+        if observed > predicted * self.value:
+            self.value = min(self.high, self.value + self.step * self.q)
+        else:
+            self.value = max(self.low, self.value - self.step * (1 - self.q))
+
+
+class SLOController:
+    """What one batcher keeps for the decisions above: its objective, the batch-time model,
+    the arrival rate, the prediction error and the last target batch (which admission uses
+    as a size hint)."""
+
+    __slots__ = ("objective", "model", "rate", "error", "target")
+
+    def __init__(self, objective: Objective, model: BatchTimeModel, tau_ns: float = 50 * MS):
+        self.objective = objective
+        self.model = model
+        self.rate = ArrivalRate(tau_ns)
+        self.error = ErrorQuantile()
+        self.target = 1
+
+
+def calibration_sizes(max_rows: int) -> tuple[int, ...]:
+    """Batch sizes to time at warmup: enough points to fit fixed and per-row cost."""
+    return tuple(sorted({1, max(1, max_rows // 4), max(1, max_rows // 2), max(1, max_rows)}))
+
+
+def measure(
+    run: Callable[[int], object], sizes: Iterable[int], iterations: int = 3
+) -> list[tuple[int, int]]:
+    """(rows, ns) samples of ``run(rows)``, after one untimed run per size."""
+    samples = []
+    for rows in sizes:
+        run(rows)
+        for _ in range(iterations):
+            start = time.perf_counter_ns()
+            run(rows)
+            samples.append((rows, time.perf_counter_ns() - start))
+    return samples
