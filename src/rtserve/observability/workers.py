@@ -31,7 +31,12 @@ from rtserve.observability.metrics import Metrics, ModelStats, StatDuration
 log = logging.getLogger(__name__)
 
 # Gauges whose merged value is the largest of the workers' (a state, not an amount).
-_MAX_GAUGES = ("rtserve_cache_breaker_open",)
+_MAX_GAUGES = (
+    "rtserve_cache_breaker_open",
+    "rtserve_slo_objective_seconds",
+    "rtserve_slo_window_seconds",
+    "rtserve_slo_target_batch_rows",
+)
 PUBLISH_PERIOD_S = 0.25
 
 
