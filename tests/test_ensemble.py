@@ -146,6 +146,11 @@ def build_ensemble_repository(root: Path) -> Path:
     _write(root, "chain", CHAIN)
     _write(root, "diamond", DIAMOND)
     _write(root, "text", TEXT)
+    _write(
+        root,
+        "cached_chain",
+        {**CHAIN, "response_cache": {"memory": {"max_bytes": 1_000_000, "ttl_s": 60}}},
+    )
     return root
 
 
@@ -466,3 +471,18 @@ def test_ensemble_config_and_metrics(served: RunningServer) -> None:
     with urllib.request.urlopen(f"{served.base}/metrics", timeout=10) as r:
         text = r.read().decode()
     assert 'rtserve_requests_total{model="diamond",outcome="success",version="1"}' in text
+
+
+def test_a_cached_ensemble_answers_a_repeat_without_running_its_steps(
+    served: RunningServer,
+) -> None:
+    x = np.full((1, 4), 0.25, np.float32)
+    with thttp.InferenceServerClient(served.http) as hc:
+        first = _http_infer(hc, "cached_chain", {"X": x}).as_numpy("Y")
+        runs = sum(_batch_counts(hc, "triple").values())
+        again = _http_infer(hc, "cached_chain", {"X": x}).as_numpy("Y")
+        assert sum(_batch_counts(hc, "triple").values()) == runs  # no step ran
+        stats = hc.get_inference_statistics("cached_chain")["model_stats"][0]
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_allclose(first, x * 6)
+    assert int(stats["inference_stats"]["cache_hit"]["count"]) >= 1
