@@ -23,11 +23,12 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{|\s)", re.MULTILINE)
 
 
 def build_metrics_repository(root: Path) -> Path:
-    """``mlp`` (batched, no cache) and ``scale`` (response cache in memory)."""
+    """``mlp`` (batched, a p99 objective, no cache) and ``scale`` (response cache in memory)."""
     build_mlp(root / "mlp" / "1" / "model.onnx")
     (root / "mlp" / "config.yaml").write_text(
         "max_batch_size: 32\n"
         "dynamic_batching: {max_queue_delay_us: 2000}\n"
+        "slo: {p99_ms: 250}\n"
         "warmup: {batch_sizes: [1], iterations: 1}\n"
     )
     build_scale(root / "scale" / "1" / "model.onnx", 2.0)

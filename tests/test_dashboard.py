@@ -183,6 +183,8 @@ def test_dashboard_figures_appear_change_and_match_metrics(
                 assert _number(cells[(model, "p50")]) <= _number(cells[(model, "p99")])
             assert _number(cells[("mlp", "batch_mean")]) >= 1
             assert cells[("mlp", "cache_hit_ratio")] == "no cache"
+            assert cells[("mlp", "objective")] == "250 ms"  # its config's slo.p99_ms
+            assert cells[("scale", "objective")] == "–"
             assert 0 < _number(cells[("scale", "cache_hit_ratio")]) <= 100
             assert _number(cells[("mlp", "errors:client_error")]) > 0
         # Live: the totals grow from one read to the next.
@@ -249,7 +251,7 @@ def test_grafana_dashboard_reads_only_metrics_a_server_exposes(tmp_path: Path) -
 
     with loaded_server(tmp_path, threads=1) as (server, load):
         deadline = time.monotonic() + 20
-        while load.sent() < 100 and time.monotonic() < deadline:
+        while load.sent() < 400 and time.monotonic() < deadline:
             time.sleep(0.1)
         exposed = sample_names(scrape(server))
     assert used <= exposed, f"the dashboard reads metrics no server exposes: {used - exposed}"
