@@ -290,13 +290,28 @@ def test_non_finite_outputs_are_written_as_strings_that_numpy_reads_back() -> No
 
 
 # ---------------------------------------------------------------- bounded error messages
-def test_long_names_are_cut_in_error_messages() -> None:
-    name = "n" * 100_000
+def test_long_names_are_refused_and_cut_in_error_messages() -> None:
+    huge = "n" * 100_000
     with pytest.raises(InvalidInput) as info:
-        decode(body_of(tensor(name=name, datatype="FLOAT")))
-    assert len(info.value.message) < 400 and "(100000 characters)" in info.value.message
-    msg = pb.ModelInferRequest(model_name=name)
-    msg.inputs.add(name=name, datatype="FLOAT", shape=[1])
+        decode(body_of(tensor(name=huge)))
+    assert info.value.message == (
+        "inputs[0].name: 100000 characters, longer than the limit of 1024"
+    )
+    with pytest.raises(InvalidInput, match=r"^outputs\[0\].name: 100000 characters"):
+        decode(body_of(tensor(), outputs=[{"name": huge}]))
+    long = "n" * 1000  # allowed, but shown cut to 100 characters
+    with pytest.raises(InvalidInput) as info:
+        decode(body_of(tensor(name=long, datatype="FLOAT")))
+    assert len(info.value.message) < 400 and "(1000 characters)" in info.value.message
+    for field in ("model_name", "model_version"):
+        msg = pb.ModelInferRequest(**{field: huge})
+        msg.inputs.add(name="x", datatype="FP32", shape=[1]).contents.fp32_contents.append(1)
+        with pytest.raises(InvalidInput) as info:
+            decode_model_infer(msg)
+        assert info.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.message.startswith(f"{field}: 100000 characters")
+    msg = pb.ModelInferRequest(model_name="m")
+    msg.inputs.add(name=long, datatype="FLOAT", shape=[1])
     with pytest.raises(InvalidInput) as info:
         decode_model_infer(msg)
     assert len(info.value.message) < 400

@@ -17,7 +17,14 @@ from google.protobuf.message import DecodeError
 from rtserve.errors import InvalidInput, PayloadTooLarge, RTServeError
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol.bytes_codec import decode_bytes_elements, encode_bytes_elements
-from rtserve.protocol.limits import DEFAULT_LIMITS, MAX_NDIM, DecodeLimits, shown, shown_name
+from rtserve.protocol.limits import (
+    DEFAULT_LIMITS,
+    MAX_NDIM,
+    DecodeLimits,
+    check_name,
+    shown,
+    shown_name,
+)
 from rtserve.protocol.types import (
     DATATYPE_TO_NUMPY,
     InferRequest,
@@ -92,6 +99,8 @@ def decode_model_infer(
 
 
 def _decode(request: pb.ModelInferRequest, limits: DecodeLimits) -> InferRequest:
+    check_name(request.model_name, "model_name")
+    check_name(request.model_version, "model_version")
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput(
@@ -105,6 +114,7 @@ def _decode(request: pb.ModelInferRequest, limits: DecodeLimits) -> InferRequest
         name = inp.name
         if not name:
             raise InvalidInput(f"inputs[{i}].name: expected a non-empty string")
+        check_name(name, f"inputs[{i}].name")
         where = f"input {shown_name(name)}"
         datatype = inp.datatype
         dtype = DATATYPE_TO_NUMPY.get(datatype)
@@ -154,7 +164,10 @@ def _decode(request: pb.ModelInferRequest, limits: DecodeLimits) -> InferRequest
         inputs.append(Tensor(name, datatype, shape, arr.reshape(shape)))
     outputs = None
     if request.outputs:
-        outputs = [RequestedOutput(o.name) for o in request.outputs]
+        outputs = [
+            RequestedOutput(check_name(o.name, f"outputs[{i}].name"))
+            for i, o in enumerate(request.outputs)
+        ]
     return InferRequest(
         model_name=request.model_name,
         model_version=request.model_version,

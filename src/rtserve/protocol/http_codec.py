@@ -35,6 +35,7 @@ from rtserve.protocol.limits import (
     DEFAULT_LIMITS,
     MAX_NDIM,
     DecodeLimits,
+    check_name,
     shown,
     shown_name,
 )
@@ -330,6 +331,7 @@ def decode_infer_request(
         name = item.get("name")
         if type(name) is not str or not name:
             raise _fail(f"{where}.name", f"expected a non-empty string, got {_json_value(name)}")
+        check_name(name, f"{where}.name")
         where = f"input {shown_name(name)}"
         datatype = item.get("datatype")
         dtype = DATATYPE_TO_NUMPY.get(datatype) if type(datatype) is str else None
@@ -410,6 +412,7 @@ def decode_infer_request(
         for i, out in enumerate(raw_outputs):
             if type(out) is not dict or type(out.get("name")) is not str:
                 raise InvalidInput(f"outputs[{i}].name: expected a string")
+            check_name(out["name"], f"outputs[{i}].name")
             op = out.get("parameters")
             flag = None
             if op is not None:

@@ -9,8 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rtserve.errors import InvalidInput
+
 # numpy (1.x) arrays have at most 32 dimensions; the cache format uses the same bound.
 MAX_NDIM = 32
+# Model, version, input and output names longer than this are refused, so that no error
+# message that repeats a name can grow large.
+MAX_NAME_CHARS = 1024
 # Echoed client strings (names, values) are cut to this many characters in error messages.
 SHOWN_CHARS = 100
 
@@ -43,6 +48,15 @@ def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
     if len(text) > limit:
         return f"{text[:limit]}... ({len(text)} characters)"
     return text
+
+
+def check_name(value: str, where: str) -> str:
+    """``value`` if it is at most MAX_NAME_CHARS long; else InvalidInput naming ``where``."""
+    if len(value) > MAX_NAME_CHARS:
+        raise InvalidInput(
+            f"{where}: {len(value)} characters, longer than the limit of {MAX_NAME_CHARS}"
+        )
+    return value
 
 
 def shown_name(name: str, limit: int = SHOWN_CHARS) -> str:
