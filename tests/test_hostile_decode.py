@@ -486,3 +486,19 @@ def test_tritonclient_reads_infinite_outputs_from_json(roomy_server: RunningServ
     result = client.infer("scale", [x], outputs=[out])
     np.testing.assert_array_equal(result.as_numpy("y"), [[np.inf, -np.inf, 2.0, 0.0]])
     client.close()
+
+
+def test_grpc_long_model_name_and_malformed_message_get_short_answers(
+    roomy_server: RunningServer,
+) -> None:
+    with grpc.insecure_channel(roomy_server.grpc) as channel:
+        stub = tpb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(tpb.ModelInferRequest(model_name="n" * 100_000), timeout=10)
+        assert info.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+        assert len(info.value.details() or "") < 400
+        raw = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as info:
+            raw(b"\xff\xff\xff\xff", timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(info.value.details() or "") < 400
