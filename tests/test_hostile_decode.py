@@ -502,3 +502,19 @@ def test_grpc_long_model_name_and_malformed_message_get_short_answers(
             raw(b"\xff\xff\xff\xff", timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert len(info.value.details() or "") < 400
+
+
+def test_limits_for_a_static_model_refuse_oversized_json_before_parsing() -> None:
+    from rtserve.config import TensorSpec
+    from rtserve.protocol.limits import limits_for_model
+
+    limits = limits_for_model([TensorSpec("x", "FP32", (256,))], 32)
+    assert (limits.max_elements, limits.max_bytes_elements) == (32 * 256, 0)
+    dynamic = limits_for_model([TensorSpec("x", "FP32", (-1,))], 32)
+    assert dynamic == DecodeLimits()
+    body = body_of(tensor(shape=[40, 256], data=[0.5] * (40 * 256)))
+    error, seconds, peak = measured(lambda: decode_infer_request(body, None, "m", "", limits))
+    assert isinstance(error, PayloadTooLarge) and "max_elements" in error.message
+    assert peak < len(body)  # refused before orjson built the list
+    ok = body_of(tensor(shape=[32, 256], data=[0.5] * (32 * 256)))
+    assert decode_infer_request(ok, None, "m", "", limits).inputs[0].data.shape == (32, 256)

@@ -6,7 +6,8 @@ Every decoder takes a :class:`DecodeLimits`; a request over a limit is refused w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rtserve.errors import InvalidInput
@@ -64,3 +65,32 @@ def shown_name(name: str, limit: int = SHOWN_CHARS) -> str:
     if len(name) > limit:
         return f"'{name[:limit]}...' ({len(name)} characters)"
     return f"'{name}'"
+
+
+def limits_for_model(
+    inputs: Iterable[Any], max_batch_size: int, base: DecodeLimits = DEFAULT_LIMITS
+) -> DecodeLimits:
+    """``base`` tightened to what a model can accept, when its input shapes are static.
+
+    ``inputs``: the model's input specs (``.datatype``, ``.shape`` per row when
+    ``max_batch_size`` > 0; -1 is any size). With every dimension known, a request
+    holding more elements than the largest batch is refused before it is parsed.
+    """
+    rows = max(1, max_batch_size)
+    total = 0
+    total_bytes = 0
+    for spec in inputs:
+        dims = tuple(spec.shape)
+        if any(d < 0 for d in dims):
+            return base
+        n = rows
+        for d in dims:
+            n *= d
+        total += n
+        if spec.datatype == "BYTES":
+            total_bytes += n
+    return replace(
+        base,
+        max_elements=min(base.max_elements, total),
+        max_bytes_elements=min(base.max_bytes_elements, total_bytes),
+    )
