@@ -4,7 +4,7 @@
 
 Models with random weights: a MiniLM-size BERT (transformers' BertConfig: 6 layers, 384
 hidden, 12 heads, seq 32) and torchvision's ResNet-50, both FP16. Each is measured three
-ways at each batch size, median of repeated runs:
+ways at each batch size, median of alternating rounds of repeated runs:
   plain-gpu   plain PyTorch, inputs already on the GPU, outputs left there (CUDA events)
   plain-host  plain PyTorch from numpy in to numpy out (H2D + forward + D2H, wall clock)
   runtime     rtserve's TorchModel.run(instance, numpy feeds) (wall clock)
@@ -166,7 +166,7 @@ def runtime_rows(rt: Any, name: str, batches: list[int], iters: int) -> list[flo
     return out
 
 
-def bench(name: str, compile_mode: str, iters: int, workdir: Path) -> list[dict]:
+def bench(name: str, compile_mode: str, iters: int, rounds: int, workdir: Path) -> list[dict]:
     spec = MODELS[name]
     version = workdir / f"{name}_{compile_mode}" / "1"
     version.mkdir(parents=True)
@@ -190,7 +190,6 @@ def bench(name: str, compile_mode: str, iters: int, workdir: Path) -> list[dict]
     start = time.perf_counter()
     rt = load(config, version)
     load_s = time.perf_counter() - start
-    runtime_ms = runtime_rows(rt, name, spec["batches"], iters)
     # Plain PyTorch: the same module, built the same way, compiled the same way.
     sys.path.insert(0, str(version))
     import importlib
@@ -204,8 +203,21 @@ def bench(name: str, compile_mode: str, iters: int, workdir: Path) -> list[dict]
     if compile_mode != "none":
         mode = None if compile_mode == "default" else compile_mode
         fn = torch.compile(module, mode=mode, dynamic=False)
-    plain_rows = plain(name, fn, spec["batches"], iters)
+    # Alternating rounds (runtime, plain, runtime, ...): each figure is the median of rounds.
+    rt_rounds, plain_rounds = [], []
+    for _ in range(rounds):
+        rt_rounds.append(runtime_rows(rt, name, spec["batches"], iters))
+        plain_rounds.append(plain(name, fn, spec["batches"], iters))
     rt.close()
+    runtime_ms = [statistics.median(r[i] for r in rt_rounds) for i in range(len(spec["batches"]))]
+    plain_rows = [
+        {
+            "batch": b,
+            "plain_gpu_ms": statistics.median(r[i]["plain_gpu_ms"] for r in plain_rounds),
+            "plain_host_ms": statistics.median(r[i]["plain_host_ms"] for r in plain_rounds),
+        }
+        for i, b in enumerate(spec["batches"])
+    ]
     results = []
     for row, rt_ms in zip(plain_rows, runtime_ms, strict=True):
         b = row["batch"]
@@ -230,6 +242,7 @@ def bench(name: str, compile_mode: str, iters: int, workdir: Path) -> list[dict]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--runs", default="minilm:none,minilm:reduce-overhead,resnet50:none")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -243,7 +256,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for item in args.runs.split(","):
             name, mode = item.split(":")
-            results += bench(name, mode, args.iters, Path(tmp))
+            results += bench(name, mode, args.iters, args.rounds, Path(tmp))
     if args.out:
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))

@@ -3,9 +3,9 @@ or a ``factory: "module:function"`` (+ ``weights``) imported from the version di
 
 Only this module imports torch, and only when a torch model is loaded.
 
-On CUDA each instance runs on its own dedicated thread: compiled CUDA graphs
-(``compile: reduce-overhead``) are recorded per thread, so warmup and serving must happen
-on the same one. ``batch_buckets`` pads every batch up to the next bucket so each bucket's
+With CUDA graphs (``compile: reduce-overhead`` / ``max-autotune`` on CUDA) each instance
+runs on its own dedicated thread: the graphs are recorded per thread, so warmup and serving
+must happen on the same one. ``batch_buckets`` pads every batch up to the next bucket so each bucket's
 graph is compiled (and captured) once at load and reused; outputs are sliced back.
 """
 
@@ -232,7 +232,7 @@ class TorchModel:
                 )
                 for i in range(self.instance_count)
             ]
-            if self._cuda
+            if self._cuda and graphs
             else []
         )
 
