@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import logging
 import os
@@ -54,27 +53,23 @@ def process_key() -> bytes:
     return key
 
 
+def _tag(key: bytes, redis_key: bytes, value: bytes) -> bytes:
+    return hmac.digest(key, b"".join((_TAG_CONTEXT, redis_key, b"\0", value)), "sha256")
+
+
 def sign(key: bytes, redis_key: bytes, value: bytes) -> bytes:
     """``value`` followed by its tag; the tag binds the value to its Redis key."""
-    mac = hmac.new(key, _TAG_CONTEXT, hashlib.sha256)
-    mac.update(redis_key)
-    mac.update(b"\0")
-    mac.update(value)
-    return value + mac.digest()
+    return value + _tag(key, redis_key, value)
 
 
 def verify(key: bytes, redis_key: bytes, stored: bytes) -> bytes | None:
     """The value inside ``stored`` if its tag is right, else None."""
     if len(stored) < TAG_BYTES:
         return None
-    value = memoryview(stored)[:-TAG_BYTES]
-    mac = hmac.new(key, _TAG_CONTEXT, hashlib.sha256)
-    mac.update(redis_key)
-    mac.update(b"\0")
-    mac.update(value)
-    if not hmac.compare_digest(mac.digest(), stored[-TAG_BYTES:]):
+    value = stored[:-TAG_BYTES]
+    if not hmac.compare_digest(_tag(key, redis_key, value), stored[-TAG_BYTES:]):
         return None
-    return bytes(value)
+    return value
 
 
 def key_prefix(namespace: str, model_name: str, version: str) -> bytes:
