@@ -376,3 +376,28 @@ def test_served_process_model_survives_os_exit_and_sigkill(
     new_pid = int(as_dict(grpc_infer(server, "echo_process", feeds_for(1)))["PID"][0, 0])
     assert new_pid not in (pid, server.proc.pid)
     assert server.proc.poll() is None
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_context_and_sibling_modules(tmp_path: Path, isolation: str) -> None:
+    model_dir = write_model(tmp_path, "ctx", isolation, instance_count=2)
+    (model_dir / "1" / "helper.py").write_text("OFFSET = 40\n")
+    (model_dir / "1" / "model.py").write_text(
+        "import numpy as np\n"
+        "from helper import OFFSET\n"
+        "class Model:\n"
+        "    def load(self, context):\n"
+        "        import helper  # also importable while loading\n"
+        "        assert context.version_dir.name == '1' and context.model_dir.name == 'ctx'\n"
+        "        self.base = OFFSET + helper.OFFSET + context.instance\n"
+        "    def infer(self, inputs):\n"
+        "        n = len(inputs['X'])\n"
+        "        return {'Y': inputs['X'], 'LEN': np.full((n, 1), self.base, np.int64),\n"
+        "                'TAG': inputs['MODE'], 'PID': np.zeros((n, 1), np.int64)}\n"
+    )
+    rt = load(config_of(model_dir), model_dir / "1")
+    try:
+        assert rt.run(0, feeds_for(2))["LEN"].tolist() == [[80], [80]]
+        assert rt.run(1, feeds_for(1))["LEN"].tolist() == [[81]]
+    finally:
+        rt.close()

@@ -307,3 +307,20 @@ def test_served_wrong_input_is_a_4xx_and_the_server_keeps_serving(
     good = thttp.InferInput("x", [2, 8], "FP32")
     good.set_data_from_numpy(np.zeros((2, 8), np.float32))
     assert client.infer("net", [good, ids]).as_numpy("scores").shape == (2, 3)
+
+
+def test_instances_share_weights_and_answer_alike(tmp_path: Path) -> None:
+    net = make_net(9)
+    model_dir = write_model(tmp_path, "net", "export", net, device="cpu")
+    data = yaml.safe_load((model_dir / "config.yaml").read_text())
+    data["instance_count"] = 2
+    (model_dir / "config.yaml").write_text(yaml.safe_dump(data))
+    rt = load(config_of(model_dir), model_dir / "1")
+    try:
+        assert rt.instance_count == 2
+        feeds = example(4, seed=9)
+        want = eager(net, feeds)
+        assert_close(rt.run(0, feeds), want, 1e-5)
+        assert_close(rt.run(1, feeds), want, 1e-5)
+    finally:
+        rt.close()

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -105,18 +105,26 @@ def _import_model_class(version_dir: Path, unique: str) -> type:
     if spec is None or spec.loader is None:
         raise ConfigError(f"{path}: cannot be imported")
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(version_dir))  # sibling modules of model.py import normally
     try:
-        spec.loader.exec_module(module)
+        with _on_path(version_dir):
+            spec.loader.exec_module(module)
     except Exception as exc:
         raise ConfigError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
-    finally:
-        with contextlib.suppress(ValueError):
-            sys.path.remove(str(version_dir))
     cls = getattr(module, "Model", None)
     if not isinstance(cls, type) or not callable(getattr(cls, "infer", None)):
         raise ConfigError(f"{path}: expected a class Model with an infer(self, inputs) method")
     return cls
+
+
+@contextlib.contextmanager
+def _on_path(directory: Path) -> Iterator[None]:
+    """Sibling modules of model.py import normally while it is imported and loaded."""
+    sys.path.insert(0, str(directory))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(str(directory))
 
 
 def _new_model(cls: type, context: ModelContext) -> Any:
@@ -124,7 +132,8 @@ def _new_model(cls: type, context: ModelContext) -> Any:
     try:
         model = cls()
         if callable(getattr(model, "load", None)):
-            model.load(context)
+            with _on_path(context.version_dir):
+                model.load(context)
     except Exception as exc:
         log.error("model %s: load failed\n%s", context.model_name, traceback.format_exc())
         raise ConfigError(f"{where}: Model.load failed: {type(exc).__name__}: {exc}") from exc
