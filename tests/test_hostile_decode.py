@@ -248,6 +248,7 @@ def test_valid_values_of_every_datatype_decode_exactly_flat_or_nested(
     for data in (values, [values[:3], values[3:]]):
         t = decode(body_of(tensor(datatype=datatype, shape=[2, 3], data=data))).inputs[0]
         assert t.data.dtype == expected.dtype and t.data.shape == (2, 3)
+        assert t.data.flags.writeable  # a user's Python model may write into its inputs
         np.testing.assert_array_equal(t.data, expected)
 
 

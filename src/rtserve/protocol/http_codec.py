@@ -191,7 +191,7 @@ def _pack(flat: list[Any], datatype: str, where: str) -> np.ndarray[Any, Any]:
     try:
         if n <= _CHUNK:
             buf = _struct(code, n).pack(*flat)
-            arr = np.frombuffer(buf, dtype=dtype)
+            arr = np.frombuffer(bytearray(buf), dtype=dtype)  # writable, as before
             if datatype in _FLOATS:
                 suspect = _ZERO_OR_ONE[datatype].search(buf) is not None
             else:
