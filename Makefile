@@ -9,7 +9,7 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 export LD_LIBRARY_PATH := $(CURDIR)/$(VENV)/lib/python3.11/site-packages/nvidia/cuda_runtime/lib:$(LD_LIBRARY_PATH)
 
-.PHONY: bench-observability setup system-deps examples run test test-modern test-fast lint format bench bench-quick optimize-report clean
+.PHONY: bench-observability setup system-deps examples run test test-modern test-fast lint format bench bench-quick optimize-report soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -85,6 +85,12 @@ bench: setup examples
 # Tracing off / 1% / 100% and the access log, alternating rounds -> docs/benchmarks-observability.md
 bench-observability: setup examples
 	$(BIN)/python -m bench.overhead
+
+# Soak: SOAK_MINUTES (default 30) at ~70% of capacity next to hostile clients; writes
+# docs/soak.md and docs/img/soak.png (make soak SOAK_MINUTES=1 for a quick check).
+SOAK_MINUTES ?= 30
+soak: setup examples
+	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES) --out docs/soak.md --plot docs/img/soak.png
 
 optimize-report: setup
 	$(BIN)/python -m bench.showcase --out docs/optimization.md

@@ -1,0 +1,1111 @@
+"""Soak: rtserve at ~70% of its capacity of valid requests, with hostile clients alongside.
+
+    python -m bench.soak [--minutes 30] [--out docs/soak.md] [--plot docs/img/soak.png]
+
+Starts rtserve on 127.0.0.1 serving the example MLP (``make examples``), measures its
+capacity briefly (closed loop), then for ``--minutes`` offers ``--load`` x capacity of valid
+V2 JSON requests with Poisson arrivals (open loop) while hostile clients send malformed
+bodies, drip bytes (slow-loris), disconnect mid-request or before their answer, send
+oversized heads, pipelined bursts and gzip bombs. Every ``--sample-s`` seconds it records
+the server's RSS and open descriptors (``/proc/<pid>``) and the p99 of the valid requests
+answered in that window.
+
+A valid request is *lost* when it gets no answer, a broken answer or any status but 200,
+503 and 429; 503/429 are *shed* (overload refusals with Retry-After) and counted apart.
+The run passes when nothing is lost, no hostile request gets an unexpected answer, and RSS,
+descriptors and p99 are flat: the median of the last third of the samples is at most
+``FLAT_TOLERANCE`` above the median of the first third (p99: or at most ``P99_SLACK_MS``).
+
+The load runs in child processes of this module (``--role valid|capacity|hostile``) so that
+the sampler, the valid clients and the hostile clients do not share an event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import datetime as dt
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import httptools
+import numpy as np
+import uvloop
+
+from bench import machine
+from bench.procs import Server, cpu_seconds
+from bench.workloads import ROOT, WORK
+
+MODEL = "mlp"
+INFER_PATH = f"/v2/models/{MODEL}/infer"
+FLAT_TOLERANCE = 0.20
+P99_SLACK_MS = 1.0
+RSS_SLACK_MIB = 8.0
+FDS_SLACK = 8
+# Valid answers still missing this long after the last send are lost.
+DRAIN_S = 30.0
+# Connections of the open-loop client (a request waits in the client when all are busy).
+VALID_CONNECTIONS = 256
+# The open-loop client wakes at most this often.
+TICK_S = 0.0005
+
+
+def _valid_body() -> bytes:
+    rng = np.random.default_rng(7)
+    row = [round(float(v), 4) for v in rng.uniform(-1.0, 1.0, size=256)]
+    return json.dumps(
+        {"inputs": [{"name": "input", "shape": [1, 256], "datatype": "FP32", "data": row}]}
+    ).encode()
+
+
+def _post(path: str, body: bytes, extra: str = "") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"{extra}Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+# ---------------------------------------------------------------------------- valid load
+@dataclass
+class _Window:
+    sent: int = 0
+    ok: int = 0
+    shed: int = 0
+    lost: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+
+class _ValidConnection(asyncio.Protocol):
+    def __init__(self, client: _ValidClient) -> None:
+        self.client = client
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.scheduled = 0.0
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.client.finish(self, "broken answer", keep=False)
+            if self.transport is not None:
+                self.transport.close()
+
+    def on_message_begin(self) -> None:
+        self.body = []
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        status = self.parser.get_status_code()
+        keep = self.parser.should_keep_alive()
+        if status == 200:
+            outcome = "ok" if b'"outputs"' in b"".join(self.body) else "200 without outputs"
+        elif status in (503, 429):
+            outcome = "shed"
+        else:
+            outcome = str(status)
+        self.body = []
+        self.client.finish(self, outcome, keep)
+        if not keep and self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client.lost(self)
+
+
+class _ValidClient:
+    """Open loop: Poisson arrivals, latency counted from each request's scheduled time (a
+    request waiting in the client for a free connection counts that wait)."""
+
+    def __init__(self, port: int, max_connections: int) -> None:
+        self.port = port
+        self.request = _post(INFER_PATH, _valid_body())
+        self.max_connections = max_connections
+        self.idle: collections.deque[_ValidConnection] = collections.deque()
+        self.waiting: collections.deque[float] = collections.deque()
+        self.busy: set[_ValidConnection] = set()
+        self.opening = 0
+        self.window = _Window()
+        self.totals: collections.Counter[str] = collections.Counter()
+        self.loop = asyncio.get_running_loop()
+
+    async def open(self, count: int) -> None:
+        for _ in range(count):
+            _, conn = await self.loop.create_connection(
+                lambda: _ValidConnection(self), "127.0.0.1", self.port
+            )
+            self.idle.append(conn)
+
+    def submit(self, scheduled: float) -> None:
+        self.totals["sent"] += 1
+        self.window.sent += 1
+        if self.idle:
+            self._send(self.idle.popleft(), scheduled)
+            return
+        self.waiting.append(scheduled)
+        if len(self.busy) + self.opening < self.max_connections:
+            self.opening += 1
+            self.loop.create_task(self._grow())
+
+    async def _grow(self) -> None:
+        try:
+            _, conn = await self.loop.create_connection(
+                lambda: _ValidConnection(self), "127.0.0.1", self.port
+            )
+        except OSError:
+            return  # the waiting requests go out on the connections there are
+        finally:
+            self.opening -= 1
+        self._release(conn)
+
+    def _send(self, conn: _ValidConnection, scheduled: float) -> None:
+        conn.scheduled = scheduled
+        self.busy.add(conn)
+        if conn.transport is None or conn.transport.is_closing():
+            self.finish(conn, "connection closed before sending", keep=False)
+            return
+        conn.transport.write(self.request)
+
+    def _release(self, conn: _ValidConnection) -> None:
+        if self.waiting:
+            self._send(conn, self.waiting.popleft())
+        else:
+            self.idle.append(conn)
+
+    def finish(self, conn: _ValidConnection, outcome: str, keep: bool) -> None:
+        if conn not in self.busy:
+            return
+        self.busy.discard(conn)
+        window = self.window
+        if outcome == "ok":
+            window.ok += 1
+            window.latencies.append(time.perf_counter() - conn.scheduled)
+        elif outcome == "shed":
+            window.shed += 1
+        else:
+            window.lost += 1
+            self.totals[f"lost: {outcome}"] += 1
+        self.totals[outcome if outcome in ("ok", "shed") else "lost"] += 1
+        if keep:
+            self._release(conn)
+        elif self.waiting and len(self.busy) + self.opening < self.max_connections:
+            self.opening += 1
+            self.loop.create_task(self._grow())
+
+    def lost(self, conn: _ValidConnection) -> None:
+        if conn in self.busy:
+            self.finish(conn, "connection closed before the answer", keep=False)
+        with contextlib.suppress(ValueError):
+            self.idle.remove(conn)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.busy) + len(self.waiting)
+
+    @property
+    def connections(self) -> int:
+        return len(self.busy) + len(self.idle)
+
+    def take_window(self) -> dict[str, Any]:
+        w, self.window = self.window, _Window()
+        lat = np.asarray(w.latencies) * 1000.0
+        pct = (lambda q: round(float(np.percentile(lat, q)), 3)) if lat.size else (lambda q: None)
+        return {
+            "t": time.time(),
+            "sent": w.sent,
+            "ok": w.ok,
+            "shed": w.shed,
+            "lost": w.lost,
+            "p50_ms": pct(50),
+            "p99_ms": pct(99),
+            "max_ms": pct(100),
+            "connections": self.connections,
+            "outstanding": self.outstanding,
+        }
+
+
+def _emit(report: Path, record: dict[str, Any]) -> None:
+    with report.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+async def _run_valid(port: int, rate: float, duration_s: float, window_s: float, report: Path):
+    # Every connection is opened up front: the server's descriptor count then reflects the
+    # server, not the client growing its pool after a stall.
+    client = _ValidClient(port, max_connections=VALID_CONNECTIONS)
+    await client.open(VALID_CONNECTIONS)
+    rng = np.random.default_rng(11)
+    start = time.perf_counter()
+    end = start + duration_s
+    next_window = start + window_s
+    next_arrival = start + rng.exponential(1.0 / rate)
+    while True:
+        now = time.perf_counter()
+        while next_arrival <= now and next_arrival < end:
+            client.submit(next_arrival)
+            next_arrival += rng.exponential(1.0 / rate)
+        if now >= next_window:
+            _emit(report, client.take_window())
+            next_window += window_s
+        if next_arrival >= end:
+            break
+        # At least TICK_S between wake-ups: arrivals due meanwhile go out together (their
+        # latency still counts from their own scheduled time), so the client's cost per
+        # request does not grow with the rate.
+        await asyncio.sleep(max(TICK_S, min(next_arrival, next_window) - time.perf_counter()))
+    deadline = time.perf_counter() + DRAIN_S
+    while client.outstanding and time.perf_counter() < deadline:
+        await asyncio.sleep(0.01)
+    _emit(report, client.take_window())
+    unanswered = client.outstanding
+    totals = dict(client.totals)
+    totals["lost"] = totals.get("lost", 0) + unanswered
+    if unanswered:
+        totals["lost: no answer within the drain"] = unanswered
+    _emit(report, {"final": True, "rate": rate, "duration_s": duration_s,
+                   "cpu_s": time.process_time(), **totals})  # fmt: skip
+
+
+async def _run_capacity(port: int, seconds: float, connections: int, report: Path) -> None:
+    """Closed loop: each connection sends its next request as soon as it has an answer."""
+    client = _ValidClient(port, max_connections=connections)
+    await client.open(connections)
+    warm_end = time.perf_counter() + min(2.0, seconds / 4)
+    measure_end = warm_end + seconds
+    done: list[int] = [0, 0]
+
+    def refill() -> None:
+        while client.idle and time.perf_counter() < measure_end:
+            client.submit(time.perf_counter())
+
+    original = client.finish
+
+    def finish(conn: _ValidConnection, outcome: str, keep: bool) -> None:
+        original(conn, outcome, keep)
+        if warm_end <= time.perf_counter() < measure_end:
+            done[0 if outcome == "ok" else 1] += 1
+        refill()
+
+    client.finish = finish  # type: ignore[method-assign]
+    refill()
+    while time.perf_counter() < measure_end:
+        await asyncio.sleep(0.05)
+    window = client.take_window()
+    while client.outstanding and time.perf_counter() < measure_end + 10:
+        await asyncio.sleep(0.01)
+    _emit(
+        report,
+        {"capacity_rps": done[0] / seconds, "not_ok": done[1], "p99_ms": window["p99_ms"],
+         "connections": connections, "seconds": seconds},
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- hostile load
+@dataclass(frozen=True)
+class _Hostile:
+    """One kind of hostile client: what it sends and which answers are the right ones.
+
+    ``expected`` empty: no answer is expected (the client leaves before reading one)."""
+
+    name: str
+    what: str
+    expected: frozenset[str]
+
+
+async def _read_answer(reader: asyncio.StreamReader, timeout_s: float) -> str:
+    """The status of the first answer ('closed' without one, 'timeout' if none came)."""
+    try:
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+    except TimeoutError:
+        return "timeout"
+    except (ConnectionError, OSError):
+        return "closed"
+    parts = line.split()
+    if len(parts) >= 2 and parts[0].startswith(b"HTTP/"):
+        return parts[1].decode()
+    return "closed"
+
+
+async def _exchange(payload: bytes, timeout_s: float = 30.0) -> str:
+    reader, writer = await asyncio.open_connection("127.0.0.1", _HOSTILE_PORT[0])
+    try:
+        writer.write(payload)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        return await _read_answer(reader, timeout_s)
+    except (ConnectionError, OSError):
+        return "closed"
+    finally:
+        writer.transport.abort()
+
+
+_HOSTILE_PORT = [0]
+_BOMB: list[bytes] = []
+
+
+def _bomb() -> bytes:
+    """A gzip body of 128 MiB of zeros (~130 KB on the wire), built once."""
+    if not _BOMB:
+        comp = zlib.compressobj(9, zlib.DEFLATED, 31)
+        chunk = b"\0" * (1 << 20)
+        parts = [comp.compress(chunk) for _ in range(128)]
+        parts.append(comp.flush())
+        _BOMB.append(b"".join(parts))
+    return _BOMB[0]
+
+
+def _tensor(**fields: Any) -> bytes:
+    entry = {"name": "input", "shape": [1, 256], "datatype": "FP32", "data": [0.5] * 256}
+    entry.update(fields)
+    return json.dumps({"inputs": [entry]}).encode()
+
+
+async def _malformed(body: bytes, extra: str = "") -> str:
+    return await _exchange(_post(INFER_PATH, body, extra))
+
+
+async def _huge_bytes_shape() -> str:
+    header = json.dumps(
+        {"inputs": [{"name": "input", "shape": [1, 1 << 30], "datatype": "BYTES",
+                     "parameters": {"binary_data_size": 0}}]}
+    ).encode()  # fmt: skip
+    return await _malformed(header, f"Inference-Header-Content-Length: {len(header)}\r\n")
+
+
+async def _oversized_header() -> str:
+    return await _exchange(_post(INFER_PATH, _valid_body(), f"X-Big: {'a' * 100_000}\r\n"))
+
+
+async def _many_headers() -> str:
+    extra = "".join(f"X-H{i}: v\r\n" for i in range(300))
+    return await _exchange(_post(INFER_PATH, _valid_body(), extra))
+
+
+async def _long_url() -> str:
+    return await _exchange(_post(INFER_PATH + "?" + "q" * 20_000, _valid_body()))
+
+
+async def _smuggle() -> str:
+    return await _exchange(
+        b"POST " + INFER_PATH.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    )
+
+
+async def _gzip_bomb() -> str:
+    return await _malformed(_bomb(), "Content-Encoding: gzip\r\n")
+
+
+async def _disconnect_mid_body() -> str:
+    reader, writer = await asyncio.open_connection("127.0.0.1", _HOSTILE_PORT[0])
+    body = _valid_body()
+    writer.write(_post(INFER_PATH, body)[: -len(body) // 2])
+    with contextlib.suppress(ConnectionError):
+        await writer.drain()
+    await asyncio.sleep(0.05)
+    writer.transport.abort()
+    return "left"
+
+
+async def _cancelled() -> str:
+    """A whole valid request, then gone before the answer (a reset, not a clean close)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _HOSTILE_PORT[0])
+    writer.write(_post(INFER_PATH, _valid_body()))
+    with contextlib.suppress(ConnectionError):
+        await writer.drain()
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+    writer.transport.abort()
+    return "left"
+
+
+async def _pipelined_burst() -> str:
+    """20 inferences and 20 GETs in one write: all 40 must be answered, in order."""
+    one = _post(INFER_PATH, _valid_body())
+    get = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", _HOSTILE_PORT[0])
+    try:
+        writer.write((one + get) * 20)
+        await writer.drain()
+        answers = 0
+        deadline = time.monotonic() + 30
+        while answers < 40 and time.monotonic() < deadline:
+            status = await _read_answer(reader, deadline - time.monotonic())
+            if not status.isdigit():
+                break
+            while True:  # the rest of the head, then the body
+                line = await reader.readline()
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+                if line in (b"\r\n", b""):
+                    break
+            await reader.readexactly(length)
+            if status not in ("200", "503"):
+                return status
+            answers += 1
+        return "all answered" if answers == 40 else f"{answers} of 40 answered"
+    except (ConnectionError, OSError, asyncio.IncompleteReadError):
+        return "closed"
+    finally:
+        writer.transport.abort()
+
+
+async def _pipelined_unread() -> str:
+    """2,000 pipelined GETs whose answers are not read for 5 s (write backpressure)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _HOSTILE_PORT[0])
+    writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n" * 2000)
+    with contextlib.suppress(ConnectionError):
+        await writer.drain()
+    await asyncio.sleep(5)
+    writer.transport.abort()
+    return "left"
+
+
+HOSTILE: dict[str, tuple[_Hostile, Callable[[], Awaitable[str]]]] = {}
+
+
+def _kind(name: str, what: str, expected: tuple[str, ...], run: Callable[[], Awaitable[str]]):
+    HOSTILE[name] = (_Hostile(name, what, frozenset(expected)), run)
+
+
+_kind("bad_json", "body that is not JSON", ("400",), lambda: _malformed(b'{"inputs": [{"na'))
+_kind("wrong_shape", "shape [1, 255] with 256 values", ("400",),
+      lambda: _malformed(_tensor(shape=[1, 255])))  # fmt: skip
+_kind("wrong_dtype", "INT64 and BYTES for an FP32 input", ("400",),
+      lambda: _malformed(_tensor(datatype="INT64")))  # fmt: skip
+_kind("string_values", '"0.5", null and true as FP32 values', ("400",),
+      lambda: _malformed(_tensor(data=["0.5", None, True] + [0.5] * 253)))  # fmt: skip
+_kind("wrong_name", "an input the model does not have", ("400",),
+      lambda: _malformed(_tensor(name="nope")))  # fmt: skip
+_kind("huge_shape", "FP32 shape [1, 2^30] with no data", ("400", "413"),
+      lambda: _malformed(_tensor(shape=[1, 1 << 30], data=[])))  # fmt: skip
+_kind("huge_bytes_shape", "binary BYTES shape [1, 2^30] with 0 data bytes", ("400", "413"),
+      _huge_bytes_shape)  # fmt: skip
+_kind("oversized_header", "one 100 KB header", ("431",), _oversized_header)
+_kind("many_headers", "300 headers", ("431",), _many_headers)
+_kind("long_url", "a 20 KB URL", ("414",), _long_url)
+_kind("smuggling", "Content-Length and Transfer-Encoding together", ("400",), _smuggle)
+_kind("gzip_bomb", "130 KB of gzip expanding to 128 MiB", ("413",), _gzip_bomb)
+_kind("disconnect_mid_body", "half a body, then a reset", (), _disconnect_mid_body)
+_kind("cancelled", "a whole valid request, reset before its answer", (), _cancelled)
+_kind("pipelined_burst", "20 inferences + 20 GETs in one write, all read",
+      ("all answered",), _pipelined_burst)  # fmt: skip
+_kind("pipelined_unread", "2,000 pipelined GETs never read for 5 s", (), _pipelined_unread)
+# Slow-loris: expected answers are the timeouts' 408s.
+SLOW = {
+    "slow_head": _Hostile("slow_head", "a header line every 2 s, never ending the head",
+                          frozenset({"408"})),
+    "slow_body_silent": _Hostile("slow_body_silent", "head and 10 body bytes, then silence",
+                                 frozenset({"408"})),
+    "slow_body_drip": _Hostile("slow_body_drip", "1 body byte every 5 s; leaves after 60 s",
+                               frozenset({"408", "held"})),
+}  # fmt: skip
+# Kinds that are expensive for the server (or this client): sent at most this often (s).
+_PERIOD_S = {"gzip_bomb": 5.0, "pipelined_unread": 10.0, "huge_bytes_shape": 1.0}
+
+
+async def _slow_client(kind: str, running: Callable[[], bool],
+                       record: Callable[[str, str, float], None]) -> None:  # fmt: skip
+    drip_cap_s = 60.0
+    while running():
+        began = time.monotonic()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", _HOSTILE_PORT[0])
+        except OSError:
+            record(kind, "connect failed", 0.0)
+            await asyncio.sleep(1)
+            continue
+        status = "held"
+        try:
+            if kind == "slow_head":
+                writer.write(f"POST {INFER_PATH} HTTP/1.1\r\nHost: x\r\n".encode())
+                step, chunk = 2.0, b"X-Slow: 1\r\n"
+            else:
+                writer.write(
+                    f"POST {INFER_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: 4096\r\n\r\n"
+                    .encode() + b"{" * 10
+                )  # fmt: skip
+                step, chunk = (5.0, b" ") if kind == "slow_body_drip" else (3600.0, b"")
+            answer = asyncio.ensure_future(_read_answer(reader, drip_cap_s + 60))
+            next_drip = time.monotonic() + step
+            while time.monotonic() - began < drip_cap_s:
+                done, _ = await asyncio.wait({answer}, timeout=min(step, 0.5))
+                if done:
+                    status = answer.result()
+                    break
+                if not running():
+                    status = ""  # the soak ended first: not counted
+                    break
+                if chunk and time.monotonic() >= next_drip:
+                    writer.write(chunk)
+                    next_drip += step
+            answer.cancel()
+        except (ConnectionError, OSError):
+            status = "closed"
+        finally:
+            writer.transport.abort()
+        if status:
+            record(kind, status, time.monotonic() - began)
+
+
+async def _run_hostile(port: int, stop_file: Path, slow: int, report: Path) -> None:
+    """Hostile clients until ``stop_file`` exists."""
+    _HOSTILE_PORT[0] = port
+    _bomb()
+    began_cpu = time.process_time()
+
+    def running() -> bool:
+        return not stop_file.exists()
+
+    counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    held: dict[str, list[float]] = collections.defaultdict(list)
+
+    def record(kind: str, status: str, seconds: float) -> None:
+        counts[kind][status] += 1
+        held[kind].append(seconds)
+
+    last_sent: dict[str, float] = {}
+
+    async def worker(offset: int) -> None:
+        names = list(HOSTILE)
+        i = offset
+        while running():
+            name = names[i % len(names)]
+            i += 1
+            period = _PERIOD_S.get(name)
+            if period is not None:
+                if time.monotonic() - last_sent.get(name, 0.0) < period:
+                    continue
+                last_sent[name] = time.monotonic()
+            try:
+                status = await HOSTILE[name][1]()
+            except OSError as exc:
+                status = f"connect failed: {exc.__class__.__name__}"
+            counts[name][status] += 1
+            await asyncio.sleep(0.05)
+
+    tasks = [worker(i * 5) for i in range(3)]
+    per_kind = max(1, slow // len(SLOW))
+    for kind in SLOW:
+        tasks += [_slow_client(kind, running, record) for _ in range(per_kind)]
+    await asyncio.gather(*tasks)
+    _emit(
+        report,
+        {
+            "final": True,
+            "counts": {k: dict(v) for k, v in counts.items()},
+            "held_max_s": {k: round(max(v), 1) for k, v in held.items() if v},
+            "held_median_s": {k: round(statistics.median(v), 1) for k, v in held.items() if v},
+            "cpu_s": time.process_time() - began_cpu,
+        },
+    )
+
+
+# ---------------------------------------------------------------------------- the server
+def _proc_status(pid: int) -> dict[str, float]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "Threads"):
+            fields[key] = float(value.split()[0])
+    return {
+        "rss_mib": fields.get("VmRSS", 0.0) / 1024,
+        "hwm_mib": fields.get("VmHWM", 0.0) / 1024,
+        "threads": fields.get("Threads", 0.0),
+        "fds": float(len(os.listdir(f"/proc/{pid}/fd"))),
+    }
+
+
+def _start_server(workdir: Path) -> tuple[Server, int]:
+    ports = workdir / "ports.json"
+    ports.unlink(missing_ok=True)
+    argv = [
+        sys.executable, "-m", "rtserve.cli", "serve",
+        "--model-repository", str(ROOT / "examples" / "repository"),
+        "--model-control-mode", "explicit", "--load-model", MODEL,
+        "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
+        "--ports-file", str(ports), "--log-level", "warning",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    server = Server("rtserve", argv, env, workdir / "server.log", cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not ports.exists():
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"rtserve did not start: {server.log_tail()}")
+        time.sleep(0.2)
+    time.sleep(0.1)
+    port = int(json.loads(ports.read_text())["http_port"])
+    server.wait_ready(f"http://127.0.0.1:{port}/v2/models/{MODEL}/ready", 60)
+    return server, port
+
+
+def _child(role: str, report: Path, *args: str) -> subprocess.Popen[bytes]:
+    report.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "bench.soak", "--role", role, "--report", str(report), *args]
+    return subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL)
+
+
+def _records(report: Path) -> list[dict[str, Any]]:
+    if not report.exists():
+        return []
+    return [json.loads(line) for line in report.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------- verdicts
+def flatness(values: list[float], slack: float) -> dict[str, Any]:
+    """First-third and last-third medians of a series and whether it stayed flat: the last
+    third's median at most ``FLAT_TOLERANCE`` above the first's, or at most ``slack`` above it
+    (an absolute floor, for small values that move by a few units)."""
+    clean = [v for v in values if v is not None]
+    if len(clean) < 3:
+        return {"first": None, "last": None, "max": None, "change": None, "flat": None}
+    third = len(clean) // 3
+    first = statistics.median(clean[:third])
+    last = statistics.median(clean[-third:])
+    change = (last - first) / first if first else 0.0
+    flat = last <= first * (1 + FLAT_TOLERANCE) or last - first <= slack
+    return {"first": first, "last": last, "max": max(clean), "change": change, "flat": flat}
+
+
+def summarize(
+    samples: list[dict[str, Any]],
+    windows: list[dict[str, Any]],
+    valid: dict[str, Any],
+    hostile: dict[str, Any],
+) -> dict[str, Any]:
+    skip = 1 if len(windows) > 3 else 0  # the first window holds the client's warm-up
+    series = {
+        "rss_mib": flatness([s["rss_mib"] for s in samples], RSS_SLACK_MIB),
+        "fds": flatness([s["fds"] for s in samples], FDS_SLACK),
+        "p99_ms": flatness([w["p99_ms"] for w in windows[skip:]], P99_SLACK_MS),
+    }
+    unexpected: dict[str, dict[str, int]] = {}
+    for name, statuses in hostile.get("counts", {}).items():
+        spec = HOSTILE[name][0] if name in HOSTILE else SLOW[name]
+        allowed = spec.expected or {"left"}
+        bad = {s: n for s, n in statuses.items() if s not in allowed}
+        if bad:
+            unexpected[name] = bad
+    lost = int(valid.get("lost", 0))
+    sent = int(valid.get("sent", 0))
+    answered = int(valid.get("ok", 0))
+    shed = int(valid.get("shed", 0))
+    checks = {
+        "0 valid requests lost": lost == 0 and sent == answered + shed,
+        "hostile clients got the expected answers": not unexpected,
+        **{f"{k} flat": bool(v["flat"]) for k, v in series.items()},
+    }
+    return {
+        "sent": sent,
+        "answered": answered,
+        "shed": shed,
+        "lost": lost,
+        "lost_reasons": {k[6:]: v for k, v in valid.items() if k.startswith("lost: ")},
+        "series": series,
+        "unexpected": unexpected,
+        "checks": checks,
+        "passed": all(checks.values()),
+    }
+
+
+# ---------------------------------------------------------------------------- report
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def plot(samples: list[dict[str, Any]], windows: list[dict[str, Any]], t0: float, path: Path):
+    """RSS, descriptors, latency and the machine's load over the run, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(9, 9.5), sharex=True)
+    minutes = [(s["t"] - t0) / 60 for s in samples]
+    axes[0].plot(minutes, [s["rss_mib"] for s in samples], color="black")
+    axes[0].set_ylabel("server RSS (MiB)")
+    axes[0].set_ylim(bottom=0)
+    axes[1].plot(minutes, [s["fds"] for s in samples], color="tab:blue")
+    axes[1].set_ylabel("open descriptors")
+    axes[1].set_ylim(bottom=0)
+    shown = [w for w in windows if w["p99_ms"] is not None and w["t"] - t0 >= 0]
+    w_min = [(w["t"] - t0) / 60 for w in shown]
+    axes[2].plot(w_min, [w["p99_ms"] for w in shown], color="tab:red", label="p99")
+    axes[2].plot(w_min, [w["p50_ms"] for w in shown], color="tab:gray", label="p50")
+    axes[2].set_ylabel("valid requests (ms)")
+    axes[2].set_yscale("log")
+    axes[2].legend(loc="upper right")
+    axes[3].plot(minutes, [s["load1"] for s in samples], color="tab:purple",
+                 label="load average (1 min)")  # fmt: skip
+    axes[3].plot(minutes, [s["server_cpu"] for s in samples], color="tab:green",
+                 label="server CPU (cores)")  # fmt: skip
+    axes[3].set_ylim(bottom=0)
+    axes[3].legend(loc="upper right")
+    axes[3].set_xlabel("minutes")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle("rtserve soak: MLP at ~70% of capacity next to hostile clients")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def markdown(run: dict[str, Any], plot_path: Path | None, out: Path) -> str:
+    s = run["summary"]
+    facts = run["machine"]
+    lines = [
+        f"# Soak: {run['load']:.0%} load next to hostile clients",
+        "",
+        "rtserve serves the example MLP (256->512->512->10) on 127.0.0.1 while an open-loop "
+        "client offers valid V2 JSON requests (Poisson arrivals) at about 70% of the capacity "
+        "measured at the start, and hostile clients run at the same time: malformed bodies, "
+        "slow-loris, disconnects and cancellations, oversized heads, pipelined bursts and gzip "
+        "bombs. The server runs with its default limits; the load clients run on the same "
+        "machine. Regenerate with `make soak` (`SOAK_MINUTES=30` by default), i.e.:",
+        "",
+        "```bash",
+        run["command"],
+        "```",
+        "",
+    ]
+    if run.get("note"):
+        lines += [f"**Note:** {run['note']}", ""]
+    lines += [
+        f"**Result: {'PASS' if s['passed'] else 'FAIL'}** "
+        f"({run['started']} UTC, {run['minutes']:g} minutes).",
+        "",
+        "| check | result |",
+        "| --- | --- |",
+    ]
+    lines += [f"| {k} | {'pass' if v else 'FAIL'} |" for k, v in s["checks"].items()]
+    lines += [
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "| --- | --- |",
+    ]
+    lines += [f"| {k} | {v} |" for k, v in facts.items()]
+    loads = [x["load1"] for x in run["samples"]]
+    if loads:
+        lines.append(
+            f"| load average (1 min) during the run | median {statistics.median(loads):.2f}, "
+            f"max {max(loads):.2f} |"
+        )
+    lines.append(f"| load average at the end | {run['load_end']} |")
+    cpu = run["cpu_s"]
+    lines.append(
+        "| CPU seconds during the soak | "
+        + ", ".join(f"{k} {v:,.0f}" for k, v in cpu.items() if v is not None)
+        + f" (of {run['minutes'] * 60 * (os.cpu_count() or 1):,.0f} core-seconds) |"
+    )
+    lines += [
+        "",
+        "The machine is shared with other work: a load average above the core count means the "
+        "server, the load clients and other processes were competing for the cores, which "
+        "shows in the latencies (not in the counts).",
+        "",
+        "## Valid requests",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| capacity (closed loop, {run['capacity']['connections']} connections, "
+        f"{run['capacity']['seconds']:g} s) | {run['capacity']['capacity_rps']:,.0f} req/s |",
+        f"| offered (open loop, Poisson, {VALID_CONNECTIONS} connections) | "
+        f"{run['rate']:,.0f} req/s "
+        f"({run['load']:.0%} of capacity) |",
+        f"| sent | {s['sent']:,} |",
+        f"| answered 200 | {s['answered']:,} |",
+        f"| shed (503/429 with Retry-After; not lost, counted apart) | {s['shed']:,} |",
+        f"| **lost** (no answer, a broken answer, any other status) | **{s['lost']:,}** |",
+    ]
+    for reason, n in s["lost_reasons"].items():
+        lines.append(f"| lost: {reason} | {n:,} |")
+    lines += [
+        "",
+        "## Flat over time",
+        "",
+        f"Criterion: over the samples (every {run['sample_s']:g} s; p99 per window of valid "
+        f"answers, the first window left out), the median of the last third is at most "
+        f"{FLAT_TOLERANCE:.0%} above the median of the first third, or within an absolute "
+        f"floor ({RSS_SLACK_MIB:g} MiB RSS, {FDS_SLACK} descriptors, {P99_SLACK_MS:g} ms p99) "
+        "for values small enough that noise exceeds 20%.",
+        "",
+        "| series | first third (median) | last third (median) | change | max | flat |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    names = {"rss_mib": "server RSS (MiB)", "fds": "open descriptors",
+             "p99_ms": "p99 of valid requests (ms)"}  # fmt: skip
+    for key, v in s["series"].items():
+        change = "-" if v["change"] is None else f"{v['change']:+.1%}"
+        verdict = "-" if v["flat"] is None else ("yes" if v["flat"] else "**no**")
+        lines.append(
+            f"| {names[key]} | {_fmt(v['first'], 2)} | {_fmt(v['last'], 2)} | {change} | "
+            f"{_fmt(v['max'], 2)} | {verdict} |"
+        )
+    before, after = run["baseline"], run["after"]
+    lines += [
+        "",
+        f"Server before the load: {before['rss_mib']:.1f} MiB RSS, {before['fds']:.0f} "
+        f"descriptors; after the load stopped and the clients left: {after['rss_mib']:.1f} MiB, "
+        f"{after['fds']:.0f} descriptors; peak RSS (VmHWM) {after['hwm_mib']:.1f} MiB.",
+        "",
+    ]
+    if plot_path is not None:
+        rel = os.path.relpath(plot_path, out.parent)
+        lines += [f"![RSS, descriptors and latency over the soak]({rel})", ""]
+    lines += [
+        "## Hostile clients",
+        "",
+        "Sent concurrently with the valid load (three clients in turn through the kinds below, "
+        "plus long-lived slow-loris connections). *Expected* is the answer the server should "
+        "give; a client that leaves before its answer expects none.",
+        "",
+        "| kind | what it sends | answers seen | expected |",
+        "| --- | --- | --- | --- |",
+    ]
+    counts = run["hostile"].get("counts", {})
+    for name, spec in [(n, HOSTILE[n][0]) for n in HOSTILE] + list(SLOW.items()):
+        seen = counts.get(name, {})
+        shown = ", ".join(f"{status}: {n:,}" for status, n in sorted(seen.items())) or "-"
+        expected = ", ".join(sorted(spec.expected)) or "none (leaves)"
+        lines.append(f"| {name} | {spec.what} | {shown} | {expected} |")
+    held = run["hostile"].get("held_max_s", {})
+    if held:
+        lines += [
+            "",
+            "Longest a slow-loris connection stayed open (s): "
+            + ", ".join(f"{k} {v:g}" for k, v in held.items())
+            + ". The head and body timeouts close the first two kinds with 408; a body that "
+            "keeps dripping faster than `http_body_timeout_s` is held until the client gives up "
+            "(the timeout counts silence, not total time): `http_max_connections` bounds how "
+            "many such connections there can be.",
+        ]
+    if s["unexpected"]:
+        lines += ["", f"Unexpected answers: `{json.dumps(s['unexpected'])}`."]
+    log = run["server_log"]
+    lines += [
+        "",
+        "## Server log",
+        "",
+        f"{log['lines']:,} lines at `--log-level warning`; {log['tracebacks']} tracebacks; "
+        f"{log['errors']} ERROR lines. The server exited {log['exit']} after SIGTERM "
+        f"in {log['stop_s']:.1f} s.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- orchestration
+def _end_child(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    if proc is None:
+        return
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def soak(args: argparse.Namespace) -> dict[str, Any]:
+    """Start the server and the clients, sample, stop; the run's record (also in soak.json)."""
+    workdir: Path = args.workdir
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = dt.datetime.now(dt.UTC)
+    facts = machine.facts()
+    stop_file = workdir / "stop"
+    stop_file.unlink(missing_ok=True)
+    for stale in workdir.glob("*.jsonl"):
+        stale.unlink()
+    capacity_rec = workdir / "capacity.jsonl"
+    valid_rec, hostile_rec = workdir / "valid.jsonl", workdir / "hostile.jsonl"
+    duration = args.minutes * 60
+    samples: list[dict[str, Any]] = []
+    valid = hostile = None
+    server, port = _start_server(workdir)
+    try:
+        time.sleep(1)
+        baseline = _proc_status(server.pid)
+        # The hostile clients run from before the capacity measurement to the end, so the
+        # capacity is what the server sustains for valid requests next to them.
+        hostile = None if args.no_hostile else _child("hostile", hostile_rec, "--port", str(port), "--stop-file",
+                         str(stop_file), "--slow", str(args.slow))  # fmt: skip
+        time.sleep(2)
+        if args.rate:
+            capacity = {"capacity_rps": args.rate / args.load, "connections": 0, "seconds": 0}
+        else:
+            _child("capacity", capacity_rec, "--port", str(port),
+                   "--seconds", str(args.capacity_s)).wait()  # fmt: skip
+            records = _records(capacity_rec)
+            if not records:
+                raise RuntimeError("the capacity measurement produced nothing")
+            capacity = records[-1]
+        rate = args.rate or capacity["capacity_rps"] * args.load
+        print(f"soak: capacity {capacity['capacity_rps']:,.0f} req/s, offering {rate:,.0f} req/s "
+              f"for {args.minutes:g} min", flush=True)  # fmt: skip
+        t0 = time.time()
+        cpu0 = cpu_seconds(server.pid)
+        valid = _child("valid", valid_rec, "--port", str(port), "--rate", f"{rate:.1f}",
+                       "--seconds", str(duration), "--sample-s", str(args.sample_s))  # fmt: skip
+        next_sample = time.monotonic() + args.sample_s
+        last_cpu, last_t = cpu0, t0
+        while time.time() - t0 < duration and valid.poll() is None:
+            time.sleep(max(0.0, next_sample - time.monotonic()))
+            next_sample += args.sample_s
+            now, cpu = time.time(), cpu_seconds(server.pid)
+            sample = {"t": now, **_proc_status(server.pid), "load1": os.getloadavg()[0],
+                      "server_cpu": (cpu - last_cpu) / (now - last_t)}  # fmt: skip
+            last_cpu, last_t = cpu, now
+            samples.append(sample)
+            if args.verbose:
+                print(json.dumps(sample), flush=True)
+        server_cpu_s = cpu_seconds(server.pid) - cpu0
+        _end_child(valid, DRAIN_S + 30)
+        stop_file.touch()
+        _end_child(hostile, 90)
+        time.sleep(min(5.0, 2 * args.sample_s))  # what the server holds once the clients left
+        after = _proc_status(server.pid)
+    finally:
+        stop_file.touch()
+        for child in (valid, hostile):
+            if child is not None and child.poll() is None:
+                child.kill()
+        stop_began = time.monotonic()
+        server.stop(grace_s=40)
+        stop_s = time.monotonic() - stop_began
+    log_text = (workdir / "server.log").read_text(errors="replace")
+    windows = [r for r in _records(valid_rec) if not r.get("final")]
+    finals = [r for r in _records(valid_rec) if r.get("final")]
+    valid_totals = finals[-1] if finals else {"lost": -1}
+    hostile_final = (_records(hostile_rec) or [{}])[-1]
+    summary = summarize(samples, windows, valid_totals, hostile_final)
+    run = {
+        "started": started.strftime("%Y-%m-%d %H:%M"),
+        "command": args.command_line,
+        "note": args.note,
+        "minutes": args.minutes,
+        "t0": t0,
+        "load": args.load,
+        "sample_s": args.sample_s,
+        "machine": facts,
+        "load_end": " / ".join(f"{v:.2f}" for v in os.getloadavg()),
+        "capacity": capacity,
+        "rate": rate,
+        "baseline": baseline,
+        "after": after,
+        "cpu_s": {
+            "server": server_cpu_s,
+            "valid client": valid_totals.get("cpu_s"),
+            "hostile clients": hostile_final.get("cpu_s"),
+        },  # fmt: skip
+        "samples": samples,
+        "windows": windows,
+        "valid": valid_totals,
+        "hostile": hostile_final,
+        "server_log": {
+            "lines": len(log_text.splitlines()),
+            "tracebacks": log_text.count("Traceback"),
+            "errors": sum(1 for line in log_text.splitlines() if " ERROR " in line),
+            "exit": server.proc.returncode,
+            "stop_s": stop_s,
+        },
+        "summary": summary,
+    }
+    (workdir / "soak.json").write_text(json.dumps(run, indent=1))
+    write_report(run, args.out, args.plot)
+    return run
+
+
+def write_report(run: dict[str, Any], out: Path | None, plot_path: Path | None) -> None:
+    if plot_path:
+        plot(run["samples"], run["windows"], run["t0"], plot_path)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(markdown(run, plot_path, out))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=30.0, help="soak length (default 30)")
+    parser.add_argument("--load", type=float, default=0.7, help="fraction of capacity offered")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="offer this many req/s instead of measuring capacity")  # fmt: skip
+    parser.add_argument(
+        "--capacity-s",
+        type=float,
+        default=15.0,
+        help="closed-loop capacity measurement (default 15 s)",
+    )
+    parser.add_argument("--sample-s", type=float, default=5.0)
+    parser.add_argument("--slow", type=int, default=12, help="slow-loris connections")
+    parser.add_argument("--out", type=Path, help="markdown report (e.g. docs/soak.md)")
+    parser.add_argument("--plot", type=Path, help="PNG plot (e.g. docs/img/soak.png)")
+    parser.add_argument("--note", default="", help="a line for the report")
+    parser.add_argument("--no-hostile", action="store_true",
+                        help="valid load only (to compare with a run that has them)")  # fmt: skip
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=WORK / "soak",
+        help="server log, client records, soak.json (default bench/.work/soak)",
+    )
+    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--render", type=Path, help="write --out/--plot from this soak.json")
+    parser.add_argument("--role", choices=["valid", "capacity", "hostile"], help=argparse.SUPPRESS)
+    parser.add_argument("--report", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--stop-file", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.render:  # the report again from a finished run's record
+        write_report(json.loads(args.render.read_text()), args.out, args.plot)
+        return 0
+    if args.role == "valid":
+        uvloop.run(_run_valid(args.port, args.rate, args.seconds, args.sample_s, args.report))
+        return 0
+    if args.role == "capacity":
+        uvloop.run(_run_capacity(args.port, args.seconds, 32, args.report))
+        return 0
+    if args.role == "hostile":
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        uvloop.run(_run_hostile(args.port, args.stop_file, args.slow, args.report))
+        return 0
+    args.command_line = "python -m bench.soak " + " ".join(argv or sys.argv[1:])
+    run = soak(args)
+    s = run["summary"]
+    print(json.dumps({"passed": s["passed"], "checks": s["checks"], "sent": s["sent"],
+                      "answered": s["answered"], "shed": s["shed"], "lost": s["lost"],
+                      "unexpected": s["unexpected"]}))  # fmt: skip
+    return 0 if s["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
