@@ -180,8 +180,13 @@ def _bad_element(flat: list[Any], datatype: str, where: str) -> InvalidInput:
     return _fail(f"{where}.data", f"expected {kind}")
 
 
-def _pack(flat: list[Any], datatype: str, where: str) -> np.ndarray[Any, Any]:
-    """Pack a flat list of JSON values into a numpy array of ``datatype``, strictly."""
+def _pack(
+    flat: list[Any], datatype: str, where: str, header: tuple[bytes, int] | None = None
+) -> np.ndarray[Any, Any]:
+    """Pack a flat list of JSON values into a numpy array of ``datatype``, strictly.
+
+    ``header``: the JSON text (body, length) the values came from; when it holds no
+    ``true``/``false`` token, no value can be a boolean and the type check is skipped."""
     code = _STRUCT_CODE[datatype]
     dtype = DATATYPE_TO_NUMPY[datatype]
     n = len(flat)
@@ -210,13 +215,21 @@ def _pack(flat: list[Any], datatype: str, where: str) -> np.ndarray[Any, Any]:
     except (struct.error, OverflowError, TypeError):
         raise _bad_element(flat, datatype, where) from None
     # JSON true/false pack as 1/0: only when such values occur, look at the types.
+    if suspect and header is not None:
+        body, end = header
+        suspect = body.find(b"true", 0, end) >= 0 or body.find(b"false", 0, end) >= 0
     if suspect and bool in {*map(type, flat)}:
         raise _bad_element(flat, datatype, where)
     return arr
 
 
 def _json_array(
-    data: Any, datatype: str, shape: tuple[int, ...], count: int, where: str
+    data: Any,
+    datatype: str,
+    shape: tuple[int, ...],
+    count: int,
+    where: str,
+    header: tuple[bytes, int] | None = None,
 ) -> np.ndarray[Any, Any]:
     if datatype == "BYTES":
         flat = _flat_list(data, len(shape), count, where)
@@ -235,7 +248,7 @@ def _json_array(
     if type(data) is list and len(data) == count and count:
         # The common case, a flat list: nested lists inside fail to pack and are diagnosed.
         try:
-            return _pack(data, datatype, where).reshape(shape)
+            return _pack(data, datatype, where, header).reshape(shape)
         except InvalidInput:
             if not any(type(v) is list for v in data):
                 raise
@@ -245,7 +258,7 @@ def _json_array(
     flat = unnested
     if len(flat) != count:
         raise _fail(f"{where}.data", f"has {len(flat)} elements, shape {list(shape)} needs {count}")
-    return _pack(flat, datatype, where).reshape(shape)
+    return _pack(flat, datatype, where, header).reshape(shape)
 
 
 def _unnest(data: Any, ndim: int, count: int) -> list[Any] | None:
@@ -255,6 +268,9 @@ def _unnest(data: Any, ndim: int, count: int) -> list[Any] | None:
     if type(level) is not list:
         return None
     for _ in range(ndim - 1):
+        if len(level) == 1 and type(level[0]) is list:
+            level = level[0]  # one row: no copy
+            continue
         if len(level) > count or {*map(type, level)} != {list}:
             return None
         level = list(chain.from_iterable(level))
@@ -395,7 +411,7 @@ def decode_infer_request(
         else:
             if "data" not in item:
                 raise _fail(where, "has neither 'data' nor parameters.binary_data_size")
-            arr = _json_array(item["data"], datatype, shape, count, where)
+            arr = _json_array(item["data"], datatype, shape, count, where, (body, header_length))
         inputs.append(Tensor(name, datatype, shape, arr))
     if offset != len(binary):
         raise InvalidInput(
