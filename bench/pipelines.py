@@ -6,13 +6,15 @@ Servers, one at a time, each bound to 127.0.0.1 and loaded by wrk (-t1 -c32) wit
 from examples/data/sentences.txt, rotated per request:
 - rtserve serving the bundled ``text-embedding`` ensemble (examples/repository, ``make
   examples``): the Python tokenizer step (thread isolation, and again with process
-  isolation), then MiniLM INT8 through its own batcher;
+  isolation), then MiniLM INT8 through its own batcher (2 instances sharing the threads, as
+  shipped; and 1 instance with all of them);
 - the same pipeline (same tokenizer.json, same INT8 ONNX file, same ONNX Runtime threads)
   written as a user of each library would: naive FastAPI (tokenize + run per request),
   LitServe and BentoML (their batching, max 32, 1 ms wait), from bench/peers/text_*.py in
   the peers' own venvs (bench/.peers, with ``tokenizers`` added).
 Then the Python step alone: rtserve serving only the tokenizer model, thread vs process
-isolation, with the server's CPU time per request.
+isolation, with the server's CPU time per request; and what the ensemble layer itself costs:
+a tiny ONNX model called directly and through a one-step ensemble.
 
 Rounds alternate the order of the servers; the report shows every round and the median.
 """
@@ -62,11 +64,12 @@ class Contender:
 CONTENDERS = {
     c.name: c
     for c in (
-        Contender("rtserve", "rtserve (ensemble; tokenizer thread)", "main",
+        Contender("rtserve", "rtserve (ensemble as shipped: MiniLM 2 instances; tokenizer thread)",
+                  "main", "/v2/models/text-embedding/infer", "/v2/models/text-embedding/ready",
+                  "v2"),
+        Contender("rtserve_process", "rtserve (same, tokenizer in a worker process)", "main",
                   "/v2/models/text-embedding/infer", "/v2/models/text-embedding/ready", "v2"),
-        Contender("rtserve_process", "rtserve (ensemble; tokenizer process)", "main",
-                  "/v2/models/text-embedding/infer", "/v2/models/text-embedding/ready", "v2"),
-        Contender("rtserve_instances", "rtserve (ensemble; MiniLM 2 instances, threads split)",
+        Contender("rtserve_one_instance", "rtserve (MiniLM 1 instance with all the threads)",
                   "main", "/v2/models/text-embedding/infer", "/v2/models/text-embedding/ready",
                   "v2"),
         Contender("fastapi", "naive FastAPI (tokenize + ORT per request)", "fastapi",
@@ -137,10 +140,10 @@ def rotating_script(bodies: list[bytes], path: Path) -> Path:
 
 # ---------------------------------------------------------------------- servers
 def _rtserve_repository(
-    workdir: Path, isolation: str, models: tuple[str, ...], instances: int = 1
+    workdir: Path, isolation: str, models: tuple[str, ...], instances: int = 2
 ) -> Path:
-    """The example's models, with the benchmark's ORT threads and the tokenizer's isolation;
-    ``instances`` MiniLM instances share the threads."""
+    """The example's models, with the tokenizer's isolation; ``instances`` MiniLM instances
+    share the benchmark's ONNX Runtime threads (the same total as every peer's)."""
     repo = workdir / "repository"
     if repo.exists():
         shutil.rmtree(repo)
@@ -180,7 +183,7 @@ def start(name: str, workdir: Path, log_dir: Path, models: tuple[str, ...] = PIP
     }
     if name.startswith("rtserve"):
         isolation = "process" if name.endswith("process") else "thread"
-        instances = 2 if name.endswith("instances") else 1
+        instances = 1 if name.endswith("one_instance") else 2
         repo = _rtserve_repository(workdir, isolation, models, instances)
         venv = envs.MAIN_VENV
         argv = [
@@ -308,22 +311,89 @@ def run_tokenizer_alone(isolation: str, seconds: float, log_dir: Path, texts: li
     return point
 
 
+# ---------------------------------------------------------------------- ensemble overhead
+def _overhead_repository(workdir: Path) -> Path:
+    """A tiny ONNX model (y = 2x, FP32 [batch, 4]) and a one-step ensemble around it."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    repo = workdir / "repository"
+    if repo.exists():
+        shutil.rmtree(repo)
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "k"], ["y"])],
+        "double",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor("k", TensorProto.FLOAT, [], [2.0])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (repo / "double" / "1").mkdir(parents=True)
+    onnx.save(model, str(repo / "double" / "1" / "model.onnx"))
+    (repo / "double" / "config.yaml").write_text(
+        "max_batch_size: 32\ndynamic_batching: {max_queue_delay_us: 200}\n"
+    )
+    (repo / "single" / "1").mkdir(parents=True)
+    ensemble = {
+        "backend": "ensemble",
+        "inputs": [{"name": "X", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "Y", "datatype": "FP32", "shape": [4]}],
+        "steps": [{"model": "double", "inputs": {"x": "X"}, "outputs": {"y": "Y"}}],
+    }
+    (repo / "single" / "config.yaml").write_text(yaml.safe_dump(ensemble))
+    return repo
+
+
+def run_overhead(seconds: float, log_dir: Path, rounds: int = 3) -> list[Point]:
+    """The same tiny model called directly and through a one-step ensemble, alternating."""
+    workdir = OUT / "overhead"
+    workdir.mkdir(parents=True, exist_ok=True)
+    repo = _overhead_repository(workdir)
+    port = free_port()
+    argv = [
+        str(envs.MAIN_VENV / "bin" / "python"), "-m", "rtserve.cli", "serve",
+        "--model-repository", str(repo), "--host", "127.0.0.1",
+        "--http-port", str(port), "--grpc-port", str(free_port()),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
+    env.update(PYTHONPATH=str(ROOT / "src"), PYTHONUNBUFFERED="1")
+    server = Server("overhead", argv, env, log_dir / "overhead.log", cwd=ROOT)
+    points = []
+    try:
+        server.wait_ready(f"http://127.0.0.1:{port}/v2/models/single/ready", 60.0)
+        routes = [("double", "direct", "x"), ("single", "ensemble", "X")]
+        for round_no in range(1, rounds + 1):
+            for model, name, tensor in routes if round_no % 2 else routes[::-1]:
+                point = Point(f"overhead_{name}", f"{name} ({model})", round_no)
+                doc = {"inputs": [{"name": tensor, "shape": [1, 4], "datatype": "FP32",
+                                   "data": [0.5, 1.0, 1.5, 2.0]}]}  # fmt: skip
+                load(f"http://127.0.0.1:{port}/v2/models/{model}/infer",
+                     [json.dumps(doc).encode()], seconds, workdir, point, server.pid)  # fmt: skip
+                points.append(point)
+    finally:
+        server.stop()
+    return points
+
+
 # ---------------------------------------------------------------------- report
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def render(points: list[Point], tokenizer: list[Point], args: argparse.Namespace,
-           started: str, elapsed_s: float) -> str:  # fmt: skip
+def render(points: list[Point], tokenizer: list[Point], overhead: list[Point],
+           args: argparse.Namespace, started: str, elapsed_s: float) -> str:  # fmt: skip
     names = [n for n in CONTENDERS if any(p.name == n for p in points)]
     rows = []
     medians: dict[str, tuple[float, float]] = {}
+    cpu: dict[str, float] = {}
     for name in names:
         mine = [p for p in points if p.name == name]
         good = [p for p in mine if not p.error]
         rps = _median([p.rps for p in good])
         p99 = _median([p.p99_ms for p in good])
         medians[name] = (rps, p99)
+        cpu[name] = _median([p.cpu_ms_per_request for p in good])
         per_round = " / ".join(
             f"{p.rps:.0f}" if not p.error else "failed" for p in sorted(mine, key=lambda p: p.round)
         )
@@ -338,7 +408,9 @@ def render(points: list[Point], tokenizer: list[Point], args: argparse.Namespace
             f"{_median([p.cpu_ms_per_request for p in good]):.2f} | {errors} | "
             f"{'' if cos is None else f'{cos:.4f}'} {why} |"
         )
-    peers = [n for n in ("fastapi", "litserve", "bentoml") if n in medians and medians[n][0] > 0]
+    peers: list[str] = [
+        n for n in ("fastapi", "litserve", "bentoml") if n in medians and medians[n][0] > 0
+    ]
     best = max(peers, key=lambda n: medians[n][0]) if peers else None
     lines = [
         "# Pipeline benchmark: text-embedding end to end",
@@ -356,9 +428,13 @@ def render(points: list[Point], tokenizer: list[Point], args: argparse.Namespace
         "Sentences in (examples/data/sentences.txt, rotated per request, one per request), a "
         "normalised 384-d embedding out. Every server runs the same pipeline: the "
         "all-MiniLM-L6-v2 tokenizer (`tokenizers`, the same tokenizer.json) and the same "
-        f"INT8 ONNX file (`examples/repository/minilm-int8`), ONNX Runtime intra-op threads "
-        f"{INTRA_OP_THREADS}. Load: `wrk -t1 -c{CONNECTIONS} -d{args.seconds:g}s` after a 3 s "
-        "warm-up, client on the same machine; one server at a time; rounds alternate the order.",
+        f"INT8 ONNX file (`examples/repository/minilm-int8`), with {INTRA_OP_THREADS} ONNX "
+        "Runtime intra-op threads in all (rtserve's two MiniLM instances get "
+        f"{max(1, INTRA_OP_THREADS // 2)} each). The peers batch as their docs show (LitServe "
+        f"and BentoML: max {MAX_BATCH}, {MAX_WAIT_MS:g} ms wait for LitServe; the naive FastAPI "
+        "app runs one request at a time per thread of its sync-endpoint pool). "
+        f"Load: `wrk -t1 -c{CONNECTIONS} -d{args.seconds:g}s` after a 3 s warm-up, client on "
+        "the same machine; one server at a time; rounds alternate the order.",
         "",
         "| server | req/s (median) | req/s per round | p50 ms | p99 ms | server CPU ms/request | "
         "errors | cosine to rtserve's answer |",
@@ -366,12 +442,24 @@ def render(points: list[Point], tokenizer: list[Point], args: argparse.Namespace
         *rows,
         "",
     ]
-    if best is not None and "rtserve" in medians:
-        r_rps, r_p99 = medians["rtserve"]
+    if best is not None:
         b_rps, b_p99 = medians[best]
+        b_cpu = cpu[best]
+        lines += [f"Against the best peer by req/s ({CONTENDERS[best].label}):", ""]
+        for name in (n for n in medians if n.startswith("rtserve") and medians[n][0] > 0):
+            r_rps, r_p99 = medians[name]
+            lines.append(
+                f"- {CONTENDERS[name].label}: **{r_rps / b_rps:.2f}x** req/s; p99 {r_p99:.1f} ms "
+                f"vs {b_p99:.1f} ms; server CPU per request {cpu[name]:.2f} ms vs {b_cpu:.2f} ms "
+                f"({b_cpu / cpu[name]:.2f}x less)."
+            )
         lines += [
-            f"rtserve / best peer ({CONTENDERS[best].label}): **{r_rps / b_rps:.2f}x** req/s; "
-            f"p99 {r_p99:.1f} ms vs {b_p99:.1f} ms.",
+            "",
+            "The model's compute is most of each request, so req/s follows how much of the two "
+            "cores a server gets, and on a shared machine that share swings between rounds; "
+            "server CPU time per request (the server's process and its children, over the "
+            "measured interval) is the steadier measure of how much work each server spends "
+            "per answer.",
             "",
         ]
     if tokenizer:
@@ -398,11 +486,49 @@ def render(points: list[Point], tokenizer: list[Point], args: argparse.Namespace
             lines += [
                 "",
                 f"Process isolation costs {p.cpu_ms_per_request - t.cpu_ms_per_request:+.3f} ms "
-                "of server CPU per request here (shared-memory hand-off to the worker and back), "
-                f"and {(t.rps - p.rps) / t.rps * 100:+.0f}% req/s.",
+                "of server CPU per request here (shared-memory hand-off to the worker and back); "
+                f"req/s {(p.rps - t.rps) / t.rps * 100:+.0f}% against thread isolation.",
             ]
         lines.append("")
-    lines += ["Raw points: `bench/.work/pipelines/results.json` (not committed).", ""]
+    if overhead:
+        lines += [
+            "## What the ensemble layer costs",
+            "",
+            "A tiny ONNX model (y = 2x, one row per request, V2 JSON, wrk "
+            f"-c{CONNECTIONS}) called directly and through a one-step ensemble, same server.",
+            "",
+            "| route | req/s (median; rounds) | p50 ms | p99 ms | server CPU ms/request |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        med: dict[str, dict[str, float]] = {}
+        for name in ("overhead_direct", "overhead_ensemble"):
+            mine = [p for p in overhead if p.name == name and not p.error]
+            if not mine:
+                continue
+            med[name] = {
+                k: _median([getattr(p, k) for p in mine])
+                for k in ("rps", "p50_ms", "p99_ms", "cpu_ms_per_request")
+            }
+            rounds = " / ".join(f"{p.rps:.0f}" for p in mine)
+            m = med[name]
+            lines.append(
+                f"| {mine[0].label} | {m['rps']:.0f} ({rounds}) | {m['p50_ms']:.2f} | "
+                f"{m['p99_ms']:.2f} | {m['cpu_ms_per_request']:.3f} |"
+            )
+        if len(med) == 2:
+            d, e = med["overhead_direct"], med["overhead_ensemble"]
+            lines += [
+                "",
+                "Medians of alternating rounds (per-round req/s in brackets). The ensemble adds "
+                f"{(e['cpu_ms_per_request'] - d['cpu_ms_per_request']) * 1000:+.0f} µs of server "
+                "CPU per request (a task, the step lookup, the step's own metrics).",
+            ]
+        lines.append("")
+    lines += [
+        f"Raw points: `bench/.work/pipelines/results-{args.out.stem}.json`, servers' logs in "
+        "`bench/.work/pipelines/logs/` (not committed).",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -415,6 +541,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--no-tokenizer", action="store_true", help="skip the Python-step points")
+    parser.add_argument("--no-overhead", action="store_true", help="skip the ensemble-cost points")
     parser.add_argument(
         "--threads",
         type=int,
@@ -458,10 +585,16 @@ def main() -> None:
             print(f"tokenizer {isolation}: {point.rps:.0f} req/s "
                   f"{point.cpu_ms_per_request:.3f} ms CPU/request", flush=True)  # fmt: skip
             tokenizer.append(point)
-    (OUT / "results.json").write_text(
-        json.dumps([p.__dict__ for p in points + tokenizer], indent=2, default=str)
+    overhead: list[Point] = []
+    if not args.no_overhead:
+        overhead = run_overhead(args.seconds, log_dir)
+        for point in overhead:
+            print(f"{point.name}: {point.rps:.0f} req/s "
+                  f"{point.cpu_ms_per_request:.3f} ms CPU/request", flush=True)  # fmt: skip
+    (OUT / f"results-{args.out.stem}.json").write_text(
+        json.dumps([p.__dict__ for p in points + tokenizer + overhead], indent=2, default=str)
     )
-    args.out.write_text(render(points, tokenizer, args, started, time.monotonic() - t0))
+    args.out.write_text(render(points, tokenizer, overhead, args, started, time.monotonic() - t0))
     print(f"wrote {args.out}")
 
 

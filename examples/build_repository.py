@@ -203,6 +203,9 @@ outputs:
 dynamic_batching:
   max_queue_delay_us: 2000
   max_queue_size: 2048
+# Two batches at once, one ONNX Runtime thread each: no thread pool spinning beside the
+# event loop, and the next batch starts while one is still running.
+instance_count: 2
 onnxruntime:
   intra_op_threads: 1
 warmup:
