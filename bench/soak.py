@@ -277,7 +277,7 @@ async def _run_valid(port: int, rate: float, duration_s: float, window_s: float,
     deadline = time.perf_counter() + DRAIN_S
     while client.outstanding and time.perf_counter() < deadline:
         await asyncio.sleep(0.01)
-    _emit(report, client.take_window())
+    _emit(report, {**client.take_window(), "drain": True})
     unanswered = client.outstanding
     totals = dict(client.totals)
     totals["lost"] = totals.get("lost", 0) + unanswered
@@ -523,7 +523,7 @@ SLOW = {
                                frozenset({"408", "held"})),
 }  # fmt: skip
 # Kinds that are expensive for the server (or this client): sent at most this often (s).
-_PERIOD_S = {"gzip_bomb": 5.0, "pipelined_unread": 10.0, "huge_bytes_shape": 1.0}
+_PERIOD_S = {"gzip_bomb": 30.0, "pipelined_unread": 10.0, "huge_bytes_shape": 1.0}
 
 
 async def _slow_client(kind: str, running: Callable[[], bool],
@@ -599,11 +599,13 @@ async def _run_hostile(port: int, stop_file: Path, slow: int, report: Path) -> N
                 if time.monotonic() - last_sent.get(name, 0.0) < period:
                     continue
                 last_sent[name] = time.monotonic()
+            began = time.monotonic()
             try:
                 status = await HOSTILE[name][1]()
             except OSError as exc:
                 status = f"connect failed: {exc.__class__.__name__}"
             counts[name][status] += 1
+            held[name].append(time.monotonic() - began)
             await asyncio.sleep(0.05)
 
     tasks = [worker(i * 5) for i in range(3)]
@@ -616,8 +618,8 @@ async def _run_hostile(port: int, stop_file: Path, slow: int, report: Path) -> N
         {
             "final": True,
             "counts": {k: dict(v) for k, v in counts.items()},
-            "held_max_s": {k: round(max(v), 1) for k, v in held.items() if v},
-            "held_median_s": {k: round(statistics.median(v), 1) for k, v in held.items() if v},
+            "held_max_s": {k: round(max(v), 3) for k, v in held.items() if v},
+            "held_median_s": {k: round(statistics.median(v), 3) for k, v in held.items() if v},
             "cpu_s": time.process_time() - began_cpu,
         },
     )
@@ -732,6 +734,10 @@ def summarize(
 
 
 # ---------------------------------------------------------------------------- report
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1000:,.0f} ms" if seconds < 10 else f"{seconds:,.0f} s"
+
+
 def _fmt(value: Any, digits: int = 1) -> str:
     if value is None:
         return "-"
@@ -889,26 +895,29 @@ def markdown(run: dict[str, Any], plot_path: Path | None, out: Path) -> str:
         "plus long-lived slow-loris connections). *Expected* is the answer the server should "
         "give; a client that leaves before its answer expects none.",
         "",
-        "| kind | what it sends | answers seen | expected |",
-        "| --- | --- | --- | --- |",
+        "| kind | what it sends | answers seen | expected | time to answer or close: "
+        "median / max |",
+        "| --- | --- | --- | --- | --- |",
     ]
-    counts = run["hostile"].get("counts", {})
+    hostile = run["hostile"]
+    counts = hostile.get("counts", {})
+    medians, maxima = hostile.get("held_median_s", {}), hostile.get("held_max_s", {})
     for name, spec in [(n, HOSTILE[n][0]) for n in HOSTILE] + list(SLOW.items()):
         seen = counts.get(name, {})
         shown = ", ".join(f"{status}: {n:,}" for status, n in sorted(seen.items())) or "-"
         expected = ", ".join(sorted(spec.expected)) or "none (leaves)"
-        lines.append(f"| {name} | {spec.what} | {shown} | {expected} |")
-    held = run["hostile"].get("held_max_s", {})
-    if held:
-        lines += [
-            "",
-            "Longest a slow-loris connection stayed open (s): "
-            + ", ".join(f"{k} {v:g}" for k, v in held.items())
-            + ". The head and body timeouts close the first two kinds with 408; a body that "
-            "keeps dripping faster than `http_body_timeout_s` is held until the client gives up "
-            "(the timeout counts silence, not total time): `http_max_connections` bounds how "
-            "many such connections there can be.",
-        ]
+        timing = "-"
+        if name in medians:
+            timing = f"{_duration(medians[name])} / {_duration(maxima[name])}"
+        lines.append(f"| {name} | {spec.what} | {shown} | {expected} | {timing} |")
+    lines += [
+        "",
+        "The head and body timeouts close `slow_head` and `slow_body_silent` with 408; a body "
+        "that keeps dripping faster than `http_body_timeout_s` (`slow_body_drip`) is held until "
+        "the client gives up (the timeout counts silence, not total time): "
+        "`http_max_connections` bounds how many such connections there can be. Kinds that "
+        "leave early are timed to when they leave.",
+    ]
     if s["unexpected"]:
         lines += ["", f"Unexpected answers: `{json.dumps(s['unexpected'])}`."]
     log = run["server_log"]
@@ -925,6 +934,31 @@ def markdown(run: dict[str, Any], plot_path: Path | None, out: Path) -> str:
 
 
 # ---------------------------------------------------------------------------- orchestration
+def _source_state() -> str:
+    """The commit the server ran from, and whether the working tree differed from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    if not head:
+        return "?"
+    return f"commit {head}" + (f" + uncommitted changes in {len(dirty)} files under src/"
+                                if dirty else "")  # fmt: skip
+
+
 def _end_child(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
     if proc is None:
         return
@@ -941,6 +975,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     started = dt.datetime.now(dt.UTC)
     facts = machine.facts()
+    facts["rtserve source"] = _source_state()
     stop_file = workdir / "stop"
     stop_file.unlink(missing_ok=True)
     for stale in workdir.glob("*.jsonl"):
@@ -1002,7 +1037,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         server.stop(grace_s=40)
         stop_s = time.monotonic() - stop_began
     log_text = (workdir / "server.log").read_text(errors="replace")
-    windows = [r for r in _records(valid_rec) if not r.get("final")]
+    windows = [r for r in _records(valid_rec) if not r.get("final") and not r.get("drain")]
     finals = [r for r in _records(valid_rec) if r.get("final")]
     valid_totals = finals[-1] if finals else {"lost": -1}
     hostile_final = (_records(hostile_rec) or [{}])[-1]
