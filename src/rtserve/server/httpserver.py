@@ -281,7 +281,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._rejected:  # refused: dropped, and the linger is not extended
             return
-        self.last_active = time.monotonic()
+        self.last_active = self.server.clock
         state = self.state
         gen = self._gen
         try:
@@ -381,15 +381,17 @@ class Connection(asyncio.Protocol):
         self._url = []
         self._headers = {}
         self._body = []
+        keep_alive = parser.should_keep_alive() and not self.server.draining and not self._rejected
         request = Request(
             parser.get_method(),
             path.decode("utf-8", "replace"),
             query.decode("latin-1"),
             headers,
             body,
-            parser.should_keep_alive() and not self.server.draining and not self._rejected,
+            keep_alive,
             self._started,
-            parser.get_http_version() == "1.0",
+            # Only an HTTP/1.0 client that asked for keep-alive is told it got it.
+            keep_alive and b"connection" in headers and parser.get_http_version() == "1.0",
         )
         if self.current is not None or self._dispatching or self.write_paused:
             self.pipeline.append(request)
@@ -435,6 +437,7 @@ class Connection(asyncio.Protocol):
         if request is None:
             return
         self.current = None
+        self.on_lost = None
         self.server.busy_connections -= 1
         transport = self.transport
         if transport is None or transport.is_closing():
@@ -443,7 +446,7 @@ class Connection(asyncio.Protocol):
         if request.method == b"HEAD":
             body = b""
         transport.write(response_bytes(status, body, headers, keep_alive, request.http10))
-        self.last_active = time.monotonic()
+        self.last_active = self.server.clock
         if not keep_alive:
             transport.close()
             return
@@ -495,7 +498,7 @@ class Connection(asyncio.Protocol):
         # would reset the connection and could destroy the answer before the client reads it.
         if transport.can_write_eof():
             transport.write_eof()
-        else:  # pragma: no cover - TCP transports can
+        else:  # TLS cannot half-close
             transport.close()
 
     def _refuse_over_cap(self) -> None:
@@ -554,12 +557,13 @@ class Connection(asyncio.Protocol):
         )
 
     # ------------------------------------------------------------------ timeouts
-    def expire(self, now: float, now_ns: int) -> None:
+    def expire(self, now: float, now_ns: int, lag: float) -> None:
         """Close the connection if it has been waiting on its client for too long (called by
-        the server's periodic sweep)."""
+        the server's periodic sweep; ``last_active`` may lag true time by up to ``lag``)."""
         transport = self.transport
         if transport is None:
             return
+        now -= lag
         limits = self.limits
         if self.write_paused:  # the peer does not read its answers
             if now - self._write_paused_at > limits.body_timeout_s:
@@ -623,6 +627,9 @@ class HttpServer:
         self.limits = limits
         self.idle_timeout_s = limits.idle_timeout_s
         self.max_connections = limits.max_connections
+        # Coarse time (updated by the sweep) for a connection's last activity: the timeouts
+        # need no better, and reading it is cheaper than a clock call per request.
+        self.clock = time.monotonic()
         self.connections: set[Connection] = set()
         self.busy_connections = 0  # connections with a request being answered
         self.draining = False
@@ -678,8 +685,9 @@ class HttpServer:
         while True:
             await asyncio.sleep(interval)
             now, now_ns = time.monotonic(), _now()
+            self.clock = now
             for conn in list(self.connections):
-                conn.expire(now, now_ns)
+                conn.expire(now, now_ns, interval)
 
     def begin_drain(self) -> None:
         """Answer what was accepted; close connections as they fall idle."""
