@@ -86,6 +86,24 @@ FEATURES_CONFIG = {
 
 X4 = {"name": "X", "datatype": "FP32", "shape": [4]}
 
+# A Python step that takes 0.3 s: two of them in one level show whether levels run
+# their steps concurrently.
+SLEEPY_PY = """
+import time
+
+class Model:
+    def infer(self, inputs):
+        time.sleep(0.3)
+        return {"y": inputs["x"] + 1}
+"""
+SLEEPY_CONFIG = {
+    "backend": "python",
+    "max_batch_size": 4,
+    "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+    "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
+    "warmup": {"batch_sizes": [1], "iterations": 0},
+}
+
 
 def _ensemble(inputs: list[dict], outputs: list[dict], steps: list[dict], **extra: Any) -> dict:
     return {"backend": "ensemble", "inputs": inputs, "outputs": outputs, "steps": steps, **extra}
@@ -146,6 +164,24 @@ def build_ensemble_repository(root: Path) -> Path:
     _write(root, "chain", CHAIN)
     _write(root, "diamond", DIAMOND)
     _write(root, "text", TEXT)
+    for name in ("sleepy_a", "sleepy_b"):
+        _write(root, name, SLEEPY_CONFIG)
+        (root / name / "1" / "model.py").write_text(SLEEPY_PY)
+    _write(
+        root,
+        "parallel",
+        _ensemble(
+            [X4],
+            [
+                {"name": "A", "datatype": "FP32", "shape": [4]},
+                {"name": "B", "datatype": "FP32", "shape": [4]},
+            ],
+            [
+                {"model": "sleepy_a", "inputs": {"x": "X"}, "outputs": {"y": "A"}},
+                {"model": "sleepy_b", "inputs": {"x": "X"}, "outputs": {"y": "B"}},
+            ],
+        ),
+    )
     _write(
         root,
         "cached_chain",
@@ -486,3 +522,16 @@ def test_a_cached_ensemble_answers_a_repeat_without_running_its_steps(
     np.testing.assert_array_equal(first, again)
     np.testing.assert_allclose(first, x * 6)
     assert int(stats["inference_stats"]["cache_hit"]["count"]) >= 1
+
+
+def test_independent_steps_run_concurrently(served: RunningServer) -> None:
+    import time
+
+    x = np.ones((1, 4), np.float32)
+    with thttp.InferenceServerClient(served.http) as hc:
+        start = time.perf_counter()
+        result = _http_infer(hc, "parallel", {"X": x})
+        elapsed = time.perf_counter() - start
+    np.testing.assert_allclose(result.as_numpy("A"), x + 1)
+    np.testing.assert_allclose(result.as_numpy("B"), x + 1)
+    assert elapsed < 0.55, f"two 0.3 s steps of one level took {elapsed:.2f} s"
