@@ -28,9 +28,9 @@ import asyncio
 import copy
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -300,9 +300,9 @@ class EnsembleScheduler:
         self,
         config: ModelConfig,
         plan: Plan,
-        lookup: Any,
+        lookup: Callable[[str, str], ModelVersion],
         checked: dict[int, ModelVersion],
-        on_done: Any = None,
+        on_done: Callable[[int, int], None] | None = None,
     ) -> None:
         self.name = config.name
         self._config = config
@@ -359,7 +359,7 @@ class EnsembleScheduler:
     def step_model(self, step: Step) -> ModelVersion:
         """The step's live version, checked against the plan if it changed (a reload)."""
         try:
-            mv: ModelVersion = self._lookup(step.model, step.version)
+            mv = self._lookup(step.model, step.version)
         except RTServeError as exc:
             raise ModelNotReady(
                 f"ensemble '{self.name}' {step.label} is not available: {exc.message}"
@@ -506,5 +506,5 @@ async def build_ensemble_version(
         inputs={s.name: s for s in config.inputs or ()},
         outputs={s.name: s for s in config.outputs or ()},
         runtime=None,
-        cache=ctx.cache_for(config, version),
+        cache=ctx.cache_for(config, version, tuple(config.outputs or ())),
     )
