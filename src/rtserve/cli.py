@@ -22,6 +22,16 @@ _HTTP_LIMITS: dict[str, tuple[type, str]] = {
 }
 
 
+# Decoding budget per request: flag --<name> sets ServerConfig.<name>.
+_DECODE_LIMITS: dict[str, str] = {
+    "max_tensor_elements": "tensor elements per request (default 16777216)",
+    "max_bytes_elements": "BYTES elements per request (default 65536)",
+    "max_json_depth": "nesting of JSON parameters (default 32)",
+    "max_json_containers": "JSON lists/objects per request header (default 65536)",
+    "max_decompressed_bytes": "largest gzip/deflate body once decompressed (default 64 MiB)",
+}
+
+
 def _serve(args: argparse.Namespace) -> int:
     from rtserve.config import load_server_config
     from rtserve.server.app import serve
@@ -50,6 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
             repository_poll_secs=args.repository_poll_secs,
             load_models=tuple(args.load_model) if args.load_model else None,
             **{f"http_{name}": getattr(args, f"http_{name}") for name in _HTTP_LIMITS},
+            **{name: getattr(args, name) for name in _DECODE_LIMITS},
         )
     except ConfigError as exc:
         print(f"rtserve: {exc}", file=sys.stderr)
@@ -81,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     for name, (kind, help_text) in _HTTP_LIMITS.items():
         s.add_argument(f"--http-{name.replace('_', '-')}", type=kind, help=help_text)
+    for name, help_text in _DECODE_LIMITS.items():
+        s.add_argument(f"--{name.replace('_', '-')}", type=int, help=help_text)
     s.add_argument(
         "--auth-file",
         help="YAML of API keys (tokens, allowed models, admin); default: no authentication",

@@ -389,6 +389,13 @@ class ServerConfig:
     access_log: bool = False
     trace_endpoint: str = ""  # OTLP/HTTP traces URL, e.g. http://127.0.0.1:4318/v1/traces
     trace_sample_ratio: float = 1.0
+    # Decoding budget per request (rtserve.protocol.limits.DecodeLimits; tightened per model
+    # to what its signature accepts) and the largest decompressed body.
+    max_tensor_elements: int = 1 << 24
+    max_bytes_elements: int = 1 << 16
+    max_json_depth: int = 32
+    max_json_containers: int = 1 << 16
+    max_decompressed_bytes: int = 64 * 1024 * 1024
     # Security (rtserve.server.security): auth keys file, per-client rate limit, TLS.
     auth_file: str = ""
     rate_limit_rps: float = 0.0  # 0: no limit
@@ -438,6 +445,13 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
             "access_log": f.boolean("access_log", False),
             "trace_endpoint": f.string("trace_endpoint", ""),
             "trace_sample_ratio": f.number("trace_sample_ratio", 1.0),
+            "max_tensor_elements": f.integer("max_tensor_elements", 1 << 24, minimum=1),
+            "max_bytes_elements": f.integer("max_bytes_elements", 1 << 16, minimum=1),
+            "max_json_depth": f.integer("max_json_depth", 32, minimum=1),
+            "max_json_containers": f.integer("max_json_containers", 1 << 16, minimum=1),
+            "max_decompressed_bytes": f.integer(
+                "max_decompressed_bytes", 64 * 1024 * 1024, minimum=1
+            ),
             "auth_file": f.string("auth_file", ""),
             "rate_limit_rps": f.number("rate_limit_rps", 0.0),
             "rate_limit_burst": f.integer("rate_limit_burst", 0),

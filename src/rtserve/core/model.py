@@ -24,6 +24,7 @@ import numpy as np
 from rtserve.config import ModelConfig, TensorSpec
 from rtserve.errors import ConfigError
 from rtserve.observability.metrics import Metrics, ModelMetrics
+from rtserve.protocol.limits import DEFAULT_LIMITS, DecodeLimits, limits_for_model
 from rtserve.protocol.types import DATATYPE_TO_NUMPY, Timings
 from rtserve.runtime.base import Runtime, load_runtime
 from rtserve.scheduling.batcher import Batcher
@@ -80,6 +81,8 @@ class ModelVersion:
     runtime: Runtime | None = None  # None for versions that are not one runtime (ensembles)
     cache: ResponseCache | None = None
     ready: bool = False
+    # What one request to this version may cost to decode (sized to its signature).
+    decode_limits: DecodeLimits = DEFAULT_LIMITS
     closers: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
 
     def submit(
@@ -123,9 +126,15 @@ class BuildContext:
     cache_default: CacheConfig | None = None
     # Resolves another live model (ensembles call their steps through it).
     lookup: Callable[[str, str], ModelVersion] | None = None
+    decode_limits: DecodeLimits = DEFAULT_LIMITS  # the server's; tightened per model
     _cache_metrics: CacheMetrics | None = None
 
-    def cache_for(self, config: ModelConfig, version: str) -> ResponseCache | None:
+    def cache_for(
+        self,
+        config: ModelConfig,
+        version: str,
+        outputs: tuple[TensorSpec, ...] | None = None,
+    ) -> ResponseCache | None:
         """The model's response cache (its config merged over the server default), or None."""
         if config.response_cache is None and self.cache_default is None:
             return None
@@ -141,7 +150,14 @@ class BuildContext:
             return None
         if self._cache_metrics is None:
             self._cache_metrics = CacheMetrics(self.metrics.registry)
-        return ResponseCache(merged, config.name, version, self._cache_metrics)
+        return ResponseCache(
+            merged,
+            config.name,
+            version,
+            self._cache_metrics,
+            outputs=outputs,
+            max_batch_size=max(0, config.max_batch_size),
+        )
 
 
 Builder = Callable[[ModelConfig, Path, str, BuildContext], Awaitable[ModelVersion]]
@@ -243,7 +259,12 @@ async def build_runtime_version(
         inputs={s.name: s for s in runtime.inputs},
         outputs={s.name: s for s in runtime.outputs},
         runtime=runtime,
-        cache=ctx.cache_for(config, version),
+        cache=ctx.cache_for(config, version, runtime.outputs),
+        # Up to 4x what the model accepts is still decoded, so that the dataplane can name
+        # the mismatch (batch size, shape); far beyond that is refused before parsing.
+        decode_limits=limits_for_model(
+            runtime.inputs, 4 * max(1, config.max_batch_size), ctx.decode_limits
+        ),
     )
     log.info(
         "loaded %s version %s (%s, %s, largest warmup batch %.3f ms)",

@@ -35,6 +35,7 @@ from rtserve.observability.logs import configure_logging
 from rtserve.observability.metrics import Metrics
 from rtserve.observability.tracing import Tracer
 from rtserve.observability.workers import WorkerView
+from rtserve.protocol.limits import DecodeLimits
 from rtserve.server.control import ModelControl
 from rtserve.server.grpc import GrpcFrontend, start_grpc_server
 from rtserve.server.http import HttpFrontend
@@ -72,6 +73,12 @@ class Server:
                 self.metrics,
                 more_expected=self._more_expected,
                 cache_default=_cache_default(config),
+                decode_limits=DecodeLimits(
+                    max_elements=config.max_tensor_elements,
+                    max_bytes_elements=config.max_bytes_elements,
+                    max_json_depth=config.max_json_depth,
+                    max_json_containers=config.max_json_containers,
+                ),
             ),
             root=config.model_repository,
         )
@@ -104,6 +111,7 @@ class Server:
             config.max_request_bytes,
             control=self.control,
             guard=guard,
+            max_decompressed_bytes=config.max_decompressed_bytes,
         )
         self.grpc = GrpcFrontend(
             self.dataplane,

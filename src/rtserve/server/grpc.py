@@ -220,7 +220,7 @@ class GrpcFrontend:
             if self.guard is not None and context is not None:
                 self.guard.grpc("ModelInfer", message, context)
             mv = dp.resolve(message.model_name, message.model_version, timings)
-            request = decode_model_infer(message)
+            request = decode_model_infer(message, mv.decode_limits)
             request.timings = timings
             if context is not None:
                 for key, value in context.invocation_metadata() or ():

@@ -140,12 +140,14 @@ class HttpFrontend:
         max_request_bytes: int,
         control: ModelControl | None = None,
         guard: Guard | None = None,
+        max_decompressed_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         """``guard``: authentication and rate limits (None: open, as by default)."""
         self.guard = guard
         self.dataplane = dataplane
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
+        self.max_decompressed_bytes = max_decompressed_bytes
         self.control = control
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -191,6 +193,7 @@ class HttpFrontend:
                 else _int_header(header_length, "Inference-Header-Content-Length"),
                 name,
                 version,
+                mv.decode_limits,
             )
         except Exception as exc:
             # No local may hold the error: its traceback holds this frame, and the cycle would
@@ -254,16 +257,16 @@ class HttpFrontend:
                 "(expected gzip, deflate or identity)"
             )
         d = zlib.decompressobj(31 if encoding == b"gzip" else 15)
+        limit = self.max_decompressed_bytes
         try:
-            out = d.decompress(body, self.max_request_bytes + 1)
+            out = d.decompress(body, limit + 1)
         except zlib.error as exc:
             raise InvalidInput(
                 f"Content-Encoding {encoding.decode()}: corrupt body: {exc}"
             ) from None
-        if len(out) > self.max_request_bytes or d.unconsumed_tail:
+        if len(out) > limit or d.unconsumed_tail:
             raise PayloadTooLarge(
-                f"decompressed body exceeds the limit of {self.max_request_bytes} bytes "
-                "(max_request_bytes)"
+                f"decompressed body exceeds the limit of {limit} bytes (max_decompressed_bytes)"
             )
         return out
 
