@@ -79,6 +79,19 @@ def test_a_model_that_suddenly_becomes_3x_slower_is_tracked_within_a_few_batches
     assert not refused.admitted and refused.reason == "objective"
 
 
+def test_a_warmup_on_the_wrong_shapes_is_corrected_by_served_batches() -> None:
+    # Warmed up at sequence length 1: cheap and nearly all fixed cost. Real requests are
+    # long: 50 ms + 5 ms per row. Served batches of varied sizes teach the real line.
+    m = BatchTimeModel.fit([(b, curve(1000, 50)(b)) for b in (1, 8, 32)])
+    true = curve(50_000, 5_000)
+    rng = random.Random(3)
+    for _ in range(48):
+        b = rng.randint(1, 32)
+        m.observe(b, true(b) * rng.uniform(0.95, 1.05))
+    for b in (1, 8, 32):
+        assert m.predict(b) == pytest.approx(true(b), rel=0.1), b
+
+
 def test_a_single_slow_outlier_barely_moves_the_prediction() -> None:
     true = curve(100, 10)
     m = fitted(true)
@@ -215,6 +228,16 @@ def test_admission_counts_in_flight_and_queued_work() -> None:
     assert not admit(1, 1, 0, 0, 90 * 32, 5 * MS, m, 32, OBJ).admitted
     # Two instances drain twice as fast.
     assert admit(1, 1, 0, 0, 150 * 32, 0.0, m, 32, OBJ, instances=2).admitted
+
+
+def test_time_spent_before_the_queue_counts_against_the_objective() -> None:
+    m = fitted(curve(100, 10))
+    state = dict(rows_ahead=32 * 60, busy_ns=0.0, model=m, max_rows=32, objective=OBJ)
+    # 60 full batches: 25 ms of the 40 ms budget. Fine when just received, not after
+    # 20 ms waiting to be decoded.
+    assert admit(1, 1, 20 * MS, 0, received_ns=20 * MS, **state).admitted
+    late = admit(1, 1, 20 * MS, 0, received_ns=1, **state)
+    assert not late.admitted and late.deadline_ns == 1 + OBJ.gather_ns
 
 
 def test_a_request_deadline_tighter_than_the_queue_is_refused_at_once() -> None:

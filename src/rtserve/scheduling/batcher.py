@@ -259,6 +259,7 @@ class Batcher:
             controller.target,
             controller.rate.rate(now),
             controller.error.value,
+            timings.received,
         )
         if not decision.admitted:
             self.stats.count_shed(decision.reason, level)

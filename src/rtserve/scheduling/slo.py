@@ -104,12 +104,26 @@ def parse_priority(value: object, objective: Objective) -> int:
 
 # ---------------------------------------------------------------------------- batch time
 class BatchTimeModel:
-    """Predicted run time of a batch of ``rows``: ``scale * (fixed_ns + per_row_ns * rows)``."""
+    """Predicted run time of a batch of ``rows``: ``scale * (fixed_ns + per_row_ns * rows)``.
 
-    __slots__ = ("fixed_ns", "per_row_ns", "scale", "up", "down", "_recent")
+    Two speeds of learning while serving: ``scale`` follows the last few batches (a sudden
+    slowdown), and every few batches the line itself is refitted by exponentially weighted
+    least squares over the batches served (once their sizes differ enough to tell fixed from
+    per-row cost), so a warmup on unrepresentative inputs (ragged shapes are warmed up at
+    length 1) is corrected by real traffic.
+    """
+
+    __slots__ = (
+        "fixed_ns", "per_row_ns", "scale", "up", "down", "forget", "_recent", "_sums", "_seen",
+    )  # fmt: skip
 
     def __init__(
-        self, fixed_ns: float, per_row_ns: float, up: float = 1.0, down: float = 0.1
+        self,
+        fixed_ns: float,
+        per_row_ns: float,
+        up: float = 1.0,
+        down: float = 0.1,
+        forget: float = 0.98,
     ) -> None:
         self.fixed_ns = max(0.0, fixed_ns)
         self.per_row_ns = max(0.0, per_row_ns)
@@ -118,7 +132,10 @@ class BatchTimeModel:
         self.scale = 1.0
         self.up = up
         self.down = down
-        self._recent: list[float] = []
+        self.forget = forget
+        self._recent: list[tuple[int, float]] = []
+        self._sums = [0.0] * 5  # weighted: n, sum b, sum b^2, sum t, sum b*t
+        self._seen = 0
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[int, float]]) -> BatchTimeModel:
@@ -154,17 +171,56 @@ class BatchTimeModel:
         return self.scale * (self.fixed_ns + self.per_row_ns * rows)
 
     def observe(self, rows: int, ns: float) -> None:
-        """Move ``scale`` toward the observed/predicted ratio (median of the last three)."""
-        base = self.fixed_ns + self.per_row_ns * rows
-        if base <= 0 or ns <= 0:
+        """Move ``scale`` toward the observed/predicted ratio (median of the last three);
+        every 8 batches, refit the line to the batches served."""
+        if rows <= 0 or ns <= 0:
             return
+        self._add(rows, ns)
+        self._seen += 1
         recent = self._recent
-        recent.append(ns / base)
+        recent.append((rows, ns))
         if len(recent) > 3:
             del recent[0]
-        target = _median(recent)
+        refitted = self._seen % 8 == 0 and self._refit()
+        target = _median([t / (self.fixed_ns + self.per_row_ns * b) for b, t in recent])
+        if refitted:
+            self.scale = target
+            return
+        if target > 1.5 * self.scale:
+            # A sudden slowdown: batches from before it would only mislead the next refit.
+            self._sums = [0.0] * 5
+            for b, t in recent:
+                if t > 1.5 * self.scale * (self.fixed_ns + self.per_row_ns * b):
+                    self._add(b, t)
         rate = self.up if target > self.scale else self.down
         self.scale *= (target / self.scale) ** rate
+
+    def _add(self, rows: int, ns: float) -> None:
+        f = self.forget
+        s = self._sums
+        s[0] = s[0] * f + 1.0
+        s[1] = s[1] * f + rows
+        s[2] = s[2] * f + rows * rows
+        s[3] = s[3] * f + ns
+        s[4] = s[4] * f + rows * ns
+
+    def _refit(self) -> bool:
+        n, sb, sbb, st, sbt = self._sums
+        mean_b = sb / n
+        var_b = sbb / n - mean_b * mean_b
+        if var_b < 1.0:  # batches of one size: fixed and per-row cost cannot be told apart
+            return False
+        mean_t = st / n
+        slope = (sbt / n - mean_b * mean_t) / var_b
+        fixed = mean_t - slope * mean_b
+        if slope < 0:
+            slope, fixed = 0.0, mean_t
+        elif fixed < 0:
+            slope, fixed = (sbt / n) / (sbb / n), 0.0
+        if fixed + slope <= 0:
+            return False
+        self.fixed_ns, self.per_row_ns = fixed, slope
+        return True
 
     def rows_within(self, ns: float, max_rows: int) -> int:
         """The largest batch (up to ``max_rows``) predicted to run within ``ns``; 0 if none."""
@@ -329,6 +385,7 @@ def admit(
     batch_rows: int = 0,
     rate: float = 0.0,
     error: float = 1.0,
+    received_ns: int = 0,
 ) -> Admission:
     """Admit or refuse a request of ``rows`` rows.
 
@@ -338,7 +395,9 @@ def admit(
     its own batch is predicted with the rows ``rate`` brings meanwhile, and at least
     ``batch_rows`` (the controller's current target). ``error``: how much longer than
     predicted requests have been taking (an upper quantile of observed / predicted; see
-    ``ErrorQuantile``) stretches the prediction. A request with nothing ahead of it is admitted even if its
+    ``ErrorQuantile``) stretches the prediction. ``received_ns``: when the server received
+    the request (0: now); the objective's clock starts there, so time spent decoding and
+    waiting for the event loop is taken off the budget. A request with nothing ahead of it is admitted even if its
     own batch alone is predicted past the objective: queueing is not what makes it late.
     """
     queued = rows_ahead + rows
@@ -347,8 +406,9 @@ def admit(
     last = min(max_rows, max(queued - full + int(rate * ahead_ns), batch_rows))
     drain = model.drain_ns(full, max_rows, instances) + model.predict(last)
     predicted = now_ns + int((busy_ns + drain) * error)
-    limit = now_ns + objective.budget_for(priority)
-    deadline = now_ns + objective.gather_ns
+    start = received_ns if 0 < received_ns <= now_ns else now_ns
+    limit = start + objective.budget_for(priority)
+    deadline = start + objective.gather_ns
     if timeout_deadline_ns and timeout_deadline_ns < deadline:
         deadline = timeout_deadline_ns
     if timeout_deadline_ns and predicted > timeout_deadline_ns:

@@ -1,0 +1,337 @@
+"""Open-loop benchmark of the SLO controller against fixed batching windows.
+
+One rtserve process serves the benchmark MLP under several configurations at once (the SLO
+controller with a p99 objective, and fixed windows of 0..N µs); Poisson clients offer load
+from 0.2x to 3x of the measured capacity to one configuration at a time, alternating. For
+each point: goodput (answers within the objective, per second, measured at the client from
+each request's scheduled send time) and the p99 of admitted (answered 200) requests.
+
+    python -m bench.slo_openloop --out docs/benchmarks-slo.md
+    python -m bench.slo_openloop --loads 0.5,2 --windows 0,1000 --seconds 2   # a quick look
+
+``--server-cpus``/``--client-cpus`` pin the processes with taskset (on a machine with spare
+cores, so that the clients do not take the server's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = {
+    "mlp": ROOT / "examples" / "repository" / "mlp" / "1" / "model.onnx",
+    "minilm": ROOT / "examples" / "repository" / "minilm-int8" / "1" / "model.onnx",
+}
+
+
+def _request_body(workload: str, seq: int) -> bytes:
+    rng = np.random.default_rng(0)
+    if workload == "mlp":
+        x = rng.normal(size=(1, 256)).astype(np.float32)
+        inputs = [
+            {"name": "input", "shape": [1, 256], "datatype": "FP32", "data": x.ravel().tolist()}
+        ]
+    else:
+        ids = [101, *rng.integers(1000, 20000, size=seq - 2).tolist(), 102]
+        inputs = [
+            {"name": "input_ids", "shape": [1, seq], "datatype": "INT64", "data": ids},
+            {"name": "attention_mask", "shape": [1, seq], "datatype": "INT64", "data": [1] * seq},
+        ]
+    return json.dumps({"inputs": inputs}).encode()
+
+
+# ---------------------------------------------------------------------------- client
+async def _client(url: str, body: bytes, rate: float, seconds: float, seed: int, conns: int):
+    from bench.clients.openloop import _Client, arrivals
+
+    class Recording(_Client):
+        def finish(self, conn, ok: bool) -> None:  # type: ignore[no-untyped-def]
+            if conn in self.busy:
+                status = conn.parser.get_status_code()
+                self.codes[status] = self.codes.get(status, 0) + 1
+                if ok:
+                    self.ok_latency.append(time.perf_counter() - conn.scheduled)
+            super().finish(conn, ok)
+
+    host_port, path = url.split("/", 3)[2], "/" + url.split("/", 3)[3]
+    host, port = host_port.split(":")
+    request = (
+        f"POST {path} HTTP/1.1\r\nHost: {host_port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    client = Recording(host, int(port), request, conns)
+    client.codes = {}  # type: ignore[attr-defined]
+    client.ok_latency = []  # type: ignore[attr-defined]
+    await client.open(min(16, conns))
+    offsets = arrivals(rate, seconds, seed)
+    start = time.perf_counter()
+    i = 0
+    while i < len(offsets):
+        now = time.perf_counter() - start
+        while i < len(offsets) and offsets[i] <= now:
+            client.submit(start + offsets[i])
+            i += 1
+        if i < len(offsets):
+            await asyncio.sleep(max(0.0, offsets[i] - (time.perf_counter() - start)))
+    deadline = time.perf_counter() + 5
+    while client.outstanding and time.perf_counter() < deadline:
+        await asyncio.sleep(0.005)
+    lags = np.asarray(client.stats.lags) * 1e3
+    return {
+        "elapsed": max(client.stats.last_done - start, 1e-9),
+        "lag_p99_ms": float(np.percentile(lags, 99)) if lags.size else 0.0,
+        "scheduled": int(len(offsets)),
+        "unfinished": client.outstanding,
+        "codes": {str(k): v for k, v in client.codes.items()},  # type: ignore[attr-defined]
+        "latency_ms": [x * 1e3 for x in client.ok_latency],  # type: ignore[attr-defined]
+    }
+
+
+def _client_main(args: argparse.Namespace) -> None:
+    import uvloop
+
+    body = Path(args.body).read_bytes()
+    out = uvloop.run(_client(args.url, body, args.rate, args.seconds, args.seed, args.conns))
+    Path(args.result).write_text(json.dumps(out))
+
+
+# ---------------------------------------------------------------------------- server
+def _repository(root: Path, model: Path, objective_ms: float, windows: list[int]) -> list[str]:
+    base = {
+        "max_batch_size": 32,
+        "instance_count": 1,
+        "onnxruntime": {"intra_op_threads": 1, "inter_op_threads": 1},
+        "warmup": {"batch_sizes": [1, 8, 32], "iterations": 3},
+    }
+    configs = {"slo": {**base, "slo": {"p99_ms": objective_ms}}}
+    for w in windows:
+        configs[f"w{w}"] = {
+            **base,
+            "dynamic_batching": {
+                "max_queue_delay_us": w,
+                "preferred_batch_sizes": [32],
+                "max_queue_size": 2048,
+            },
+        }
+    for name, cfg in configs.items():
+        (root / name / "1").mkdir(parents=True)
+        shutil.copy(model, root / name / "1" / "model.onnx")
+        (root / name / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return list(configs)
+
+
+def _taskset(cpus: str) -> list[str]:
+    return ["taskset", "-c", cpus] if cpus else []
+
+
+def _start(repo: Path, work: Path, cpus: str) -> tuple[subprocess.Popen[bytes], int]:
+    ports = work / "ports.json"
+    cmd = [
+        *_taskset(cpus), sys.executable, "-m", "rtserve.cli", "serve",
+        "--model-repository", str(repo), "--host", "127.0.0.1", "--http-port", "0",
+        "--grpc-port", "0", "--ports-file", str(ports),
+    ]  # fmt: skip
+    path = os.environ.get("PYTHONPATH", "")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + (os.pathsep + path if path else ""))
+    log = open(work / "server.log", "wb")  # noqa: SIM115  (closed with the process)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError((work / "server.log").read_text())
+        if ports.exists() and ports.stat().st_size:
+            return proc, json.loads(ports.read_text())["http_port"]
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+# ---------------------------------------------------------------------------- one point
+def _point(
+    port: int, model: str, body: Path, rate: float, seconds: float, clients: int,
+    cpus: str, work: Path, seed: int,
+) -> dict:  # fmt: skip
+    url = f"http://127.0.0.1:{port}/v2/models/{model}/infer"
+    procs = []
+    for k in range(clients):
+        result = work / f"client-{k}.json"
+        result.unlink(missing_ok=True)
+        cmd = [
+            *_taskset(cpus), sys.executable, "-m", "bench.slo_openloop", "--client",
+            "--url", url, "--body", str(body), "--rate", str(rate / clients),
+            "--seconds", str(seconds), "--seed", str(seed * 100 + k), "--conns", "64",
+            "--result", str(result),
+        ]  # fmt: skip
+        procs.append((subprocess.Popen(cmd, cwd=ROOT), result))
+    codes: dict[str, int] = {}
+    lat: list[float] = []
+    scheduled = unfinished = 0
+    elapsed = lag = 0.0
+    for p, result in procs:
+        p.wait(seconds + 60)
+        r = json.loads(result.read_text())
+        elapsed = max(elapsed, r["elapsed"])
+        lag = max(lag, r["lag_p99_ms"])
+        scheduled += r["scheduled"]
+        unfinished += r["unfinished"]
+        lat += r["latency_ms"]
+        for c, n in r["codes"].items():
+            codes[c] = codes.get(c, 0) + n
+    arr = np.asarray(lat)
+    return {
+        "model": model,
+        "offered": rate,
+        "scheduled": scheduled,
+        "ok": int(arr.size),
+        "codes": codes,
+        "unfinished": unfinished,
+        "elapsed": elapsed,
+        "client_lag_p99_ms": lag,
+        "latencies": arr,
+        "p50_ms": float(np.percentile(arr, 50)) if arr.size else float("nan"),
+        "p99_ms": float(np.percentile(arr, 99)) if arr.size else float("nan"),
+    }
+
+
+# ---------------------------------------------------------------------------- report
+def _machine() -> str:
+    try:
+        from bench.machine import summary
+
+        return summary()
+    except Exception:  # noqa: BLE001 - a description only
+        return f"{os.cpu_count()} CPUs"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--body", help=argparse.SUPPRESS)
+    parser.add_argument("--rate", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--conns", type=int, default=64, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", choices=sorted(MODELS), default="mlp")
+    parser.add_argument("--model", type=Path, default=None, help="the workload's ONNX file")
+    parser.add_argument("--seq", type=int, default=32, help="MiniLM tokens per request")
+    parser.add_argument("--objective-ms", type=float, default=10.0)
+    parser.add_argument("--loads", default="0.2,0.5,1,1.5,2,3")
+    parser.add_argument("--windows", default="0,200,1000,5000", help="fixed windows, µs")
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--probe-rate", type=float, default=60_000, help="offered to find capacity")
+    parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument("--server-cpus", default="")
+    parser.add_argument("--client-cpus", default="")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.client:
+        _client_main(args)
+        return
+    started = time.monotonic()
+    objective = args.objective_ms
+    windows = [int(w) for w in args.windows.split(",") if w]
+    loads = [float(x) for x in args.loads.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="slo-bench-"))
+    repo = work / "repo"
+    models = _repository(repo, args.model or MODELS[args.workload], objective, windows)
+    body = work / "body.json"
+    body.write_bytes(_request_body(args.workload, args.seq))
+    server, port = _start(repo, work, args.server_cpus)
+    try:
+        # Capacity: the most answers per second any configuration gives under heavy overload.
+        probe = [
+            _point(port, m, body, args.probe_rate, 2, args.clients, args.client_cpus, work, 99)
+            for m in models
+        ]
+        capacity = max(p["ok"] / p["elapsed"] for p in probe)
+        print(f"capacity ~{capacity:.0f} answers/s", flush=True)
+        rows = []
+        for i, load in enumerate(loads):
+            order = models[i % len(models) :] + models[: i % len(models)]
+            for m in order:
+                r = _point(
+                    port, m, body, load * capacity, args.seconds, args.clients,
+                    args.client_cpus, work, i,
+                )  # fmt: skip
+                good = int((r["latencies"] <= objective).sum())
+                r["load"] = load
+                r["goodput"] = good / args.seconds
+                rows.append(r)
+                print(
+                    f"load {load:>4}x {m:>6}: goodput {r['goodput']:8.0f}/s  ok {r['ok']:6d}  "
+                    f"p99 {r['p99_ms']:8.2f} ms  codes {r['codes']}  lost {r['unfinished']}  "
+                    f"client lag p99 {r['client_lag_p99_ms']:.1f} ms",
+                    flush=True,
+                )
+    finally:
+        server.terminate()
+        server.wait(30)
+    if args.out is not None:
+        _write(args, rows, models, capacity, objective, time.monotonic() - started)
+
+
+def _write(args, rows, models, capacity, objective, took) -> None:  # type: ignore[no-untyped-def]
+    loads = sorted({r["load"] for r in rows})
+    fixed = [m for m in models if m != "slo"]
+    lines = [
+        f"# SLO controller vs fixed batching windows (open loop, {args.workload})",
+        "",
+        f"Command: `python -m bench.slo_openloop {' '.join(sys.argv[1:])}`",
+        "",
+        f"Machine: {_machine()}. Took {took:.0f} s. Objective: p99 {objective:g} ms; "
+        f"capacity measured first: ~{capacity:.0f} answers/s (the best configuration under "
+        "heavy overload). Latency is measured at the client from each request's scheduled "
+        f"send time; {args.clients} client processes, Poisson arrivals, {args.seconds:g} s per "
+        "point, configurations alternate in rotating order.",
+        "",
+        "Goodput = answers within the objective per second. `best fixed` = the fixed window "
+        "with the highest goodput at that load (a different window may win at each load: "
+        "that is the tuning the controller replaces).",
+        "",
+        "| load | SLO goodput/s | SLO admitted p99 ms | SLO refused | best fixed | fixed goodput/s "
+        "| fixed p99 ms | fixed errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for load in loads:
+        at = {r["model"]: r for r in rows if r["load"] == load}
+        s = at["slo"]
+        best = max(fixed, key=lambda m: at[m]["goodput"])
+        b = at[best]
+        refused = s["codes"].get("429", 0)
+        errors = sum(n for c, n in b["codes"].items() if c != "200") + b["unfinished"]
+        lines.append(
+            f"| {load:g}x | {s['goodput']:.0f} | {s['p99_ms']:.2f} | {refused} | {best} "
+            f"| {b['goodput']:.0f} | {b['p99_ms']:.2f} | {errors} |"
+        )
+    lines += [
+        "",
+        "Every point (`client lag`: p99 of how late the clients sent, over all client "
+        "processes; large values mean the clients, not the server, limited the load):",
+        "",
+        "| load | config | goodput/s | ok | p50 ms | p99 ms | codes | client lag p99 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['load']:g}x | {r['model']} | {r['goodput']:.0f} | {r['ok']} "
+            f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['codes']} "
+            f"| {r['client_lag_p99_ms']:.1f} |"
+        )
+    args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
