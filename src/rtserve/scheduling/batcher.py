@@ -51,6 +51,7 @@ class _Pending:
         "deadline_ns",
         "timeout_ns",
         "predicted_ns",
+        "base_ns",
     )
 
     def __init__(
@@ -75,6 +76,7 @@ class _Pending:
         self.deadline_ns = 0
         self.timeout_ns = 0
         self.predicted_ns = 0
+        self.base_ns = 0
 
 
 BatchObserver = Callable[[int, int], None]  # (rows in batch, compute ns)
@@ -256,7 +258,7 @@ class Batcher:
             self._policy.max_rows,
             objective,
             self._runtime.instance_count,
-            controller.target,
+            0,
             controller.rate.rate(now),
             controller.error.value,
             timings.received,
@@ -276,6 +278,7 @@ class Batcher:
         pending.deadline_ns = decision.deadline_ns
         pending.timeout_ns = timeout_ns
         pending.predicted_ns = decision.predicted_ns
+        pending.base_ns = decision.base_ns
         if timeout_s > 0:
             pending.timer = loop.call_later(timeout_s, self._expire, pending, timeout_s)
         self._levels[level - 1].append(pending)
@@ -571,7 +574,7 @@ class Batcher:
             for p in batch:
                 predicted = p.predicted_ns - p.enqueued_ns
                 observed = now - p.enqueued_ns
-                controller.error.observe(observed, predicted)
+                controller.error.observe(observed, p.base_ns)
                 stats.predicted.observe(predicted * 1e-9)
                 stats.observed.observe(observed * 1e-9)
         if self._on_batch is not None:

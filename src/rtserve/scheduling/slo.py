@@ -342,14 +342,6 @@ def plan(
         return SLOPlan(0, 0)
     earliest = min(deadlines[:fit])
     overflow = fit < len(rows)
-    head_on_time = now_ns + model.predict(rows[0]) <= deadlines[0]
-    while not overflow and head_on_time and fit > 1 and now_ns + model.predict(total) > earliest:
-        # A batch so big that it finishes late: keep the head's deadline, the rest waits.
-        # Not when more is queued than one batch holds: admission counted on full batches
-        # to drain it, and a smaller one would make everyone behind late.
-        fit -= 1
-        total -= rows[fit]
-        earliest = min(deadlines[:fit])
     target = target_rows(model, rate, max_rows, objective.headroom)
     if total >= target or overflow:
         return SLOPlan(fit, 0, target_rows=target)
@@ -367,6 +359,7 @@ class Admission:
     admitted: bool
     predicted_ns: int  # predicted completion, absolute
     deadline_ns: int  # the request's gather deadline (earlier of timeout and budget)
+    base_ns: int  # the batch-time model's prediction (a duration), before ``error``
     reason: str = ""  # "objective" or "deadline" when refused
     retry_after_ns: int = 0
 
@@ -395,7 +388,7 @@ def admit(
     its own batch is predicted with the rows ``rate`` brings meanwhile, and at least
     ``batch_rows`` (the controller's current target). ``error``: how much longer than
     predicted requests have been taking (an upper quantile of observed / predicted; see
-    ``ErrorQuantile``) stretches the prediction. ``received_ns``: when the server received
+    ``PredictionError``) stretches the prediction. ``received_ns``: when the server received
     the request (0: now); the objective's clock starts there, so time spent decoding and
     waiting for the event loop is taken off the budget. A request with nothing ahead of it is admitted even if its
     own batch alone is predicted past the objective: queueing is not what makes it late.
@@ -405,7 +398,8 @@ def admit(
     ahead_ns = busy_ns + model.drain_ns(full, max_rows, instances)
     last = min(max_rows, max(queued - full + int(rate * ahead_ns), batch_rows))
     drain = model.drain_ns(full, max_rows, instances) + model.predict(last)
-    predicted = now_ns + int((busy_ns + drain) * error)
+    base = int(busy_ns + drain)
+    predicted = now_ns + int(base * error)
     start = received_ns if 0 < received_ns <= now_ns else now_ns
     limit = start + objective.budget_for(priority)
     deadline = start + objective.gather_ns
@@ -413,10 +407,11 @@ def admit(
         deadline = timeout_deadline_ns
     if timeout_deadline_ns and predicted > timeout_deadline_ns:
         excess = predicted - timeout_deadline_ns
-        return Admission(False, predicted, deadline, "deadline", max(MS, excess))
+        return Admission(False, predicted, deadline, base, "deadline", max(MS, excess))
     if predicted > limit and (rows_ahead > 0 or busy_ns > 0):
-        return Admission(False, predicted, deadline, "objective", max(MS, predicted - limit))
-    return Admission(True, predicted, deadline)
+        excess = max(MS, predicted - limit)
+        return Admission(False, predicted, deadline, base, "objective", excess)
+    return Admission(True, predicted, deadline, base)
 
 
 def late(deadline_ns: int, now_ns: int, batch_ns: float) -> bool:
@@ -444,30 +439,29 @@ def schedule_order(
 
 
 # ---------------------------------------------------------------------------- state
-class ErrorQuantile:
-    """A running upper quantile of observed / predicted time (stochastic approximation:
-    each observation nudges the estimate up by ``step * q`` if above it, down by
-    ``step * (1 - q)`` if not). It closes the loop on what the batch-time model cannot see:
-    thread hops, a busy event loop, gaps between batches."""
+class PredictionError:
+    """How much longer than predicted requests take (observed / predicted time from
+    admission to the end of their batch), as an upper envelope: it rises quickly when
+    requests run late and comes down slowly. It closes the loop on what the batch-time model
+    cannot see: thread hops, a busy event loop, gaps between batches."""
 
-    __slots__ = ("value", "q", "step", "low", "high")
+    __slots__ = ("value", "up", "down", "low", "high")
 
     def __init__(
-        self, q: float = 0.99, step: float = 0.05, low: float = 0.5, high: float = 4.0
+        self, up: float = 0.05, down: float = 0.01, low: float = 0.5, high: float = 4.0
     ) -> None:
         self.value = 1.0
-        self.q = q
-        self.step = step
+        self.up = up
+        self.down = down
         self.low = low
         self.high = high
 
     def observe(self, observed: float, predicted: float) -> None:
         if predicted <= 0:
             return
-        if observed > predicted * self.value:
-            self.value = min(self.high, self.value + self.step * self.q)
-        else:
-            self.value = max(self.low, self.value - self.step * (1 - self.q))
+        ratio = observed / predicted
+        rate = self.up if ratio > self.value else self.down
+        self.value = min(self.high, max(self.low, self.value + rate * (ratio - self.value)))
 
 
 class SLOController:
@@ -481,7 +475,7 @@ class SLOController:
         self.objective = objective
         self.model = model
         self.rate = ArrivalRate(tau_ns)
-        self.error = ErrorQuantile()
+        self.error = PredictionError()
         self.target = 1
 
 
