@@ -50,6 +50,8 @@ _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # Parsed requests waiting behind the one being answered before reading pauses.
 MAX_PIPELINED = 32
+# Reads larger than this are parsed a slice at a time (reading can pause between slices).
+_SLICE = 32 * 1024
 # Bytes of answers the transport may buffer (the peer not reading) before reading pauses.
 WRITE_HIGH_WATER = 256 * 1024
 # Accept-queue length (the kernel caps it at net.core.somaxconn): clients that open a
@@ -184,6 +186,7 @@ class Connection(asyncio.Protocol):
         "_dispatching",
         "_rejected",
         "_final",
+        "_unparsed",
         "_gen",
         "_url",
         "_url_size",
@@ -216,6 +219,7 @@ class Connection(asyncio.Protocol):
         self._dispatching = False  # inside the loop that hands requests to the handler
         self._rejected = False  # refused: input is dropped from now on
         self._final: bytes | None = None  # a refusal to write once earlier answers are out
+        self._unparsed: memoryview | None = None  # the rest of a read, held while paused
         self._gen = 0  # requests begun on this connection
         self._url: list[bytes] = []
         self._url_size = 0
@@ -257,6 +261,7 @@ class Connection(asyncio.Protocol):
         self._headers = {}
         self._body = []
         self._final = None
+        self._unparsed = None
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -278,8 +283,11 @@ class Connection(asyncio.Protocol):
             self._final = b""
         return True  # keep writing; closed after the last answer
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         if self._rejected:  # refused: dropped, and the linger is not extended
+            return
+        if len(data) > _SLICE:
+            self._feed_slices(memoryview(data))
             return
         self.last_active = self.server.clock
         state = self.state
@@ -303,6 +311,18 @@ class Connection(asyncio.Protocol):
             self._head_raw += len(data)
             if self._head_raw > self.limits.max_head_bytes:
                 self.refuse(self._head_too_large())
+
+    def _feed_slices(self, view: memoryview) -> None:
+        """Parse a large read a slice at a time; once reading pauses (answers pile up), keep
+        the rest unparsed until they drain: a read of tiny pipelined requests must not turn
+        into thousands of parsed requests at once."""
+        for start in range(0, len(view), _SLICE):
+            if self._rejected:
+                return
+            if self.read_paused:
+                self._unparsed = view[start:]
+                return
+            self.data_received(view[start : start + _SLICE])
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
@@ -464,6 +484,7 @@ class Connection(asyncio.Protocol):
         before it), then close the connection. Later input is dropped."""
         self._rejected = True
         self.state = _IDLE
+        self._unparsed = None
         self._url = []
         self._headers = {}
         self._body = []
@@ -533,6 +554,13 @@ class Connection(asyncio.Protocol):
             and self._final is None
             and self.transport is not None
         ):
+            unparsed = self._unparsed
+            if unparsed is not None:  # parse what was held back first
+                self._unparsed = None
+                self.read_paused = False
+                self._feed_slices(unparsed)
+                if self.read_paused or self.transport is None:
+                    return
             self.transport.resume_reading()
             self.read_paused = False
 
