@@ -11,6 +11,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -414,8 +416,9 @@ def test_a_client_that_never_reads_is_held_back_then_cut_off(hostile: Hostile) -
     try:
         assert not cut
         assert sent < 30_000_000  # the client could send ~200,000 requests a second
-        assert_still_serves(hostile.port, bound_s=1.0)
-        assert rss_mb(hostile.pid) - before < 20
+        assert_still_serves(hostile.port)
+        grown = rss_mb(hostile.pid) - before
+        assert grown < 30, f"RSS grew {grown:.0f} MB"
         while not cut and time.monotonic() - start < TIMEOUT_S + 4:
             time.sleep(0.1)
             try:
@@ -486,3 +489,14 @@ def test_sigterm_does_not_wait_for_a_client_that_never_reads(
         assert time.monotonic() - start < 10, "SIGTERM waited for the stuck connection"
     finally:
         server.stop()
+
+
+def test_a_limit_that_is_not_positive_is_refused_at_start(test_repo: Path) -> None:
+    cmd = [
+        sys.executable, "-m", "rtserve.cli", "serve", "--model-repository", str(test_repo),
+        "--http-port", "0", "--grpc-port", "0", "--http-header-timeout-s", "0",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent / "src"))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode != 0
+    assert "http_header_timeout_s: expected a number > 0, got 0" in done.stderr

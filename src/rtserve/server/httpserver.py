@@ -33,6 +33,7 @@ import httptools
 import orjson
 
 from rtserve.errors import (
+    ConfigError,
     HeaderTooLarge,
     InferenceFailed,
     InvalidInput,
@@ -80,6 +81,12 @@ class HttpLimits:
     header_timeout_s: float = 20.0  # from a request's first byte to the end of its head (408)
     body_timeout_s: float = 30.0  # silence while a body arrives, or while answers wait (408)
     max_connections: int = 10_000  # open HTTP connections; more are refused with 503
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(f"http_{name}: expected a number > 0, got {value!r}")
 
     @classmethod
     def from_config(cls, config: Any) -> HttpLimits:
