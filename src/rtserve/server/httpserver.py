@@ -53,8 +53,6 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 MAX_PIPELINED = 32
 # Reads larger than this are parsed a slice at a time (reading can pause between slices).
 _SLICE = 32 * 1024
-# Bytes of answers the transport may buffer (the peer not reading) before reading pauses.
-WRITE_HIGH_WATER = 256 * 1024
 # Accept-queue length (the kernel caps it at net.core.somaxconn): clients that open a
 # connection per request must not be reset while the loop is busy.
 _BACKLOG = 65535
@@ -246,7 +244,6 @@ class Connection(asyncio.Protocol):
             self._refuse_over_cap()
             return
         server.connections.add(self)
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)  # type: ignore[attr-defined]
 
     def connection_lost(self, exc: Exception | None) -> None:
         server = self.server
