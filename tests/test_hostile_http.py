@@ -388,6 +388,19 @@ def test_a_large_pipelined_write_is_parsed_as_answers_drain(hostile: Hostile) ->
         assert read_response(sock, buf)[0] == 200
 
 
+def test_100_continue_never_overtakes_an_earlier_answer(hostile: Hostile) -> None:
+    expecting = post(extra="Expect: 100-continue\r\n")
+    with connect(hostile.port) as sock:
+        sock.sendall(post() + expecting[: -len(BODY)])
+        buf = bytearray()
+        assert read_response(sock, buf)[0] == 200  # the inference's answer comes first
+        sock.sendall(BODY)
+        status, _, body = read_response(sock, buf)
+        if status == 100:  # sent once nothing was pending any more
+            status, _, body = read_response(sock, buf)
+        assert status == 200 and b"outputs" in body
+
+
 def _flood_unread(port: int, seconds: float) -> tuple[socket.socket, int, bool]:
     """Pipelined GETs whose answers are never read, sent while the server takes them:
     (socket, bytes sent, whether the server cut the client off)."""

@@ -380,7 +380,12 @@ class Connection(asyncio.Protocol):
                 f"request body of {declared.decode()} bytes exceeds the limit of "
                 f"{self.server.max_body} bytes (max_request_bytes)"
             )
-        if headers.get(b"expect", b"").lower() == b"100-continue" and self.transport:
+        if (
+            headers.get(b"expect", b"").lower() == b"100-continue"
+            and self.transport is not None
+            and self.current is None  # an interim answer must not overtake earlier answers
+            and not self.pipeline
+        ):
             self.transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
