@@ -344,6 +344,11 @@ def _generic_handler(frontend: GrpcFrontend) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
+GRPC_IDLE_MS = 300_000
+GRPC_MAX_STREAMS = 1024
+GRPC_MAX_RPCS = 10_000
+
+
 async def start_grpc_server(
     frontend: GrpcFrontend,
     host: str,
@@ -358,7 +363,14 @@ async def start_grpc_server(
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 1 if reuse_port else 0),
-        ]
+            # Idle or never-finished connections are closed (slow clients hold no socket
+            # forever); streams per connection are bounded.
+            ("grpc.max_connection_idle_ms", GRPC_IDLE_MS),
+            ("grpc.max_concurrent_streams", GRPC_MAX_STREAMS),
+            ("grpc.http2.max_pings_without_data", 2),
+        ],
+        # Beyond this many RPCs in progress new ones are refused RESOURCE_EXHAUSTED at once.
+        maximum_concurrent_rpcs=GRPC_MAX_RPCS,
     )
     server.add_generic_rpc_handlers((_generic_handler(frontend),))
     if credentials is not None:

@@ -30,7 +30,6 @@ from http import HTTPStatus
 from typing import Any
 
 import httptools
-import orjson
 
 from rtserve.errors import (
     ConfigError,
@@ -44,6 +43,7 @@ from rtserve.errors import (
     RTServeError,
     UriTooLong,
 )
+from rtserve.server.errors import http_error
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +98,9 @@ class HttpLimits:
 
 
 def error_answer(exc: RTServeError) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-    """(status, body, headers) of the transport's own refusals: the one place that turns an
-    error into an answer here (the frontend's mapping can replace it)."""
-    headers = [(b"content-type", b"application/json")]
-    if isinstance(exc, Overloaded):
-        headers.append((b"retry-after", b"%d" % max(1, round(exc.retry_after_s))))
-    return exc.http_status, orjson.dumps({"error": exc.message}), headers
+    """(status, body, headers) of the transport's own refusals, mapped like every other
+    HTTP error (``server.errors.http_error``)."""
+    return http_error(exc)
 
 
 def raise_fd_limit() -> int:
