@@ -1121,7 +1121,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.render:  # the report again from a finished run's record
-        write_report(json.loads(args.render.read_text()), args.out, args.plot)
+        run = json.loads(args.render.read_text())
+        if args.note:
+            run["note"] = args.note
+        write_report(run, args.out, args.plot)
         return 0
     if args.role == "valid":
         uvloop.run(_run_valid(args.port, args.rate, args.seconds, args.sample_s, args.report))
