@@ -174,17 +174,22 @@ class HttpFrontend:
         conn.respond(status, body, headers)
 
     # ------------------------------------------------------------------ infer (hot path)
-    def _infer(self, conn: Connection, raw: Request) -> None:
+    def _infer(self, conn: Connection, raw: Request, body: bytes | None = None) -> None:
+        """Decode, then hand to the dataplane. ``body``: the already decompressed body."""
         timings = Timings(received=raw.received_ns)
         mv: ModelVersion | None = None
+        headers = raw.headers
         try:
             name, version = _infer_target(raw.path)
             mv = self.dataplane.resolve(name, version, timings)
-            headers = raw.headers
-            body = raw.body
-            encoding = headers.get(b"content-encoding")
-            if encoding is not None and encoding.lower() != b"identity":
-                body = self._decompress(body, encoding.lower())
+            if body is None:
+                body = raw.body
+                encoding = headers.get(b"content-encoding")
+                if encoding is not None and encoding.lower() != b"identity":
+                    # Decompression (up to max_decompressed_bytes) runs on a thread: a
+                    # compression bomb must not stall every other client on the loop.
+                    self._start_decompress(conn, raw, encoding.lower())
+                    return
             header_length = headers.get(b"inference-header-content-length")
             request = decode_infer_request(
                 body,
@@ -209,6 +214,21 @@ class HttpFrontend:
         if traceparent is not None:
             timings.traceparent = traceparent[:128].decode("latin-1")
         conn.on_lost = self.dataplane.infer_nowait(request, partial(self.answer, conn), mv)
+
+    def _start_decompress(self, conn: Connection, raw: Request, encoding: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(None, self._decompress, raw.body, encoding)
+        future.add_done_callback(partial(self._decompressed, conn, raw))
+
+    def _decompressed(self, conn: Connection, raw: Request, future: asyncio.Future[bytes]) -> None:
+        error = future.exception()
+        if error is not None:
+            timings = Timings(received=raw.received_ns)
+            self.answer(
+                conn, InferRequest("", "", [], timings=timings), None, None, as_error(error)
+            )
+            return
+        self._infer(conn, raw, future.result())
 
     def answer(
         self,
