@@ -309,6 +309,52 @@ def _prescan(body: bytes, header_length: int, limits: DecodeLimits) -> None:
         )
 
 
+_FAST_KEYS = frozenset({"name", "shape", "datatype", "data"})
+
+
+def _fast_inputs(
+    raw_inputs: list[Any], limits: DecodeLimits, header: tuple[bytes, int]
+) -> list[Tensor] | None:
+    """The common request (JSON only; each input exactly name, shape, numeric datatype and
+    a flat data list of the right length, nothing else) decoded without building any error
+    context. None: anything else or anything wrong — the full decoder then checks it
+    again and names the problem."""
+    inputs: list[Tensor] = []
+    elements = 0
+    for item in raw_inputs:
+        if type(item) is not dict or item.keys() != _FAST_KEYS:
+            return None
+        name = item["name"]
+        datatype = item["datatype"]
+        shape = item["shape"]
+        data = item["data"]
+        if (
+            type(name) is not str
+            or not 0 < len(name) <= 1024
+            or type(datatype) is not str
+            or datatype not in _STRUCT_CODE
+            or type(shape) is not list
+            or not 0 < len(shape) <= MAX_NDIM
+            or type(data) is not list
+        ):
+            return None
+        count = 1
+        for d in shape:
+            if type(d) is not int or d < 0:
+                return None
+            count *= d
+        elements += count
+        if elements > limits.max_elements or count == 0 or len(data) != count:
+            return None
+        try:
+            arr = _pack(data, datatype, "", header)
+        except InvalidInput:
+            return None
+        dims = tuple(shape)
+        inputs.append(Tensor(name, datatype, dims, arr.reshape(dims)))
+    return inputs
+
+
 def decode_infer_request(
     body: bytes,
     header_length: int | None,
@@ -335,6 +381,10 @@ def decode_infer_request(
     raw_inputs = doc.get("inputs")
     if type(raw_inputs) is not list or not raw_inputs:
         raise InvalidInput("inputs: expected a non-empty list of tensors")
+    if header_length == len(body) and len(doc) == 1:
+        fast = _fast_inputs(raw_inputs, limits, (body, header_length))
+        if fast is not None:
+            return InferRequest(model_name, model_version, fast)
     binary = memoryview(body)[header_length:]
     offset = 0
     elements = 0
