@@ -11,6 +11,7 @@ sampler decision.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import OrderedDict
 from typing import Any
@@ -28,7 +29,7 @@ class Tracer:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+            from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
             from opentelemetry.trace.propagation.tracecontext import (
                 TraceContextTextMapPropagator,
             )
@@ -39,8 +40,12 @@ class Tracer:
         self._trace = trace
         self.provider = TracerProvider(
             resource=Resource.create({"service.name": service}),
-            sampler=ParentBased(TraceIdRatioBased(ratio)),
+            # Root traces are sampled here (``record``), before any OpenTelemetry call, so an
+            # unsampled request costs one random number; a client's traceparent decides
+            # for its own trace.
+            sampler=ParentBased(ALWAYS_ON),
         )
+        self.ratio = ratio
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         self.tracer = self.provider.get_tracer("rtserve")
         self.propagator = TraceContextTextMapPropagator()
@@ -60,6 +65,8 @@ class Tracer:
         end_ns: int,
     ) -> str:
         """Emit the request's spans; returns its trace id (hex), or "" if not sampled."""
+        if not t.traceparent and (self.ratio <= 0.0 or random.random() >= self.ratio):
+            return ""
         trace = self._trace
         parent = self.propagator.extract({"traceparent": t.traceparent}) if t.traceparent else None
         span = self.tracer.start_span(
