@@ -27,6 +27,19 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 
+NOTE = """
+Reading it: with tracing off the hot path pays one `is None` test per request (the "off" row
+is the same code path as a server without the tracing flag; `docs/benchmarks-quick.md`
+compares it with the code before tracing existed). A request that is not sampled costs one
+random number. A sampled request is turned into 7 spans after its answer is sent, and the
+SDK's batch exporter encodes and posts them on a thread that shares the GIL and the one core
+the event loop has here: at 1% (about 200 traces/s) that costs ~10% of throughput and
+lifts p99; at 100% the exporter is the bottleneck (0.13x). Sample a small ratio, or let
+clients decide per request with a sampled `traceparent`. The access log (one `logging`
+call per request) costs ~10%.
+"""
+
+
 class _Sink(BaseHTTPRequestHandler):
     """An OTLP/HTTP receiver that accepts and drops every export."""
 
@@ -122,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             ["variant", "req/s (median)", "p99 (median)", "ratio to off, per round", "median"],
             rows,
         ),
-        "",
+        NOTE,
         "Machine: " + machine.summary(),
         "",
     ]
