@@ -14,13 +14,14 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from rtserve.errors import InvalidInput, PayloadTooLarge, RTServeError
+from rtserve.errors import InvalidInput, RTServeError
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol.bytes_codec import decode_bytes_elements, encode_bytes_elements
 from rtserve.protocol.limits import (
     DEFAULT_LIMITS,
     MAX_NDIM,
     DecodeLimits,
+    ElementBudget,
     check_name,
     shown,
     shown_name,
@@ -107,8 +108,7 @@ def _decode(request: pb.ModelInferRequest, limits: DecodeLimits) -> InferRequest
             f"raw_input_contents: {len(raw)} entries for {len(request.inputs)} inputs "
             "(expected one per input)"
         )
-    elements = 0
-    bytes_elements = 0
+    budget = ElementBudget(limits)
     inputs: list[Tensor] = []
     for i, inp in enumerate(request.inputs):
         name = inp.name
@@ -129,20 +129,7 @@ def _decode(request: pb.ModelInferRequest, limits: DecodeLimits) -> InferRequest
         if any(d < 0 for d in shape):
             raise InvalidInput(f"{where}.shape: dimensions must be >= 0, got {list(shape)}")
         count = math.prod(shape)
-        elements += count
-        if elements > limits.max_elements:
-            raise PayloadTooLarge(
-                f"{where}.shape: {list(shape)} brings the request to {elements} elements, "
-                f"over the limit of {limits.max_elements} (max_elements)"
-            )
-        if datatype == "BYTES":
-            bytes_elements += count
-            if bytes_elements > limits.max_bytes_elements:
-                raise PayloadTooLarge(
-                    f"{where}.shape: {list(shape)} brings the request to {bytes_elements} "
-                    f"BYTES elements, over the limit of {limits.max_bytes_elements} "
-                    "(max_bytes_elements)"
-                )
+        budget.charge(where, shape, count, datatype == "BYTES")
         if raw:
             buf = raw[i]
             if datatype == "BYTES":

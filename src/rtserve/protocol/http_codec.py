@@ -35,6 +35,7 @@ from rtserve.protocol.limits import (
     DEFAULT_LIMITS,
     MAX_NDIM,
     DecodeLimits,
+    ElementBudget,
     check_name,
     shown,
     shown_name,
@@ -387,8 +388,7 @@ def decode_infer_request(
             return InferRequest(model_name, model_version, fast)
     binary = memoryview(body)[header_length:]
     offset = 0
-    elements = 0
-    bytes_elements = 0
+    budget = ElementBudget(limits)
     inputs: list[Tensor] = []
     for i, item in enumerate(raw_inputs):
         where = f"inputs[{i}]"
@@ -409,21 +409,8 @@ def decode_infer_request(
         assert isinstance(datatype, str)
         shape = _shape(item.get("shape"), where)
         count = math.prod(shape)
-        elements += count
-        if elements > limits.max_elements:
-            raise PayloadTooLarge(
-                f"{where}.shape: {list(shape)} brings the request to {elements} elements, "
-                f"over the limit of {limits.max_elements} (max_elements)"
-            )
         is_bytes = datatype == "BYTES"
-        if is_bytes:
-            bytes_elements += count
-            if bytes_elements > limits.max_bytes_elements:
-                raise PayloadTooLarge(
-                    f"{where}.shape: {list(shape)} brings the request to {bytes_elements} "
-                    f"BYTES elements, over the limit of {limits.max_bytes_elements} "
-                    "(max_bytes_elements)"
-                )
+        budget.charge(where, shape, count, is_bytes)
         params = item.get("parameters")
         size = None
         if params is not None:

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rtserve.errors import InvalidInput
+from rtserve.errors import InvalidInput, PayloadTooLarge
 
 # numpy (1.x) arrays have at most 32 dimensions; the cache format uses the same bound.
 MAX_NDIM = 32
@@ -94,3 +94,32 @@ def limits_for_model(
         max_elements=min(base.max_elements, total),
         max_bytes_elements=min(base.max_bytes_elements, total_bytes),
     )
+
+
+class ElementBudget:
+    """Counts a request's tensor elements (and BYTES elements) against its limits as each
+    input's shape is read, before anything is allocated for it."""
+
+    __slots__ = ("limits", "elements", "bytes_elements")
+
+    def __init__(self, limits: DecodeLimits) -> None:
+        self.limits = limits
+        self.elements = 0
+        self.bytes_elements = 0
+
+    def charge(self, where: str, shape: tuple[int, ...], count: int, is_bytes: bool) -> None:
+        limits = self.limits
+        self.elements += count
+        if self.elements > limits.max_elements:
+            raise PayloadTooLarge(
+                f"{where}.shape: {list(shape)} brings the request to {self.elements} elements, "
+                f"over the limit of {limits.max_elements} (max_elements)"
+            )
+        if is_bytes:
+            self.bytes_elements += count
+            if self.bytes_elements > limits.max_bytes_elements:
+                raise PayloadTooLarge(
+                    f"{where}.shape: {list(shape)} brings the request to "
+                    f"{self.bytes_elements} BYTES elements, over the limit of "
+                    f"{limits.max_bytes_elements} (max_bytes_elements)"
+                )
