@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 
+from tests import rawhttp
 from tests.conftest import RunningServer
 
 BODY = json.dumps(
@@ -14,30 +15,10 @@ BODY = json.dumps(
 
 
 def _connect(server: RunningServer) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
+    return rawhttp.connect(server.http_port)
 
 
-def _read_response(sock: socket.socket, buf: bytearray) -> tuple[int, dict[str, str], bytes]:
-    while b"\r\n\r\n" not in buf:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("closed before a response")
-        buf += chunk
-    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
-    length = int(headers.get("content-length", "0"))
-    while len(rest) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        rest += chunk
-    buf.clear()
-    buf += rest[length:]
-    return status, headers, rest[:length]
+_read_response = rawhttp.read_response
 
 
 def _post(body: bytes = BODY, extra: str = "", version: str = "1.1") -> bytes:
