@@ -417,8 +417,13 @@ def render(points: list[Point], tokenizer: list[Point], overhead: list[Point],
         "",
         f"Run {started} UTC, {elapsed_s / 60:.1f} min, on {machine.summary()}, "
         f"{machine.memory_gib():.0f} GiB; load average at start "
-        f"{' / '.join(f'{v:.2f}' for v in args.load_at_start)}. **Other engineers' work shared "
-        "these 2 cores during the run**: treat differences under ~15% as noise.",
+        f"{' / '.join(f'{v:.2f}' for v in args.load_at_start)}"
+        + (
+            ". **Other work shared these 2 cores during the run**"
+            if args.load_at_start[0] > 1.5
+            else " (a quiet machine)"
+        )
+        + ": treat differences under ~15% as noise.",
         "",
         "```sh",
         f"make examples && .venv/bin/python -m bench.pipelines --seconds {args.seconds:g} "
