@@ -16,7 +16,6 @@ cores, so that the clients do not take the server's).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -54,7 +53,7 @@ def _request_body(workload: str, seq: int) -> bytes:
 
 # ---------------------------------------------------------------------------- client
 async def _client(url: str, body: bytes, rate: float, seconds: float, seed: int, conns: int):
-    from bench.clients.openloop import _Client, arrivals
+    from bench.clients.openloop import _Client, arrivals, offer, post_request
 
     class Recording(_Client):
         def finish(self, conn, ok: bool) -> None:  # type: ignore[no-untyped-def]
@@ -67,27 +66,12 @@ async def _client(url: str, body: bytes, rate: float, seconds: float, seed: int,
 
     host_port, path = url.split("/", 3)[2], "/" + url.split("/", 3)[3]
     host, port = host_port.split(":")
-    request = (
-        f"POST {path} HTTP/1.1\r\nHost: {host_port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
-    client = Recording(host, int(port), request, conns)
+    client = Recording(host, int(port), post_request(host, int(port), path, body), conns)
     client.codes = {}  # type: ignore[attr-defined]
     client.ok_latency = []  # type: ignore[attr-defined]
     await client.open(min(16, conns))
     offsets = arrivals(rate, seconds, seed)
-    start = time.perf_counter()
-    i = 0
-    while i < len(offsets):
-        now = time.perf_counter() - start
-        while i < len(offsets) and offsets[i] <= now:
-            client.submit(start + offsets[i])
-            i += 1
-        if i < len(offsets):
-            await asyncio.sleep(max(0.0, offsets[i] - (time.perf_counter() - start)))
-    deadline = time.perf_counter() + 5
-    while client.outstanding and time.perf_counter() < deadline:
-        await asyncio.sleep(0.005)
+    start = await offer(client, offsets, 5.0)
     lags = np.asarray(client.stats.lags) * 1e3
     return {
         "elapsed": max(client.stats.last_done - start, 1e-9),

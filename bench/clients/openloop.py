@@ -150,18 +150,17 @@ def arrivals(rate: float, duration_s: float, seed: int = 1) -> np.ndarray:
     return times[times < duration_s]
 
 
-async def run(
-    url: str, body: bytes, rate: float, duration_s: float, drain_s: float, max_connections: int
-) -> dict[str, float]:
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    request = (
-        f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+def post_request(host: str, port: int, path: str, body: bytes) -> bytes:
+    """The raw HTTP/1.1 POST of ``body`` every request on a connection reuses."""
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
-    client = _Client(host, port, request, max_connections)
-    await client.open(min(32, max_connections))
-    offsets = arrivals(rate, duration_s)
+
+
+async def offer(client: _Client, offsets: np.ndarray, drain_s: float) -> float:
+    """Submit one request at each scheduled offset (seconds from now), then wait up to
+    ``drain_s`` for the answers still out; returns the start time (``perf_counter``)."""
     start = time.perf_counter()
     index = 0
     while index < len(offsets):
@@ -174,6 +173,18 @@ async def run(
     deadline = time.perf_counter() + drain_s
     while client.outstanding and time.perf_counter() < deadline:
         await asyncio.sleep(0.005)
+    return start
+
+
+async def run(
+    url: str, body: bytes, rate: float, duration_s: float, drain_s: float, max_connections: int
+) -> dict[str, float]:
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    client = _Client(host, port, post_request(host, port, parts.path or "/", body), max_connections)
+    await client.open(min(32, max_connections))
+    offsets = arrivals(rate, duration_s)
+    start = await offer(client, offsets, drain_s)
     unfinished = client.outstanding
     stats = client.stats
     elapsed = max((stats.last_done or time.perf_counter()) - start, 1e-9)
