@@ -307,6 +307,21 @@ class Batcher:
         if self._wakeup is not None and not self._wakeup.done():
             self._wakeup.set_result(None)
 
+    async def _wait_idle(self) -> None:
+        """Nothing queued: say so to ``drain`` and sleep until a request arrives."""
+        assert self._loop is not None
+        self._notify_drained()
+        self._idle_wait = True
+        self._wakeup = self._loop.create_future()
+        await self._wakeup
+        self._idle_wait = False
+
+    async def _wait_instance(self) -> None:
+        """Every instance is busy: sleep until a batch finishes."""
+        assert self._loop is not None
+        self._instance_wait = self._loop.create_future()
+        await self._instance_wait
+
     async def _gather_loop(self) -> None:
         loop = self._loop
         assert loop is not None
@@ -319,15 +334,10 @@ class Batcher:
                 self._queued_rows -= dead.rows
                 self._dropped(dead)
             if not queue:
-                self._notify_drained()
-                self._idle_wait = True
-                self._wakeup = loop.create_future()
-                await self._wakeup
-                self._idle_wait = False
+                await self._wait_idle()
                 continue
             if not self._free:
-                self._instance_wait = loop.create_future()
-                await self._instance_wait
+                await self._wait_instance()
                 continue
             head = queue[0]
             rows: list[int] = []
@@ -475,15 +485,10 @@ class Batcher:
             now = self._now()
             self._pop_dead(now)
             if not any(self._levels):
-                self._notify_drained()
-                self._idle_wait = True
-                self._wakeup = loop.create_future()
-                await self._wakeup
-                self._idle_wait = False
+                await self._wait_idle()
                 continue
             if not self._free:
-                self._instance_wait = loop.create_future()
-                await self._instance_wait
+                await self._wait_instance()
                 continue
             candidates = self._candidates(now)
             plan = slo.plan(
