@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rtserve.core.model import BuildContext, ModelVersion, build_version
 from rtserve.errors import ConfigError, ModelNotFound, ModelNotReady
+from rtserve.protocol.limits import shown
 from rtserve.repository import ModelSource
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,6 @@ class IndexEntry:
     version: str
     state: str  # READY | UNAVAILABLE | LOADING | UNLOADING
     reason: str = ""
-
-
-def _short(name: str) -> str:
-    return name if len(name) <= 100 else name[:100] + "..."
 
 
 class ModelRegistry:
@@ -99,7 +96,7 @@ class ModelRegistry:
         """Stop routing to the model, answer what it admitted, then release it."""
         entry = self.models.get(name)
         if entry is None:
-            raise ModelNotFound(f"unknown model '{_short(name)}'")
+            raise ModelNotFound(f"unknown model '{shown(name)}'")
         del self.models[name]
         for mv in entry.versions.values():
             mv.ready = False
@@ -119,13 +116,13 @@ class ModelRegistry:
         """Like ``get`` but also returns versions that are not ready (metadata, readiness)."""
         entry = self.models.get(name)
         if entry is None:
-            raise ModelNotFound(f"unknown model '{_short(name)}'")
+            raise ModelNotFound(f"unknown model '{shown(name)}'")
         if not entry.versions:
             raise ModelNotReady(f"model '{name}' is not available: {entry.error}")
         mv = entry.versions.get(version or entry.latest)
         if mv is None:
             raise ModelNotFound(
-                f"unknown version '{_short(version)}' of model '{name}' "
+                f"unknown version '{shown(version)}' of model '{name}' "
                 f"(available: {', '.join(entry.versions)})"
             )
         return mv
@@ -133,7 +130,7 @@ class ModelRegistry:
     def entry(self, name: str) -> ModelEntry:
         entry = self.models.get(name)
         if entry is None:
-            raise ModelNotFound(f"unknown model '{_short(name)}'")
+            raise ModelNotFound(f"unknown model '{shown(name)}'")
         return entry
 
     def loaded_versions(self) -> list[ModelVersion]:

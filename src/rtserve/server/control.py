@@ -29,6 +29,7 @@ import grpc
 
 from rtserve.core.registry import ModelRegistry
 from rtserve.errors import ConfigError, InvalidInput, ModelNotFound, RTServeError
+from rtserve.protocol.limits import shown
 from rtserve.repository import ModelSource, read_model, scan
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class ModelControl:
     async def unload(self, name: str) -> None:
         self._explicit_only("unload")
         if name not in self.registry.models:
-            raise ModelNotFound(f"unknown model '{name[:100]}' (not loaded)")
+            raise ModelNotFound(f"unknown model '{shown(name)}' (not loaded)")
         self._append_journal({"op": "unload", "name": name})
         await self._unload(name)
 
@@ -130,10 +131,10 @@ class ModelControl:
 
     def _source(self, name: str, config: dict[str, Any] | None = None) -> ModelSource:
         if not name or "/" in name or name.startswith(".") or len(name) > 255:
-            raise InvalidInput(f"model name {name[:100]!r}: expected a directory name")
+            raise InvalidInput(f"model name '{shown(name)}': expected a directory name")
         path = self.root / name
         if not path.is_dir():
-            raise ModelNotFound(f"unknown model '{name[:100]}': no such model in the repository")
+            raise ModelNotFound(f"unknown model '{shown(name)}': no such model in the repository")
         return read_model(path, config)
 
     async def _load(self, name: str, config: dict[str, Any] | None) -> None:

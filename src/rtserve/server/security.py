@@ -25,6 +25,7 @@ import grpc
 import yaml
 
 from rtserve.errors import ConfigError, Overloaded, RTServeError
+from rtserve.protocol.limits import shown
 
 
 class Unauthenticated(RTServeError):
@@ -129,7 +130,7 @@ class Auth:
     def check_model(self, credential: str | None, model: str) -> None:
         grant = self._grant(credential)
         if "*" not in grant.models and model not in grant.models:
-            raise Forbidden(f"this key may not use model '{model[:100]}'")
+            raise Forbidden(f"this key may not use model '{shown(model)}'")
 
     def check_admin(self, credential: str | None) -> None:
         if not self._grant(credential).admin:
