@@ -20,9 +20,8 @@ def http_error(exc: BaseException) -> tuple[int, bytes, Headers]:
     """(status, JSON body, headers) of the answer to a failed HTTP request."""
     err = as_error(exc)
     headers = [JSON_TYPE]
-    retry_after = getattr(err, "retry_after_s", None)
-    if isinstance(err, Overloaded) or retry_after is not None:
-        headers.append((b"retry-after", str(max(1, round(retry_after or 1.0))).encode()))
+    if isinstance(err, Overloaded):
+        headers.append((b"retry-after", str(max(1, round(err.retry_after_s))).encode()))
     return err.http_status, orjson.dumps({"error": err.message}), headers
 
 
