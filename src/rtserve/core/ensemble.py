@@ -334,8 +334,14 @@ class EnsembleScheduler:
         await self.drain()
 
     def submit(
-        self, feeds: dict[str, np.ndarray], rows: int, timings: Timings, timeout_s: float = 0.0
+        self,
+        feeds: dict[str, np.ndarray],
+        rows: int,
+        timings: Timings,
+        timeout_s: float = 0.0,
+        priority: object = None,
     ) -> asyncio.Future[Outputs]:
+        """``priority`` is not used: each step runs at its own model's default priority."""
         if self._closing:
             raise ShuttingDown(f"model '{self.name}' is shutting down")
         if len(self._tasks) >= self._max_in_flight:

@@ -15,7 +15,7 @@ import logging
 import statistics
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -54,8 +54,15 @@ class Scheduler(Protocol):
     """What the dataplane needs from whatever runs a version's requests."""
 
     def submit(
-        self, feeds: dict[str, np.ndarray], rows: int, timings: Timings, timeout_s: float = 0.0
-    ) -> asyncio.Future[Outputs]: ...
+        self,
+        feeds: dict[str, np.ndarray],
+        rows: int,
+        timings: Timings,
+        timeout_s: float = 0.0,
+        priority: object = None,
+    ) -> asyncio.Future[Outputs]:
+        """``priority``: the request parameter (a scheduler without priorities ignores it)."""
+        ...
 
     @property
     def queue_depth(self) -> int: ...
@@ -83,7 +90,6 @@ class ModelVersion:
     ready: bool = False
     # What one request to this version may cost to decode (sized to its signature).
     decode_limits: DecodeLimits = DEFAULT_LIMITS
-    closers: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
 
     def submit(
         self,
@@ -93,10 +99,7 @@ class ModelVersion:
         timeout_s: float = 0.0,
         priority: object = None,
     ) -> asyncio.Future[Outputs]:
-        """``priority``: the request parameter; only a batcher with priority levels uses it."""
-        if priority is not None and isinstance(self.scheduler, Batcher):
-            return self.scheduler.submit(feeds, rows, timings, timeout_s, priority)
-        return self.scheduler.submit(feeds, rows, timings, timeout_s)
+        return self.scheduler.submit(feeds, rows, timings, timeout_s, priority)
 
     async def drain(self) -> None:
         """Wait until every admitted request has been answered."""
@@ -110,10 +113,6 @@ class ModelVersion:
             await self.cache.close()
         if self.runtime is not None:
             self.runtime.close()
-        for close in self.closers:
-            result = close()
-            if result is not None:
-                await result
 
 
 @dataclass(slots=True)
