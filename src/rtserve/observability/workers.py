@@ -82,13 +82,19 @@ def _add(into: StatDuration, other: StatDuration) -> None:
     into.ns += other.ns
 
 
+# ModelStats' per-stage durations (every StatDuration field), summed across workers.
+_DURATIONS = tuple(
+    f.name for f in dataclasses.fields(ModelStats) if f.default_factory is StatDuration
+)
+
+
 def merge_stats(parts: list[ModelStats]) -> ModelStats:
     total = ModelStats()
     for p in parts:
         total.inference_count += p.inference_count
         total.execution_count += p.execution_count
         total.last_inference_ms = max(total.last_inference_ms, p.last_inference_ms)
-        for f in ("success", "fail", "queue", "compute_infer", "cache_hit", "cache_miss"):
+        for f in _DURATIONS:
             _add(getattr(total, f), getattr(p, f))
         for size, d in p.batch_sizes.items():
             _add(total.batch_sizes.setdefault(size, StatDuration()), d)
