@@ -107,7 +107,6 @@ class Server:
         guard = _guard(config)
         self.http = HttpFrontend(
             self.dataplane,
-            self.metrics,
             config.max_request_bytes,
             control=self.control,
             guard=guard,
@@ -115,7 +114,6 @@ class Server:
         )
         self.grpc = GrpcFrontend(
             self.dataplane,
-            self.metrics,
             config.max_request_bytes,
             control=self.control,
             guard=guard,

@@ -19,7 +19,7 @@ import grpc
 
 from rtserve.core.dataplane import DataPlane
 from rtserve.errors import ClientClosed, InvalidInput, RTServeError, as_error
-from rtserve.observability.metrics import Metrics, server_timing
+from rtserve.observability.metrics import server_timing
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol.grpc_codec import decode_model_infer, encode_model_infer
 from rtserve.protocol.types import InferRequest, Timings
@@ -80,7 +80,6 @@ class GrpcFrontend:
     def __init__(
         self,
         dataplane: DataPlane,
-        metrics: Metrics,
         max_message_bytes: int,
         control: ModelControl | None = None,
         guard: Guard | None = None,
@@ -88,7 +87,6 @@ class GrpcFrontend:
         self.control = control
         self.guard = guard
         self.dataplane = dataplane
-        self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.in_flight = 0
         self.last_request_s = 0.0  # time.monotonic() of the last inference RPC

@@ -21,7 +21,7 @@ from rtserve.core.dataplane import DataPlane
 from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.core.model import ModelVersion
 from rtserve.errors import InvalidInput, PayloadTooLarge, RouteNotFound, RTServeError, as_error
-from rtserve.observability.metrics import Metrics, server_timing
+from rtserve.observability.metrics import server_timing
 from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.control import ModelControl
@@ -136,7 +136,6 @@ class HttpFrontend:
     def __init__(
         self,
         dataplane: DataPlane,
-        metrics: Metrics,
         max_request_bytes: int,
         control: ModelControl | None = None,
         guard: Guard | None = None,
@@ -145,7 +144,6 @@ class HttpFrontend:
         """``guard``: authentication and rate limits (None: open, as by default)."""
         self.guard = guard
         self.dataplane = dataplane
-        self.metrics = metrics
         self.max_request_bytes = max_request_bytes
         self.max_decompressed_bytes = max_decompressed_bytes
         self.control = control
