@@ -84,7 +84,12 @@ async def _client(url: str, body: bytes, rate: float, seconds: float, seed: int,
 
 
 def _client_main(args: argparse.Namespace) -> None:
+    import resource
+
     import uvloop
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one socket per request in flight
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, args.conns + 256)), hard))
 
     body = Path(args.body).read_bytes()
     out = uvloop.run(_client(args.url, body, args.rate, args.seconds, args.seed, args.conns))
@@ -145,7 +150,7 @@ def _start(repo: Path, work: Path, cpus: str) -> tuple[subprocess.Popen[bytes], 
 # ---------------------------------------------------------------------------- one point
 def _point(
     port: int, model: str, body: Path, rate: float, seconds: float, clients: int,
-    cpus: str, work: Path, seed: int,
+    cpus: str, work: Path, seed: int, conns: int = 1024,
 ) -> dict:  # fmt: skip
     url = f"http://127.0.0.1:{port}/v2/models/{model}/infer"
     procs = []
@@ -155,7 +160,7 @@ def _point(
         cmd = [
             *_taskset(cpus), sys.executable, "-m", "bench.slo_openloop", "--client",
             "--url", url, "--body", str(body), "--rate", str(rate / clients),
-            "--seconds", str(seconds), "--seed", str(seed * 100 + k), "--conns", "64",
+            "--seconds", str(seconds), "--seed", str(seed * 100 + k), "--conns", str(conns),
             "--result", str(result),
         ]  # fmt: skip
         procs.append((subprocess.Popen(cmd, cwd=ROOT), result))
@@ -206,7 +211,11 @@ def main() -> None:
     parser.add_argument("--body", help=argparse.SUPPRESS)
     parser.add_argument("--rate", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--conns", type=int, default=64, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--conns", type=int, default=1024,
+        help="most connections per client process (open loop: enough that requests never "
+        "wait for a free one, so the queue forms in the server, not in the client)",
+    )  # fmt: skip
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--workload", choices=sorted(MODELS), default="mlp")
     parser.add_argument("--model", type=Path, default=None, help="the workload's ONNX file")
@@ -237,7 +246,18 @@ def main() -> None:
     try:
         # Capacity: the most answers per second any configuration gives under heavy overload.
         probe = [
-            _point(port, m, body, args.probe_rate, 2, args.clients, args.client_cpus, work, 99)
+            _point(
+                port,
+                m,
+                body,
+                args.probe_rate,
+                2,
+                args.clients,
+                args.client_cpus,
+                work,
+                99,
+                args.conns,
+            )  # fmt: skip
             for m in models
         ]
         capacity = max(p["ok"] / p["elapsed"] for p in probe)
@@ -248,7 +268,7 @@ def main() -> None:
             for m in order:
                 r = _point(
                     port, m, body, load * capacity, args.seconds, args.clients,
-                    args.client_cpus, work, i,
+                    args.client_cpus, work, i, args.conns,
                 )  # fmt: skip
                 good = int((r["latencies"] <= objective).sum())
                 r["load"] = load

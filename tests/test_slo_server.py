@@ -248,6 +248,7 @@ def test_under_3x_overload_admitted_requests_meet_the_objective_and_none_is_lost
     )
     assert _metric(text, "rtserve_slo_goodput_requests_total", model="sleepy") >= 0.95 * len(ok)
     assert _metric(text, "rtserve_slo_target_batch_rows", model="sleepy") >= 1
+    assert 0.25 <= _metric(text, "rtserve_slo_budget_factor", model="sleepy") <= 1.0
     assert _metric(text, "rtserve_slo_predicted_seconds_count", model="sleepy") >= len(ok)
     assert _metric(text, "rtserve_slo_observed_seconds_count", model="sleepy") >= len(ok)
 

@@ -88,7 +88,10 @@ class SchedulerStats:
     """What the batcher decides: requests shed before running (by reason and priority) and,
     for a model with a latency objective, the controller's predictions and choices."""
 
-    __slots__ = ("shed", "objective_ns", "goodput", "predicted", "observed", "window_ns", "target")
+    __slots__ = (
+        "shed", "objective_ns", "goodput", "predicted", "observed", "window_ns", "target",
+        "budget_factor",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.shed: dict[tuple[str, int], int] = {}
@@ -98,6 +101,7 @@ class SchedulerStats:
         self.observed = Accumulator(LATENCY_BUCKETS)  # the same span, as it happened
         self.window_ns = 0  # the controller's last gathering window
         self.target = 0  # the controller's last target batch (rows)
+        self.budget_factor = 1.0  # the share of the budget it plans with (latency feedback)
 
     def count_shed(self, reason: str, priority: int) -> None:
         key = (reason, priority)
@@ -217,6 +221,12 @@ def _scheduler_families(models: list[ModelMetrics]) -> Iterator[Metric]:
     target = GaugeMetricFamily(
         "rtserve_slo_target_batch_rows", "The SLO controller's target batch size", labels=labels
     )
+    factor = GaugeMetricFamily(
+        "rtserve_slo_budget_factor",
+        "The share of the latency budget the SLO controller admits and gathers within (cut "
+        "when admitted requests finish late, restored while they do not)",
+        labels=labels,
+    )
     predicted = HistogramMetricFamily(
         "rtserve_slo_predicted_seconds",
         "Predicted time from admission to the end of the request's batch",
@@ -236,9 +246,10 @@ def _scheduler_families(models: list[ModelMetrics]) -> Iterator[Metric]:
             objective.add_metric(list(mm.labels), st.objective_ns * 1e-9)
             window.add_metric(list(mm.labels), st.window_ns * 1e-9)
             target.add_metric(list(mm.labels), st.target)
+            factor.add_metric(list(mm.labels), st.budget_factor)
             predicted.add_metric(list(mm.labels), st.predicted.buckets(), st.predicted.sum)
             observed.add_metric(list(mm.labels), st.observed.buckets(), st.observed.sum)
-    yield from (shed, goodput, objective, window, target, predicted, observed)
+    yield from (shed, goodput, objective, window, target, factor, predicted, observed)
 
 
 class Metrics:

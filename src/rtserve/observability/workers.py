@@ -37,6 +37,8 @@ _MAX_GAUGES = (
     "rtserve_slo_window_seconds",
     "rtserve_slo_target_batch_rows",
 )
+# Gauges whose merged value is the smallest (the most cautious worker's).
+_MIN_GAUGES = ("rtserve_slo_budget_factor",)
 PUBLISH_PERIOD_S = 0.25
 
 
@@ -179,10 +181,17 @@ class WorkerView:
                     values[name] = {}
                 merged = values[name]
                 use_max = name in _MAX_GAUGES
+                use_min = name in _MIN_GAUGES
                 for sample_name, labels, value in fam["samples"]:
                     key = (sample_name, tuple(sorted(labels.items())))
                     if key in merged:
-                        merged[key] = max(merged[key], value) if use_max else merged[key] + value
+                        old = merged[key]
+                        if use_max:
+                            merged[key] = max(old, value)
+                        elif use_min:
+                            merged[key] = min(old, value)
+                        else:
+                            merged[key] = old + value
                     else:
                         merged[key] = value
         out = []

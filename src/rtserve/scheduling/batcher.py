@@ -51,7 +51,7 @@ class _Pending:
         "deadline_ns",
         "timeout_ns",
         "predicted_ns",
-        "base_ns",
+        "feedback",
     )
 
     def __init__(
@@ -70,13 +70,14 @@ class _Pending:
         self.shape_key = shape_key
         self.timer: asyncio.TimerHandle | None = None
         # Set under a latency objective: priority level, the deadline gathering keeps (the
-        # earlier of its timeout and the objective), its own timeout (0: none), and the
-        # completion predicted at admission.
+        # earlier of its timeout and the objective), its own timeout (0: none), the
+        # completion predicted at admission, and whether its latency is fed back (not when
+        # its own batch alone takes a large share of the budget).
         self.priority = 1
         self.deadline_ns = 0
         self.timeout_ns = 0
         self.predicted_ns = 0
-        self.base_ns = 0
+        self.feedback = False
 
 
 BatchObserver = Callable[[int, int], None]  # (rows in batch, compute ns)
@@ -242,7 +243,6 @@ class Batcher:
         loop = self._loop
         assert loop is not None, "batcher not started"
         now = timings.enqueued = self._now()
-        controller.rate.observe(now, rows)
         timeout_ns = now + int(timeout_s * 1e9) if timeout_s > 0 else 0
         busy_ns = 0
         if not self._free and self._busy_until:
@@ -258,9 +258,9 @@ class Batcher:
             self._policy.max_rows,
             objective,
             self._runtime.instance_count,
-            0,
+            controller.target,
             controller.rate.rate(now),
-            controller.error.value,
+            controller.feedback.factor,
             timings.received,
         )
         if not decision.admitted:
@@ -271,6 +271,7 @@ class Batcher:
                 f"{(decision.predicted_ns - now) / 1e6:.3g} ms is past {what}; retry later",
                 retry_after_s=decision.retry_after_ns / 1e9,
             )
+        controller.rate.observe(now, rows)  # the rate that batches form from: admitted rows
         future: asyncio.Future[Outputs] = loop.create_future()
         shape_key = tuple(a.shape[1:] for a in feeds.values()) if self._ragged else None
         pending = _Pending(feeds, rows, future, timings, shape_key)
@@ -278,7 +279,7 @@ class Batcher:
         pending.deadline_ns = decision.deadline_ns
         pending.timeout_ns = timeout_ns
         pending.predicted_ns = decision.predicted_ns
-        pending.base_ns = decision.base_ns
+        pending.feedback = controller.model.predict(rows) < objective.budget_ns / 2
         if timeout_s > 0:
             pending.timer = loop.call_later(timeout_s, self._expire, pending, timeout_s)
         self._levels[level - 1].append(pending)
@@ -576,12 +577,18 @@ class Batcher:
             controller = self._slo
             controller.model.observe(total_rows, max(end - start, now - dispatched))
             stats = self.stats
+            feedback = controller.feedback
+            budget = controller.objective.budget_ns
             for p in batch:
                 predicted = p.predicted_ns - p.enqueued_ns
                 observed = now - p.enqueued_ns
-                controller.error.observe(observed, p.base_ns)
                 stats.predicted.observe(predicted * 1e-9)
                 stats.observed.observe(observed * 1e-9)
+                if p.feedback and not p.future.done():
+                    received = p.timings.received
+                    start = received if 0 < received <= p.enqueued_ns else p.enqueued_ns
+                    feedback.observe(now - start, budget, now)
+            stats.budget_factor = feedback.factor
         if self._on_batch is not None:
             self._on_batch(total_rows, end - start)
         if outputs is not None and self._batched:

@@ -17,6 +17,9 @@ gathering window:
 - ``admit``: a request whose predicted completion (in-flight work + work queued ahead + its
   own batch) is past its deadline or its priority's share of the objective is refused at once,
   with a retry-after computed from the queue.
+- ``LatencyFeedback``: the share of the budget admission and gathering plan with, cut when
+  admitted requests finish past the budget and restored while they do not (AIMD), so what the
+  batch-time model cannot see (thread hops, a busy event loop) is corrected by what happened.
 - ``schedule_key``: priority order (1 is the highest, as in Triton); a request that has waited
   ``max_wait`` is served as if it had the highest priority (bounded wait, no starvation).
 
@@ -34,6 +37,7 @@ from rtserve.errors import InvalidInput
 
 MS = 1_000_000
 SHED_REASONS = ("objective", "deadline", "expired", "cancelled")
+MIN_WAIT_NS = 50_000  # a shorter wait is not worth a timer (the event loop's are coarser)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +52,7 @@ class Objective:
 
     p99_ns: int
     p50_ns: int = 0
-    margin: float = 0.8
+    margin: float = 0.9
     priority_levels: int = 1
     default_priority: int = 1
     reserve: float = 0.5
@@ -297,17 +301,23 @@ class SLOPlan:
     window_ns: int = 0
 
 
-def target_rows(model: BatchTimeModel, rate: float, max_rows: int, headroom: float) -> int:
+def target_rows(
+    model: BatchTimeModel, rate: float, max_rows: int, headroom: float, saturation: float = 0.95
+) -> int:
     """The smallest batch whose throughput keeps up with ``rate`` rows/ns times ``headroom``.
 
-    ``b / T(b) >= h * rate`` with ``T(b) = F + P * b`` gives ``b >= h*rate*F / (1 - h*rate*P)``;
-    when even ``max_rows`` cannot keep up, the answer is ``max_rows`` (admission then sheds).
+    ``b / T(b) >= need`` with ``T(b) = F + P * b`` gives ``b >= need*F / (1 - need*P)``. The
+    need is capped at ``saturation`` of what a full batch carries: near capacity, a model
+    whose cost is mostly per row (a transformer) gains little from larger batches, and
+    gathering for them would only add latency; one whose cost is mostly fixed still aims
+    close to full batches.
     """
-    need = headroom * rate
-    if need <= 0:
+    if rate <= 0:
         return 1
     fixed = model.scale * model.fixed_ns
     per_row = model.scale * model.per_row_ns
+    full = max_rows / (fixed + per_row * max_rows)
+    need = min(headroom * rate, saturation * full)
     spare = 1.0 - need * per_row
     if spare <= 0:
         return max_rows
@@ -348,7 +358,7 @@ def plan(
     latest_start = earliest - int(model.predict(target))
     gather = (target - total) / rate if rate > 0 else math.inf
     wait_until = min(latest_start, now_ns + gather)
-    if wait_until <= now_ns:
+    if wait_until - now_ns < MIN_WAIT_NS:
         return SLOPlan(fit, 0, target_rows=target)
     return SLOPlan(0, int(wait_until), target, target, int(wait_until - now_ns))
 
@@ -359,7 +369,6 @@ class Admission:
     admitted: bool
     predicted_ns: int  # predicted completion, absolute
     deadline_ns: int  # the request's gather deadline (earlier of timeout and budget)
-    base_ns: int  # the batch-time model's prediction (a duration), before ``error``
     reason: str = ""  # "objective" or "deadline" when refused
     retry_after_ns: int = 0
 
@@ -377,7 +386,7 @@ def admit(
     instances: int = 1,
     batch_rows: int = 0,
     rate: float = 0.0,
-    error: float = 1.0,
+    factor: float = 1.0,
     received_ns: int = 0,
 ) -> Admission:
     """Admit or refuse a request of ``rows`` rows.
@@ -386,32 +395,31 @@ def admit(
     ``busy_ns``: the in-flight batch's remaining time; ``timeout_deadline_ns``: its own
     deadline (0: none). Requests arriving after this one fill its batch until it starts, so
     its own batch is predicted with the rows ``rate`` brings meanwhile, and at least
-    ``batch_rows`` (the controller's current target). ``error``: how much longer than
-    predicted requests have been taking (an upper quantile of observed / predicted; see
-    ``PredictionError``) stretches the prediction. ``received_ns``: when the server received
-    the request (0: now); the objective's clock starts there, so time spent decoding and
-    waiting for the event loop is taken off the budget. A request with nothing ahead of it is admitted even if its
-    own batch alone is predicted past the objective: queueing is not what makes it late.
+    ``batch_rows`` (the controller's current target). ``factor``: the share of the budget the
+    controller currently plans with (``LatencyFeedback``: below 1 after admitted requests
+    finished late). ``received_ns``: when the server received the request (0: now); the
+    objective's clock starts there, so time spent decoding and waiting for the event loop is
+    taken off the budget. A request with nothing ahead of it is admitted even if its own
+    batch alone is predicted past the objective: queueing is not what makes it late.
     """
     queued = rows_ahead + rows
     full = queued - queued % max_rows if queued % max_rows else queued - max_rows
     ahead_ns = busy_ns + model.drain_ns(full, max_rows, instances)
     last = min(max_rows, max(queued - full + int(rate * ahead_ns), batch_rows))
     drain = model.drain_ns(full, max_rows, instances) + model.predict(last)
-    base = int(busy_ns + drain)
-    predicted = now_ns + int(base * error)
+    predicted = now_ns + int(busy_ns + drain)
     start = received_ns if 0 < received_ns <= now_ns else now_ns
-    limit = start + objective.budget_for(priority)
-    deadline = start + objective.gather_ns
+    limit = start + int(objective.budget_for(priority) * factor)
+    deadline = start + int(objective.gather_ns * factor)
     if timeout_deadline_ns and timeout_deadline_ns < deadline:
         deadline = timeout_deadline_ns
     if timeout_deadline_ns and predicted > timeout_deadline_ns:
         excess = predicted - timeout_deadline_ns
-        return Admission(False, predicted, deadline, base, "deadline", max(MS, excess))
+        return Admission(False, predicted, deadline, "deadline", max(MS, excess))
     if predicted > limit and (rows_ahead > 0 or busy_ns > 0):
         excess = max(MS, predicted - limit)
-        return Admission(False, predicted, deadline, base, "objective", excess)
-    return Admission(True, predicted, deadline, base)
+        return Admission(False, predicted, deadline, "objective", excess)
+    return Admission(True, predicted, deadline)
 
 
 def late(deadline_ns: int, now_ns: int, batch_ns: float) -> bool:
@@ -439,43 +447,76 @@ def schedule_order(
 
 
 # ---------------------------------------------------------------------------- state
-class PredictionError:
-    """How much longer than predicted requests take (observed / predicted time from
-    admission to the end of their batch), as an upper envelope: it rises quickly when
-    requests run late and comes down slowly. It closes the loop on what the batch-time model
-    cannot see: thread hops, a busy event loop, gaps between batches."""
+class LatencyFeedback:
+    """Closes the loop on what the batch-time model cannot see (thread hops, a busy event
+    loop, time before the queue): ``factor`` is the share of the budget admission and
+    gathering plan with. Over each window of completed requests (``window`` of them, or
+    ``span_ns`` with at least ``min_window``), more than ``tolerance`` of them past the budget
+    cuts it multiplicatively (by how late the worst was, between 0.5x and 0.9x); a window
+    with none late restores ``step`` of it. Additive increase, multiplicative decrease: it
+    settles where admitted requests just meet the objective."""
 
-    __slots__ = ("value", "up", "down", "low", "high")
+    __slots__ = (
+        "factor", "floor", "window", "min_window", "span_ns", "tolerance", "step",
+        "_n", "_late", "_worst", "_start_ns",
+    )  # fmt: skip
 
     def __init__(
-        self, up: float = 0.05, down: float = 0.01, low: float = 0.5, high: float = 4.0
+        self,
+        floor: float = 0.25,
+        window: int = 100,
+        min_window: int = 20,
+        span_ns: int = 500 * MS,
+        tolerance: float = 0.01,
+        step: float = 0.05,
     ) -> None:
-        self.value = 1.0
-        self.up = up
-        self.down = down
-        self.low = low
-        self.high = high
+        self.factor = 1.0
+        self.floor = floor
+        self.window = window
+        self.min_window = min_window
+        self.span_ns = span_ns
+        self.tolerance = tolerance
+        self.step = step
+        self._n = 0
+        self._late = 0
+        self._worst = 0.0
+        self._start_ns = 0
 
-    def observe(self, observed: float, predicted: float) -> None:
-        if predicted <= 0:
+    def observe(self, latency_ns: float, budget_ns: float, now_ns: int) -> None:
+        """One admitted request finished ``latency_ns`` after it was received."""
+        if budget_ns <= 0:
             return
-        ratio = observed / predicted
-        rate = self.up if ratio > self.value else self.down
-        self.value = min(self.high, max(self.low, self.value + rate * (ratio - self.value)))
+        if not self._n:
+            self._start_ns = now_ns
+        self._n += 1
+        ratio = latency_ns / budget_ns
+        if ratio > 1.0:
+            self._late += 1
+        if ratio > self._worst:
+            self._worst = ratio
+        n = self._n
+        if n >= self.window or (n >= self.min_window and now_ns - self._start_ns >= self.span_ns):
+            if self._late > self.tolerance * n:
+                cut = min(0.9, max(0.5, 1.0 / self._worst))
+                self.factor = max(self.floor, self.factor * cut)
+            elif not self._late:
+                self.factor = min(1.0, self.factor + self.step)
+            self._n = self._late = 0
+            self._worst = 0.0
 
 
 class SLOController:
     """What one batcher keeps for the decisions above: its objective, the batch-time model,
-    the arrival rate, the prediction error and the last target batch (which admission uses
-    as a size hint)."""
+    the rate of admitted rows, the latency feedback and the last target batch (which
+    admission uses as a size hint)."""
 
-    __slots__ = ("objective", "model", "rate", "error", "target")
+    __slots__ = ("objective", "model", "rate", "feedback", "target")
 
     def __init__(self, objective: Objective, model: BatchTimeModel, tau_ns: float = 50 * MS):
         self.objective = objective
         self.model = model
         self.rate = ArrivalRate(tau_ns)
-        self.error = PredictionError()
+        self.feedback = LatencyFeedback()
         self.target = 1
 
 
