@@ -245,15 +245,18 @@ def start(
     workload: Workload,
     run_dir: Path,
     model_config: Mapping[str, Any] | None = None,
+    max_wait_ms: float | None = None,
 ) -> Running:
     """Install (once), configure and start ``peer``; return when it answers its health route.
 
     Its log is ``run_dir/logs/<workload>-<peer>.log``; ``model_config`` adds sections to
-    rtserve's model config (e.g. ``response_cache``).
+    rtserve's model config (e.g. ``response_cache``); ``max_wait_ms`` replaces the suite's
+    batching window.
     """
     if peer.env != "main":
         envs.ensure(peer.env)
-    workdir = WORK / "peers" / f"{peer.name}-{workload.name}"
+    tag = "" if max_wait_ms is None else f"-w{max_wait_ms:g}"
+    workdir = WORK / "peers" / f"{peer.name}-{workload.name}{tag}"
     if workdir.exists():
         shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -263,13 +266,15 @@ def start(
         grpc_port=free_port(),
         metrics_port=free_port(),
     )
+    if max_wait_ms is not None:
+        cfg = replace(cfg, max_wait_ms=max_wait_ms)
     if peer.name == "rayserve":
         cfg = replace(cfg, workdir=f"/tmp/rtb-ray-{os.getpid()}")
     server = Server(
         peer.name,
         command(peer, cfg, workdir, model_config),
         environment(peer, cfg, workdir),
-        run_dir / "logs" / f"{workload.name}-{peer.name}.log",
+        run_dir / "logs" / f"{workload.name}-{peer.name}{tag}.log",
         cwd=ROOT,
     )
     running = Running(peer, server, cfg)

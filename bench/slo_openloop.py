@@ -121,6 +121,41 @@ def _repository(root: Path, model: Path, objective_ms: float, windows: list[int]
     return list(configs)
 
 
+def _pytriton(
+    workload: str, model: Path, seq: int, windows: list[int], work: Path
+) -> dict[str, tuple[str, object]]:
+    """Triton (bundled by PyTriton) with its dynamic batcher, one server per window (µs),
+    serving the same ONNX file on one ONNX Runtime thread: label -> (infer URL, handle)."""
+    from bench import servers
+    from bench.peers.common import TensorSpec
+    from bench.workloads import WORK, Workload
+
+    if workload == "mlp":
+        inputs = (TensorSpec("input", "FP32", (256,)),)
+        outputs = (TensorSpec("output", "FP32", (10,)),)
+    else:
+        inputs = tuple(TensorSpec(n, "INT64", (seq,)) for n in ("input_ids", "attention_mask"))
+        outputs = (TensorSpec("embedding", "FP32", (384,)),)
+    spec = Workload(
+        name=f"slo-{workload}-{seq}",
+        model_name=workload,
+        inputs=inputs,
+        outputs=outputs,
+        intra_op_threads=1,
+        open_loop_rates=(),
+        build=lambda path: Path(shutil.copy(model, path)),
+        sample=dict,
+    )
+    served = WORK / "models" / spec.name / "model.onnx"
+    served.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(model, served)  # always the file given, not one from an earlier run
+    running: dict[str, tuple[str, object]] = {}
+    for w in windows:
+        r = servers.start(servers.PEERS["pytriton"], spec, work, max_wait_ms=w / 1000)
+        running[f"triton-w{w}"] = (r.url(workload), r)
+    return running
+
+
 def _taskset(cpus: str) -> list[str]:
     return ["taskset", "-c", cpus] if cpus else []
 
@@ -149,10 +184,10 @@ def _start(repo: Path, work: Path, cpus: str) -> tuple[subprocess.Popen[bytes], 
 
 # ---------------------------------------------------------------------------- one point
 def _point(
-    port: int, model: str, body: Path, rate: float, seconds: float, clients: int,
+    url: str, model: str, body: Path, rate: float, seconds: float, clients: int,
     cpus: str, work: Path, seed: int, conns: int = 1024,
 ) -> dict:  # fmt: skip
-    url = f"http://127.0.0.1:{port}/v2/models/{model}/infer"
+    """Offer ``rate`` requests/s to ``url`` for ``seconds``; ``model`` labels the row."""
     procs = []
     for k in range(clients):
         result = work / f"client-{k}.json"
@@ -223,6 +258,10 @@ def main() -> None:
     parser.add_argument("--objective-ms", type=float, default=10.0)
     parser.add_argument("--loads", default="0.2,0.5,1,1.5,2,3")
     parser.add_argument("--windows", default="0,200,1000,5000", help="fixed windows, µs")
+    parser.add_argument(
+        "--triton-windows", default="",
+        help="also Triton via PyTriton, one server per dynamic-batcher window (µs); '' skips",
+    )  # fmt: skip
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--probe-rate", type=float, default=60_000, help="offered to find capacity")
     parser.add_argument("--clients", type=int, default=2, help="client processes")
@@ -243,11 +282,17 @@ def main() -> None:
     body = work / "body.json"
     body.write_bytes(_request_body(args.workload, args.seq))
     server, port = _start(repo, work, args.server_cpus)
+    urls = {m: f"http://127.0.0.1:{port}/v2/models/{m}/infer" for m in models}
+    triton: dict[str, tuple[str, object]] = {}
     try:
+        tw = [int(w) for w in args.triton_windows.split(",") if w]
+        triton = _pytriton(args.workload, args.model or MODELS[args.workload], args.seq, tw, work)
+        urls.update({label: url for label, (url, _) in triton.items()})
+        models = list(urls)
         # Capacity: the most answers per second any configuration gives under heavy overload.
         probe = [
             _point(
-                port,
+                urls[m],
                 m,
                 body,
                 args.probe_rate,
@@ -267,7 +312,7 @@ def main() -> None:
             order = models[i % len(models) :] + models[: i % len(models)]
             for m in order:
                 r = _point(
-                    port, m, body, load * capacity, args.seconds, args.clients,
+                    urls[m], m, body, load * capacity, args.seconds, args.clients,
                     args.client_cpus, work, i, args.conns,
                 )  # fmt: skip
                 good = int((r["latencies"] <= objective).sum())
@@ -281,60 +326,112 @@ def main() -> None:
                     flush=True,
                 )
     finally:
+        from bench import servers
+
+        for _, handle in triton.values():
+            servers.stop(handle)  # type: ignore[arg-type]
         server.terminate()
         server.wait(30)
     if args.out is not None:
         _write(args, rows, models, capacity, objective, time.monotonic() - started)
 
 
+def _best(rows: list[dict], labels: list[str]) -> dict | None:
+    return max((r for r in rows if r["model"] in labels), key=lambda r: r["goodput"], default=None)
+
+
+def _plot(rows: list[dict], models: list[str], objective: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for m in models:
+        pts = sorted((r for r in rows if r["model"] == m), key=lambda r: r["load"])
+        style: dict = {"marker": "o", "markersize": 4}
+        if m == "slo":
+            style = {"marker": "o", "linewidth": 2.6, "color": "black", "zorder": 5}
+        elif m.startswith("triton"):
+            style = {"marker": "s", "markersize": 4, "linestyle": "--"}
+        label = "rtserve SLO controller" if m == "slo" else m
+        loads = [r["load"] for r in pts]
+        left.plot(loads, [r["goodput"] for r in pts], label=label, **style)
+        right.plot(loads, [max(r["p99_ms"], 0.1) for r in pts], label=label, **style)
+    left.set(xlabel="offered load (x capacity)", ylabel="goodput (answers within objective)/s")
+    right.set(xlabel="offered load (x capacity)", ylabel="p99 of answered requests (ms)")
+    right.set_yscale("log")
+    right.axhline(objective, color="red", linewidth=1, linestyle=":", label="objective")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def _write(args, rows, models, capacity, objective, took) -> None:  # type: ignore[no-untyped-def]
     loads = sorted({r["load"] for r in rows})
-    fixed = [m for m in models if m != "slo"]
+    fixed = [m for m in models if m.startswith("w")]
+    triton = [m for m in models if m.startswith("triton")]
+    what = f"{args.workload}" + (f" seq {args.seq}" if args.workload == "minilm" else "")
     lines = [
-        f"# SLO controller vs fixed batching windows (open loop, {args.workload})",
+        f"### {what}, objective p99 {objective:g} ms",
         "",
         f"Command: `python -m bench.slo_openloop {' '.join(sys.argv[1:])}`",
         "",
-        f"Machine: {_machine()}. Took {took:.0f} s. Objective: p99 {objective:g} ms; "
-        f"capacity measured first: ~{capacity:.0f} answers/s (the best configuration under "
-        "heavy overload). Latency is measured at the client from each request's scheduled "
-        f"send time; {args.clients} client processes, Poisson arrivals, {args.seconds:g} s per "
-        "point, configurations alternate in rotating order.",
+        f"Machine: {_machine()}. Took {took:.0f} s. Capacity measured first: ~{capacity:.0f} "
+        "answers/s (the best configuration under heavy overload). Latency is measured at the "
+        f"client from each request's scheduled send time; {args.clients} client process(es), "
+        f"Poisson arrivals, {args.seconds:g} s per point, configurations in rotating order.",
         "",
-        "Goodput = answers within the objective per second. `best fixed` = the fixed window "
-        "with the highest goodput at that load (a different window may win at each load: "
-        "that is the tuning the controller replaces).",
+        "Goodput = answers within the objective per second; p99 over the answered (admitted) "
+        "requests. `best fixed` = rtserve's fixed window with the most goodput at that load, "
+        "`best Triton` the same over Triton's windows (a different window may win at each "
+        "load: that is the tuning the controller replaces).",
         "",
-        "| load | SLO goodput/s | SLO admitted p99 ms | SLO refused | best fixed | fixed goodput/s "
-        "| fixed p99 ms | fixed errors |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| load | SLO goodput/s | SLO p99 ms | SLO refused | best fixed | goodput/s | p99 ms "
+        + ("| best Triton | goodput/s | p99 ms " if triton else "")
+        + "| SLO / best other |",
+        "| --- | --- | --- | --- | --- | --- | --- "
+        + ("| --- | --- | --- " if triton else "")
+        + "| --- |",
     ]
     for load in loads:
-        at = {r["model"]: r for r in rows if r["load"] == load}
-        s = at["slo"]
-        best = max(fixed, key=lambda m: at[m]["goodput"])
-        b = at[best]
-        refused = s["codes"].get("429", 0)
-        errors = sum(n for c, n in b["codes"].items() if c != "200") + b["unfinished"]
-        lines.append(
-            f"| {load:g}x | {s['goodput']:.0f} | {s['p99_ms']:.2f} | {refused} | {best} "
-            f"| {b['goodput']:.0f} | {b['p99_ms']:.2f} | {errors} |"
-        )
+        at = [r for r in rows if r["load"] == load]
+        s = next(r for r in at if r["model"] == "slo")
+        b = _best(at, fixed)
+        t = _best(at, triton)
+        others = [x["goodput"] for x in (b, t) if x is not None]
+        ratio = s["goodput"] / max(others) if others and max(others) > 0 else float("inf")
+        line = f"| {load:g}x | {s['goodput']:.0f} | {s['p99_ms']:.1f} | {s['codes'].get('429', 0)} "
+        for x in (b, t) if triton else (b,):
+            if x is None:
+                line += "| - | - | - "
+            else:
+                line += f"| {x['model']} | {x['goodput']:.0f} | {x['p99_ms']:.1f} "
+        lines.append(line + f"| {ratio:.2f} |")
     lines += [
         "",
-        "Every point (`client lag`: p99 of how late the clients sent, over all client "
-        "processes; large values mean the clients, not the server, limited the load):",
+        "Every point (`lost`: unanswered 5 s after the last send; `client lag`: p99 of how late "
+        "the client sent — large values mean the client, not the server, limited the load):",
         "",
-        "| load | config | goodput/s | ok | p50 ms | p99 ms | codes | client lag p99 ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| load | config | goodput/s | ok | p50 ms | p99 ms | codes | lost | client lag p99 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['load']:g}x | {r['model']} | {r['goodput']:.0f} | {r['ok']} "
-            f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['codes']} "
+            f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['codes']} | {r['unfinished']} "
             f"| {r['client_lag_p99_ms']:.1f} |"
         )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    png = args.out.with_suffix(".png")
+    _plot(rows, models, objective, png, f"{what}: SLO controller vs fixed windows")
+    lines += ["", f"![goodput and p99 against offered load]({png.name})", ""]
     args.out.write_text("\n".join(lines) + "\n")
+    raw = [{k: v for k, v in r.items() if k != "latencies"} for r in rows]
+    args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
 
 
 if __name__ == "__main__":

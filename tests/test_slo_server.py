@@ -328,24 +328,24 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(
 
 
 # ---------------------------------------------------------------------------- cancellation
-async def _abandon(server: RunningServer, model: str, x: float) -> None:
-    """Send a request, wait until it is queued, drop the connection before the answer.
-
-    The connection is reset (as a killed client or a proxy giving up does). A clean
-    half-close is not a disconnect: the transport still answers what was sent (HTTP/1.1
-    clients may shut down their sending side and read on)."""
+async def _abandon(server: RunningServer, model: str, x: float, reset: bool = True) -> None:
+    """Send a request, wait until it is queued, drop the connection before the answer:
+    reset (as a killed process or a proxy giving up does) or closed cleanly (as a client
+    whose timeout fired does: the server sees the end of input)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
     writer.write(_request(server.http_port, model, _body(x)))
     await writer.drain()
     await _queued(server, model, 1)
-    sock = writer.get_extra_info("socket")
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    if reset:
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     writer.close()
 
 
+@pytest.mark.parametrize("reset", [True, False], ids=["reset", "closed"])
 @pytest.mark.parametrize("model", ["fixed", "patient"], ids=["fixed-window", "slo"])
 def test_disconnected_clients_work_is_not_computed(
-    slo_server: tuple[RunningServer, Path], model: str
+    slo_server: tuple[RunningServer, Path], model: str, reset: bool
 ) -> None:
     server, logs = slo_server
     before = _metric(
@@ -355,8 +355,8 @@ def test_disconnected_clients_work_is_not_computed(
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=server.base, timeout=30) as client:
             busy = await _stall(client, logs, model)
-            await _abandon(server, model, 42.0)
-            await asyncio.sleep(0.1)  # the reset reaches the server
+            await _abandon(server, model, 42.0, reset)
+            await asyncio.sleep(0.1)  # the reset or end of input reaches the server
             _release(logs, model)
             assert (await busy).status_code == 200
             after = await client.post(f"/v2/models/{model}/infer", content=_body(7.0))

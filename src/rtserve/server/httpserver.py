@@ -276,13 +276,13 @@ class Connection(asyncio.Protocol):
         self._maybe_resume_reading()
 
     def eof_received(self) -> bool:
-        """The client will send nothing more: answer what it sent, then close."""
+        """The client closed its side: treated as gone, as a reset is. A client that closes
+        while waiting has given up (its timeout fired, it exited); what it sent and is still
+        queued would be computed for nobody, so the transport closes and ``connection_lost``
+        cancels it. (Clients that half-close and read on are rare in HTTP/1.1; most servers
+        and proxies treat the end of input the same way.)"""
         self._rejected = True
-        if self.current is None and not self.pipeline and not self._dispatching:
-            return False  # the transport closes
-        if self._final is None:
-            self._final = b""
-        return True  # keep writing; closed after the last answer
+        return False
 
     def data_received(self, data: bytes | memoryview) -> None:
         if self._rejected:  # refused: dropped, and the linger is not extended
@@ -512,9 +512,6 @@ class Connection(asyncio.Protocol):
         final, self._final = self._final, None
         transport = self.transport
         if final is None or transport is None or transport.is_closing():
-            return
-        if not final:  # the client half-closed: nothing more to say
-            transport.close()
             return
         transport.write(final)
         self.last_active = time.monotonic()
