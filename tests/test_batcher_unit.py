@@ -193,3 +193,23 @@ async def test_timings_carry_the_batch() -> None:
     await b.submit(rows(2), 2, t)
     assert t.enqueued == clock.ns and t.batch_size == 2 and t.batch_start and t.batch_end
     await b.stop()
+
+
+@run_async
+async def test_under_an_objective_timings_carry_the_batch_not_the_reception() -> None:
+    from rtserve.scheduling import slo
+
+    rt, clock = DoublingRuntime(), FakeClock()
+    policy = DynamicBatchPolicy(rt.max_batch_size, DynamicBatching())
+    controller = slo.SLOController(slo.Objective(p99_ns=50 * slo.MS), slo.BatchTimeModel(1e5, 1e4))
+    b = Batcher(
+        "m:1", rt, policy, 64, batched=True, inline=True, more_expected=lambda: False,
+        clock=clock, controller=controller,
+    )  # fmt: skip
+    b.start()
+    t = Timings()
+    t.received = clock.ns - 5_000_000  # decoded for 5 ms before it reached the queue
+    await b.submit(rows(1), 1, t)
+    assert t.batch_start == t.batch_end == t.enqueued == clock.ns  # the batch's own times
+    assert b.stats.budget_factor == 1.0 and sum(b.stats.observed.counts) == 1
+    await b.stop()

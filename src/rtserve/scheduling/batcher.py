@@ -586,8 +586,8 @@ class Batcher:
                 stats.observed.observe(observed * 1e-9)
                 if p.feedback and not p.future.done():
                     received = p.timings.received
-                    start = received if 0 < received <= p.enqueued_ns else p.enqueued_ns
-                    feedback.observe(now - start, budget, now)
+                    began = received if 0 < received <= p.enqueued_ns else p.enqueued_ns
+                    feedback.observe(now - began, budget, now)
             stats.budget_factor = feedback.factor
         if self._on_batch is not None:
             self._on_batch(total_rows, end - start)

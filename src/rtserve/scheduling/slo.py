@@ -468,7 +468,7 @@ class LatencyFeedback:
         min_window: int = 20,
         span_ns: int = 500 * MS,
         tolerance: float = 0.01,
-        step: float = 0.05,
+        step: float = 0.02,
     ) -> None:
         self.factor = 1.0
         self.floor = floor
