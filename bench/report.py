@@ -364,6 +364,30 @@ def round_ratio_section(record: RunRecord) -> list[str]:
     ]
 
 
+SLO_DIR = Path(__file__).resolve().parent.parent / "docs" / "slo"
+
+
+def slo_section(slo_dir: Path = SLO_DIR) -> list[str]:
+    """The latency-objective benchmark's plots (``python -m bench.slo_openloop``, run on its
+    own and committed under docs/slo/), so that this page shows them too."""
+    plots = sorted(slo_dir.glob("*.png")) if slo_dir.is_dir() else []
+    if not plots:
+        return []
+    lines = [
+        "",
+        "## Latency objectives: SLO controller vs fixed windows and Triton",
+        "",
+        "Open loop (Poisson) from 0.2x to 3x of capacity; goodput = answers within the "
+        "objective per second; one `slo: {p99_ms: ...}` line against rtserve's fixed windows "
+        "and Triton's dynamic batcher (PyTriton). Tables, commands and every point: "
+        "[benchmarks-slo.md](benchmarks-slo.md).",
+        "",
+    ]
+    for png in plots:
+        lines += [f"![{png.stem}](slo/{png.name})", "", f"*{png.stem}*", ""]
+    return lines
+
+
 def render(record: RunRecord, title: str) -> str:
     lines = [
         f"# {title}",
@@ -388,6 +412,7 @@ def render(record: RunRecord, title: str) -> str:
     lines += ["", "## Settings", ""]
     lines += markdown_table(["setting", "value"], list(record.settings.items()))
     lines += headline_section(record)
+    lines += slo_section()
     workloads = sorted({m.workload for m in record.matrix} | {m.workload for m in record.limits})
     for workload in sorted(workloads, key=lambda w: (w != "mlp", w)):
         lines += ["", f"## Workload: {workload}"]

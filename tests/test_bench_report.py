@@ -207,3 +207,13 @@ def test_a_failed_round_shows_a_dash_and_is_left_out_of_the_median() -> None:
     text = render(record, "Quick")
     assert "| 2 | 900 | — |" in text
     assert "| **median** |  | **0.70x** |" in text
+
+
+def test_slo_plots_are_embedded_when_present(tmp_path: Path) -> None:
+    from bench.report import slo_section
+
+    assert slo_section(tmp_path) == []
+    (tmp_path / "minilm-seq32.png").write_bytes(b"\x89PNG")
+    lines = slo_section(tmp_path)
+    assert "![minilm-seq32](slo/minilm-seq32.png)" in lines
+    assert any("benchmarks-slo.md" in line for line in lines)

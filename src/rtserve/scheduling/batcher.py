@@ -247,6 +247,8 @@ class Batcher:
         busy_ns = 0
         if not self._free and self._busy_until:
             busy_ns = max(0, min(self._busy_until.values()) - now)
+        rate = controller.rate.rate(now)
+        max_rows = self._policy.max_rows
         decision = slo.admit(
             rows,
             level,
@@ -255,11 +257,11 @@ class Batcher:
             sum(self._level_rows[:level]),
             busy_ns,
             controller.model,
-            self._policy.max_rows,
+            max_rows,
             objective,
             self._runtime.instance_count,
-            controller.target,
-            controller.rate.rate(now),
+            slo.target_rows(controller.model, rate, max_rows, objective.headroom),
+            rate,
             controller.feedback.factor,
             timings.received,
         )
@@ -501,7 +503,6 @@ class Batcher:
                 max_rows,
                 controller.objective,
             )
-            controller.target = plan.target_rows
             stats.target = plan.target_rows
             stats.window_ns = plan.window_ns
             if plan.take == 0:

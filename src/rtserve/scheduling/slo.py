@@ -507,17 +507,15 @@ class LatencyFeedback:
 
 class SLOController:
     """What one batcher keeps for the decisions above: its objective, the batch-time model,
-    the rate of admitted rows, the latency feedback and the last target batch (which
-    admission uses as a size hint)."""
+    the rate of admitted rows and the latency feedback."""
 
-    __slots__ = ("objective", "model", "rate", "feedback", "target")
+    __slots__ = ("objective", "model", "rate", "feedback")
 
     def __init__(self, objective: Objective, model: BatchTimeModel, tau_ns: float = 50 * MS):
         self.objective = objective
         self.model = model
         self.rate = ArrivalRate(tau_ns)
         self.feedback = LatencyFeedback()
-        self.target = 1
 
 
 def calibration_sizes(max_rows: int) -> tuple[int, ...]:
