@@ -295,9 +295,25 @@ def main() -> None:
     parser.add_argument("--server-cpus", default="")
     parser.add_argument("--client-cpus", default="")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--replot", action="store_true",
+        help="only redraw --out's plot from the raw points (.json) an earlier run wrote",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.client:
         _client_main(args)
+        return
+    if args.replot:
+        rows = json.loads(args.out.with_suffix(".json").read_text())
+        models = list(dict.fromkeys(r["model"] for r in rows))
+        what = args.out.stem.replace("-", " ")
+        _plot(
+            rows,
+            models,
+            args.objective_ms,
+            args.out.with_suffix(".png"),
+            f"{what}: SLO controller vs fixed windows",
+        )
         return
     started = time.monotonic()
     objective = args.objective_ms
@@ -384,7 +400,9 @@ def _plot(rows: list[dict], models: list[str], objective: float, path: Path, tit
             style = {"marker": "o", "linewidth": 2.6, "color": "black", "zorder": 5}
         elif m.startswith("triton"):
             style = {"marker": "s", "markersize": 4, "linestyle": "--"}
-        label = "rtserve SLO controller" if m == "slo" else m
+        label = {"slo": "rtserve SLO controller"}.get(m, m)
+        if m.startswith("w"):
+            label = f"rtserve fixed {m}"
         loads = [r["load"] for r in pts]
         left.plot(loads, [r["goodput"] for r in pts], label=label, **style)
         right.plot(loads, [max(r["p99_ms"], 0.1) for r in pts], label=label, **style)

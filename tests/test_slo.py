@@ -18,10 +18,12 @@ from rtserve.scheduling.slo import (
     LatencyFeedback,
     Objective,
     admit,
+    batch_limit,
     late,
     objective_from_config,
     parse_priority,
     plan,
+    rate_window,
     schedule_order,
     target_rows,
 )
@@ -201,6 +203,17 @@ def test_full_or_overflowing_queue_dispatches_what_fits() -> None:
     assert plan([20, 20], [50 * MS] * 2, 0, m, 1e-3, 32, OBJ).take == 1
 
 
+def test_batches_are_limited_to_half_the_budget_when_a_full_one_takes_most_of_it() -> None:
+    # A request may wait for the batch in flight, then run in its own: two batch times must
+    # fit in the budget. 5 ms + 11 ms/row: a full batch of 32 takes 357 ms of a 450 ms budget.
+    m = fitted(curve(5000, 11000))
+    obj = Objective(p99_ns=500 * MS)  # budget 450 ms
+    assert batch_limit(m, obj, 32) == 19  # 2 x 214 ms <= 450 ms
+    assert batch_limit(m, obj, 32, factor=0.5) == 9
+    assert batch_limit(fitted(curve(100, 10)), OBJ, 32) == 32  # most models: no limit
+    assert batch_limit(m, Objective(p99_ns=MS), 32) == 1  # never below one row
+
+
 def test_one_huge_request() -> None:
     m = fitted(curve(100, 10))
     slow = Objective(p99_ns=1 * MS, margin=0.8)  # budget 0.8 ms; 32 rows take 0.42 ms
@@ -337,9 +350,10 @@ class _Sim:
                 now, prio = arrivals[i]
                 i += 1
                 ahead = sum(1 for p, _, _ in queue if p <= prio)
+                limit = batch_limit(self.model, self.objective, self.max_rows, feedback.factor)
                 a = admit(
                     1, prio, now, 0, ahead, max(0, busy_until - now), self.model,
-                    self.max_rows, self.objective, batch_rows=target, rate=rate.rate(now),
+                    limit, self.objective, batch_rows=min(target, limit), rate=rate.rate(now),
                     factor=feedback.factor,
                 )  # fmt: skip
                 if a.admitted:
@@ -353,9 +367,11 @@ class _Sim:
                 continue
             order = schedule_order([q[0] for q in queue], [q[1] for q in queue], now, PRIO)
             queue = [queue[j] for j in order]
+            limit = batch_limit(self.model, self.objective, self.max_rows, feedback.factor)
+            rate.tau_ns = rate_window(self.model, limit)
             p = plan(
                 [1] * len(queue), [q[2] for q in queue], now, self.model, rate.rate(now),
-                self.max_rows, self.objective,
+                limit, self.objective,
             )  # fmt: skip
             target = p.target_rows
             if p.take == 0:
@@ -456,10 +472,10 @@ def test_simulated_load_admitted_requests_meet_the_objective(load: float) -> Non
 
 @pytest.mark.parametrize(
     "true, objective_ms, seconds",
-    [(curve(2000, 100), 20, 0.6), (curve(1500, 2400), 250, 3.0)],
-    ids=["fixed-cost", "per-row-cost"],
+    [(curve(2000, 100), 20, 0.6), (curve(1500, 2400), 250, 3.0), (curve(5000, 11000), 500, 8.0)],
+    ids=["fixed-cost", "per-row-cost", "full-batch-near-objective"],
 )
-@pytest.mark.parametrize("load", [0.2, 0.5, 1.0, 2.0, 3.0])
+@pytest.mark.parametrize("load", [0.2, 0.5, 1.0, 1.5, 2.0, 3.0])
 def test_simulated_goodput_matches_the_best_fixed_window_at_every_load(
     true: Callable[[int], float], objective_ms: float, seconds: float, load: float
 ) -> None:

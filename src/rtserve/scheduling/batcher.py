@@ -248,7 +248,8 @@ class Batcher:
         if not self._free and self._busy_until:
             busy_ns = max(0, min(self._busy_until.values()) - now)
         rate = controller.rate.rate(now)
-        max_rows = self._policy.max_rows
+        factor = controller.feedback.factor
+        max_rows = slo.batch_limit(controller.model, objective, self._policy.max_rows, factor)
         decision = slo.admit(
             rows,
             level,
@@ -262,7 +263,7 @@ class Batcher:
             self._runtime.instance_count,
             slo.target_rows(controller.model, rate, max_rows, objective.headroom),
             rate,
-            controller.feedback.factor,
+            factor,
             timings.received,
         )
         if not decision.admitted:
@@ -433,14 +434,13 @@ class Batcher:
             )
         )
 
-    def _candidates(self, now: int) -> list[_Pending]:
+    def _candidates(self, now: int, max_rows: int) -> list[_Pending]:
         """Queued requests in schedule order (priority, bounded wait), up to one past a full
-        batch, all with the head's input shapes."""
+        batch of ``max_rows``, all with the head's input shapes."""
         controller = self._slo
         assert controller is not None
         objective = controller.objective
         levels = self._levels
-        max_rows = self._policy.max_rows
         if len(levels) == 1:
             out = []
             count = 0
@@ -483,7 +483,6 @@ class Batcher:
         controller = self._slo
         assert controller is not None
         stats = self.stats
-        max_rows = self._policy.max_rows
         while True:
             now = self._now()
             self._pop_dead(now)
@@ -493,7 +492,12 @@ class Batcher:
             if not self._free:
                 await self._wait_instance()
                 continue
-            candidates = self._candidates(now)
+            max_rows = slo.batch_limit(
+                controller.model, controller.objective, self._policy.max_rows,
+                controller.feedback.factor,
+            )  # fmt: skip
+            controller.rate.tau_ns = slo.rate_window(controller.model, max_rows)
+            candidates = self._candidates(now, max_rows)
             plan = slo.plan(
                 [p.rows for p in candidates],
                 [p.deadline_ns for p in candidates],

@@ -301,6 +301,25 @@ class SLOPlan:
     window_ns: int = 0
 
 
+def batch_limit(
+    model: BatchTimeModel, objective: Objective, max_rows: int, factor: float = 1.0
+) -> int:
+    """The largest batch worth forming under the objective: a request may wait for the batch
+    in flight and then run in its own, so two batch times must fit in the budget. For most
+    models this is the configured maximum; for one whose full batch takes most of the
+    objective (a transformer on long sequences) it is smaller, and the queue is drained (and
+    admission predicted) in batches that size: full batches would make every request in the
+    next one late."""
+    return max(1, model.rows_within(objective.budget_ns * factor / 2, max_rows))
+
+
+def rate_window(model: BatchTimeModel, max_rows: int, floor_ns: float = 50 * MS) -> float:
+    """The arrival rate's time constant: at least two batch times of the largest batch, so
+    that what arrives while a batch runs (the rows that will join the next one) is counted
+    over enough arrivals to be read without bias, even for slow models."""
+    return max(floor_ns, 2 * model.predict(max_rows))
+
+
 def target_rows(
     model: BatchTimeModel, rate: float, max_rows: int, headroom: float, saturation: float = 0.95
 ) -> int:
@@ -339,7 +358,7 @@ def plan(
     deadline is the earlier of its own timeout and its admission time + the gather budget).
     Dispatch at once when the batch reaches the target size, is full, or waiting would make a
     request in it late; otherwise wait for the rows the target still lacks, at most until the
-    latest start.
+    latest start. ``max_rows``: the largest batch to form (see ``batch_limit``).
     """
     total = 0
     fit = 0
