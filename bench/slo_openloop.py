@@ -296,12 +296,19 @@ def main() -> None:
     parser.add_argument("--client-cpus", default="")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--combine", nargs="+", type=Path, default=None,
+        help="only print a per-round summary (median ratio) of earlier runs' raw points (.json)",
+    )  # fmt: skip
+    parser.add_argument(
         "--replot", action="store_true",
         help="only redraw --out's plot from the raw points (.json) an earlier run wrote",
     )  # fmt: skip
     args = parser.parse_args()
     if args.client:
         _client_main(args)
+        return
+    if args.combine:
+        print("\n".join(_combine(args.combine, args.objective_ms)))
         return
     if args.replot:
         rows = json.loads(args.out.with_suffix(".json").read_text())
@@ -380,6 +387,34 @@ def main() -> None:
         server.wait(30)
     if args.out is not None:
         _write(args, rows, models, capacity, objective, time.monotonic() - started)
+
+
+def _combine(paths: list[Path], objective: float) -> list[str]:
+    """Rounds side by side: per load, each round's SLO goodput over the best other
+    configuration's (fixed windows and Triton), their median, and each round's SLO p99."""
+    rounds = [json.loads(p.read_text()) for p in paths]
+    loads = sorted({r["load"] for rows in rounds for r in rows})
+    lines = [
+        "| load | SLO / best other, each round | median | SLO p99 ms, each round | "
+        f"rounds with SLO p99 <= {objective:g} ms |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for load in loads:
+        ratios, p99s = [], []
+        for rows in rounds:
+            at = [r for r in rows if r["load"] == load]
+            s = next(r for r in at if r["model"] == "slo")
+            other = _best(at, [r["model"] for r in at if r["model"] != "slo"])
+            best = other["goodput"] if other else 0.0
+            ratios.append(s["goodput"] / best if best > 0 else float("inf"))
+            p99s.append(s["p99_ms"])
+        within = sum(p <= objective for p in p99s)
+        lines.append(
+            f"| {load:g}x | {', '.join(f'{x:.2f}' for x in ratios)} "
+            f"| {float(np.median(ratios)):.2f} | {', '.join(f'{p:.0f}' for p in p99s)} "
+            f"| {within} of {len(p99s)} |"
+        )
+    return lines
 
 
 def _best(rows: list[dict], labels: list[str]) -> dict | None:

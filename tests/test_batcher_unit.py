@@ -213,3 +213,26 @@ async def test_under_an_objective_timings_carry_the_batch_not_the_reception() ->
     assert t.batch_start == t.batch_end == t.enqueued == clock.ns  # the batch's own times
     assert b.stats.budget_factor == 1.0 and sum(b.stats.observed.counts) == 1
     await b.stop()
+
+
+@run_async
+async def test_lateness_without_queueing_does_not_tighten_admission() -> None:
+    """Requests that reached an empty queue late (the event loop was busy before) cannot be
+    helped by refusing others: the latency feedback ignores them."""
+    from rtserve.scheduling import slo
+
+    rt, clock = DoublingRuntime(), FakeClock()
+    policy = DynamicBatchPolicy(rt.max_batch_size, DynamicBatching())
+    controller = slo.SLOController(slo.Objective(p99_ns=50 * slo.MS), slo.BatchTimeModel(1e5, 1e4))
+    b = Batcher(
+        "m:1", rt, policy, 64, batched=True, inline=True, more_expected=lambda: False,
+        clock=clock, controller=controller,
+    )  # fmt: skip
+    b.start()
+    for _ in range(150):
+        t = Timings()
+        t.received = clock.ns - 200 * slo.MS  # four times the objective before the queue
+        await b.submit(rows(1), 1, t)
+        clock.advance_ms(1)
+    assert controller.feedback.factor == 1.0
+    await b.stop()

@@ -250,12 +250,13 @@ class Batcher:
         rate = controller.rate.rate(now)
         factor = controller.feedback.factor
         max_rows = slo.batch_limit(controller.model, objective, self._policy.max_rows, factor)
+        ahead = sum(self._level_rows[:level])
         decision = slo.admit(
             rows,
             level,
             now,
             timeout_ns,
-            sum(self._level_rows[:level]),
+            ahead,
             busy_ns,
             controller.model,
             max_rows,
@@ -282,7 +283,12 @@ class Batcher:
         pending.deadline_ns = decision.deadline_ns
         pending.timeout_ns = timeout_ns
         pending.predicted_ns = decision.predicted_ns
-        pending.feedback = controller.model.predict(rows) < objective.budget_ns / 2
+        # Fed back only when admission could have refused it (work was ahead of it) and its
+        # own batch is not most of the budget: lateness without queueing (a busy event loop
+        # before it reached the queue) is not corrected by admitting less.
+        pending.feedback = (ahead > 0 or busy_ns > 0) and (
+            controller.model.predict(rows) < objective.budget_ns / 2
+        )
         if timeout_s > 0:
             pending.timer = loop.call_later(timeout_s, self._expire, pending, timeout_s)
         self._levels[level - 1].append(pending)
