@@ -18,6 +18,7 @@ from rtserve.scheduling.slo import (
     LatencyFeedback,
     Objective,
     admit,
+    admit_alone,
     batch_limit,
     late,
     objective_from_config,
@@ -236,6 +237,16 @@ def test_admission_on_an_empty_queue() -> None:
     a = admit(1, 1, 1000, 0, 0, 0.0, fitted(curve()), 32, OBJ)
     assert a.admitted and a.predicted_ns == 1000 + int(fitted(curve()).predict(1))
     assert a.deadline_ns == 1000 + OBJ.gather_ns
+
+
+def test_admission_with_nothing_ahead_takes_the_short_path_with_the_same_answer() -> None:
+    m = fitted(curve(100, 10))
+    for received in (0, 900, 1000):
+        full = admit(1, 1, 1000, 0, 0, 0.0, m, 32, OBJ, factor=0.8, received_ns=received)
+        short = admit_alone(1, 1000, m, OBJ, 0.8, received)
+        assert short.admitted and full.admitted
+        assert short.deadline_ns == full.deadline_ns
+        assert short.predicted_ns == full.predicted_ns
 
 
 def test_admission_counts_in_flight_and_queued_work() -> None:

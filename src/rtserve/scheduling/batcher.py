@@ -139,6 +139,7 @@ class Batcher:
         self._dispatched: dict[int, int] = {}  # instance -> when its batch was dispatched
         if controller is not None:
             self.stats.objective_ns = controller.objective.p99_ns
+            controller.refresh(policy.max_rows)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -247,26 +248,31 @@ class Batcher:
         busy_ns = 0
         if not self._free and self._busy_until:
             busy_ns = max(0, min(self._busy_until.values()) - now)
-        rate = controller.rate.rate(now)
         factor = controller.feedback.factor
-        max_rows = slo.batch_limit(controller.model, objective, self._policy.max_rows, factor)
         ahead = sum(self._level_rows[:level])
-        decision = slo.admit(
-            rows,
-            level,
-            now,
-            timeout_ns,
-            ahead,
-            busy_ns,
-            controller.model,
-            max_rows,
-            objective,
-            self._runtime.instance_count,
-            slo.target_rows(controller.model, rate, max_rows, objective.headroom),
-            rate,
-            factor,
-            timings.received,
-        )
+        if not ahead and self._free and not timeout_ns:
+            decision = slo.admit_alone(
+                rows, now, controller.model, objective, factor, timings.received
+            )
+        else:
+            rate = controller.rate.rate(now)
+            max_rows = controller.limit
+            decision = slo.admit(
+                rows,
+                level,
+                now,
+                timeout_ns,
+                ahead,
+                busy_ns,
+                controller.model,
+                max_rows,
+                objective,
+                self._runtime.instance_count,
+                slo.target_rows(controller.model, rate, max_rows, objective.headroom),
+                rate,
+                factor,
+                timings.received,
+            )
         if not decision.admitted:
             self.stats.count_shed(decision.reason, level)
             what = "its deadline" if decision.reason == "deadline" else "the latency objective"
@@ -498,11 +504,7 @@ class Batcher:
             if not self._free:
                 await self._wait_instance()
                 continue
-            max_rows = slo.batch_limit(
-                controller.model, controller.objective, self._policy.max_rows,
-                controller.feedback.factor,
-            )  # fmt: skip
-            controller.rate.tau_ns = slo.rate_window(controller.model, max_rows)
+            max_rows = controller.limit
             candidates = self._candidates(now, max_rows)
             plan = slo.plan(
                 [p.rows for p in candidates],
@@ -590,16 +592,21 @@ class Batcher:
             stats = self.stats
             feedback = controller.feedback
             budget = controller.objective.budget_ns
+            queued_enough = start - budget // 10  # enqueued before this: waited 10% of budget
             for p in batch:
                 predicted = p.predicted_ns - p.enqueued_ns
                 observed = now - p.enqueued_ns
                 stats.predicted.observe(predicted * 1e-9)
                 stats.observed.observe(observed * 1e-9)
-                if p.feedback and not p.future.done():
+                # Only requests that waited in the queue tell whether admission lets in too
+                # much: when the event loop, not the queue, is what delays requests (a model
+                # run inline that is cheap next to the HTTP work), admitting less cannot help.
+                if p.feedback and p.enqueued_ns <= queued_enough and not p.future.done():
                     received = p.timings.received
                     began = received if 0 < received <= p.enqueued_ns else p.enqueued_ns
                     feedback.observe(now - began, budget, now)
             stats.budget_factor = feedback.factor
+            controller.refresh(self._policy.max_rows)
         if self._on_batch is not None:
             self._on_batch(total_rows, end - start)
         if outputs is not None and self._batched:

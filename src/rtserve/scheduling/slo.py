@@ -441,6 +441,22 @@ def admit(
     return Admission(True, predicted, deadline)
 
 
+def admit_alone(
+    rows: int,
+    now_ns: int,
+    model: BatchTimeModel,
+    objective: Objective,
+    factor: float = 1.0,
+    received_ns: int = 0,
+) -> Admission:
+    """``admit`` when nothing is queued ahead, an instance is free and the request has no
+    timeout of its own: always admitted (queueing cannot make it late), without the
+    prediction of the work ahead: the common case at low load, kept cheap."""
+    start = received_ns if 0 < received_ns <= now_ns else now_ns
+    deadline = start + int(objective.gather_ns * factor)
+    return Admission(True, now_ns + int(model.predict(rows)), deadline)
+
+
 def late(deadline_ns: int, now_ns: int, batch_ns: float) -> bool:
     """Whether a request can no longer finish by its own deadline: it is not worth running."""
     return now_ns + batch_ns > deadline_ns
@@ -528,13 +544,20 @@ class SLOController:
     """What one batcher keeps for the decisions above: its objective, the batch-time model,
     the rate of admitted rows and the latency feedback."""
 
-    __slots__ = ("objective", "model", "rate", "feedback")
+    __slots__ = ("objective", "model", "rate", "feedback", "limit")
 
     def __init__(self, objective: Objective, model: BatchTimeModel, tau_ns: float = 50 * MS):
         self.objective = objective
         self.model = model
         self.rate = ArrivalRate(tau_ns)
         self.feedback = LatencyFeedback()
+        self.limit = 1  # the batch limit; set by ``refresh``
+
+    def refresh(self, max_rows: int) -> None:
+        """Recompute what follows from the batch-time model and the feedback (after each
+        batch): the batch limit and the arrival rate's time constant."""
+        self.limit = batch_limit(self.model, self.objective, max_rows, self.feedback.factor)
+        self.rate.tau_ns = rate_window(self.model, self.limit)
 
 
 def calibration_sizes(max_rows: int) -> tuple[int, ...]:
