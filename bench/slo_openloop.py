@@ -241,6 +241,24 @@ def _point(
     }
 
 
+def _slo_state(port: int) -> dict[str, float]:
+    """The controller's state after a point, from rtserve's /metrics: its budget factor and
+    the batches run so far (count and rows) by the ``slo`` configuration."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if 'model="slo"' not in line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0]
+        if name in (
+            "rtserve_slo_budget_factor", "rtserve_batch_size_sum", "rtserve_batch_size_count"
+        ):  # fmt: skip
+            out[name] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def _quiesce(url: str, body: bytes, threshold_s: float, timeout_s: float = 180.0) -> float:
     """Wait until ``url`` answers one request within ``threshold_s`` twice in a row: the
     backlog an overloaded configuration still holds (servers keep computing requests whose
@@ -377,11 +395,18 @@ def main() -> None:
             order = models[i % len(models) :] + models[: i % len(models)]
             for m in order:
                 _only(m, triton)
+                before = _slo_state(port) if m == "slo" else {}
                 r = _point(
                     urls[m], m, body, load * capacity, args.seconds, args.clients,
                     args.client_cpus, work, i, args.conns,
                 )  # fmt: skip
                 r["drained_s"] = _quiesce(urls[m], body.read_bytes(), objective / 2e3)
+                if m == "slo":
+                    after = _slo_state(port)
+                    n = after["rtserve_batch_size_count"] - before["rtserve_batch_size_count"]
+                    rows_run = after["rtserve_batch_size_sum"] - before["rtserve_batch_size_sum"]
+                    r["slo_factor"] = after["rtserve_slo_budget_factor"]
+                    r["slo_batch_rows"] = rows_run / max(1.0, n)
                 good = int((r["latencies"] <= objective).sum())
                 r["load"] = load
                 r["goodput"] = good / args.seconds
@@ -389,7 +414,12 @@ def main() -> None:
                 print(
                     f"load {load:>4}x {m:>6}: goodput {r['goodput']:8.0f}/s  ok {r['ok']:6d}  "
                     f"p99 {r['p99_ms']:8.2f} ms  codes {r['codes']}  lost {r['unfinished']}  "
-                    f"client lag p99 {r['client_lag_p99_ms']:.1f} ms  drained {r['drained_s']:.1f} s",
+                    f"client lag p99 {r['client_lag_p99_ms']:.1f} ms  drained {r['drained_s']:.1f} s"
+                    + (
+                        f"  factor {r['slo_factor']:.2f}  batch {r['slo_batch_rows']:.1f}"
+                        if m == "slo"
+                        else ""
+                    ),
                     flush=True,
                 )
     finally:
@@ -516,14 +546,20 @@ def _write(args, rows, models, capacity, objective, took) -> None:  # type: igno
         "Every point (`lost`: unanswered 5 s after the last send; `client lag`: p99 of how late "
         "the client sent — large values mean the client, not the server, limited the load):",
         "",
-        "| load | config | goodput/s | ok | p50 ms | p99 ms | codes | lost | client lag p99 ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| load | config | goodput/s | ok | p50 ms | p99 ms | codes | lost | client lag p99 ms "
+        "| SLO budget factor, mean batch |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['load']:g}x | {r['model']} | {r['goodput']:.0f} | {r['ok']} "
             f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['codes']} | {r['unfinished']} "
-            f"| {r['client_lag_p99_ms']:.1f} |"
+            f"| {r['client_lag_p99_ms']:.1f} "
+            + (
+                f"| {r['slo_factor']:.2f}, {r['slo_batch_rows']:.1f} |"
+                if "slo_factor" in r
+                else "| |"
+            )
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     png = args.out.with_suffix(".png")

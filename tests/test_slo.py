@@ -289,6 +289,47 @@ def test_p50_bounds_the_gathering_deadline() -> None:
     assert a.deadline_ns == int(5 * MS * obj.margin)
 
 
+# ---------------------------------------------------------------------------- feedback
+def _window(fb: LatencyFeedback, ratios: list[float], now: int = 0) -> None:
+    for r in ratios:
+        fb.observe(r * 10 * MS, 10 * MS, now)
+
+
+def test_feedback_cuts_by_how_late_the_worst_was_and_never_below_the_floor() -> None:
+    fb = LatencyFeedback()
+    _window(fb, [0.5] * 98 + [1.05, 1.05])  # 2% late, barely: the smallest cut
+    assert fb.factor == pytest.approx(0.9)
+    _window(fb, [0.5] * 90 + [3.0] * 10)  # far too late: halved
+    assert fb.factor == pytest.approx(0.45)
+    for _ in range(5):
+        _window(fb, [4.0] * 100)
+    assert fb.factor == fb.floor
+
+
+def test_feedback_tolerates_one_percent_late() -> None:
+    fb = LatencyFeedback()
+    _window(fb, [0.9] * 99 + [1.5])
+    assert fb.factor == 1.0
+
+
+def test_feedback_gives_back_slowly_near_the_budget_and_quickly_far_from_it() -> None:
+    near, far = LatencyFeedback(), LatencyFeedback()
+    near.factor = far.factor = 0.5
+    _window(near, [0.85] * 100)
+    _window(far, [0.3] * 100)
+    assert near.factor == pytest.approx(0.52) and far.factor == pytest.approx(0.6)
+    for _ in range(20):
+        _window(far, [0.3] * 100)
+    assert far.factor == 1.0  # never above the whole budget
+
+
+def test_feedback_closes_a_window_on_time_when_requests_are_few() -> None:
+    fb = LatencyFeedback()
+    for i in range(25):  # 25 requests over a second, all late: the window closes at 0.5 s
+        fb.observe(20 * MS, 10 * MS, i * 40 * MS)
+    assert fb.factor < 1.0
+
+
 # ---------------------------------------------------------------------------- priorities
 PRIO = Objective(p99_ns=50 * MS, priority_levels=3, default_priority=3)
 
@@ -361,7 +402,7 @@ class _Sim:
                 now, prio = arrivals[i]
                 i += 1
                 ahead = sum(1 for p, _, _ in queue if p <= prio)
-                limit = batch_limit(self.model, self.objective, self.max_rows, feedback.factor)
+                limit = batch_limit(self.model, self.objective, self.max_rows)
                 a = admit(
                     1, prio, now, 0, ahead, max(0, busy_until - now), self.model,
                     limit, self.objective, batch_rows=min(target, limit), rate=rate.rate(now),
@@ -378,7 +419,7 @@ class _Sim:
                 continue
             order = schedule_order([q[0] for q in queue], [q[1] for q in queue], now, PRIO)
             queue = [queue[j] for j in order]
-            limit = batch_limit(self.model, self.objective, self.max_rows, feedback.factor)
+            limit = batch_limit(self.model, self.objective, self.max_rows)
             rate.tau_ns = rate_window(self.model, limit)
             p = plan(
                 [1] * len(queue), [q[2] for q in queue], now, self.model, rate.rate(now),
