@@ -52,7 +52,7 @@ class Objective:
 
     p99_ns: int
     p50_ns: int = 0
-    margin: float = 0.9
+    margin: float = 0.85
     priority_levels: int = 1
     default_priority: int = 1
     reserve: float = 0.5
