@@ -323,6 +323,14 @@ def test_feedback_gives_back_slowly_near_the_budget_and_quickly_far_from_it() ->
     assert far.factor == 1.0  # never above the whole budget
 
 
+def test_lateness_admission_cannot_fix_is_not_counted_but_still_gives_back() -> None:
+    fb = LatencyFeedback()
+    fb.factor = 0.5
+    for _ in range(100):  # late, but not from queueing (counts=False): no cut
+        fb.observe(20 * MS, 10 * MS, 0, counts=False)
+    assert fb.factor == pytest.approx(0.52)  # a clean window, worst near the budget
+
+
 def test_feedback_closes_a_window_on_time_when_requests_are_few() -> None:
     fb = LatencyFeedback()
     for i in range(25):  # 25 requests over a second, all late: the window closes at 0.5 s

@@ -601,10 +601,11 @@ class Batcher:
                 # Only requests that waited in the queue tell whether admission lets in too
                 # much: when the event loop, not the queue, is what delays requests (a model
                 # run inline that is cheap next to the HTTP work), admitting less cannot help.
-                if p.feedback and p.enqueued_ns <= queued_enough and not p.future.done():
+                if not p.future.done():
                     received = p.timings.received
                     began = received if 0 < received <= p.enqueued_ns else p.enqueued_ns
-                    feedback.observe(now - began, budget, now)
+                    counts = p.feedback and p.enqueued_ns <= queued_enough
+                    feedback.observe(now - began, budget, now, counts)
             stats.budget_factor = feedback.factor
             controller.refresh(self._policy.max_rows)
         if self._on_batch is not None:

@@ -518,15 +518,19 @@ class LatencyFeedback:
         self._worst = 0.0
         self._start_ns = 0
 
-    def observe(self, latency_ns: float, budget_ns: float, now_ns: int) -> None:
-        """One admitted request finished ``latency_ns`` after it was received."""
+    def observe(
+        self, latency_ns: float, budget_ns: float, now_ns: int, counts: bool = True
+    ) -> None:
+        """One admitted request finished ``latency_ns`` after it was received. ``counts``:
+        whether its lateness is admission's to correct (it waited in the queue behind other
+        work); every request closes windows, so the share is given back while none is late."""
         if budget_ns <= 0:
             return
         if not self._n:
             self._start_ns = now_ns
         self._n += 1
         ratio = latency_ns / budget_ns
-        if ratio > 1.0:
+        if ratio > 1.0 and counts:
             self._late += 1
         if ratio > self._worst:
             self._worst = ratio
