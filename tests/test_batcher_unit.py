@@ -236,3 +236,23 @@ async def test_lateness_without_queueing_does_not_tighten_admission() -> None:
         clock.advance_ms(1)
     assert controller.feedback.factor == 1.0
     await b.stop()
+
+
+@run_async
+async def test_a_request_larger_than_the_slo_batch_limit_is_still_served() -> None:
+    from rtserve.scheduling import slo
+
+    rt, clock = DoublingRuntime(), FakeClock()  # max batch 8
+    policy = DynamicBatchPolicy(rt.max_batch_size, DynamicBatching())
+    # 0.1 ms + 1 ms per row against a 10 ms objective: batches of at most 4 rows.
+    model = slo.BatchTimeModel(1e5, 1e6)
+    controller = slo.SLOController(slo.Objective(p99_ns=10 * slo.MS), model)
+    b = Batcher(
+        "m:1", rt, policy, 64, batched=True, inline=True, more_expected=lambda: False,
+        clock=clock, controller=controller,
+    )  # fmt: skip
+    b.start()
+    assert controller.limit == 4
+    out = await asyncio.wait_for(b.submit(rows(8), 8, Timings()), 5)
+    assert out["y"].shape == (8, 4) and rt.batches == [8]
+    await b.stop()

@@ -215,6 +215,11 @@ def test_batches_are_limited_to_half_the_budget_when_a_full_one_takes_most_of_it
     assert batch_limit(m, Objective(p99_ns=MS), 32) == 1  # never below one row
 
 
+def test_a_request_larger_than_the_batch_limit_runs_alone_at_once() -> None:
+    m = fitted(curve(100, 10))
+    assert plan([24, 1], [50 * MS] * 2, 0, m, 0.0, 16, OBJ).take == 1
+
+
 def test_one_huge_request() -> None:
     m = fitted(curve(100, 10))
     slow = Objective(p99_ns=1 * MS, margin=0.8)  # budget 0.8 ms; 32 rows take 0.42 ms

@@ -367,8 +367,8 @@ def plan(
             break
         total += r
         fit += 1
-    if fit == 0:
-        return SLOPlan(0, 0)
+    if fit == 0:  # nothing queued, or the head alone is larger than the limit: it runs alone
+        return SLOPlan(1 if rows else 0, 0)
     earliest = min(deadlines[:fit])
     overflow = fit < len(rows)
     target = target_rows(model, rate, max_rows, objective.headroom)
