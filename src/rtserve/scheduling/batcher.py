@@ -602,8 +602,7 @@ class Batcher:
                 # much: when the event loop, not the queue, is what delays requests (a model
                 # run inline that is cheap next to the HTTP work), admitting less cannot help.
                 if not p.future.done():
-                    received = p.timings.received
-                    began = received if 0 < received <= p.enqueued_ns else p.enqueued_ns
+                    began = slo.clock_start(p.timings.received, p.enqueued_ns)
                     counts = p.feedback and p.enqueued_ns <= queued_enough
                     feedback.observe(now - began, budget, now, counts)
             stats.budget_factor = feedback.factor

@@ -383,6 +383,12 @@ def plan(
 
 
 # ---------------------------------------------------------------------------- admission
+def clock_start(received_ns: int, now_ns: int) -> int:
+    """When a request's objective clock started: its reception (0, or a time after
+    ``now_ns``, mean unknown: then ``now_ns``)."""
+    return received_ns if 0 < received_ns <= now_ns else now_ns
+
+
 @dataclass(frozen=True, slots=True)
 class Admission:
     admitted: bool
@@ -427,7 +433,7 @@ def admit(
     last = min(max_rows, max(queued - full + int(rate * ahead_ns), batch_rows))
     drain = model.drain_ns(full, max_rows, instances) + model.predict(last)
     predicted = now_ns + int(busy_ns + drain)
-    start = received_ns if 0 < received_ns <= now_ns else now_ns
+    start = clock_start(received_ns, now_ns)
     limit = start + int(objective.budget_for(priority) * factor)
     deadline = start + int(objective.gather_ns * factor)
     if timeout_deadline_ns and timeout_deadline_ns < deadline:
@@ -452,7 +458,7 @@ def admit_alone(
     """``admit`` when nothing is queued ahead, an instance is free and the request has no
     timeout of its own: always admitted (queueing cannot make it late), without the
     prediction of the work ahead: the common case at low load, kept cheap."""
-    start = received_ns if 0 < received_ns <= now_ns else now_ns
+    start = clock_start(received_ns, now_ns)
     deadline = start + int(objective.gather_ns * factor)
     return Admission(True, now_ns + int(model.predict(rows)), deadline)
 
