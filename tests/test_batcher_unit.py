@@ -10,6 +10,7 @@ import pytest
 from rtserve.config import DynamicBatching
 from rtserve.errors import DeadlineExceeded, InferenceFailed, Overloaded, ShuttingDown
 from rtserve.protocol.types import Timings
+from rtserve.scheduling import slo
 from rtserve.scheduling.batcher import Batcher
 from rtserve.scheduling.policy import DynamicBatchPolicy
 from tests.fakes import DoublingRuntime, FakeClock, run_async
@@ -38,6 +39,19 @@ def make(
         more_expected=lambda: more_expected,
         clock=clock,
     )
+
+
+def make_slo(
+    runtime: DoublingRuntime, clock: FakeClock, p99_ms: float, model: slo.BatchTimeModel
+) -> tuple[Batcher, slo.SLOController]:
+    """An inline batcher under a latency objective, with its controller."""
+    policy = DynamicBatchPolicy(runtime.max_batch_size, DynamicBatching())
+    controller = slo.SLOController(slo.Objective(p99_ns=int(p99_ms * slo.MS)), model)
+    batcher = Batcher(
+        "m:1", runtime, policy, 64, batched=True, inline=True, more_expected=lambda: False,
+        clock=clock, controller=controller,
+    )  # fmt: skip
+    return batcher, controller
 
 
 def rows(n: int, value: float = 1.0, width: int = 4) -> dict[str, np.ndarray]:
@@ -197,15 +211,8 @@ async def test_timings_carry_the_batch() -> None:
 
 @run_async
 async def test_under_an_objective_timings_carry_the_batch_not_the_reception() -> None:
-    from rtserve.scheduling import slo
-
     rt, clock = DoublingRuntime(), FakeClock()
-    policy = DynamicBatchPolicy(rt.max_batch_size, DynamicBatching())
-    controller = slo.SLOController(slo.Objective(p99_ns=50 * slo.MS), slo.BatchTimeModel(1e5, 1e4))
-    b = Batcher(
-        "m:1", rt, policy, 64, batched=True, inline=True, more_expected=lambda: False,
-        clock=clock, controller=controller,
-    )  # fmt: skip
+    b, controller = make_slo(rt, clock, 50, slo.BatchTimeModel(1e5, 1e4))
     b.start()
     t = Timings()
     t.received = clock.ns - 5_000_000  # decoded for 5 ms before it reached the queue
@@ -219,15 +226,8 @@ async def test_under_an_objective_timings_carry_the_batch_not_the_reception() ->
 async def test_lateness_without_queueing_does_not_tighten_admission() -> None:
     """Requests that reached an empty queue late (the event loop was busy before) cannot be
     helped by refusing others: the latency feedback ignores them."""
-    from rtserve.scheduling import slo
-
     rt, clock = DoublingRuntime(), FakeClock()
-    policy = DynamicBatchPolicy(rt.max_batch_size, DynamicBatching())
-    controller = slo.SLOController(slo.Objective(p99_ns=50 * slo.MS), slo.BatchTimeModel(1e5, 1e4))
-    b = Batcher(
-        "m:1", rt, policy, 64, batched=True, inline=True, more_expected=lambda: False,
-        clock=clock, controller=controller,
-    )  # fmt: skip
+    b, controller = make_slo(rt, clock, 50, slo.BatchTimeModel(1e5, 1e4))
     b.start()
     for _ in range(150):
         t = Timings()
@@ -240,17 +240,9 @@ async def test_lateness_without_queueing_does_not_tighten_admission() -> None:
 
 @run_async
 async def test_a_request_larger_than_the_slo_batch_limit_is_still_served() -> None:
-    from rtserve.scheduling import slo
-
     rt, clock = DoublingRuntime(), FakeClock()  # max batch 8
-    policy = DynamicBatchPolicy(rt.max_batch_size, DynamicBatching())
     # 0.1 ms + 1 ms per row against a 10 ms objective: batches of at most 4 rows.
-    model = slo.BatchTimeModel(1e5, 1e6)
-    controller = slo.SLOController(slo.Objective(p99_ns=10 * slo.MS), model)
-    b = Batcher(
-        "m:1", rt, policy, 64, batched=True, inline=True, more_expected=lambda: False,
-        clock=clock, controller=controller,
-    )  # fmt: skip
+    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(1e5, 1e6))
     b.start()
     assert controller.limit == 4
     out = await asyncio.wait_for(b.submit(rows(8), 8, Timings()), 5)
