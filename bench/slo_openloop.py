@@ -425,7 +425,6 @@ def main() -> None:
     finally:
         from bench import servers
 
-        _only("", triton)
         for label in triton:
             _only(label, {label: triton[label]})  # running again, so that it can stop
         for _, handle in triton.values():
