@@ -82,6 +82,29 @@ def test_errors_name_the_file_and_the_field(text: str, message: str) -> None:
     assert message in str(info.value)
 
 
+ENSEMBLE = """
+backend: ensemble
+inputs: [{name: X, datatype: FP32, shape: [4]}]
+outputs: [{name: Y, datatype: FP32, shape: [4]}]
+steps: [{model: double, inputs: {x: X}, outputs: {y: Y}}]
+"""
+
+
+@pytest.mark.parametrize(
+    ("field", "text"),
+    [
+        ("slo", "slo: {p99_ms: 50}"),
+        ("priority_levels", "priority_levels: 2"),
+        ("default_priority", "default_priority: 1"),
+    ],
+)
+def test_an_ensemble_refuses_latency_objectives_and_priority_levels(field: str, text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(ENSEMBLE + text)
+    assert str(info.value).startswith(f"{WHERE}: {field}: expected no ")
+    assert f"on an ensemble (set {field} on its step models)" in str(info.value)
+
+
 def test_invalid_yaml_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text("max_batch_size: [1,\n")

@@ -182,6 +182,24 @@ def build_ensemble_repository(root: Path) -> Path:
             ],
         ),
     )
+    # A step model with a latency objective and two priority levels, behind a fixed-window
+    # step (which ignores priority): the ensemble's priority must reach it.
+    build_scale(root / "ranked_double" / "1" / "model.onnx", 2.0)
+    (root / "ranked_double" / "config.yaml").write_text(
+        "max_batch_size: 16\nslo: {p99_ms: 1000}\npriority_levels: 2\n"
+    )
+    _write(
+        root,
+        "ranked_chain",
+        _ensemble(
+            [X4],
+            [{"name": "Y", "datatype": "FP32", "shape": [4]}],
+            [
+                {"model": "double", "inputs": {"x": "X"}, "outputs": {"y": "X2"}},
+                {"model": "ranked_double", "inputs": {"x": "X2"}, "outputs": {"y": "Y"}},
+            ],
+        ),
+    )
     _write(
         root,
         "cached_chain",
@@ -491,6 +509,26 @@ def test_client_errors_keep_their_status(served: RunningServer) -> None:
         with pytest.raises(InferenceServerException) as big:
             _http_infer(hc, "chain", {"X": np.zeros((9, 4), np.float32)})
         assert big.value.status() == "400" and "max_batch_size 8" in str(big.value)
+
+
+def test_priority_passes_through_to_the_steps(served: RunningServer) -> None:
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    with thttp.InferenceServerClient(served.http) as hc:
+        with pytest.raises(InferenceServerException) as info:
+            _http_infer(hc, "ranked_chain", {"X": x}, priority=7)
+        assert info.value.status() == "400"
+        message = str(info.value)
+        assert "steps[1] (model 'ranked_double')" in message
+        assert "parameters.priority: expected an integer from 0 (default) to 2" in message
+        high = _http_infer(hc, "ranked_chain", {"X": x}, priority=1)
+        np.testing.assert_allclose(high.as_numpy("Y"), x * 4)
+    with tgrpc.InferenceServerClient(served.grpc) as gc:
+        with pytest.raises(InferenceServerException) as ginfo:
+            _grpc_infer(gc, "ranked_chain", {"X": x}, priority=3)
+        assert ginfo.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "parameters.priority" in str(ginfo.value)
+        low = _grpc_infer(gc, "ranked_chain", {"X": x}, priority=2)
+        np.testing.assert_allclose(low.as_numpy("Y"), x * 4)
 
 
 def test_ensemble_config_and_metrics(served: RunningServer) -> None:

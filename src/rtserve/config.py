@@ -270,6 +270,16 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
     if cache is not None and not isinstance(cache, dict | bool):
         raise f.fail("response_cache", "a mapping (or false)", cache)
     instance_count = f.integer("instance_count", 1, minimum=1)
+    if backend == "ensemble":
+        # An ensemble has no queue of its own: objectives and levels live on its step models.
+        for key, what in (
+            ("slo", "no latency objective"),
+            ("priority_levels", "no priority_levels"),
+            ("default_priority", "no default_priority"),
+        ):
+            value = f.get(key)
+            if value is not None:
+                raise f.fail(key, f"{what} on an ensemble (set {key} on its step models)", value)
     slo, priority_levels, default_priority = _slo_section(f)
     options: dict[str, Any] = {}
     if backend in ("python", "torch"):

@@ -341,7 +341,8 @@ class EnsembleScheduler:
         timeout_s: float = 0.0,
         priority: object = None,
     ) -> asyncio.Future[Outputs]:
-        """``priority`` is not used: each step runs at its own model's default priority."""
+        """``priority`` (the request parameter) goes to every step: each step's model reads
+        it against its own priority levels, and a model without levels ignores it."""
         if self._closing:
             raise ShuttingDown(f"model '{self.name}' is shutting down")
         if len(self._tasks) >= self._max_in_flight:
@@ -352,7 +353,7 @@ class EnsembleScheduler:
         loop = asyncio.get_running_loop()
         timings.enqueued = _now()
         future: asyncio.Future[Outputs] = loop.create_future()
-        task = loop.create_task(self._run(feeds, rows, timings, timeout_s, future))
+        task = loop.create_task(self._run(feeds, rows, timings, timeout_s, priority, future))
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return future
@@ -394,6 +395,7 @@ class EnsembleScheduler:
         rows: int,
         timings: Timings,
         timeout_s: float,
+        priority: object,
         future: asyncio.Future[Outputs],
     ) -> None:
         start = _now()
@@ -411,10 +413,10 @@ class EnsembleScheduler:
                             f"{timeout_s * 1e3:.3g} ms (before {level[0].label})"
                         )
                 if len(level) == 1:
-                    results = [await self._step(level[0], tensors, rows, remaining)]
+                    results = [await self._step(level[0], tensors, rows, remaining, priority)]
                 else:
                     gathered = await asyncio.gather(
-                        *(self._step(s, tensors, rows, remaining) for s in level),
+                        *(self._step(s, tensors, rows, remaining, priority) for s in level),
                         return_exceptions=True,
                     )
                     failed = [r for r in gathered if isinstance(r, BaseException)]
@@ -443,13 +445,18 @@ class EnsembleScheduler:
             future.set_result(result)
 
     async def _step(
-        self, step: Step, tensors: dict[str, np.ndarray], rows: int, timeout_s: float
+        self,
+        step: Step,
+        tensors: dict[str, np.ndarray],
+        rows: int,
+        timeout_s: float,
+        priority: object,
     ) -> tuple[Outputs, Timings]:
         mv = self.step_model(step)
         t = Timings(received=_now())
         feeds = {name: tensors[tensor] for name, tensor in step.inputs.items()}
         try:
-            outputs = await mv.submit(feeds, rows, t, timeout_s)
+            outputs = await mv.submit(feeds, rows, t, timeout_s, priority)
         except BaseException as exc:
             if isinstance(exc, Exception):
                 from rtserve.core.dataplane import outcome_of
