@@ -86,6 +86,7 @@ async def _client(url: str, body: bytes, rate: float, seconds: float, seed: int,
 
 
 def _client_main(args: argparse.Namespace) -> None:
+    import gc
     import resource
 
     import uvloop
@@ -94,6 +95,7 @@ def _client_main(args: argparse.Namespace) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, args.conns + 256)), hard))
 
     body = Path(args.body).read_bytes()
+    gc.disable()  # a short-lived process: a collection's pause would count in every latency
     out = uvloop.run(_client(args.url, body, args.rate, args.seconds, args.seed, args.conns))
     Path(args.result).write_text(json.dumps(out))
 
@@ -241,21 +243,33 @@ def _point(
     }
 
 
-def _slo_state(port: int) -> dict[str, float]:
-    """The controller's state after a point, from rtserve's /metrics: its budget factor and
-    the batches run so far (count and rows) by the ``slo`` configuration."""
+def _server_state(port: int, model: str, objective_ms: float) -> dict[str, float]:
+    """One rtserve configuration's counters from /metrics: its answers within the objective
+    as the server timed them (reception to encoded answer; the histogram bucket at the
+    objective, or the largest below it), all its answers, and for ``slo`` the controller's
+    budget factor and the batches run so far (count and rows)."""
     import urllib.request
 
+    from rtserve.observability.metrics import LATENCY_BUCKETS
+
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
+    bound = max((b for b in LATENCY_BUCKETS if b <= objective_ms / 1e3 + 1e-12), default=0.0)
+    out = {"within": 0.0, "answered": 0.0}
     for line in text.splitlines():
-        if 'model="slo"' not in line or line.startswith("#"):
+        if f'model="{model}"' not in line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0]
-        if name in (
+        value = float(line.rsplit(" ", 1)[1])
+        if name == "rtserve_request_duration_seconds_bucket":
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            if le == "+Inf":
+                out["answered"] = value
+            elif abs(float(le) - bound) < 1e-12:
+                out["within"] = value
+        elif name in (
             "rtserve_slo_budget_factor", "rtserve_batch_size_sum", "rtserve_batch_size_count"
         ):  # fmt: skip
-            out[name] = float(line.rsplit(" ", 1)[1])
+            out[name] = value
     return out
 
 
@@ -395,14 +409,19 @@ def main() -> None:
             order = models[i % len(models) :] + models[: i % len(models)]
             for m in order:
                 _only(m, triton)
-                before = _slo_state(port) if m == "slo" else {}
+                rtserve = not m.startswith("triton")
+                before = _server_state(port, m, objective) if rtserve else {}
                 r = _point(
                     urls[m], m, body, load * capacity, args.seconds, args.clients,
                     args.client_cpus, work, i, args.conns,
                 )  # fmt: skip
                 r["drained_s"] = _quiesce(urls[m], body.read_bytes(), objective / 2e3)
+                if rtserve:
+                    after = _server_state(port, m, objective)
+                    answered = after["answered"] - before["answered"]
+                    within = after["within"] - before["within"]
+                    r["server_within"] = within / answered if answered else float("nan")
                 if m == "slo":
-                    after = _slo_state(port)
                     n = after["rtserve_batch_size_count"] - before["rtserve_batch_size_count"]
                     rows_run = after["rtserve_batch_size_sum"] - before["rtserve_batch_size_sum"]
                     r["slo_factor"] = after["rtserve_slo_budget_factor"]
@@ -543,17 +562,22 @@ def _write(args, rows, models, capacity, objective, took) -> None:  # type: igno
     lines += [
         "",
         "Every point (`lost`: unanswered 5 s after the last send; `client lag`: p99 of how late "
-        "the client sent — large values mean the client, not the server, limited the load):",
+        "the client sent — large values mean the client, not the server, limited the load; "
+        "`server-timed`: the share of rtserve's answers that took no longer than the objective "
+        "from reception to encoded answer, read from its latency histogram — what the client "
+        "measures beyond it was spent in the kernel's socket queues and the client):",
         "",
         "| load | config | goodput/s | ok | p50 ms | p99 ms | codes | lost | client lag p99 ms "
-        "| SLO budget factor, mean batch |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| server-timed within {objective:g} ms | SLO budget factor, mean batch |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        within = r.get("server_within")
         lines.append(
             f"| {r['load']:g}x | {r['model']} | {r['goodput']:.0f} | {r['ok']} "
             f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['codes']} | {r['unfinished']} "
             f"| {r['client_lag_p99_ms']:.1f} "
+            + ("| - " if within is None or within != within else f"| {100 * within:.2f}% ")
             + (
                 f"| {r['slo_factor']:.2f}, {r['slo_batch_rows']:.1f} |"
                 if "slo_factor" in r
