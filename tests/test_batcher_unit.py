@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from rtserve.config import DynamicBatching
-from rtserve.errors import DeadlineExceeded, InferenceFailed, Overloaded, ShuttingDown
+from rtserve.errors import (
+    DeadlineExceeded,
+    InferenceFailed,
+    ObjectiveRefused,
+    Overloaded,
+    ShuttingDown,
+)
 from rtserve.protocol.types import Timings
 from rtserve.scheduling import slo
 from rtserve.scheduling.batcher import Batcher
@@ -248,3 +254,51 @@ async def test_a_request_larger_than_the_slo_batch_limit_is_still_served() -> No
     out = await asyncio.wait_for(b.submit(rows(8), 8, Timings()), 5)
     assert out["y"].shape == (8, 4) and rt.batches == [8]
     await b.stop()
+
+
+@run_async
+async def test_refuse_early_is_the_refusal_any_request_would_get_before_it_is_decoded() -> None:
+    rt, clock = DoublingRuntime(), FakeClock()
+    # 1 ms + 1 ms per row against a 10 ms objective: a few rows queued fill the budget.
+    b, _ = make_slo(rt, clock, 10, slo.BatchTimeModel(1e6, 1e6))
+    b.start()
+    assert b.refuse_early(clock.ns) is None  # idle: anything is admitted
+    admitted = []
+    with pytest.raises(ObjectiveRefused):
+        for _ in range(64):  # the gather task does not run meanwhile: the queue only grows
+            admitted.append(b.submit(rows(1), 1, Timings()))
+    assert 1 < len(admitted) < 64
+    shed = b.stats.shed[("objective", 1)]
+    refusal = b.refuse_early(clock.ns)
+    assert isinstance(refusal, ObjectiveRefused)
+    assert "latency objective" in refusal.message and refusal.retry_after_s > 0
+    assert b.stats.shed[("objective", 1)] == shed + 1  # counted like any refusal
+    results = await asyncio.gather(*admitted)  # the admitted ones are all answered
+    assert [r["y"].shape for r in results] == [(1, 4)] * len(admitted)
+    assert b.refuse_early(clock.ns) is None  # the queue drained: admitted again
+    await b.stop()
+
+
+@run_async
+async def test_refuse_early_never_without_an_objective_or_with_priority_levels() -> None:
+    rt, clock = DoublingRuntime(), FakeClock()
+    fixed = make(rt, clock)
+    fixed.start()
+    for _ in range(10):
+        fixed.submit(rows(1), 1, Timings())
+    assert fixed.refuse_early(clock.ns) is None
+    await fixed.stop()
+    # With priority levels the request's level is in its body: a higher one may be admitted.
+    policy = DynamicBatchPolicy(rt.max_batch_size, DynamicBatching())
+    objective = slo.Objective(p99_ns=10 * slo.MS, priority_levels=2, default_priority=2)
+    controller = slo.SLOController(objective, slo.BatchTimeModel(1e6, 1e6))
+    ranked = Batcher(
+        "m:1", rt, policy, 64, batched=True, inline=True, more_expected=lambda: False,
+        clock=clock, controller=controller,
+    )  # fmt: skip
+    ranked.start()
+    with pytest.raises(ObjectiveRefused):
+        for _ in range(64):
+            ranked.submit(rows(1), 1, Timings(), priority=2)
+    assert ranked.refuse_early(clock.ns) is None
+    await ranked.stop()

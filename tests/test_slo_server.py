@@ -96,6 +96,7 @@ def slo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Runni
     # that the model is slow, which would change what the next test sees.
     _model(root, "patient", logs / "patient", 1, 0, slo={"p99_ms": 3000})
     _model(root, "deadline", logs / "deadline", 20, 4, slo={"p99_ms": OBJECTIVE_MS})
+    _model(root, "early", logs / "early", 20, 4, slo={"p99_ms": OBJECTIVE_MS})
     server = start_server(root, tmp_path_factory.mktemp("slo-server"))
     yield server, logs
     server.stop()
@@ -325,6 +326,62 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(
     assert status == 429 and "deadline" in text, text
     assert took < 0.3
     assert 31.0 not in _logged(logs, "deadline")
+
+
+def test_an_overloaded_model_refuses_before_decoding(
+    slo_server: tuple[RunningServer, Path],
+) -> None:
+    """Once admission refuses every request, a request is refused before its body is
+    decoded: a malformed one gets the same 429 (HTTP) / RESOURCE_EXHAUSTED (gRPC) as a valid
+    one, because decoding it would cost what refusing saves. The admitted requests are all
+    answered, and once the queue drains the same malformed request gets its 400."""
+    server, logs = slo_server
+    malformed = b'{"inputs": [{"name": "X", "shape": [1, 1], "datatype": "FP32", "data": ['
+
+    def bad_grpc() -> pb.ModelInferRequest:
+        req = pb.ModelInferRequest(model_name="early")
+        req.inputs.add(name="X", datatype="FP32", shape=[1, 1])  # no contents
+        return req
+
+    async def grpc_code(channel: grpc.aio.Channel) -> grpc.StatusCode:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            await stub.ModelInfer(bad_grpc())
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    async def scenario() -> None:
+        limits = httpx.Limits(max_connections=200)
+        channel = grpc.aio.insecure_channel(server.grpc)
+        async with httpx.AsyncClient(base_url=server.base, timeout=30, limits=limits) as client:
+            busy = await _stall(client, logs, "early")
+            admitted = []
+            for i in range(120):  # one at a time, until admission refuses one
+                post = asyncio.ensure_future(
+                    client.post("/v2/models/early/infer", content=_body(200.0 + i))
+                )
+                done, _ = await asyncio.wait([post], timeout=0.05)
+                if done:
+                    r = post.result()
+                    assert r.status_code == 429, r.text
+                    break
+                admitted.append(post)
+            else:
+                raise AssertionError("admission never refused")
+            r = await client.post("/v2/models/early/infer", content=malformed)
+            assert r.status_code == 429 and "latency objective" in r.json()["error"], r.text
+            assert await grpc_code(channel) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            _release(logs, "early")
+            assert (await busy).status_code == 200
+            answers = await asyncio.gather(*admitted)
+            assert [a.status_code for a in answers] == [200] * len(admitted)
+            r = await client.post("/v2/models/early/infer", content=malformed)
+            assert r.status_code == 400, r.text
+            assert await grpc_code(channel) == grpc.StatusCode.INVALID_ARGUMENT
+        await channel.close()
+
+    asyncio.run(scenario())
 
 
 # ---------------------------------------------------------------------------- cancellation

@@ -358,6 +358,10 @@ class EnsembleScheduler:
         task.add_done_callback(self._task_done)
         return future
 
+    def refuse_early(self, received_ns: int) -> None:
+        """An ensemble has no queue of its own: its steps' models decide admission."""
+        return None
+
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if not self._tasks and self._drained is not None and not self._drained.done():

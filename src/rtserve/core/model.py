@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from rtserve.config import ModelConfig, TensorSpec
-from rtserve.errors import ConfigError
+from rtserve.errors import ConfigError, RTServeError
 from rtserve.observability.metrics import Metrics, ModelMetrics
 from rtserve.protocol.limits import DEFAULT_LIMITS, DecodeLimits, limits_for_model
 from rtserve.protocol.types import DATATYPE_TO_NUMPY, Timings
@@ -64,6 +64,11 @@ class Scheduler(Protocol):
         """``priority``: the request parameter (a scheduler without priorities ignores it)."""
         ...
 
+    def refuse_early(self, received_ns: int) -> RTServeError | None:
+        """Before a request is decoded: the error every request would get now (an
+        overloaded latency objective), else None."""
+        ...
+
     @property
     def queue_depth(self) -> int: ...
 
@@ -100,6 +105,11 @@ class ModelVersion:
         priority: object = None,
     ) -> asyncio.Future[Outputs]:
         return self.scheduler.submit(feeds, rows, timings, timeout_s, priority)
+
+    def refuse_early(self, received_ns: int) -> RTServeError | None:
+        """The scheduler's refusal before decoding (``Scheduler.refuse_early``); never with a
+        response cache, whose hits are answered whatever the queue."""
+        return None if self.cache is not None else self.scheduler.refuse_early(received_ns)
 
     async def drain(self) -> None:
         """Wait until every admitted request has been answered."""

@@ -218,6 +218,9 @@ class GrpcFrontend:
             if self.guard is not None and context is not None:
                 self.guard.grpc("ModelInfer", message, context)
             mv = dp.resolve(message.model_name, message.model_version, timings)
+            refusal = mv.refuse_early(timings.received)
+            if refusal is not None:  # overloaded: refused without decoding the tensors
+                raise refusal
             request = decode_model_infer(message, mv.decode_limits)
             request.timings = timings
             if context is not None:
