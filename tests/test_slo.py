@@ -83,6 +83,17 @@ def test_a_model_that_suddenly_becomes_3x_slower_is_tracked_within_a_few_batches
     assert not refused.admitted and refused.reason == "objective"
 
 
+def test_the_first_batch_served_alone_does_not_move_the_prediction() -> None:
+    """After warmup, the first batch served (cold code and caches) may be many times slower
+    than the fit: alone it is not believed; two slow batches in a row are."""
+    true = curve(100, 10)
+    m = fitted(true)
+    m.observe(8, 10 * true(8))
+    assert m.scale == pytest.approx(1.0)
+    m.observe(8, 10 * true(8))
+    assert m.scale == pytest.approx(10.0)
+
+
 def test_a_warmup_on_the_wrong_shapes_is_corrected_by_served_batches() -> None:
     # Warmed up at sequence length 1: cheap and nearly all fixed cost. Real requests are
     # long: 50 ms + 5 ms per row. Served batches of varied sizes teach the real line.

@@ -186,7 +186,11 @@ class BatchTimeModel:
         if len(recent) > 3:
             del recent[0]
         refitted = self._seen % 8 == 0 and self._refit()
-        target = _median([t / (self.fixed_ns + self.per_row_ns * b) for b, t in recent])
+        ratios = [t / (self.fixed_ns + self.per_row_ns * b) for b, t in recent]
+        # Until three batches have run, the current scale stands in for the missing ones:
+        # the first batch served (often slow: code and caches still cold) is not believed alone.
+        ratios += [self.scale] * (3 - len(ratios))
+        target = _median(ratios)
         if refitted:
             self.scale = target
             return
