@@ -302,3 +302,37 @@ async def test_refuse_early_never_without_an_objective_or_with_priority_levels()
             ranked.submit(rows(1), 1, Timings(), priority=2)
     assert ranked.refuse_early(clock.ns) is None
     await ranked.stop()
+
+
+class LaggingRuntime(DoublingRuntime):
+    """Each batch leaves the event loop ``lag_ms`` of other work (a callback that advances
+    the fake clock), as a saturated HTTP layer does between inline batches."""
+
+    def __init__(self, clock: FakeClock, lag_ms: float) -> None:
+        super().__init__()
+        self.clock, self.lag_ms = clock, lag_ms
+
+    def run(self, instance: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        asyncio.get_running_loop().call_soon(self.clock.advance_ms, self.lag_ms)
+        return super().run(instance, feeds)
+
+
+@run_async
+async def test_a_lagging_event_loop_is_measured_and_refuses_with_nothing_queued() -> None:
+    clock = FakeClock()
+    rt = LaggingRuntime(clock, 20)
+    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(30_000, 4_000))
+    b.start()
+    await b.submit(rows(1), 1, Timings())
+    await settle()
+    assert controller.loop.current(clock.ns) == 20 * slo.MS  # measured across the yield
+    with pytest.raises(ObjectiveRefused):  # nothing queued, but 2 x 20 ms of loop ahead
+        b.submit(rows(1), 1, Timings())
+    assert isinstance(b.refuse_early(clock.ns), ObjectiveRefused)
+    clock.advance_ms(25)  # the loop caught up meanwhile
+    rt.lag_ms = 0.1
+    assert b.refuse_early(clock.ns) is None
+    await b.submit(rows(1), 1, Timings())
+    await settle()
+    assert controller.loop.delay_ns(clock.ns, controller.objective.budget_ns) == 0
+    await b.stop()

@@ -16,6 +16,7 @@ from rtserve.scheduling.slo import (
     ArrivalRate,
     BatchTimeModel,
     LatencyFeedback,
+    LoopLag,
     Objective,
     admit,
     admit_alone,
@@ -92,6 +93,34 @@ def test_the_first_batch_served_alone_does_not_move_the_prediction() -> None:
     assert m.scale == pytest.approx(1.0)
     m.observe(8, 10 * true(8))
     assert m.scale == pytest.approx(10.0)
+
+
+def test_loop_lag_counts_only_past_the_floor_and_drains_in_real_time() -> None:
+    budget = 8 * MS
+    lag = LoopLag()
+    assert lag.delay_ns(0, budget) == 0  # nothing measured: the loop keeps up
+    lag.observe(200_000, 10 * MS)  # 0.2 ms: the loop's ordinary work (floor: 5% = 0.4 ms)
+    assert lag.delay_ns(10 * MS, budget) == 0
+    lag.observe(3 * MS, 20 * MS)  # 3 ms behind: twice that is ahead of a new request
+    assert lag.delay_ns(20 * MS, budget) == 6 * MS
+    assert lag.delay_ns(21 * MS, budget) == 4 * MS  # 1 ms later, 1 ms of it has drained
+    assert lag.delay_ns(30 * MS, budget) == 0  # long drained, nothing newer measured
+    lag.observe(-5, 40 * MS)  # a clock step backwards is no lag
+    assert lag.current(40 * MS) == 0
+
+
+def test_a_request_behind_a_lagging_event_loop_is_refused() -> None:
+    """Nothing queued, an instance free: the queue says admit, but the event loop runs
+    far behind (a cheap model behind saturated HTTP work), and the request would wait for it
+    before its batch and again before its answer."""
+    model = BatchTimeModel(30_000, 4_000)  # ~34 µs a row: the model is not the problem
+    lag = LoopLag()
+    lag.observe(25 * MS, 0)  # a 40 ms budget: 2 x 25 ms ahead is past it
+    busy = lag.delay_ns(0, OBJ.budget_ns)
+    refused = admit(1, 1, 0, 0, 0, busy, model, 32, OBJ)
+    assert not refused.admitted and refused.reason == "objective"
+    lag.observe(100_000, 0)  # caught up
+    assert admit(1, 1, 0, 0, 0, lag.delay_ns(0, OBJ.budget_ns), model, 32, OBJ).admitted
 
 
 def test_a_warmup_on_the_wrong_shapes_is_corrected_by_served_batches() -> None:

@@ -284,9 +284,11 @@ class Batcher:
         busy_ns = 0
         if not self._free and self._busy_until:
             busy_ns = max(0, min(self._busy_until.values()) - now)
+        # A saturated event loop is work ahead too (requests wait for it, not in the queue).
+        busy_ns += controller.loop.delay_ns(now, objective.budget_ns)
         factor = controller.feedback.factor
         ahead = sum(self._level_rows[:level])
-        if not ahead and self._free and not timeout_ns:
+        if not ahead and not busy_ns and self._free and not timeout_ns:
             alone = slo.admit_alone(rows, now, controller.model, objective, factor, received_ns)
             return alone, False
         rate = controller.rate.rate(now)
@@ -425,7 +427,11 @@ class Batcher:
         self._in_flight += 1
         if self.inline:
             self._finish(live, instance, *self._compute(live, instance))
+            yielded = self._now()
             await asyncio.sleep(0)  # let the frontends run between inline batches
+            if self._slo is not None:  # what ran meanwhile: how far behind the loop is
+                now = self._now()
+                self._slo.loop.observe(now - yielded, now)
         else:
             assert self._executor is not None
             self._executor.submit(self._compute_threaded, live, instance)
@@ -613,6 +619,8 @@ class Batcher:
             self._busy_until.pop(instance, None)
             controller = self._slo
             controller.model.observe(total_rows, max(end - start, now - dispatched))
+            if not self.inline:  # from the thread's end to here: how far behind the loop is
+                controller.loop.observe(now - end, now)
             stats = self.stats
             feedback = controller.feedback
             budget = controller.objective.budget_ns

@@ -556,17 +556,49 @@ class LatencyFeedback:
             self._worst = 0.0
 
 
+LOOP_LAG_WEIGHT = 2  # an admitted request waits for the loop before its batch and its answer
+LOOP_LAG_FLOOR = 0.05  # share of the budget under which a delay is the loop's ordinary work
+
+
+class LoopLag:
+    """How far behind the event loop is running: the last measured delay between a callback
+    becoming ready and running (a batch's completion reaching the loop from its thread, the
+    gather task resuming after it yielded to the frontends), taken to drain in real time until
+    the next measurement. When the HTTP work of a model that is cheap next to it saturates the
+    loop, requests wait in the loop's ready queue, not in the batcher's: ``delay_ns`` is that
+    wait as work ahead of a request, for admission to count (twice: before its batch runs and
+    before its answer is written), and 0 while the loop keeps up."""
+
+    __slots__ = ("lag_ns", "at_ns")
+
+    def __init__(self) -> None:
+        self.lag_ns = 0
+        self.at_ns = 0
+
+    def observe(self, lag_ns: int, now_ns: int) -> None:
+        self.lag_ns = max(0, lag_ns)
+        self.at_ns = now_ns
+
+    def current(self, now_ns: int) -> int:
+        return max(0, self.lag_ns - (now_ns - self.at_ns))
+
+    def delay_ns(self, now_ns: int, budget_ns: int) -> int:
+        lag = self.current(now_ns)
+        return LOOP_LAG_WEIGHT * lag if lag > budget_ns * LOOP_LAG_FLOOR else 0
+
+
 class SLOController:
     """What one batcher keeps for the decisions above: its objective, the batch-time model,
-    the rate of admitted rows and the latency feedback."""
+    the rate of admitted rows, the latency feedback and the event loop's lag."""
 
-    __slots__ = ("objective", "model", "rate", "feedback", "limit")
+    __slots__ = ("objective", "model", "rate", "feedback", "limit", "loop")
 
     def __init__(self, objective: Objective, model: BatchTimeModel, tau_ns: float = 50 * MS):
         self.objective = objective
         self.model = model
         self.rate = ArrivalRate(tau_ns)
         self.feedback = LatencyFeedback()
+        self.loop = LoopLag()
         self.limit = 1  # the batch limit; set by ``refresh``
 
     def refresh(self, max_rows: int) -> None:
