@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -180,3 +182,55 @@ def test_metadata_and_config_are_typed() -> None:
         assert dp.statistics("double")[0].version == "1"
 
     asyncio.run(go())
+
+
+@run_async
+async def test_an_early_refusal_leaves_no_reference_cycle() -> None:
+    """Under overload thousands of requests a second are refused before decoding: each
+    refusal must be freed at once, not kept in a cycle (exception -> traceback -> frame ->
+    exception) until a cyclic collection, whose pauses would land in admitted requests'
+    latency."""
+    import gc
+
+    from rtserve.errors import ObjectiveRefused
+    from rtserve.scheduling import slo
+
+    metrics = Metrics()
+    rt = DoublingRuntime(max_batch_size=8)
+    clock = FakeClock()
+    controller = slo.SLOController(slo.Objective(p99_ns=10 * slo.MS), slo.BatchTimeModel(1e6, 1e6))
+    batcher = Batcher(
+        "slow:1", rt, DynamicBatchPolicy(8, DynamicBatching()), 64, batched=True, inline=True,
+        more_expected=lambda: False, clock=clock, controller=controller,
+    )  # fmt: skip
+    batcher.start()
+    mv = ModelVersion(
+        name="slow", version="1", config=ModelConfig(name="slow", max_batch_size=8),
+        platform="test", scheduler=batcher, metrics=metrics.model("slow", "1"),
+        inputs={s.name: s for s in rt.inputs}, outputs={s.name: s for s in rt.outputs},
+        runtime=rt, ready=True,
+    )  # fmt: skip
+    feeds = {"x": np.ones((1, 4), dtype=np.float32)}
+    queued = []
+    with pytest.raises(ObjectiveRefused):
+        for _ in range(64):  # the queue grows until admission refuses
+            queued.append(batcher.submit(feeds, 1, Timings()))
+
+    def refuse_one() -> None:
+        try:
+            mv.check_early(clock.ns)
+        except ObjectiveRefused as exc:
+            assert "latency objective" in exc.message
+        else:
+            raise AssertionError("not refused")
+
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(100):
+            refuse_one()
+        assert gc.collect() == 0  # nothing was left for the cyclic collector
+    finally:
+        gc.enable()
+    await asyncio.gather(*queued)
+    await batcher.stop()

@@ -106,10 +106,20 @@ class ModelVersion:
     ) -> asyncio.Future[Outputs]:
         return self.scheduler.submit(feeds, rows, timings, timeout_s, priority)
 
-    def refuse_early(self, received_ns: int) -> RTServeError | None:
-        """The scheduler's refusal before decoding (``Scheduler.refuse_early``); never with a
-        response cache, whose hits are answered whatever the queue."""
-        return None if self.cache is not None else self.scheduler.refuse_early(received_ns)
+    def check_early(self, received_ns: int) -> None:
+        """Raise the scheduler's refusal before decoding (``Scheduler.refuse_early``); never
+        with a response cache, whose hits are answered whatever the queue."""
+        if self.cache is not None:
+            return
+        error = self.scheduler.refuse_early(received_ns)
+        if error is not None:
+            try:
+                raise error
+            finally:
+                # Not held by this frame, which the traceback holds: that cycle would keep
+                # the frame (and the caller's, with the request body) until a cyclic
+                # collection, and refusals come by the thousand under overload.
+                del error
 
     async def drain(self) -> None:
         """Wait until every admitted request has been answered."""

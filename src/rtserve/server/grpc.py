@@ -218,9 +218,7 @@ class GrpcFrontend:
             if self.guard is not None and context is not None:
                 self.guard.grpc("ModelInfer", message, context)
             mv = dp.resolve(message.model_name, message.model_version, timings)
-            refusal = mv.refuse_early(timings.received)
-            if refusal is not None:  # overloaded: refused without decoding the tensors
-                raise refusal
+            mv.check_early(timings.received)  # overloaded: refused without decoding the tensors
             request = decode_model_infer(message, mv.decode_limits)
             request.timings = timings
             if context is not None:
@@ -240,7 +238,10 @@ class GrpcFrontend:
         except BaseException as exc:
             error = as_error(exc, "inference request")
             dp.observe(request, mv, error, _now())
-            raise error from None
+            try:
+                raise error from None
+            finally:
+                del error  # not held by this frame, which its traceback holds (a cycle)
         dp.observe(request, mv, None, _now())
         return answer, timings
 

@@ -180,9 +180,7 @@ class HttpFrontend:
         try:
             name, version = _infer_target(raw.path)
             mv = self.dataplane.resolve(name, version, timings)
-            refusal = mv.refuse_early(timings.received)
-            if refusal is not None:  # overloaded: answered without decoding the body
-                raise refusal
+            mv.check_early(timings.received)  # overloaded: answered without decoding the body
             if body is None:
                 body = raw.body
                 encoding = headers.get(b"content-encoding")
