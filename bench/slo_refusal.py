@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from bench.procs import cpu_seconds
 from bench.slo_openloop import _point, _start
 
 MODEL_PY = """
@@ -53,11 +53,6 @@ def _repository(root: Path, floats: int) -> None:
             "slo": {"p99_ms": 300},
         }
         (root / name / "config.yaml").write_text(yaml.safe_dump(config))
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -90,9 +85,9 @@ def main() -> None:
                 order = list(variants) if k % 2 == 0 else list(variants)[::-1]
                 for label in order:
                     url, body = variants[label]
-                    before = _cpu_s(server.pid)
+                    before = cpu_seconds(server.pid)
                     r = _point(url, label, body, args.rate, args.seconds, 1, "", work, k)
-                    used = _cpu_s(server.pid) - before
+                    used = cpu_seconds(server.pid) - before
                     count = sum(r["codes"].values())
                     print(
                         f"| {k + 1} | {label} | {count} | {r['codes']} "
