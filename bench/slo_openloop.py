@@ -71,10 +71,9 @@ async def _client(url: str, body: bytes, rate: float, seconds: float, seed: int,
     client = Recording(host, int(port), post_request(host, int(port), path, body), conns)
     client.codes = {}  # type: ignore[attr-defined]
     client.ok_latency = []  # type: ignore[attr-defined]
-    # The whole pool is opened before the first arrival. Opened on demand, a connection made
-    # during the run put its request behind the connection's setup: on the 2-core VM that
-    # left 0.7-1.3% of requests 0.9-2.4 s late on the MLP at 1x, in every configuration
-    # (none once the pool was opened first).
+    # The whole pool is opened before the first arrival. With connections opened on demand
+    # during the run, 0.7-1.3% of the requests on the MLP at 1x came back 0.9-2.4 s late on
+    # the 2-core VM, in every configuration; none once the pool was opened first.
     await client.open(conns)
     offsets = arrivals(rate, seconds, seed)
     start = await offer(client, offsets, 5.0)

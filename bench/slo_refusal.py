@@ -9,8 +9,9 @@ request, objective p99 300 ms) on one rtserve process:
 - ``after decoding``: the same body with a 1 µs ``timeout`` to the idle twin: decoded, then
   refused by admission for its own deadline (the path every refusal took before).
 
-Each row: the server's CPU time (``/proc``) over the requests it answered. The body is a
-JSON FP32 tensor of ``--floats`` values (the cost a refusal saves grows with it).
+Each row: the server's CPU time (``/proc``, user and kernel) over the requests it answered.
+The body is a JSON FP32 tensor of ``--floats`` values (the cost a refusal saves grows with
+it).
 
     python -m bench.slo_refusal --floats 16384 --rate 200 --seconds 4
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from bench.procs import cpu_seconds
+from bench.procs import cpu_split
 from bench.slo_openloop import _point, _start
 
 MODEL_PY = """
@@ -78,20 +79,25 @@ def main() -> None:
             "after decoding": (f"{base}/idle/infer", timed),
         }
         print(f"body {plain.stat().st_size / 1e3:.0f} kB, {args.rate:g} requests/s offered")
-        print("| round | refused | requests | codes | server CPU per request (ms) |")
-        print("| --- | --- | --- | --- | --- |")
+        print(
+            "| round | refused | requests | codes | server CPU per request (ms) "
+            "| of which user, kernel (µs) |"
+        )
+        print("| --- | --- | --- | --- | --- | --- |")
         try:
             for k in range(args.rounds):
                 order = list(variants) if k % 2 == 0 else list(variants)[::-1]
                 for label in order:
                     url, body = variants[label]
-                    before = cpu_seconds(server.pid)
+                    user0, system0 = cpu_split(server.pid)
                     r = _point(url, label, body, args.rate, args.seconds, 1, "", work, k)
-                    used = cpu_seconds(server.pid) - before
-                    count = sum(r["codes"].values())
+                    user1, system1 = cpu_split(server.pid)
+                    count = max(1, sum(r["codes"].values()))
+                    user = 1e6 * (user1 - user0) / count
+                    system = 1e6 * (system1 - system0) / count
                     print(
                         f"| {k + 1} | {label} | {count} | {r['codes']} "
-                        f"| {1e3 * used / max(1, count):.3f} |",
+                        f"| {(user + system) / 1e3:.3f} | {user:.0f}, {system:.0f} |",
                         flush=True,
                     )
                     time.sleep(0.5)  # the saturated model's last admitted request ends
