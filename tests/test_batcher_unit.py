@@ -280,6 +280,38 @@ async def test_refuse_early_is_the_refusal_any_request_would_get_before_it_is_de
 
 
 @run_async
+async def test_a_request_admitted_before_its_decode_is_not_decided_again() -> None:
+    """The submit that follows the decode reuses ``refuse_early``'s admission for the request
+    it checked (one row, no timeout, keyed on its reception time), once; it decides anew for
+    any other request: more rows, a timeout of its own, another reception time."""
+    rt, clock = DoublingRuntime(), FakeClock()
+    b, _ = make_slo(rt, clock, 10, slo.BatchTimeModel(1e6, 1e6))  # 1 ms + 1 ms a row
+    b.start()
+    queued = [b.submit(rows(1), 1, Timings()) for _ in range(3)]  # work ahead: ~4 ms
+    received = clock.ns
+    assert b.refuse_early(received) is None
+    clock.advance_ms(20)  # (nothing runs between in the server: this shows what is reused)
+    queued.append(b.submit(rows(1), 1, Timings(received=received)))  # the early admission
+    with pytest.raises(ObjectiveRefused):  # used once: the same key again is decided anew
+        b.submit(rows(1), 1, Timings(received=received))
+    # Eight rows behind the queue are past the objective; a 1 µs timeout is past its own.
+    for n, timeout_s in ((8, 0.0), (1, 1e-6)):
+        received = clock.ns
+        assert b.refuse_early(received) is None  # a one-row request would be admitted
+        with pytest.raises(ObjectiveRefused):
+            b.submit(rows(n), n, Timings(received=received), timeout_s=timeout_s)
+    # A request whose decode failed leaves its admission behind; the next one is not it.
+    received = clock.ns
+    assert b.refuse_early(received) is None
+    clock.advance_ms(20)
+    with pytest.raises(ObjectiveRefused):
+        b.submit(rows(1), 1, Timings(received=received + 1))
+    results = await asyncio.gather(*queued)
+    assert len(results) == 4
+    await b.stop()
+
+
+@run_async
 async def test_refuse_early_never_without_an_objective_or_with_priority_levels() -> None:
     rt, clock = DoublingRuntime(), FakeClock()
     fixed = make(rt, clock)

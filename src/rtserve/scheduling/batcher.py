@@ -137,6 +137,8 @@ class Batcher:
         self._level_rows = [0] * levels
         self._busy_until: dict[int, int] = {}  # instance -> predicted end of its batch
         self._dispatched: dict[int, int] = {}  # instance -> when its batch was dispatched
+        # The last admission ``refuse_early`` granted: (received_ns, decision, work ahead).
+        self._early: tuple[int, slo.Admission, bool] | None = None
         if controller is not None:
             self.stats.objective_ns = controller.objective.p99_ns
             controller.refresh(policy.max_rows)
@@ -245,7 +247,20 @@ class Batcher:
         assert loop is not None, "batcher not started"
         now = timings.enqueued = self._now()
         timeout_ns = now + int(timeout_s * 1e9) if timeout_s > 0 else 0
-        decision, queued = self._admission(rows, level, now, timeout_ns, timings.received)
+        early = self._early
+        self._early = None
+        if (
+            early is not None
+            and early[0] == timings.received
+            and rows == 1
+            and level == 1
+            and not timeout_ns
+        ):
+            # Admitted before its decode, in the same callback: nothing was queued or run
+            # since, and a one-row request without a timeout is what was checked.
+            _, decision, queued = early
+        else:
+            decision, queued = self._admission(rows, level, now, timeout_ns, timings.received)
         if not decision.admitted:
             raise self._refused(decision, level, now)
         controller.rate.observe(now, rows)  # the rate that batches form from: admitted rows
@@ -332,8 +347,15 @@ class Batcher:
         if controller is None or controller.objective.priority_levels > 1 or self._closing:
             return None
         now = self._now()
-        decision, _ = self._admission(1, 1, now, 0, received_ns)
-        return None if decision.admitted else self._refused(decision, 1, now)
+        decision, queued = self._admission(1, 1, now, 0, received_ns)
+        if decision.admitted:
+            # Kept for the submit that follows the decode (same request, same callback),
+            # which then need not decide again. Keyed on the reception time: a request that
+            # fails to decode leaves it to no other one.
+            self._early = (received_ns, decision, queued) if received_ns else None
+            return None
+        self._early = None
+        return self._refused(decision, 1, now)
 
     def _expire(self, pending: _Pending, timeout_s: float) -> None:
         if not pending.future.done():

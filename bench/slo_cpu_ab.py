@@ -1,0 +1,99 @@
+"""Server CPU per answered request of two rtserve source trees, side by side, alternating.
+
+For a change to the hot path of a model under a latency objective: each tree serves the
+benchmark MLP (``slo: {p99_ms: ...}``) from its own process; the suite's open-loop client
+offers the same Poisson load to one, then the other (the order alternates each round), and
+each row is that server's CPU time (``/proc``, user and kernel) over the requests it
+answered. Compare the median over rounds, not one round.
+
+    git worktree add /tmp/before HEAD~1
+    python -m bench.slo_cpu_ab --a-src src --b-src /tmp/before/src --rate 6000 --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.procs import cpu_split
+from bench.slo_openloop import MODELS, _point, _repository, _request_body
+
+
+def _serve(src: Path, work: Path, objective_ms: float) -> tuple[subprocess.Popen[bytes], int]:
+    _repository(work / "repo", MODELS["mlp"], objective_ms, [])
+    ports = work / "ports.json"
+    cmd = [
+        sys.executable, "-m", "rtserve.cli", "serve", "--model-repository", str(work / "repo"),
+        "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
+        "--ports-file", str(ports),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(src.resolve()))
+    log = open(work / "server.log", "wb")  # noqa: SIM115  (closed with the process)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
+    deadline = time.monotonic() + 120
+    while not (ports.exists() and ports.stat().st_size):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError((work / "server.log").read_text())
+        time.sleep(0.1)
+    return proc, json.loads(ports.read_text())["http_port"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--a-src", type=Path, required=True, help="one tree's src/ folder")
+    parser.add_argument("--b-src", type=Path, required=True, help="the other's")
+    parser.add_argument("--rate", type=float, default=6000.0, help="requests/s offered")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--objective-ms", type=float, default=10.0)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="slo-cpu-ab-"))
+    servers: dict[str, tuple[subprocess.Popen[bytes], int, Path]] = {}
+    try:
+        for label, src in (("a", args.a_src), ("b", args.b_src)):
+            (work / label).mkdir()
+            proc, port = _serve(src, work / label, args.objective_ms)
+            servers[label] = (proc, port, work / label)
+        body = work / "body.json"
+        body.write_bytes(_request_body("mlp", 0))
+        print(f"a: {args.a_src}, b: {args.b_src}; {args.rate:g} requests/s offered")
+        print("| round | tree | codes | server CPU per answer (µs) | of which user | p99 ms |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        per: dict[str, list[float]] = {label: [] for label in servers}
+        for k in range(args.rounds):
+            for label in list(servers) if k % 2 == 0 else list(servers)[::-1]:
+                proc, port, folder = servers[label]
+                url = f"http://127.0.0.1:{port}/v2/models/slo/infer"
+                user0, system0 = cpu_split(proc.pid)
+                r = _point(url, label, body, args.rate, args.seconds, 1, "", folder, k + 1)
+                user1, system1 = cpu_split(proc.pid)
+                answered = max(1, r["codes"].get("200", 0))
+                cpu = 1e6 * (user1 - user0 + system1 - system0) / answered
+                per[label].append(cpu)
+                print(
+                    f"| {k + 1} | {label} | {r['codes']} | {cpu:.1f} "
+                    f"| {1e6 * (user1 - user0) / answered:.1f} | {r['p99_ms']:.1f} |",
+                    flush=True,
+                )
+                time.sleep(1.0)
+        a, b = (float(np.median(per[label])) for label in ("a", "b"))
+        print(f"\nmedian CPU per answer: a {a:.1f} µs, b {b:.1f} µs (a/b {a / b:.3f})")
+    finally:
+        for proc, _, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
