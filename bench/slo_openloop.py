@@ -369,6 +369,7 @@ def main() -> None:
             f"{what}: SLO controller vs fixed windows",
         )
         return
+    _stop_on_sigterm()
     started = time.monotonic()
     objective = args.objective_ms
     windows = [int(w) for w in args.windows.split(",") if w]
@@ -455,6 +456,17 @@ def main() -> None:
         server.wait(30)
     if args.out is not None:
         _write(args, rows, models, capacity, objective, time.monotonic() - started)
+
+
+def _stop_on_sigterm() -> None:
+    """A SIGTERM (``timeout``, a kill by PID) ends the run as Ctrl-C does: the ``finally``
+    blocks stop the servers it started, frozen Triton servers included, instead of leaving
+    them behind."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _combine(paths: list[Path], objective: float) -> list[str]:
