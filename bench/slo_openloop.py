@@ -276,6 +276,25 @@ def _server_state(port: int, model: str, objective_ms: float) -> dict[str, float
     return out
 
 
+def _idle_latency(url: str, body: bytes, count: int = 7) -> float:
+    """The median time one request takes with nothing else running (seconds)."""
+    import http.client
+
+    parts = url.split("/", 3)
+    host, port = parts[2].split(":")
+    took = []
+    for _ in range(count):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            t0 = time.perf_counter()
+            conn.request("POST", "/" + parts[3], body, {"Content-Type": "application/json"})
+            conn.getresponse().read()
+            took.append(time.perf_counter() - t0)
+        finally:
+            conn.close()
+    return float(np.median(took))
+
+
 def _quiesce(url: str, body: bytes, threshold_s: float, timeout_s: float = 180.0) -> float:
     """Wait until ``url`` answers one request within ``threshold_s`` twice in a row: the
     backlog an overloaded configuration still holds (servers keep computing requests whose
@@ -387,6 +406,12 @@ def main() -> None:
         triton = _pytriton(args.workload, args.model or MODELS[args.workload], args.seq, tw, work)
         urls.update({label: url for label, (url, _) in triton.items()})
         models = list(urls)
+        # Drained: one request answered within half the objective, or within twice the time
+        # it takes on the idle configuration where that is longer (PyTriton on the MLP).
+        settled = {}
+        for m in models:
+            _only(m, triton)
+            settled[m] = max(objective / 2e3, 2 * _idle_latency(urls[m], body.read_bytes()))
         # Capacity: the most answers per second any configuration gives under heavy overload.
         probe = []
         for m in models:
@@ -405,7 +430,7 @@ def main() -> None:
                     args.conns,
                 )  # fmt: skip
             )
-            _quiesce(urls[m], body.read_bytes(), objective / 2e3)
+            _quiesce(urls[m], body.read_bytes(), settled[m])
         capacity = max(p["ok"] / p["elapsed"] for p in probe)
         print(f"capacity ~{capacity:.0f} answers/s", flush=True)
         rows = []
@@ -419,7 +444,7 @@ def main() -> None:
                     urls[m], m, body, load * capacity, args.seconds, args.clients,
                     args.client_cpus, work, i, args.conns,
                 )  # fmt: skip
-                r["drained_s"] = _quiesce(urls[m], body.read_bytes(), objective / 2e3)
+                r["drained_s"] = _quiesce(urls[m], body.read_bytes(), settled[m])
                 if rtserve:
                     after = _server_state(port, m, objective)
                     answered = after["answered"] - before["answered"]
