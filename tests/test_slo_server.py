@@ -291,6 +291,11 @@ def test_refusal_is_429_with_retry_after_and_grpc_resource_exhausted(
                 codes.append(grpc.StatusCode.OK)
             except grpc.aio.AioRpcError as exc:
                 codes.append(exc.code())
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # When to retry: gRPC's retry pushback (ms) and the HTTP header's seconds.
+                    trailers = dict(exc.trailing_metadata() or ())
+                    assert 1 <= int(trailers["grpc-retry-pushback-ms"]) < 1500, trailers
+                    assert trailers["retry-after"] == "1", trailers
         await channel.close()
         assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
         assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}

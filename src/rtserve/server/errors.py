@@ -29,3 +29,16 @@ def grpc_error(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """(status code, details) of a failed gRPC call."""
     err = as_error(exc)
     return err.grpc_code, err.message
+
+
+def grpc_trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata of a failed gRPC call: for a refusal under load, when to retry, as
+    gRPC's retry pushback (``grpc-retry-pushback-ms``, which a client's retry policy
+    honours) and as ``retry-after`` in whole seconds, the HTTP answer's header."""
+    err = as_error(exc)
+    if not isinstance(err, Overloaded):
+        return ()
+    return (
+        ("grpc-retry-pushback-ms", str(max(1, round(err.retry_after_s * 1000)))),
+        ("retry-after", str(max(1, round(err.retry_after_s)))),
+    )

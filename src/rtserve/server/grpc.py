@@ -24,7 +24,7 @@ from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol.grpc_codec import decode_model_infer, encode_model_infer
 from rtserve.protocol.types import InferRequest, Timings
 from rtserve.server.control import ModelControl
-from rtserve.server.errors import grpc_error
+from rtserve.server.errors import grpc_error, grpc_trailers
 from rtserve.server.security import Guard
 from rtserve.server.stats import inference_stats
 
@@ -71,7 +71,7 @@ def _unary(fn: Handler) -> Handler:
             return await fn(self, _check(request), context)
         except Exception as exc:
             code, details = grpc_error(exc)
-            await context.abort(code, details)
+            await context.abort(code, details, grpc_trailers(exc))
 
     return handler
 
@@ -251,7 +251,7 @@ class GrpcFrontend:
             message, timings = await self._infer(request, context)
         except RTServeError as exc:
             code, details = grpc_error(exc)
-            await context.abort(code, details)
+            await context.abort(code, details, grpc_trailers(exc))
         finally:
             self.in_flight -= 1
         metadata = [("server-timing", server_timing(timings, _now()))]
