@@ -6,16 +6,20 @@ import json
 import shutil
 import ssl
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from rtserve.protocol import grpc_service_pb2 as pb
+from rtserve.protocol import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import start_server
 from tests.models import build_scale
 
@@ -120,6 +124,54 @@ def test_rate_limit_answers_429_with_retry_after_and_other_clients_are_unaffecte
         assert b"rate limit" in body
         assert http_get(f"{s.base}/v2/health/live")[0] == 200  # probes are never limited
     finally:
+        s.stop()
+
+
+def test_a_grpc_client_with_a_retry_policy_waits_for_the_servers_pushback(
+    tmp_path: Path,
+) -> None:
+    """A rate-limited gRPC call carries when to retry (``grpc-retry-pushback-ms``); grpcio's
+    own retry policy honours it: the retried call waits that long, then is answered."""
+    s = start_server(
+        repo(tmp_path / "repo"), tmp_path / "s", "--rate-limit", "1", "--rate-burst", "1"
+    )
+    retrying = {
+        "methodConfig": [
+            {
+                "name": [{"service": "inference.GRPCInferenceService"}],
+                "retryPolicy": {
+                    "maxAttempts": 3,
+                    "initialBackoff": "0.01s",
+                    "maxBackoff": "0.05s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["RESOURCE_EXHAUSTED"],
+                },
+            }
+        ]
+    }
+    plain = grpc.insecure_channel(s.grpc, options=[("grpc.enable_retries", 0)])
+    retried = grpc.insecure_channel(
+        s.grpc,
+        options=[("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(retrying))],
+    )
+    try:
+        ask = pb.ModelMetadataRequest(name="a")
+        pb_grpc.GRPCInferenceServiceStub(plain).ModelMetadata(ask)  # the burst's one token
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.GRPCInferenceServiceStub(plain).ModelMetadata(ask)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailers = dict(refused.value.trailing_metadata() or ())
+        pushback_ms = int(trailers["grpc-retry-pushback-ms"])
+        assert 500 <= pushback_ms <= 1000 and trailers["retry-after"] == "1", trailers
+        start = time.monotonic()
+        answer = pb_grpc.GRPCInferenceServiceStub(retried).ModelMetadata(ask)
+        waited = time.monotonic() - start
+        assert answer.name == "a"
+        # Refused at once, retried after the pushback (not the policy's 10-50 ms backoff).
+        assert waited >= 0.4, waited
+    finally:
+        plain.close()
+        retried.close()
         s.stop()
 
 
