@@ -9,7 +9,7 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 export LD_LIBRARY_PATH := $(CURDIR)/$(VENV)/lib/python3.11/site-packages/nvidia/cuda_runtime/lib:$(LD_LIBRARY_PATH)
 
-.PHONY: bench-observability setup system-deps examples run test test-modern test-fast lint format bench bench-quick optimize-report soak clean
+.PHONY: bench-observability setup system-deps examples run test test-modern test-fast lint format bench bench-quick bench-slo optimize-report soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -91,6 +91,20 @@ bench-observability: setup examples
 SOAK_MINUTES ?= 30
 soak: setup examples
 	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES) --out docs/soak.md --plot docs/img/soak.png
+
+# The SLO controller against fixed windows and Triton (PyTriton), open loop 0.2x-3x of capacity
+# (about 20 min): one round of each workload -> docs/slo/*.md, *.json, *.png; earlier rounds
+# and the per-round medians are in docs/benchmarks-slo.md (bench.slo_openloop --combine).
+bench-slo: setup examples
+	$(BIN)/python -m bench.slo_openloop --workload minilm --seq 32 --objective-ms 250 \
+		--loads 0.2,0.5,1,1.5,2,3 --windows 0,2000,10000 --triton-windows 0,5000 --seconds 6 \
+		--clients 1 --probe-rate 1500 --out docs/slo/minilm-seq32.md
+	$(BIN)/python -m bench.slo_openloop --workload minilm --seq 128 --objective-ms 500 \
+		--loads 0.2,0.5,1,1.5,2,3 --windows 0,2000,10000 --triton-windows 0,5000 --seconds 8 \
+		--clients 1 --probe-rate 500 --out docs/slo/minilm-seq128.md
+	$(BIN)/python -m bench.slo_openloop --workload mlp --objective-ms 10 \
+		--loads 0.2,0.5,1,1.5,2,3 --windows 0,200,1000 --triton-windows 0,5000 --seconds 4 \
+		--clients 1 --probe-rate 30000 --out docs/slo/mlp.md
 
 optimize-report: setup
 	$(BIN)/python -m bench.showcase --out docs/optimization.md
