@@ -317,6 +317,8 @@ def _model_config(policy: str) -> pb.ModelConfigResponse:
             preferred_batch_size=[8, 16],
             max_queue_delay_microseconds=500,
             preserve_ordering=True,
+            priority_levels=3,
+            default_priority_level=2,
             default_queue_policy=pb.ModelQueuePolicy(
                 timeout_action=pb.ModelQueuePolicy.DELAY,
                 default_timeout_microseconds=100_000,
@@ -324,6 +326,7 @@ def _model_config(policy: str) -> pb.ModelConfigResponse:
                 max_queue_size=64,
             ),
         ),
+        parameters={"slo_p99_ms": pb.ModelParameter(string_value="50")},
     )
     if policy == "latest":
         cfg.version_policy.latest.num_versions = 2
@@ -577,6 +580,9 @@ def test_model_config_enums(triton: dict[str, Any]) -> None:
     assert cfg["max_batch_size"] == 32
     assert cfg["dynamic_batching"]["max_queue_delay_microseconds"] == "500"
     assert cfg["dynamic_batching"]["default_queue_policy"]["timeout_action"] == "DELAY"
+    assert cfg["dynamic_batching"]["priority_levels"] == "3"  # uint64: a JSON string
+    assert cfg["dynamic_batching"]["default_priority_level"] == "2"
+    assert cfg["parameters"] == {"slo_p99_ms": {"string_value": "50"}}
 
 
 # ---------------------------------------------------------------------------

@@ -522,3 +522,30 @@ def test_under_overload_lower_priority_is_shed_first(
     shed_low = _metric(text, "rtserve_shed_requests_total", model="ranked", priority="2")
     shed_high = _metric(text, "rtserve_shed_requests_total", model="ranked", priority="1")
     assert shed_low > shed_high
+
+
+def test_the_objective_and_priority_levels_show_in_the_model_config(
+    slo_server: tuple[RunningServer, Path],
+) -> None:
+    """Triton's model configuration, read with tritonclient over HTTP and gRPC: priority
+    levels in ``dynamic_batching`` (Triton's fields) and the objective in ``parameters``;
+    a model without them reports neither."""
+    import tritonclient.grpc as tgrpc
+    import tritonclient.http as thttp
+
+    server, _ = slo_server
+    http = thttp.InferenceServerClient(server.http)
+    ranked = http.get_model_config("ranked")
+    assert ranked["dynamic_batching"]["priority_levels"] == 2
+    assert ranked["dynamic_batching"]["default_priority_level"] == 2
+    assert ranked["parameters"] == {"slo_p99_ms": {"string_value": str(OBJECTIVE_MS)}}
+    fixed = http.get_model_config("fixed")
+    assert "priority_levels" not in fixed["dynamic_batching"] and "parameters" not in fixed
+    rpc = tgrpc.InferenceServerClient(server.grpc)
+    config = rpc.get_model_config("ranked").config
+    assert config.dynamic_batching.priority_levels == 2
+    assert config.dynamic_batching.default_priority_level == 2
+    assert config.parameters["slo_p99_ms"].string_value == str(OBJECTIVE_MS)
+    plain = rpc.get_model_config("fixed").config
+    assert plain.dynamic_batching.priority_levels == 0 and not plain.parameters
+    rpc.close()

@@ -20,6 +20,7 @@ from functools import partial
 import numpy as np
 
 from rtserve import __version__
+from rtserve.config import SLO
 from rtserve.core.info import (
     ConfigTensor,
     ModelConfigInfo,
@@ -87,6 +88,16 @@ def _timeout_s(request: InferRequest, mv: ModelVersion) -> float:
 
 def _config_type(datatype: str) -> str:
     return "STRING" if datatype == "BYTES" else datatype
+
+
+def _slo_parameters(slo: SLO | None) -> tuple[tuple[str, str], ...]:
+    """A model's latency objective as Triton config ``parameters`` (strings, in ms)."""
+    if slo is None:
+        return ()
+    out = [("slo_p99_ms", f"{slo.p99_ms:g}")]
+    if slo.p50_ms:
+        out.append(("slo_p50_ms", f"{slo.p50_ms:g}"))
+    return tuple(out)
 
 
 class DataPlane:
@@ -165,6 +176,9 @@ class DataPlane:
             preferred_batch_sizes=db.preferred_batch_sizes,
             max_queue_delay_us=db.max_queue_delay_us,
             instance_count=cfg.instance_count,
+            priority_levels=cfg.priority_levels,
+            default_priority=cfg.default_priority if cfg.priority_levels else 0,
+            parameters=_slo_parameters(cfg.slo),
         )
 
     def repository_index(self) -> list[IndexEntry]:

@@ -52,6 +52,10 @@ class ModelConfigInfo:
     preferred_batch_sizes: tuple[int, ...]
     max_queue_delay_us: int
     instance_count: int
+    priority_levels: int = 0  # 0: none; else request priority 1 (highest) .. N
+    default_priority: int = 0
+    # Triton's free-form ``parameters``: here the latency objective (``slo_p99_ms`` etc.).
+    parameters: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

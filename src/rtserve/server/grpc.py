@@ -142,12 +142,15 @@ class GrpcFrontend:
             dynamic_batching=pb.ModelDynamicBatching(
                 preferred_batch_size=cfg.preferred_batch_sizes,
                 max_queue_delay_microseconds=cfg.max_queue_delay_us,
+                priority_levels=cfg.priority_levels,
+                default_priority_level=cfg.default_priority,
             ),
             instance_group=[
                 pb.ModelInstanceGroup(
                     name=cfg.name, kind=pb.ModelInstanceGroup.KIND_CPU, count=cfg.instance_count
                 )
             ],
+            parameters={k: pb.ModelParameter(string_value=v) for k, v in cfg.parameters},
         )
         return pb.ModelConfigResponse(config=config)
 

@@ -127,8 +127,21 @@ def config_json(cfg: ModelConfigInfo) -> dict[str, Any]:
         "dynamic_batching": {
             "preferred_batch_size": list(cfg.preferred_batch_sizes),
             "max_queue_delay_microseconds": cfg.max_queue_delay_us,
+            **(
+                {
+                    "priority_levels": cfg.priority_levels,
+                    "default_priority_level": cfg.default_priority,
+                }
+                if cfg.priority_levels
+                else {}
+            ),
         },
         "instance_group": [{"name": cfg.name, "kind": "KIND_CPU", "count": cfg.instance_count}],
+        **(
+            {"parameters": {k: {"string_value": v} for k, v in cfg.parameters}}
+            if cfg.parameters
+            else {}
+        ),
     }
 
 
