@@ -13,11 +13,8 @@ answered. Compare the median over rounds, not one round.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,27 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.procs import cpu_split
-from bench.slo_openloop import MODELS, _point, _repository, _request_body
-
-
-def _serve(src: Path, work: Path, objective_ms: float) -> tuple[subprocess.Popen[bytes], int]:
-    _repository(work / "repo", MODELS["mlp"], objective_ms, [])
-    ports = work / "ports.json"
-    cmd = [
-        sys.executable, "-m", "rtserve.cli", "serve", "--model-repository", str(work / "repo"),
-        "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
-        "--ports-file", str(ports),
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(src.resolve()))
-    log = open(work / "server.log", "wb")  # noqa: SIM115  (closed with the process)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
-    deadline = time.monotonic() + 120
-    while not (ports.exists() and ports.stat().st_size):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError((work / "server.log").read_text())
-        time.sleep(0.1)
-    return proc, json.loads(ports.read_text())["http_port"]
+from bench.slo_openloop import MODELS, _point, _repository, _request_body, _start
 
 
 def main() -> None:
@@ -62,7 +39,8 @@ def main() -> None:
     try:
         for label, src in (("a", args.a_src), ("b", args.b_src)):
             (work / label).mkdir()
-            proc, port = _serve(src, work / label, args.objective_ms)
+            _repository(work / label / "repo", MODELS["mlp"], args.objective_ms, [])
+            proc, port = _start(work / label / "repo", work / label, "", src)
             servers[label] = (proc, port, work / label)
         body = work / "body.json"
         body.write_bytes(_request_body("mlp", 0))

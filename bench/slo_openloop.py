@@ -177,7 +177,10 @@ def _taskset(cpus: str) -> list[str]:
     return ["taskset", "-c", cpus] if cpus else []
 
 
-def _start(repo: Path, work: Path, cpus: str) -> tuple[subprocess.Popen[bytes], int]:
+def _start(
+    repo: Path, work: Path, cpus: str, src: Path = ROOT / "src"
+) -> tuple[subprocess.Popen[bytes], int]:
+    """rtserve serving ``repo`` from the source tree ``src`` (default: this one)."""
     ports = work / "ports.json"
     cmd = [
         *_taskset(cpus), sys.executable, "-m", "rtserve.cli", "serve",
@@ -185,7 +188,7 @@ def _start(repo: Path, work: Path, cpus: str) -> tuple[subprocess.Popen[bytes], 
         "--grpc-port", "0", "--ports-file", str(ports),
     ]  # fmt: skip
     path = os.environ.get("PYTHONPATH", "")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + (os.pathsep + path if path else ""))
+    env = dict(os.environ, PYTHONPATH=str(src.resolve()) + (os.pathsep + path if path else ""))
     log = open(work / "server.log", "wb")  # noqa: SIM115  (closed with the process)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     deadline = time.monotonic() + 120
@@ -276,46 +279,39 @@ def _server_state(port: int, model: str, objective_ms: float) -> dict[str, float
     return out
 
 
-def _idle_latency(url: str, body: bytes, count: int = 7) -> float:
-    """The median time one request takes with nothing else running (seconds)."""
+def _post_once(url: str, body: bytes, timeout_s: float) -> tuple[int, float]:
+    """One JSON POST on a fresh connection: (status, seconds it took)."""
     import http.client
 
     parts = url.split("/", 3)
     host, port = parts[2].split(":")
-    took = []
-    for _ in range(count):
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        try:
-            t0 = time.perf_counter()
-            conn.request("POST", "/" + parts[3], body, {"Content-Type": "application/json"})
-            conn.getresponse().read()
-            took.append(time.perf_counter() - t0)
-        finally:
-            conn.close()
-    return float(np.median(took))
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/" + parts[3], body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        response.read()
+        return response.status, time.perf_counter() - t0
+    finally:
+        conn.close()
+
+
+def _idle_latency(url: str, body: bytes, count: int = 7) -> float:
+    """The median time one request takes with nothing else running (seconds)."""
+    return float(np.median([_post_once(url, body, 30.0)[1] for _ in range(count)]))
 
 
 def _quiesce(url: str, body: bytes, threshold_s: float, timeout_s: float = 180.0) -> float:
     """Wait until ``url`` answers one request within ``threshold_s`` twice in a row: the
     backlog an overloaded configuration still holds (servers keep computing requests whose
     clients gave up) must not take the CPU from the next point. Returns the seconds waited."""
-    import http.client
-
-    parts = url.split("/", 3)
-    host, port = parts[2].split(":")
     started = time.monotonic()
     fast = 0
     while fast < 2 and time.monotonic() - started < timeout_s:
-        conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
         try:
-            t0 = time.perf_counter()
-            conn.request("POST", "/" + parts[3], body, {"Content-Type": "application/json"})
-            status = conn.getresponse().status
-            took = time.perf_counter() - t0
+            status, took = _post_once(url, body, timeout_s)
         except OSError:
             status, took = 0, timeout_s
-        finally:
-            conn.close()
         fast = fast + 1 if status == 200 and took <= threshold_s else 0
         if not fast:
             time.sleep(0.2)

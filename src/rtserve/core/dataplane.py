@@ -177,7 +177,7 @@ class DataPlane:
             max_queue_delay_us=db.max_queue_delay_us,
             instance_count=cfg.instance_count,
             priority_levels=cfg.priority_levels,
-            default_priority=cfg.default_priority if cfg.priority_levels else 0,
+            default_priority=cfg.default_priority,  # 0 without levels (config checks it)
             parameters=_slo_parameters(cfg.slo),
         )
 

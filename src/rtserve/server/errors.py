@@ -16,12 +16,17 @@ Headers = list[tuple[bytes, bytes]]
 JSON_TYPE = (b"content-type", b"application/json")
 
 
+def _retry_after(err: Overloaded) -> str:
+    """When to retry, in whole seconds (at least 1): HTTP's ``Retry-After``."""
+    return str(max(1, round(err.retry_after_s)))
+
+
 def http_error(exc: BaseException) -> tuple[int, bytes, Headers]:
     """(status, JSON body, headers) of the answer to a failed HTTP request."""
     err = as_error(exc)
     headers = [JSON_TYPE]
     if isinstance(err, Overloaded):
-        headers.append((b"retry-after", str(max(1, round(err.retry_after_s))).encode()))
+        headers.append((b"retry-after", _retry_after(err).encode()))
     return err.http_status, orjson.dumps({"error": err.message}), headers
 
 
@@ -40,5 +45,5 @@ def grpc_trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
         return ()
     return (
         ("grpc-retry-pushback-ms", str(max(1, round(err.retry_after_s * 1000)))),
-        ("retry-after", str(max(1, round(err.retry_after_s)))),
+        ("retry-after", _retry_after(err)),
     )

@@ -117,32 +117,26 @@ def config_json(cfg: ModelConfigInfo) -> dict[str, Any]:
     def tensors(items: Any) -> list[dict[str, Any]]:
         return [{"name": t.name, "data_type": t.data_type, "dims": list(t.dims)} for t in items]
 
-    return {
+    batching: dict[str, Any] = {
+        "preferred_batch_size": list(cfg.preferred_batch_sizes),
+        "max_queue_delay_microseconds": cfg.max_queue_delay_us,
+    }
+    if cfg.priority_levels:
+        batching["priority_levels"] = cfg.priority_levels
+        batching["default_priority_level"] = cfg.default_priority
+    out: dict[str, Any] = {
         "name": cfg.name,
         "platform": cfg.platform,
         "backend": cfg.backend,
         "max_batch_size": cfg.max_batch_size,
         "input": tensors(cfg.inputs),
         "output": tensors(cfg.outputs),
-        "dynamic_batching": {
-            "preferred_batch_size": list(cfg.preferred_batch_sizes),
-            "max_queue_delay_microseconds": cfg.max_queue_delay_us,
-            **(
-                {
-                    "priority_levels": cfg.priority_levels,
-                    "default_priority_level": cfg.default_priority,
-                }
-                if cfg.priority_levels
-                else {}
-            ),
-        },
+        "dynamic_batching": batching,
         "instance_group": [{"name": cfg.name, "kind": "KIND_CPU", "count": cfg.instance_count}],
-        **(
-            {"parameters": {k: {"string_value": v} for k, v in cfg.parameters}}
-            if cfg.parameters
-            else {}
-        ),
     }
+    if cfg.parameters:
+        out["parameters"] = {k: {"string_value": v} for k, v in cfg.parameters}
+    return out
 
 
 class HttpFrontend:
