@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rtserve.observability.workers import PUBLISH_PERIOD_S
 from tests.metrics_load import loaded_server, sample_names, sample_value, scrape
 
 PROMETHEUS = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
@@ -81,8 +82,11 @@ def test_scrape_under_load_passes_promtool_and_has_what_the_rules_read(
     """One process, and the merged view of two worker processes."""
     with loaded_server(tmp_path, "--workers", workers) as (server, load):
         deadline = time.monotonic() + 20
-        while load.sent() < 200 and time.monotonic() < deadline:
+        # Until a malformed request has had its 400: one sent while the mlp's admission
+        # refuses before decoding gets 429 instead (its model has an objective).
+        while (load.sent() < 200 or not load.statuses[400]) and time.monotonic() < deadline:
             time.sleep(0.1)
+        time.sleep(2 * PUBLISH_PERIOD_S)  # every worker has published what it answered
         exposition = scrape(server)
     assert load.statuses[200] > 100, load.statuses
     r = _promtool("check", "metrics", stdin=exposition)
