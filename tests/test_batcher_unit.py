@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -202,6 +203,64 @@ async def test_threaded_instances_complete_and_stop_drains_admitted_requests() -
     assert [float(f.result()["y"][0, 0]) for f in futures] == [2.0 * i for i in range(10)]
     with pytest.raises(ShuttingDown):
         b.submit(rows(1), 1, Timings())
+
+
+def _recorder(calls: list[tuple[object, asyncio.Future]]):  # type: ignore[no-untyped-def]
+    """A done callback that records the task it ran in and its future."""
+
+    def on_done(future: asyncio.Future) -> None:
+        calls.append((asyncio.current_task(), future))
+
+    return on_done
+
+
+@run_async
+async def test_a_completed_batch_calls_its_requests_done_callbacks_at_once_and_once() -> None:
+    # A done callback scheduled by the future would run outside any task, after the loop's
+    # next poll; called by the batch's completion it runs in the gather task's own step.
+    for controller in (False, True):
+        rt, clock = DoublingRuntime(), FakeClock()
+        if controller:
+            b, _ = make_slo(rt, clock, 50, slo.BatchTimeModel(1e5, 1e4))
+        else:
+            b = make(rt, clock)
+        b.start()
+        calls: list[tuple[object, asyncio.Future]] = []
+        futures = [
+            b.submit(rows(1, value=i), 1, Timings(), on_done=_recorder(calls)) for i in (1, 2, 3)
+        ]
+        await asyncio.gather(*futures)
+        await settle()
+        assert rt.batches == [3]
+        assert [task for task, _ in calls] == [b._task] * 3  # in the batch's step, once each
+        assert [float(f.result()["y"][0, 0]) for _, f in calls] == [2.0, 4.0, 6.0]
+        await b.stop()
+
+
+@run_async
+async def test_a_cancelled_or_failing_request_still_gets_its_done_callback_once() -> None:
+    rt, clock = DoublingRuntime(), FakeClock()
+    b = make(rt, clock, inline=False)
+    b.start()
+    calls: list[tuple[object, asyncio.Future]] = []
+
+    def broken(future: asyncio.Future) -> None:
+        calls.append((None, future))
+        raise RuntimeError("a frontend's bug")
+
+    rt.gate = threading.Event()  # the first batch blocks until released
+    first = b.submit(rows(1), 1, Timings(), on_done=broken)
+    await settle()
+    gone = b.submit(rows(1), 1, Timings(), on_done=_recorder(calls))
+    kept = b.submit(rows(1, value=5), 1, Timings(), on_done=_recorder(calls))
+    gone.cancel()  # the client went away while its request was queued
+    rt.gate.set()
+    assert float((await kept)["y"][0, 0]) == 10.0  # the raising callback stopped nothing
+    await settle()
+    called = [f for _, f in calls]
+    assert len(called) == 3 and {id(f) for f in called} == {id(first), id(gone), id(kept)}
+    assert gone.cancelled() and rt.batches == [1, 1]  # the cancelled one never ran
+    await b.stop()
 
 
 @run_async

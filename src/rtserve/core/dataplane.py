@@ -237,12 +237,16 @@ class DataPlane:
                     return None
                 request.timings.cache = "bypass"
             future = mv.submit(
-                feeds, rows, request.timings, timeout_s, request.parameters.get("priority")
+                feeds,
+                rows,
+                request.timings,
+                timeout_s,
+                request.parameters.get("priority"),
+                partial(self._complete, request, mv, wanted, done),
             )
         except Exception as exc:
             done(request, mv, None, as_error(exc, "inference request"))
             return None
-        future.add_done_callback(partial(self._complete, request, mv, wanted, done))
         return future.cancel
 
     async def infer(self, request: InferRequest, mv: ModelVersion | None = None) -> InferResponse:

@@ -340,6 +340,7 @@ class EnsembleScheduler:
         timings: Timings,
         timeout_s: float = 0.0,
         priority: object = None,
+        on_done: Callable[[asyncio.Future[Outputs]], object] | None = None,
     ) -> asyncio.Future[Outputs]:
         """``priority`` (the request parameter) goes to every step: each step's model reads
         it against its own priority levels, and a model without levels ignores it."""
@@ -356,6 +357,8 @@ class EnsembleScheduler:
         task = loop.create_task(self._run(feeds, rows, timings, timeout_s, priority, future))
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        if on_done is not None:
+            future.add_done_callback(on_done)
         return future
 
     def refuse_early(self, received_ns: int) -> None:

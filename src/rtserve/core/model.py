@@ -60,8 +60,11 @@ class Scheduler(Protocol):
         timings: Timings,
         timeout_s: float = 0.0,
         priority: object = None,
+        on_done: Callable[[asyncio.Future[Outputs]], object] | None = None,
     ) -> asyncio.Future[Outputs]:
-        """``priority``: the request parameter (a scheduler without priorities ignores it)."""
+        """``priority``: the request parameter (a scheduler without priorities ignores it).
+        ``on_done``: the future's done callback (a scheduler may call it directly when it
+        completes the future, rather than have the loop schedule it)."""
         ...
 
     def refuse_early(self, received_ns: int) -> RTServeError | None:
@@ -103,8 +106,9 @@ class ModelVersion:
         timings: Timings,
         timeout_s: float = 0.0,
         priority: object = None,
+        on_done: Callable[[asyncio.Future[Outputs]], object] | None = None,
     ) -> asyncio.Future[Outputs]:
-        return self.scheduler.submit(feeds, rows, timings, timeout_s, priority)
+        return self.scheduler.submit(feeds, rows, timings, timeout_s, priority, on_done)
 
     def check_early(self, received_ns: int) -> None:
         """Raise the scheduler's refusal before decoding (``Scheduler.refuse_early``); never

@@ -35,6 +35,7 @@ from rtserve.scheduling import slo
 from rtserve.scheduling.policy import DynamicBatchPolicy
 
 Outputs = dict[str, np.ndarray]
+OnDone = Callable[["asyncio.Future[Outputs]"], object]
 log = logging.getLogger(__name__)
 
 
@@ -52,6 +53,7 @@ class _Pending:
         "timeout_ns",
         "predicted_ns",
         "feedback",
+        "on_done",
     )
 
     def __init__(
@@ -78,6 +80,9 @@ class _Pending:
         self.timeout_ns = 0
         self.predicted_ns = 0
         self.feedback = False
+        # The caller's done callback, called from the batch's completion directly rather
+        # than scheduled (see ``Batcher.submit``).
+        self.on_done: OnDone | None = None
 
 
 BatchObserver = Callable[[int, int], None]  # (rows in batch, compute ns)
@@ -190,14 +195,21 @@ class Batcher:
         timings: Timings,
         timeout_s: float = 0.0,
         priority: object = None,
+        on_done: OnDone | None = None,
     ) -> asyncio.Future[Outputs]:
         """Queue a request; its future gets the outputs. Cancelling the future (the client
         went away) drops the request before its batch runs. ``priority``: the request
-        parameter, used under a latency objective with priority levels."""
+        parameter, used under a latency objective with priority levels.
+
+        ``on_done``: the future's done callback. When the request's batch completes it is
+        called there and then, in the same event loop step, instead of being scheduled: a
+        scheduled callback runs only after the loop's next poll, which on a loop busy with
+        many clients is one whole round of reading and parsing them later. Any other
+        ending (expired, cancelled, refused) reaches it as a done callback, as usual."""
         if self._closing:
             raise ShuttingDown(f"model '{self.name}' is shutting down")
         if self._slo is not None:
-            return self._submit_slo(feeds, rows, timings, timeout_s, priority)
+            return self._submit_slo(feeds, rows, timings, timeout_s, priority, on_done)
         if len(self._queue) >= self._max_queue:
             raise Overloaded(
                 f"model '{self.name}' queue is full ({self._max_queue} requests); retry later"
@@ -211,6 +223,9 @@ class Batcher:
         self._last_arrival = now
         shape_key = tuple(a.shape[1:] for a in feeds.values()) if self._ragged else None
         pending = _Pending(feeds, rows, future, timings, shape_key)
+        if on_done is not None:
+            pending.on_done = on_done
+            future.add_done_callback(on_done)
         if timeout_s > 0:
             pending.timer = loop.call_later(timeout_s, self._expire, pending, timeout_s)
         self._queue.append(pending)
@@ -233,6 +248,7 @@ class Batcher:
         timings: Timings,
         timeout_s: float,
         priority: object,
+        on_done: OnDone | None,
     ) -> asyncio.Future[Outputs]:
         controller = self._slo
         assert controller is not None
@@ -275,6 +291,9 @@ class Batcher:
         # own batch is not most of the budget: lateness without queueing (a busy event loop
         # before it reached the queue) is not corrected by admitting less.
         pending.feedback = queued and (controller.model.predict(rows) < objective.budget_ns / 2)
+        if on_done is not None:
+            pending.on_done = on_done
+            future.add_done_callback(on_done)
         if timeout_s > 0:
             pending.timer = loop.call_later(timeout_s, self._expire, pending, timeout_s)
         self._levels[level - 1].append(pending)
@@ -448,8 +467,9 @@ class Batcher:
         instance = self._free.pop()
         self._in_flight += 1
         if self.inline:
-            self._finish(live, instance, *self._compute(live, instance))
-            yielded = self._now()
+            result = self._compute(live, instance)
+            yielded = self._now()  # the answers written by ``_finish`` are the loop's work too
+            self._finish(live, instance, *result)
             await asyncio.sleep(0)  # let the frontends run between inline batches
             if self._slo is not None:  # what ran meanwhile: how far behind the loop is
                 now = self._now()
@@ -678,17 +698,26 @@ class Batcher:
             t.batch_size = total_rows
             if p.timer is not None:
                 p.timer.cancel()
-            if p.future.done():
+            future = p.future
+            if future.done():
                 offset += p.rows
                 continue
+            hook = p.on_done
+            if hook is not None:
+                future.remove_done_callback(hook)  # called below, not scheduled
             if error is not None or outputs is None:
-                p.future.set_exception(self._failure(error))
+                future.set_exception(self._failure(error))
             elif len(batch) == 1:
-                p.future.set_result(outputs)
+                future.set_result(outputs)
             else:
                 stop = offset + p.rows
-                p.future.set_result({n: a[offset:stop] for n, a in outputs.items()})
+                future.set_result({n: a[offset:stop] for n, a in outputs.items()})
             offset += p.rows
+            if hook is not None:
+                try:
+                    hook(future)
+                except Exception:  # as the loop would for a scheduled callback: log, go on
+                    log.exception("model %s: error in a request's completion", self.name)
         if self._instance_wait is not None and not self._instance_wait.done():
             self._instance_wait.set_result(None)
         if not self.busy:
