@@ -379,8 +379,12 @@ def test_an_overloaded_model_refuses_before_decoding(
             assert await grpc_code(channel) == grpc.StatusCode.RESOURCE_EXHAUSTED
             _release(logs, "early")
             assert (await busy).status_code == 200
-            answers = await asyncio.gather(*admitted)
-            assert [a.status_code for a in answers] == [200] * len(admitted)
+            codes = [a.status_code for a in await asyncio.gather(*admitted)]
+            # A refusal slower than the 50 ms above (a loaded machine) was taken for queued
+            # work; any such one is the last posted before the refusal that ended the loop.
+            while codes and codes[-1] == 429:
+                codes.pop()
+            assert codes and codes == [200] * len(codes), codes
             r = await client.post("/v2/models/early/infer", content=malformed)
             assert r.status_code == 400, r.text
             assert await grpc_code(channel) == grpc.StatusCode.INVALID_ARGUMENT
