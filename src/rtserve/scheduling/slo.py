@@ -509,7 +509,7 @@ class LatencyFeedback:
 
     def __init__(
         self,
-        floor: float = 0.25,
+        floor: float = 0.1,
         window: int = 100,
         min_window: int = 20,
         span_ns: int = 500 * MS,
