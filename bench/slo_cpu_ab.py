@@ -1,7 +1,8 @@
 """Server CPU per answered request, goodput and p99 of two rtserve source trees, side by
 side, alternating.
 
-For a change to the hot path: each tree serves the benchmark MLP from its own process,
+For a change to the hot path: each tree serves the benchmark MLP (or MiniLM: `--workload
+minilm --seq N`) from its own process,
 under a latency objective (``--config slo``: ``slo: {p99_ms: ...}``) or with a fixed window
 (``--config w0``, ``w200``, ...); the suite's open-loop client offers the same Poisson load
 to one, then the other (the order alternates each round). Each row: that server's CPU time
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument(
         "--config", default="slo", help="slo, or a fixed window in µs as w0, w200, ..."
     )
+    parser.add_argument("--workload", choices=sorted(MODELS), default="mlp")
+    parser.add_argument("--seq", type=int, default=32, help="MiniLM tokens per request")
     args = parser.parse_args()
     windows = [] if args.config == "slo" else [int(args.config.removeprefix("w"))]
     work = Path(tempfile.mkdtemp(prefix="slo-cpu-ab-"))
@@ -46,13 +49,13 @@ def main() -> None:
     try:
         for label, src in (("a", args.a_src), ("b", args.b_src)):
             (work / label).mkdir()
-            _repository(work / label / "repo", MODELS["mlp"], args.objective_ms, windows)
+            _repository(work / label / "repo", MODELS[args.workload], args.objective_ms, windows)
             proc, port = _start(work / label / "repo", work / label, "", src)
             servers[label] = (proc, port, work / label)
         body = work / "body.json"
-        body.write_bytes(_request_body("mlp", 0))
+        body.write_bytes(_request_body(args.workload, args.seq))
         print(
-            f"a: {args.a_src}, b: {args.b_src}; model {args.config}, "
+            f"a: {args.a_src}, b: {args.b_src}; {args.workload} as {args.config}, "
             f"{args.rate:g} requests/s offered"
         )
         print(
