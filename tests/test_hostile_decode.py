@@ -182,6 +182,44 @@ def test_large_flat_json_over_the_value_limit_is_refused_before_parsing() -> Non
     assert decode(body).inputs[0].data.shape == (1, 100_000)
 
 
+def test_counting_before_parsing_refuses_exactly_what_a_full_count_refuses() -> None:
+    """A header no longer than a limit is not scanned for it (each thing counted is a byte);
+    around both thresholds, refusals are exactly those of counting every byte of every
+    header over 4 KiB. Commas and brackets inside a string count too (an over-count)."""
+    for limits, cases in (
+        (DecodeLimits(max_elements=4000, max_json_containers=6000), (3000, 3900, 4990, 5500)),
+        (DecodeLimits(max_elements=20000, max_json_containers=5000), (2000, 4200, 22000)),
+    ):
+        _prescan_matches_a_full_count(limits, cases)
+
+
+def _prescan_matches_a_full_count(limits: DecodeLimits, comma_counts: tuple[int, ...]) -> None:
+    lengths = []
+    refused = 0
+    for commas in (*comma_counts, 5100, 7000):
+        for brackets in (0, 100, 600, 2000, 5200, 6200):
+            body = (
+                b'{"inputs":[{"name":"x","shape":[1,1],"datatype":"FP32","data":[1]}],'
+                b'"parameters":{"s":"%s%s"}}' % (b"," * commas, b"[" * brackets)
+            )
+            lengths.append(len(body))
+            counted = body.count(b"[") + body.count(b"{")
+            full = len(body) > 4096 and (
+                counted > limits.max_json_containers
+                or body.count(b",") > limits.max_elements + counted + 1024
+            )
+            try:
+                decode_infer_request(body, None, "m", "", limits)
+            except PayloadTooLarge as exc:
+                assert full and "request JSON: more than" in exc.message, exc.message
+                refused += 1
+            else:
+                assert not full, (commas, brackets)
+    assert 0 < refused < len(lengths)
+    for edge in (limits.max_elements + 1024, limits.max_json_containers):  # scanned past these
+        assert any(4096 < n <= edge for n in lengths) and any(edge < n <= 2 * edge for n in lengths)
+
+
 # ---------------------------------------------------------------- strict parsing
 @pytest.mark.parametrize(
     ("datatype", "data", "needle"),

@@ -296,13 +296,22 @@ def _check_parameters(value: Any, where: str, limits: DecodeLimits) -> dict[str,
 
 def _prescan(body: bytes, header_length: int, limits: DecodeLimits) -> None:
     """Bound the parse: count the header's lists and objects (an over-count: brackets
-    inside strings count too) before orjson builds them."""
+    inside strings count too) and its commas before orjson builds them.
+
+    Each one counted is a byte of the header, so a header no longer than a limit cannot
+    exceed it, and is not scanned for it: a model's usual request (the benchmark MLP's is
+    ~5 kB against its 8,192 elements) skips both scans, ~1 µs each per kB."""
+    commas_checked = header_length > limits.max_elements + 1024
+    if header_length <= limits.max_json_containers and not commas_checked:
+        return
     containers = body.count(b"[", 0, header_length) + body.count(b"{", 0, header_length)
     if containers > limits.max_json_containers:
         raise PayloadTooLarge(
             f"request JSON: more than {limits.max_json_containers} lists and objects "
             "(max_json_containers); send large tensors as flat data lists or binary data"
         )
+    if not commas_checked:
+        return
     commas = body.count(b",", 0, header_length)
     if commas > limits.max_elements + containers + 1024:  # slack: keys, parameters
         raise PayloadTooLarge(
