@@ -63,6 +63,7 @@ class _Pending:
         future: asyncio.Future[Outputs],
         timings: Timings,
         shape_key: Any,
+        on_done: OnDone | None = None,
     ) -> None:
         self.feeds = feeds
         self.rows = rows
@@ -80,9 +81,11 @@ class _Pending:
         self.timeout_ns = 0
         self.predicted_ns = 0
         self.feedback = False
-        # The caller's done callback, called from the batch's completion directly rather
-        # than scheduled (see ``Batcher.submit``).
-        self.on_done: OnDone | None = None
+        # The caller's done callback: a done callback of the future for every other ending,
+        # called by the batch's completion directly rather than scheduled (``Batcher.submit``).
+        self.on_done = on_done
+        if on_done is not None:
+            future.add_done_callback(on_done)
 
 
 BatchObserver = Callable[[int, int], None]  # (rows in batch, compute ns)
@@ -222,10 +225,7 @@ class Batcher:
             self.arrival_gap_ns += 0.1 * ((now - self._last_arrival) - self.arrival_gap_ns)
         self._last_arrival = now
         shape_key = tuple(a.shape[1:] for a in feeds.values()) if self._ragged else None
-        pending = _Pending(feeds, rows, future, timings, shape_key)
-        if on_done is not None:
-            pending.on_done = on_done
-            future.add_done_callback(on_done)
+        pending = _Pending(feeds, rows, future, timings, shape_key, on_done)
         if timeout_s > 0:
             pending.timer = loop.call_later(timeout_s, self._expire, pending, timeout_s)
         self._queue.append(pending)
@@ -282,7 +282,7 @@ class Batcher:
         controller.rate.observe(now, rows)  # the rate that batches form from: admitted rows
         future: asyncio.Future[Outputs] = loop.create_future()
         shape_key = tuple(a.shape[1:] for a in feeds.values()) if self._ragged else None
-        pending = _Pending(feeds, rows, future, timings, shape_key)
+        pending = _Pending(feeds, rows, future, timings, shape_key, on_done)
         pending.priority = level
         pending.deadline_ns = decision.deadline_ns
         pending.timeout_ns = timeout_ns
@@ -291,9 +291,6 @@ class Batcher:
         # own batch is not most of the budget: lateness without queueing (a busy event loop
         # before it reached the queue) is not corrected by admitting less.
         pending.feedback = queued and (controller.model.predict(rows) < objective.budget_ns / 2)
-        if on_done is not None:
-            pending.on_done = on_done
-            future.add_done_callback(on_done)
         if timeout_s > 0:
             pending.timer = loop.call_later(timeout_s, self._expire, pending, timeout_s)
         self._levels[level - 1].append(pending)
