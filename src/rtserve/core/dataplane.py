@@ -13,6 +13,7 @@ queued synchronously and the batch future's callback produces the answer.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from functools import partial
@@ -100,6 +101,13 @@ def _slo_parameters(slo: SLO | None) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _label_parameters(mv: ModelVersion) -> tuple[tuple[str, str], ...]:
+    """Class labels of outputs served in place of a ZipMap (ONNX classifiers from
+    scikit-learn), in column order: ``labels:<output>`` -> a JSON list."""
+    labels: dict[str, tuple[str, ...]] = getattr(mv.runtime, "labels", None) or {}
+    return tuple((f"labels:{name}", json.dumps(list(c))) for name, c in labels.items())
+
+
 class DataPlane:
     def __init__(
         self,
@@ -178,7 +186,7 @@ class DataPlane:
             instance_count=cfg.instance_count,
             priority_levels=cfg.priority_levels,
             default_priority=cfg.default_priority,  # 0 without levels (config checks it)
-            parameters=_slo_parameters(cfg.slo),
+            parameters=_slo_parameters(cfg.slo) + _label_parameters(mv),
         )
 
     def repository_index(self) -> list[IndexEntry]:

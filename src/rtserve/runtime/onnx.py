@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from rtserve.config import AUTO_BATCH, DEFAULT_MAX_BATCH, ModelConfig, TensorSpec
@@ -65,6 +66,35 @@ def _graph_specs(args: list[Any], batched: bool) -> list[TensorSpec]:
     return specs
 
 
+def _zipmap_free(path: Path) -> tuple[bytes, dict[str, tuple[str, ...]]]:
+    """The model with each ZipMap that makes a graph output removed, and the class labels of
+    each output it made.
+
+    Classifiers converted from scikit-learn (skl2onnx's default) end in a ZipMap: their
+    probabilities come out as a sequence of maps (class label -> probability), which is not
+    a tensor and has no place in the V2 protocol. ZipMap's input is the plain probability
+    tensor ([batch, classes], FP32, columns in the order of its labels): that tensor is
+    served under the output's name, and ORT skips building a dictionary per row."""
+    model = onnx.load(str(path))
+    graph = model.graph
+    outputs = {o.name: o for o in graph.output}
+    labels: dict[str, tuple[str, ...]] = {}
+    for node in list(graph.node):
+        if node.op_type != "ZipMap" or node.output[0] not in outputs:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        classes = attrs.get("classlabels_int64s") or attrs.get("classlabels_strings") or []
+        name = node.output[0]
+        labels[name] = tuple(c.decode() if isinstance(c, bytes) else str(c) for c in classes)
+        graph.node.remove(node)
+        graph.node.append(onnx.helper.make_node("Identity", [node.input[0]], [name]))
+        out = outputs[name]
+        out.type.CopyFrom(
+            onnx.helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, [None, len(classes)])
+        )
+    return model.SerializeToString(), labels
+
+
 def _batchable(session: ort.InferenceSession) -> bool:
     """Every input and output has a dynamic first dimension: requests can be stacked."""
     args = [*session.get_inputs(), *session.get_outputs()]
@@ -109,8 +139,11 @@ class OnnxRuntimeModel:
         outputs: tuple[TensorSpec, ...],
         providers: list[str],
         max_batch_size: int,
+        labels: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
         self._sessions = sessions
+        # Class labels of outputs a ZipMap made (see ``_zipmap_free``), in column order.
+        self.labels = labels or {}
         self.max_batch_size = max_batch_size
         self.inputs = inputs
         self.outputs = outputs
@@ -128,20 +161,22 @@ class OnnxRuntimeModel:
             raise ConfigError(f"{version_dir}: model.onnx not found")
         opts = config.onnxruntime
         providers = available_providers(opts.execution_providers)
-        sessions = []
-        for _ in range(config.instance_count):
-            so = ort.SessionOptions()
-            so.intra_op_num_threads = opts.intra_op_threads
-            so.inter_op_num_threads = opts.inter_op_threads
-            so.graph_optimization_level = _LEVELS[opts.graph_optimization_level]
-            so.log_severity_level = 3
-            if opts.intra_op_threads == 1:
-                # No thread pool to spin: keeps the event loop's core free between batches.
-                so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        sessions = cls._sessions_for(str(path), config, providers)
+        labels: dict[str, tuple[str, ...]] = {}
+        if any(o.type.startswith("seq(map(") for o in sessions[0].get_outputs()):
             try:
-                sessions.append(ort.InferenceSession(str(path), so, providers=providers))
-            except Exception as exc:  # onnxruntime raises several unrelated types
-                raise ConfigError(f"{path}: onnxruntime could not load the model: {exc}") from exc
+                model_bytes, labels = _zipmap_free(path)
+            except Exception as exc:  # a graph onnx cannot load or save: report the type below
+                log.warning("%s: could not remove the model's ZipMap: %s", path, exc)
+            else:
+                if labels:
+                    sessions = cls._sessions_for(model_bytes, config, providers)
+                    for name, classes in labels.items():
+                        log.info(
+                            "%s: output %r (a ZipMap of class probabilities) is served as an "
+                            "FP32 tensor [batch, %d], columns in class order %s",
+                            path, name, len(classes), list(classes),
+                        )  # fmt: skip
         s0 = sessions[0]
         max_batch = config.max_batch_size
         if max_batch == AUTO_BATCH:
@@ -160,7 +195,30 @@ class OnnxRuntimeModel:
                     )
         inputs = _reconcile(config.inputs, graph_inputs, "inputs", config.source)
         outputs = _reconcile(config.outputs, graph_outputs, "outputs", config.source)
-        return cls(sessions, inputs, outputs, providers, max_batch)
+        return cls(sessions, inputs, outputs, providers, max_batch, labels)
+
+    @staticmethod
+    def _sessions_for(
+        model: str | bytes, config: ModelConfig, providers: list[str]
+    ) -> list[ort.InferenceSession]:
+        """``config.instance_count`` sessions of ``model`` (a path, or the model's bytes)."""
+        opts = config.onnxruntime
+        where = model if isinstance(model, str) else config.source
+        sessions = []
+        for _ in range(config.instance_count):
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = opts.intra_op_threads
+            so.inter_op_num_threads = opts.inter_op_threads
+            so.graph_optimization_level = _LEVELS[opts.graph_optimization_level]
+            so.log_severity_level = 3
+            if opts.intra_op_threads == 1:
+                # No thread pool to spin: keeps the event loop's core free between batches.
+                so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            try:
+                sessions.append(ort.InferenceSession(model, so, providers=providers))
+            except Exception as exc:  # onnxruntime raises several unrelated types
+                raise ConfigError(f"{where}: onnxruntime could not load the model: {exc}") from exc
+        return sessions
 
     def run(self, instance: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._string_inputs:

@@ -1,0 +1,185 @@
+"""scikit-learn models converted to ONNX the way users convert them (skl2onnx, defaults),
+served and queried with tritonclient over HTTP and gRPC.
+
+skl2onnx ends a classifier in a ZipMap: its probabilities are a sequence of maps, not a
+tensor. The server serves ZipMap's input (the probability tensor, one column per class)
+under the same output name and lists the classes in the model config."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tgrpc
+import tritonclient.http as thttp
+
+from tests.conftest import RunningServer, start_server
+
+skl2onnx = pytest.importorskip("skl2onnx")
+datasets = pytest.importorskip("sklearn.datasets")
+
+IRIS_NAMES = ["setosa", "versicolor", "virginica"]
+
+
+@pytest.fixture(scope="module")
+def fitted() -> dict[str, object]:
+    from sklearn.ensemble import RandomForestRegressor
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+    from sklearn.tree import DecisionTreeClassifier
+
+    x, y = datasets.load_iris(return_X_y=True)
+    x = x.astype(np.float32)
+    names = np.array(IRIS_NAMES)[y]
+    return {
+        "x": x,
+        # int64 classes, a ZipMap of {int: prob}
+        "iris-logreg": LogisticRegression(max_iter=1000).fit(x, y),
+        # string classes through a pipeline, a ZipMap of {str: prob}
+        "iris-tree": make_pipeline(StandardScaler(), DecisionTreeClassifier(max_depth=3)).fit(
+            x, names
+        ),
+        # no ZipMap: one float per row
+        "iris-forest-regressor": RandomForestRegressor(n_estimators=5, random_state=0).fit(
+            x[:, :3], x[:, 3]
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def served(
+    fitted: dict[str, object], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    repo = tmp_path_factory.mktemp("sklearn-repo")
+    x = fitted["x"]
+    assert isinstance(x, np.ndarray)
+    for name, model in fitted.items():
+        if name == "x":
+            continue
+        sample = x[:1, :3] if "regressor" in name else x[:1]
+        onx = skl2onnx.to_onnx(model, sample)  # defaults: classifiers end in a ZipMap
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.onnx").write_bytes(onx.SerializeToString())
+    s = start_server(repo, tmp_path_factory.mktemp("sklearn-server"))
+    yield s
+    s.stop()
+
+
+def test_a_zipmap_classifier_loads_and_its_probabilities_are_a_tensor(
+    served: RunningServer, fitted: dict[str, object]
+) -> None:
+    x = fitted["x"]
+    model = fitted["iris-logreg"]
+    assert isinstance(x, np.ndarray)
+    rows = x[::7]
+    with thttp.InferenceServerClient(served.http) as client:
+        meta = client.get_model_metadata("iris-logreg")
+        outputs = {o["name"]: o for o in meta["outputs"]}
+        assert outputs["output_probability"]["datatype"] == "FP32"
+        assert outputs["output_probability"]["shape"] == [-1, 3]
+        config = client.get_model_config("iris-logreg")
+        labels = config["parameters"]["labels:output_probability"]["string_value"]
+        assert json.loads(labels) == ["0", "1", "2"]
+
+        inp = thttp.InferInput("X", list(rows.shape), "FP32")
+        inp.set_data_from_numpy(rows, binary_data=True)
+        result = client.infer("iris-logreg", [inp])
+    probs = result.as_numpy("output_probability")
+    assert probs.shape == (len(rows), 3)
+    np.testing.assert_allclose(probs, model.predict_proba(rows), rtol=1e-4, atol=1e-5)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(result.as_numpy("output_label"), model.predict(rows))  # type: ignore[attr-defined]
+
+
+def test_string_labels_come_back_as_bytes_with_their_classes_listed_over_grpc(
+    served: RunningServer, fitted: dict[str, object]
+) -> None:
+    x = fitted["x"]
+    model = fitted["iris-tree"]
+    assert isinstance(x, np.ndarray)
+    rows = x[::5]
+    with tgrpc.InferenceServerClient(served.grpc) as client:
+        config = client.get_model_config("iris-tree", as_json=True)["config"]
+        labels = config["parameters"]["labels:output_probability"]["string_value"]
+        assert json.loads(labels) == IRIS_NAMES
+        inp = tgrpc.InferInput("X", list(rows.shape), "FP32")
+        inp.set_data_from_numpy(rows)
+        result = client.infer("iris-tree", [inp])
+    got = [v.decode() for v in result.as_numpy("output_label")]
+    assert got == list(model.predict(rows))  # type: ignore[attr-defined]
+    probs = result.as_numpy("output_probability")
+    np.testing.assert_allclose(probs, model.predict_proba(rows), atol=1e-6)  # type: ignore[attr-defined]
+    # The columns follow the listed classes: the most probable one is the label.
+    assert [IRIS_NAMES[i] for i in probs.argmax(axis=1)] == got
+
+
+def test_concurrent_one_row_requests_are_batched_and_each_gets_its_own_row(
+    served: RunningServer, fitted: dict[str, object]
+) -> None:
+    x = fitted["x"]
+    model = fitted["iris-logreg"]
+    assert isinstance(x, np.ndarray)
+
+    def one(i: int) -> tuple[int, np.ndarray, np.ndarray]:
+        row = x[i : i + 1]
+        with thttp.InferenceServerClient(served.http) as client:
+            inp = thttp.InferInput("X", [1, 4], "FP32")
+            inp.set_data_from_numpy(row, binary_data=False)
+            r = client.infer("iris-logreg", [inp])
+        return i, r.as_numpy("output_label"), r.as_numpy("output_probability")
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(one, range(0, 150, 3)))
+    for i, label, probs in answers:
+        assert probs.shape == (1, 3)
+        np.testing.assert_allclose(probs, model.predict_proba(x[i : i + 1]), rtol=1e-4, atol=1e-5)  # type: ignore[attr-defined]
+        assert label.tolist() == model.predict(x[i : i + 1]).tolist()  # type: ignore[attr-defined]
+
+
+def test_a_regressor_without_zipmap_lists_no_labels(
+    served: RunningServer, fitted: dict[str, object]
+) -> None:
+    x = fitted["x"]
+    model = fitted["iris-forest-regressor"]
+    assert isinstance(x, np.ndarray)
+    rows = np.ascontiguousarray(x[:10, :3])
+    with thttp.InferenceServerClient(served.http) as client:
+        assert "parameters" not in client.get_model_config("iris-forest-regressor")
+        inp = thttp.InferInput("X", list(rows.shape), "FP32")
+        inp.set_data_from_numpy(rows)
+        result = client.infer("iris-forest-regressor", [inp])
+    (name,) = [o["name"] for o in result.get_response()["outputs"]]
+    np.testing.assert_allclose(
+        result.as_numpy(name).reshape(-1),
+        model.predict(rows),  # type: ignore[attr-defined]
+        rtol=1e-5,
+    )
+
+
+def test_a_model_with_a_sequence_output_that_is_no_zipmap_is_refused_by_name(
+    tmp_path: Path,
+) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("SequenceConstruct", ["X", "X"], ["S"])],
+        "seq",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, 2])],
+        [helper.make_tensor_sequence_value_info("S", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (tmp_path / "repo" / "seq" / "1").mkdir(parents=True)
+    onnx.save(model, tmp_path / "repo" / "seq" / "1" / "model.onnx")
+    s = start_server(tmp_path / "repo", tmp_path / "work")
+    try:
+        with thttp.InferenceServerClient(s.http) as client:
+            assert not client.is_model_ready("seq")
+        assert "'S' has unsupported type seq(tensor(float))" in s.log()
+    finally:
+        s.stop()
