@@ -95,6 +95,23 @@ def _zipmap_free(path: Path) -> tuple[bytes, dict[str, tuple[str, ...]]]:
     return model.SerializeToString(), labels
 
 
+def _refuse_unknown_rank(path: Path, config: ModelConfig) -> None:
+    """onnxruntime reports an input of unknown rank as a scalar's shape ``[]``; served as
+    one, it would refuse every request that is not a scalar. Such an input's shape must be
+    declared in the config (which then overrides the graph's)."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    initializers = {t.name for t in graph.initializer}
+    for arg in graph.input:
+        if arg.name in initializers or not arg.type.HasField("tensor_type"):
+            continue
+        if not arg.type.tensor_type.HasField("shape"):
+            raise ConfigError(
+                f"{config.source}: inputs: the model's input {arg.name!r} has no shape (any "
+                "rank) in its graph; declare the inputs in the config, e.g. inputs: "
+                f"[{{name: {arg.name}, datatype: ..., shape: [...]}}]"
+            )
+
+
 def _batchable(session: ort.InferenceSession) -> bool:
     """Every input and output has a dynamic first dimension: requests can be stacked."""
     args = [*session.get_inputs(), *session.get_outputs()]
@@ -195,6 +212,8 @@ class OnnxRuntimeModel:
                     )
         inputs = _reconcile(config.inputs, graph_inputs, "inputs", config.source)
         outputs = _reconcile(config.outputs, graph_outputs, "outputs", config.source)
+        if config.inputs is None and any(not i.shape for i in s0.get_inputs()):
+            _refuse_unknown_rank(path, config)
         return cls(sessions, inputs, outputs, providers, max_batch, labels)
 
     @staticmethod

@@ -1,5 +1,7 @@
-"""scikit-learn models converted to ONNX the way users convert them (skl2onnx, defaults),
-served and queried with tritonclient over HTTP and gRPC.
+"""ONNX models as users bring them, served and queried with tritonclient over HTTP and gRPC.
+
+scikit-learn models converted the way users convert them (skl2onnx, defaults), and graphs
+whose tensors are not plain tensors of known rank.
 
 skl2onnx ends a classifier in a ZipMap: its probabilities are a sequence of maps, not a
 tensor. The server serves ZipMap's input (the probability tensor, one column per class)
@@ -160,26 +162,55 @@ def test_a_regressor_without_zipmap_lists_no_labels(
     )
 
 
-def test_a_model_with_a_sequence_output_that_is_no_zipmap_is_refused_by_name(
-    tmp_path: Path,
-) -> None:
+def _save(path: Path, graph: object) -> None:
     import onnx
-    from onnx import TensorProto, helper
+    from onnx import helper
 
-    graph = helper.make_graph(
-        [helper.make_node("SequenceConstruct", ["X", "X"], ["S"])],
-        "seq",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, 2])],
-        [helper.make_tensor_sequence_value_info("S", TensorProto.FLOAT, None)],
-    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    (tmp_path / "repo" / "seq" / "1").mkdir(parents=True)
-    onnx.save(model, tmp_path / "repo" / "seq" / "1" / "model.onnx")
-    s = start_server(tmp_path / "repo", tmp_path / "work")
+    path.mkdir(parents=True)
+    onnx.save(model, path / "model.onnx")
+
+
+def test_graphs_that_cannot_be_served_as_they_are_are_refused_by_name(tmp_path: Path) -> None:
+    """A sequence output that no ZipMap made is refused; an input of unknown rank (which
+    onnxruntime reports as a scalar's shape) is refused unless the config declares it, and
+    then serves with the declared shape."""
+    from onnx import TensorProto, helper
+
+    repo = tmp_path / "repo"
+    _save(
+        repo / "seq" / "1",
+        helper.make_graph(
+            [helper.make_node("SequenceConstruct", ["X", "X"], ["S"])],
+            "seq",
+            [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, 2])],
+            [helper.make_tensor_sequence_value_info("S", TensorProto.FLOAT, None)],
+        ),
+    )
+    any_rank = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "any-rank",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    _save(repo / "any-rank" / "1", any_rank)
+    _save(repo / "any-rank-declared" / "1", any_rank)
+    (repo / "any-rank-declared" / "config.yaml").write_text(
+        "max_batch_size: 0\ninputs:\n  - {name: x, datatype: FP32, shape: [2, -1]}\n"
+    )
+    s = start_server(repo, tmp_path / "work")
     try:
         with thttp.InferenceServerClient(s.http) as client:
             assert not client.is_model_ready("seq")
-        assert "'S' has unsupported type seq(tensor(float))" in s.log()
+            assert not client.is_model_ready("any-rank")
+            x = np.array([[1.0, -2.0, 3.0], [-4.0, 5.0, -6.0]], dtype=np.float32)
+            inp = thttp.InferInput("x", [2, 3], "FP32")
+            inp.set_data_from_numpy(x)
+            result = client.infer("any-rank-declared", [inp])
+            np.testing.assert_array_equal(result.as_numpy("y"), np.maximum(x, 0))
+        log = s.log()
+        assert "'S' has unsupported type seq(tensor(float))" in log
+        assert "input 'x' has no shape (any rank)" in log
     finally:
         s.stop()
