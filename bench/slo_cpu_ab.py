@@ -42,6 +42,9 @@ def main() -> None:
     )
     parser.add_argument("--workload", choices=sorted(MODELS), default="mlp")
     parser.add_argument("--seq", type=int, default=32, help="MiniLM tokens per request")
+    parser.add_argument("--loadgen", choices=("python", "c"), default="python")
+    parser.add_argument("--server-cpus", default="", help="pin both servers (taskset)")
+    parser.add_argument("--client-cpus", default="", help="pin the client (taskset)")
     args = parser.parse_args()
     windows = [] if args.config == "slo" else [int(args.config.removeprefix("w"))]
     work = Path(tempfile.mkdtemp(prefix="slo-cpu-ab-"))
@@ -50,13 +53,15 @@ def main() -> None:
         for label, src in (("a", args.a_src), ("b", args.b_src)):
             (work / label).mkdir()
             _repository(work / label / "repo", MODELS[args.workload], args.objective_ms, windows)
-            proc, port = _start(work / label / "repo", work / label, "", src)
+            proc, port = _start(work / label / "repo", work / label, args.server_cpus, src)
             servers[label] = (proc, port, work / label)
         body = work / "body.json"
         body.write_bytes(_request_body(args.workload, args.seq))
         print(
             f"a: {args.a_src}, b: {args.b_src}; {args.workload} as {args.config}, "
-            f"{args.rate:g} requests/s offered"
+            f"{args.rate:g} requests/s offered ({args.loadgen} client"
+            f"{', on CPUs ' + args.client_cpus if args.client_cpus else ''}"
+            f"{'; servers on CPUs ' + args.server_cpus if args.server_cpus else ''})"
         )
         print(
             "| round | tree | codes | server CPU per answer (µs) | of which user "
@@ -71,7 +76,10 @@ def main() -> None:
                 proc, port, folder = servers[label]
                 url = f"http://127.0.0.1:{port}/v2/models/{args.config}/infer"
                 user0, system0 = cpu_split(proc.pid)
-                r = _point(url, label, body, args.rate, args.seconds, 1, "", folder, k + 1)
+                r = _point(
+                    url, label, body, args.rate, args.seconds, 1, args.client_cpus, folder,
+                    k + 1, loadgen=args.loadgen,
+                )  # fmt: skip
                 user1, system1 = cpu_split(proc.pid)
                 answered = max(1, r["codes"].get("200", 0))
                 cpu = 1e6 * (user1 - user0 + system1 - system0) / answered

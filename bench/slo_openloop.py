@@ -205,19 +205,36 @@ def _start(
 # ---------------------------------------------------------------------------- one point
 def _point(
     url: str, model: str, body: Path, rate: float, seconds: float, clients: int,
-    cpus: str, work: Path, seed: int, conns: int = 1024,
+    cpus: str, work: Path, seed: int, conns: int = 1024, loadgen: str = "python",
 ) -> dict:  # fmt: skip
-    """Offer ``rate`` requests/s to ``url`` for ``seconds``; ``model`` labels the row."""
+    """Offer ``rate`` requests/s to ``url`` for ``seconds``; ``model`` labels the row.
+    ``loadgen``: the suite's Python client (``bench.clients.openloop``) or its C twin
+    (``bench/clients/openloop.c``: the same measurement at ~1/3 of the client CPU)."""
     procs = []
     for k in range(clients):
         result = work / f"client-{k}.json"
         result.unlink(missing_ok=True)
-        cmd = [
-            *_taskset(cpus), sys.executable, "-m", "bench.slo_openloop", "--client",
-            "--url", url, "--body", str(body), "--rate", str(rate / clients),
-            "--seconds", str(seconds), "--seed", str(seed * 100 + k), "--conns", str(conns),
-            "--result", str(result),
-        ]  # fmt: skip
+        if loadgen == "c":
+            from bench.clients import openloop_c
+            from bench.clients.openloop import post_request
+
+            host_port, path = url.split("/", 3)[2], "/" + url.split("/", 3)[3]
+            host, port = host_port.split(":")
+            request = work / f"request-{k}.http"
+            request.write_bytes(post_request(host, int(port), path, body.read_bytes()))
+            cmd = [
+                *_taskset(cpus), *openloop_c.command(
+                    host, int(port), request, rate / clients, seconds, seed * 100 + k + 1,
+                    conns, 5.0, result,
+                ),
+            ]  # fmt: skip
+        else:
+            cmd = [
+                *_taskset(cpus), sys.executable, "-m", "bench.slo_openloop", "--client",
+                "--url", url, "--body", str(body), "--rate", str(rate / clients),
+                "--seconds", str(seconds), "--seed", str(seed * 100 + k), "--conns", str(conns),
+                "--result", str(result),
+            ]  # fmt: skip
         procs.append((subprocess.Popen(cmd, cwd=ROOT), result))
     codes: dict[str, int] = {}
     lat: list[float] = []
@@ -354,6 +371,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--probe-rate", type=float, default=60_000, help="offered to find capacity")
     parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument(
+        "--loadgen", choices=("python", "c"), default="python",
+        help="the open-loop client: Python (bench.clients.openloop) or its C twin, whose "
+        "CPU per request is ~1/3 (a cheap model's overload is otherwise client-bound)",
+    )  # fmt: skip
     parser.add_argument("--server-cpus", default="")
     parser.add_argument("--client-cpus", default="")
     parser.add_argument("--out", type=Path, default=None)
@@ -424,6 +446,7 @@ def main() -> None:
                     work,
                     99,
                     args.conns,
+                    args.loadgen,
                 )  # fmt: skip
             )
             _quiesce(urls[m], body.read_bytes(), settled[m])
@@ -438,7 +461,7 @@ def main() -> None:
                 before = _server_state(port, m, objective) if rtserve else {}
                 r = _point(
                     urls[m], m, body, load * capacity, args.seconds, args.clients,
-                    args.client_cpus, work, i, args.conns,
+                    args.client_cpus, work, i, args.conns, args.loadgen,
                 )  # fmt: skip
                 r["drained_s"] = _quiesce(urls[m], body.read_bytes(), settled[m])
                 if rtserve:
@@ -566,7 +589,10 @@ def _write(args, rows, models, capacity, objective, took) -> None:  # type: igno
         "",
         f"Machine: {_machine()}. Took {took:.0f} s. Capacity measured first: ~{capacity:.0f} "
         "answers/s (the best configuration under heavy overload). Latency is measured at the "
-        f"client from each request's scheduled send time; {args.clients} client process(es), "
+        f"client from each request's scheduled send time; {args.clients} client process(es) "
+        f"({'C' if args.loadgen == 'c' else 'Python'}"
+        f"{', pinned to CPUs ' + args.client_cpus if args.client_cpus else ''}"
+        f"{'; server pinned to CPUs ' + args.server_cpus if args.server_cpus else ''}), "
         f"Poisson arrivals, {args.seconds:g} s per point, configurations in rotating order.",
         "",
         "Goodput = answers within the objective per second; p99 over the answered (admitted) "

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bench.clients import openloop, perf_analyzer, wrk
+from tests.conftest import RunningServer
+
+
+def _has_cc() -> bool:
+    return shutil.which("cc") is not None
+
 
 # Captured from `wrk -t1 -c2 -d1s --latency -s post.lua` on this machine (the done hook's line).
 WRK_OUTPUT = """\
@@ -141,3 +150,45 @@ def test_open_loop_arrivals_are_poisson_at_the_asked_rate() -> None:
     gaps = np.diff(times)
     # exponential gaps: mean equals standard deviation
     assert gaps.std() == pytest.approx(gaps.mean(), rel=0.1)
+
+
+# ---------------------------------------------------------------- the C open-loop client
+def _c_client_run(
+    server: RunningServer, tmp_path: Path, request: bytes, rate: float, seconds: float
+) -> dict:
+    from bench.clients import openloop_c
+
+    req = tmp_path / "request.http"
+    req.write_bytes(request)
+    out = tmp_path / "result.json"
+    cmd = openloop_c.command("127.0.0.1", server.http_port, req, rate, seconds, 7, 16, 5.0, out)
+    subprocess.run(cmd, check=True, timeout=seconds + 30)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(not _has_cc(), reason="no C compiler")
+def test_the_c_open_loop_client_sends_poisson_arrivals_and_times_each_answer(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    body = json.dumps(
+        {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    ).encode()
+    ok = openloop.post_request("127.0.0.1", server.http_port, "/v2/models/scale/infer", body)
+    r = _c_client_run(server, tmp_path, ok, 400.0, 1.5)
+    # Poisson: ~600 arrivals in 1.5 s (5 sigma of sqrt(600) ~ 122)
+    assert abs(r["scheduled"] - 600) < 125
+    assert r["codes"] == {"200": r["scheduled"]}
+    assert r["unfinished"] == 0 and r["errors"] == 0
+    lat = np.asarray(r["latency_ms"])
+    assert lat.size == r["scheduled"]
+    assert (lat > 0).all() and np.median(lat) < 100
+    assert 1.0 < r["elapsed"] < 3.0
+
+    # Answers that close the connection (the request asks for it) are counted, and the
+    # connection is opened again; other status codes are counted without a latency.
+    closing = ok.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
+    r = _c_client_run(server, tmp_path, closing, 200.0, 1.0)
+    assert r["codes"] == {"200": r["scheduled"]} and r["errors"] == 0
+    missing = openloop.post_request("127.0.0.1", server.http_port, "/v2/models/nope/infer", body)
+    r = _c_client_run(server, tmp_path, missing, 200.0, 1.0)
+    assert r["codes"] == {"404": r["scheduled"]} and r["latency_ms"] == []
