@@ -18,7 +18,7 @@ from rtserve.errors import (
 )
 from rtserve.protocol.types import Timings
 from rtserve.scheduling import slo
-from rtserve.scheduling.batcher import Batcher
+from rtserve.scheduling.batcher import OVERDUE_SHARE, Batcher
 from rtserve.scheduling.policy import DynamicBatchPolicy
 from tests.fakes import DoublingRuntime, FakeClock, run_async
 
@@ -49,14 +49,18 @@ def make(
 
 
 def make_slo(
-    runtime: DoublingRuntime, clock: FakeClock, p99_ms: float, model: slo.BatchTimeModel
+    runtime: DoublingRuntime,
+    clock: FakeClock,
+    p99_ms: float,
+    model: slo.BatchTimeModel,
+    overdue_share: float = OVERDUE_SHARE,
 ) -> tuple[Batcher, slo.SLOController]:
     """An inline batcher under a latency objective, with its controller."""
     policy = DynamicBatchPolicy(runtime.max_batch_size, DynamicBatching())
     controller = slo.SLOController(slo.Objective(p99_ns=int(p99_ms * slo.MS)), model)
     batcher = Batcher(
         "m:1", runtime, policy, 64, batched=True, inline=True, more_expected=lambda: False,
-        clock=clock, controller=controller,
+        clock=clock, controller=controller, overdue_share=overdue_share,
     )  # fmt: skip
     return batcher, controller
 
@@ -238,6 +242,41 @@ async def test_a_completed_batch_calls_its_requests_done_callbacks_at_once_and_o
 
 
 @run_async
+async def test_queued_work_that_waited_a_quarter_of_the_budget_runs_from_the_next_callback() -> (
+    None
+):
+    """On a saturated event loop the gather task gets one turn per round of HTTP work;
+    queued requests of an inline model that have waited ``OVERDUE_SHARE`` of the budget run
+    from the next admission or early check, without the new request, in batches of at most
+    the limit."""
+    rt, clock = DoublingRuntime(), FakeClock()
+    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(20_000, 2_000))
+    b.start()
+    await settle()
+    calls: list[tuple[object, asyncio.Future]] = []
+    first = [b.submit(rows(1, value=i), 1, Timings(), on_done=_recorder(calls)) for i in (1, 2)]
+    # (no await: the gather task has not run; the loop is busy elsewhere)
+    overdue_ns = int(controller.objective.budget_ns * OVERDUE_SHARE)
+    clock.advance_ms(overdue_ns / 1e6 * 0.9)
+    assert b.refuse_early(clock.ns) is None
+    third = b.submit(rows(1, value=3), 1, Timings(), on_done=_recorder(calls))
+    assert rt.batches == [] and not any(f.done() for f in first)  # not overdue yet
+    clock.advance_ms(overdue_ns / 1e6 * 0.2)
+    assert b.refuse_early(clock.ns) is None  # the first two are overdue now: run here
+    assert rt.batches == [3] and all(f.done() for f in [*first, third])
+    assert [task for task, _ in calls] == [asyncio.current_task()] * 3  # in the caller's step
+    assert [float(f.result()["y"][0, 0]) for f in [*first, third]] == [2.0, 4.0, 6.0]
+    assert b.stats.overdue_batches == 1
+    fourth = b.submit(rows(1, value=4), 1, Timings())
+    assert not fourth.done()  # a submit never answers its own request from inside itself
+    clock.advance_ms(overdue_ns / 1e6 * 1.1)
+    fifth = b.submit(rows(1, value=5), 1, Timings())
+    assert fourth.done() and not fifth.done() and rt.batches == [3, 1]
+    assert float((await fifth)["y"][0, 0]) == 10.0  # the gather task still runs the rest
+    await b.stop()
+
+
+@run_async
 async def test_a_cancelled_or_failing_request_still_gets_its_done_callback_once() -> None:
     rt, clock = DoublingRuntime(), FakeClock()
     b = make(rt, clock, inline=False)
@@ -344,7 +383,9 @@ async def test_a_request_admitted_before_its_decode_is_not_decided_again() -> No
     it checked (one row, no timeout, keyed on its reception time), once; it decides anew for
     any other request: more rows, a timeout of its own, another reception time."""
     rt, clock = DoublingRuntime(), FakeClock()
-    b, _ = make_slo(rt, clock, 10, slo.BatchTimeModel(1e6, 1e6))  # 1 ms + 1 ms a row
+    # (queued work is never overdue here: the clock jumps that show what is reused would
+    # otherwise run it from the next submit)
+    b, _ = make_slo(rt, clock, 10, slo.BatchTimeModel(1e6, 1e6), overdue_share=0)
     b.start()
     queued = [b.submit(rows(1), 1, Timings()) for _ in range(3)]  # work ahead: ~4 ms
     received = clock.ns

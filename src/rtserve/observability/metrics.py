@@ -90,7 +90,7 @@ class SchedulerStats:
 
     __slots__ = (
         "shed", "objective_ns", "goodput", "predicted", "observed", "window_ns", "target",
-        "budget_factor",
+        "budget_factor", "overdue_batches",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -102,6 +102,7 @@ class SchedulerStats:
         self.window_ns = 0  # the controller's last gathering window
         self.target = 0  # the controller's last target batch (rows)
         self.budget_factor = 1.0  # the share of the budget it plans with (latency feedback)
+        self.overdue_batches = 0  # batches run from a frontend callback (waited too long)
 
     def count_shed(self, reason: str, priority: int) -> None:
         key = (reason, priority)
@@ -227,6 +228,12 @@ def _scheduler_families(models: list[ModelMetrics]) -> Iterator[Metric]:
         "when admitted requests finish late, restored while they do not)",
         labels=labels,
     )
+    overdue = CounterMetricFamily(
+        "rtserve_slo_overdue_batches",
+        "Batches of an inline model run from a frontend callback because their oldest "
+        "request had waited a quarter of the budget (the event loop was saturated)",
+        labels=labels,
+    )
     predicted = HistogramMetricFamily(
         "rtserve_slo_predicted_seconds",
         "Predicted time from admission to the end of the request's batch",
@@ -247,9 +254,10 @@ def _scheduler_families(models: list[ModelMetrics]) -> Iterator[Metric]:
             window.add_metric(list(mm.labels), st.window_ns * 1e-9)
             target.add_metric(list(mm.labels), st.target)
             factor.add_metric(list(mm.labels), st.budget_factor)
+            overdue.add_metric(list(mm.labels), st.overdue_batches)
             predicted.add_metric(list(mm.labels), st.predicted.buckets(), st.predicted.sum)
             observed.add_metric(list(mm.labels), st.observed.buckets(), st.observed.sum)
-    yield from (shed, goodput, objective, window, target, factor, predicted, observed)
+    yield from (shed, goodput, objective, window, target, factor, overdue, predicted, observed)
 
 
 class Metrics:

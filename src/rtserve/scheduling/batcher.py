@@ -37,6 +37,7 @@ from rtserve.scheduling.policy import DynamicBatchPolicy
 Outputs = dict[str, np.ndarray]
 OnDone = Callable[["asyncio.Future[Outputs]"], object]
 log = logging.getLogger(__name__)
+OVERDUE_SHARE = 0.25  # of the objective's budget: see ``Batcher._run_overdue``
 
 
 class _Pending:
@@ -105,11 +106,14 @@ class Batcher:
         clock: Callable[[], int] = time.perf_counter_ns,
         controller: slo.SLOController | None = None,
         stats: SchedulerStats | None = None,
+        overdue_share: float = OVERDUE_SHARE,
     ) -> None:
         """``more_expected``: whether another request may arrive soon (the transports know
         their idle clients); ``clock``: nanoseconds, injectable so tests need no sleeps;
         ``controller``: a latency objective's state; when set it replaces the policy's fixed
-        window (admission, priorities, deadline-aware gathering; see ``slo``)."""
+        window (admission, priorities, deadline-aware gathering; see ``slo``);
+        ``overdue_share``: of its budget, how long an inline model's queued work may wait
+        before a frontend callback runs it (``_run_overdue``; 0: never)."""
         self.name = name
         self._runtime = runtime
         self._policy = policy
@@ -147,6 +151,13 @@ class Batcher:
         self._dispatched: dict[int, int] = {}  # instance -> when its batch was dispatched
         # The last admission ``refuse_early`` granted: (received_ns, decision, work ahead).
         self._early: tuple[int, slo.Admission, bool] | None = None
+        # Inline models under an objective: queued work that has waited this long runs from
+        # the next frontend callback (``_run_overdue``).
+        self._overdue_ns = (
+            int(controller.objective.budget_ns * overdue_share)
+            if controller is not None and inline
+            else 0
+        )
         if controller is not None:
             self.stats.objective_ns = controller.objective.p99_ns
             controller.refresh(policy.max_rows)
@@ -265,6 +276,8 @@ class Batcher:
         timeout_ns = now + int(timeout_s * 1e9) if timeout_s > 0 else 0
         early = self._early
         self._early = None
+        if self._overdue_ns:
+            self._run_overdue(now)
         if (
             early is not None
             and early[0] == timings.received
@@ -363,6 +376,8 @@ class Batcher:
         if controller is None or controller.objective.priority_levels > 1 or self._closing:
             return None
         now = self._now()
+        if self._overdue_ns:
+            self._run_overdue(now)
         decision, queued = self._admission(1, 1, now, 0, received_ns)
         if decision.admitted:
             # Kept for the submit that follows the decode (same request, same callback),
@@ -593,28 +608,72 @@ class Batcher:
                 await self._wakeup
                 timer.cancel()
                 continue
-            batch = candidates[: plan.take]
-            for p in batch:
-                level = p.priority - 1
-                popped = self._levels[level].popleft()
-                assert popped is p
-                self._level_rows[level] -= p.rows
-                self._queued_rows -= p.rows
-            live = []
-            batch_ns = controller.model.predict(sum(p.rows for p in batch))
-            for p in batch:
-                if not p.future.done() and p.timeout_ns and slo.late(p.timeout_ns, now, batch_ns):
-                    self._late(p, now)
-                if p.future.done():
-                    self._dropped(p)
-                else:
-                    live.append(p)
-            if not live:
-                continue
+            live = self._take(candidates[: plan.take], now)
+            if live:
+                await self._dispatch(live)
+
+    def _take(self, batch: list[_Pending], now: int) -> list[_Pending]:
+        """Dequeue ``batch`` (the head of the schedule) for the next free instance: the
+        requests still worth running (those whose timeout the batch cannot meet are
+        answered), with the instance's predicted end recorded for admission."""
+        controller = self._slo
+        assert controller is not None
+        for p in batch:
+            level = p.priority - 1
+            popped = self._levels[level].popleft()
+            assert popped is p
+            self._level_rows[level] -= p.rows
+            self._queued_rows -= p.rows
+        live = []
+        batch_ns = controller.model.predict(sum(p.rows for p in batch))
+        for p in batch:
+            if not p.future.done() and p.timeout_ns and slo.late(p.timeout_ns, now, batch_ns):
+                self._late(p, now)
+            if p.future.done():
+                self._dropped(p)
+            else:
+                live.append(p)
+        if live:
             rows = sum(p.rows for p in live)
             self._busy_until[self._free[-1]] = now + int(controller.model.predict(rows))
             self._dispatched[self._free[-1]] = now
-            await self._dispatch(live)
+        return live
+
+    def _run_overdue(self, now: int) -> None:
+        """An inline model's queued work that has waited ``overdue_ns`` runs now, from the
+        frontend's callback that noticed it, instead of when the gather task next gets the
+        loop. On a loop saturated by HTTP work one round (reading and answering every ready
+        connection) can take longer than the objective, and the gather task runs one batch
+        per round: queued requests would wait whole rounds. Runs before a new request is
+        admitted or refused, so the request that triggers it is not in the batch (its answer
+        is never written from inside its own submit) and admission sees the queue after it."""
+        levels = self._levels
+        oldest = 0
+        for level in levels:
+            if level and (not oldest or level[0].enqueued_ns < oldest):
+                oldest = level[0].enqueued_ns
+        if not oldest or now - oldest < self._overdue_ns or not self._free or self._closing:
+            return
+        controller = self._slo
+        assert controller is not None
+        self._pop_dead(now)
+        if not any(levels):
+            return
+        limit = controller.limit
+        candidates = self._candidates(now, limit)
+        take = total = 0
+        for p in candidates:
+            if take and total + p.rows > limit:
+                break
+            total += p.rows
+            take += 1
+        live = self._take(candidates[:take], now)
+        if not live:
+            return
+        self.stats.overdue_batches += 1
+        instance = self._free.pop()
+        self._in_flight += 1
+        self._finish(live, instance, *self._compute(live, instance))
 
     # ------------------------------------------------------------------ execution
     def _compute(
