@@ -62,6 +62,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--loadgen", choices=("python", "c"), default="python")
+    parser.add_argument("--server-cpus", default="", help="pin the server (taskset)")
+    parser.add_argument("--client-cpus", default="", help="pin the client (taskset)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="slo-refusal-"))
     try:
@@ -72,7 +75,7 @@ def main() -> None:
         plain.write_text(json.dumps({"inputs": [tensor]}))
         timed = work / "timed.json"
         timed.write_text(json.dumps({"inputs": [tensor], "parameters": {"timeout": 1}}))
-        server, port = _start(work / "repo", work, "")
+        server, port = _start(work / "repo", work, args.server_cpus)
         base = f"http://127.0.0.1:{port}/v2/models"
         variants = {
             "before decoding": (f"{base}/saturated/infer", plain),
@@ -90,7 +93,10 @@ def main() -> None:
                 for label in order:
                     url, body = variants[label]
                     user0, system0 = cpu_split(server.pid)
-                    r = _point(url, label, body, args.rate, args.seconds, 1, "", work, k)
+                    r = _point(
+                        url, label, body, args.rate, args.seconds, 1, args.client_cpus, work,
+                        k, loadgen=args.loadgen,
+                    )  # fmt: skip
                     user1, system1 = cpu_split(server.pid)
                     count = max(1, sum(r["codes"].values()))
                     user = 1e6 * (user1 - user0) / count
