@@ -151,6 +151,7 @@ class Batcher:
         self._dispatched: dict[int, int] = {}  # instance -> when its batch was dispatched
         # The last admission ``refuse_early`` granted: (received_ns, decision, work ahead).
         self._early: tuple[int, slo.Admission, bool] | None = None
+        self._probing = False  # a loop-round probe is queued (``_admission``)
         # Inline models under an objective: queued work that has waited this long runs from
         # the next frontend callback (``_run_overdue``).
         self._overdue_ns = (
@@ -330,6 +331,12 @@ class Batcher:
             busy_ns = max(0, min(self._busy_until.values()) - now)
         # A saturated event loop is work ahead too (requests wait for it, not in the queue).
         busy_ns += controller.loop.delay_ns(now, objective.budget_ns)
+        if self._overdue_ns and not self._probing:
+            # Time the rest of this loop round (overdue batches leave the gather task few
+            # turns to time it by): a callback queued now runs once the round's I/O is done.
+            self._probing = True
+            assert self._loop is not None
+            self._loop.call_soon(self._probed, now)
         factor = controller.feedback.factor
         ahead = sum(self._level_rows[:level])
         if not ahead and not busy_ns and self._free and not timeout_ns:
@@ -354,6 +361,13 @@ class Batcher:
             received_ns,
         )
         return decision, ahead > 0 or busy_ns > 0
+
+    def _probed(self, sent_ns: int) -> None:
+        self._probing = False
+        controller = self._slo
+        if controller is not None:
+            now = self._now()
+            controller.loop.observe(now - sent_ns, now)
 
     def _refused(self, decision: slo.Admission, level: int, now: int) -> ObjectiveRefused:
         self.stats.count_shed(decision.reason, level)
