@@ -95,7 +95,7 @@ def test_the_first_batch_served_alone_does_not_move_the_prediction() -> None:
     assert m.scale == pytest.approx(10.0)
 
 
-def test_loop_lag_counts_only_past_the_floor_and_drains_in_real_time() -> None:
+def test_loop_lag_counts_only_past_the_floor_holds_for_a_round_then_drains() -> None:
     budget = 8 * MS
     lag = LoopLag()
     assert lag.delay_ns(0, budget) == 0  # nothing measured: the loop keeps up
@@ -103,7 +103,8 @@ def test_loop_lag_counts_only_past_the_floor_and_drains_in_real_time() -> None:
     assert lag.delay_ns(10 * MS, budget) == 0
     lag.observe(3 * MS, 20 * MS)  # 3 ms behind: twice that is ahead of a new request
     assert lag.delay_ns(20 * MS, budget) == 6 * MS
-    assert lag.delay_ns(21 * MS, budget) == 4 * MS  # 1 ms later, 1 ms of it has drained
+    assert lag.delay_ns(23 * MS, budget) == 6 * MS  # the round now is taken to be as long
+    assert lag.delay_ns(24 * MS, budget) == 4 * MS  # then it drains in real time
     assert lag.delay_ns(30 * MS, budget) == 0  # long drained, nothing newer measured
     lag.observe(-5, 40 * MS)  # a clock step backwards is no lag
     assert lag.current(40 * MS) == 0

@@ -563,7 +563,9 @@ LOOP_LAG_FLOOR = 0.05  # share of the budget under which a delay is the loop's o
 class LoopLag:
     """How far behind the event loop is running: the last measured delay between a callback
     becoming ready and running (a batch's completion reaching the loop from its thread, the
-    gather task resuming after it yielded to the frontends), taken to drain in real time until
+    gather task resuming after it yielded to the frontends, a probe timing the rest of a loop
+    round), held for as long as it took (the round being measured is taken to be as long as
+    the last: a saturated loop does not catch up by itself), then drained in real time, until
     the next measurement. When the HTTP work of a model that is cheap next to it saturates the
     loop, requests wait in the loop's ready queue, not in the batcher's: ``delay_ns`` is that
     wait as work ahead of a request, for admission to count (twice: before its batch runs and
@@ -580,7 +582,9 @@ class LoopLag:
         self.at_ns = now_ns
 
     def current(self, now_ns: int) -> int:
-        return max(0, self.lag_ns - (now_ns - self.at_ns))
+        lag = self.lag_ns
+        elapsed = now_ns - self.at_ns
+        return lag if elapsed <= lag else max(0, 2 * lag - elapsed)
 
     def delay_ns(self, now_ns: int, budget_ns: int) -> int:
         lag = self.current(now_ns)
