@@ -93,7 +93,7 @@ soak: setup examples
 	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES) --out docs/soak.md --plot docs/img/soak.png
 
 # The SLO controller against fixed windows and Triton (PyTriton), open loop 0.2x-3x of capacity
-# (about 20 min): one round of each workload -> docs/slo/*.md, *.json, *.png; earlier rounds
+# (about 25 min): one round of each workload -> docs/slo/*.md, *.json, *.png; earlier rounds
 # and the per-round medians are in docs/benchmarks-slo.md (bench.slo_openloop --combine).
 bench-slo: setup examples
 	$(BIN)/python -m bench.slo_openloop --workload minilm --seq 32 --objective-ms 250 \
@@ -105,6 +105,9 @@ bench-slo: setup examples
 	$(BIN)/python -m bench.slo_openloop --workload mlp --objective-ms 10 \
 		--loads 0.2,0.5,1,1.5,2,3 --windows 0,200,1000 --triton-windows 0,5000 --seconds 4 \
 		--clients 1 --probe-rate 30000 --out docs/slo/mlp.md
+	$(BIN)/python -m bench.slo_openloop --workload mlp --objective-ms 10 --loadgen c \
+		--server-cpus 0 --client-cpus 1 --loads 0.2,0.5,1,1.5,2,3 --windows 0,200,1000,5000 \
+		--seconds 4 --clients 1 --out docs/slo/mlp-pinned.md
 
 optimize-report: setup
 	$(BIN)/python -m bench.showcase --out docs/optimization.md
