@@ -43,6 +43,10 @@ def test_any_keyed_difference_changes_the_key() -> None:
         key([t("x", X)], [RequestedOutput("y"), RequestedOutput("z")]),
         key([t("x", X)], None),
         key([t("x", X), t("w", X)], [RequestedOutput("y")]),
+        # the classification extension answers other bytes for the same output
+        key([t("x", X)], [RequestedOutput("y", classification=2)]),
+        key([t("x", X)], [RequestedOutput("y", classification=3)]),
+        key([t("x", X)], [RequestedOutput("y"), RequestedOutput("z", classification=1)]),
     ]
     assert len({base, *variants}) == len(variants) + 1
 

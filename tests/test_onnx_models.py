@@ -214,3 +214,61 @@ def test_graphs_that_cannot_be_served_as_they_are_are_refused_by_name(tmp_path: 
         assert "input 'x' has no shape (any rank)" in log
     finally:
         s.stop()
+
+
+def test_class_count_returns_the_top_classes_with_their_labels_over_both_protocols(
+    served: RunningServer, fitted: dict[str, object]
+) -> None:
+    """tritonclient's ``class_count`` (the classification extension): each row's top N
+    probabilities as ``value:index:label`` strings, in descending order."""
+    x = fitted["x"]
+    model = fitted["iris-tree"]
+    assert isinstance(x, np.ndarray)
+    rows = x[::25]
+    expected = model.predict_proba(rows)  # type: ignore[attr-defined]
+    for mod, url in ((thttp, served.http), (tgrpc, served.grpc)):
+        with mod.InferenceServerClient(url) as client:
+            inp = mod.InferInput("X", list(rows.shape), "FP32")
+            inp.set_data_from_numpy(rows)
+            wanted = mod.InferRequestedOutput("output_probability", class_count=2)
+            result = client.infer("iris-tree", [inp], outputs=[wanted])
+        top = result.as_numpy("output_probability")
+        assert top.shape == (len(rows), 2)
+        for r, row in enumerate(top):
+            parts = [v.decode().split(":") for v in row]
+            order = np.argsort(-expected[r], kind="stable")[:2]
+            assert [int(p[1]) for p in parts] == order.tolist()
+            assert [p[2] for p in parts] == [IRIS_NAMES[i] for i in order]
+            np.testing.assert_allclose([float(p[0]) for p in parts], expected[r][order], atol=1e-6)
+    with thttp.InferenceServerClient(served.http) as client:
+        assert "classification" in client.get_server_metadata()["extensions"]
+
+
+def test_a_bad_class_count_is_a_400_naming_the_parameter(served: RunningServer) -> None:
+    import httpx
+
+    row = {"name": "X", "shape": [1, 4], "datatype": "FP32", "data": [5.1, 3.5, 1.4, 0.2]}
+    for output, count, says in (
+        ("output_probability", -1, "expected a positive integer"),
+        ("output_probability", "2", "expected a positive integer"),
+        ("output_label", 1, "output 'output_label' is BYTES"),
+    ):
+        body = {
+            "inputs": [row],
+            "outputs": [{"name": output, "parameters": {"classification": count}}],
+        }
+        r = httpx.post(f"{served.base}/v2/models/iris-tree/infer", json=body)
+        assert r.status_code == 400
+        assert "outputs[0].parameters.classification" in r.json()["error"] and says in r.text
+
+
+def test_top_classes_ranks_each_row_and_clamps_to_the_classes_there_are() -> None:
+    from rtserve.core.dataplane import top_classes
+
+    scores = np.array([[0.1, 0.7, 0.2], [0.5, 0.5, 0.0]], dtype=np.float32)
+    got = top_classes(scores, 5, batched=True, labels=("a", "b", "c"))
+    assert got.shape == (2, 3)  # 5 asked, 3 classes
+    assert got[0].tolist() == [b"0.700000:1:b", b"0.200000:2:c", b"0.100000:0:a"]
+    assert got[1].tolist()[:2] == [b"0.500000:0:a", b"0.500000:1:b"]  # a tie: lower index first
+    ints = top_classes(np.array([3, 9, 4], dtype=np.int64), 2, batched=False)
+    assert ints.tolist() == [b"9:1", b"4:2"]  # not batched: the whole tensor is one row

@@ -67,6 +67,9 @@ def cache_key(
         update(_U32.pack(len(outputs)))
         for o in outputs:
             update(_str(o.name))
+        if any(o.classification for o in outputs):  # (appended: other keys are unchanged)
+            update(b"\x01")
+            update(struct.pack(f"<{len(outputs)}Q", *(o.classification for o in outputs)))
     return h.digest()
 
 

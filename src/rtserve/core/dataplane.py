@@ -50,6 +50,7 @@ from rtserve.protocol.types import InferRequest, InferResponse, Tensor, Timings
 
 EXTENSIONS = (
     "binary_tensor_data",
+    "classification",
     "model_configuration",
     "statistics",
     "model_repository",
@@ -99,6 +100,29 @@ def _slo_parameters(slo: SLO | None) -> tuple[tuple[str, str], ...]:
     if slo.p50_ms:
         out.append(("slo_p50_ms", f"{slo.p50_ms:g}"))
     return tuple(out)
+
+
+Wanted = tuple[str, int]  # an output to answer with, and its classification count (0: none)
+
+
+def top_classes(
+    arr: np.ndarray, top: int, batched: bool, labels: tuple[str, ...] | None = None
+) -> np.ndarray:
+    """The classification extension: each row's ``top`` largest values (all, if fewer) as
+    ``value:index`` BYTES, with ``:label`` where the output has class labels; [batch, top]
+    for a batched model, [top] otherwise. Ties keep the lower index first."""
+    rows = arr.reshape(arr.shape[0], -1) if batched and arr.ndim else arr.reshape(1, -1)
+    k = min(top, rows.shape[1])
+    order = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :k]
+    floats = rows.dtype.kind == "f"
+    out = np.empty(order.shape, dtype=object)
+    for r in range(order.shape[0]):
+        row = rows[r]
+        for j, index in enumerate(order[r].tolist()):
+            value = f"{float(row[index]):f}" if floats else str(int(row[index]))
+            label = f":{labels[index]}" if labels is not None and index < len(labels) else ""
+            out[r, j] = f"{value}:{index}{label}".encode()
+    return out if batched and arr.ndim else out.reshape(k)
 
 
 def _label_parameters(mv: ModelVersion) -> tuple[tuple[str, str], ...]:
@@ -331,7 +355,7 @@ class DataPlane:
         self,
         request: InferRequest,
         mv: ModelVersion,
-        wanted: list[str],
+        wanted: list[Wanted],
         done: Done,
         future: asyncio.Future[dict[str, np.ndarray]],
     ) -> None:
@@ -352,7 +376,7 @@ class DataPlane:
         mv: ModelVersion,
         feeds: dict[str, np.ndarray],
         rows: int,
-        wanted: list[str],
+        wanted: list[Wanted],
         timeout_s: float,
         key: bytes,
         done: Done,
@@ -377,28 +401,39 @@ class DataPlane:
 
     @staticmethod
     def _select(
-        mv: ModelVersion, results: dict[str, np.ndarray], wanted: list[str]
+        mv: ModelVersion, results: dict[str, np.ndarray], wanted: list[Wanted]
     ) -> list[Tensor]:
         specs = mv.outputs
         out = []
-        for name in wanted:
+        for name, top in wanted:
             arr = results[name]
-            out.append(Tensor(name, specs[name].datatype, arr.shape, arr))
+            if top:
+                labels = (getattr(mv.runtime, "labels", None) or {}).get(name)
+                arr = top_classes(arr, top, mv.config.max_batch_size > 0, labels)
+                out.append(Tensor(name, "BYTES", arr.shape, arr))
+            else:
+                out.append(Tensor(name, specs[name].datatype, arr.shape, arr))
         return out
 
     @staticmethod
-    def _check_outputs(request: InferRequest, mv: ModelVersion) -> list[str]:
+    def _check_outputs(request: InferRequest, mv: ModelVersion) -> list[Wanted]:
         if not request.outputs:
-            return list(mv.outputs)
-        names = []
+            return [(name, 0) for name in mv.outputs]
+        wanted = []
         for i, out in enumerate(request.outputs):
-            if out.name not in mv.outputs:
+            spec = mv.outputs.get(out.name)
+            if spec is None:
                 raise InvalidInput(
                     f"outputs[{i}].name: model '{mv.name}' has no output '{out.name:.100}' "
                     f"(expected one of: {', '.join(mv.outputs)})"
                 )
-            names.append(out.name)
-        return names
+            if out.classification and spec.datatype in ("BYTES", "BOOL"):
+                raise InvalidInput(
+                    f"outputs[{i}].parameters.classification: output '{out.name}' is "
+                    f"{spec.datatype}; classification ranks a numeric output"
+                )
+            wanted.append((out.name, out.classification))
+        return wanted
 
     @staticmethod
     def _check_inputs(request: InferRequest, mv: ModelVersion) -> tuple[dict[str, np.ndarray], int]:

@@ -32,6 +32,7 @@ from rtserve.protocol.types import (
     InferResponse,
     RequestedOutput,
     Tensor,
+    classification_count,
 )
 
 # Which InferTensorContents field carries each datatype when raw contents are not used.
@@ -151,10 +152,13 @@ def _decode(request: pb.ModelInferRequest, limits: DecodeLimits) -> InferRequest
         inputs.append(Tensor(name, datatype, shape, arr.reshape(shape)))
     outputs = None
     if request.outputs:
-        outputs = [
-            RequestedOutput(check_name(o.name, f"outputs[{i}].name"))
-            for i, o in enumerate(request.outputs)
-        ]
+        outputs = []
+        for i, o in enumerate(request.outputs):
+            top = 0
+            if "classification" in o.parameters:
+                value = parameters_to_dict(o.parameters).get("classification")
+                top = classification_count(value, f"outputs[{i}].parameters.classification")
+            outputs.append(RequestedOutput(check_name(o.name, f"outputs[{i}].name"), None, top))
     return InferRequest(
         model_name=request.model_name,
         model_version=request.model_version,

@@ -46,6 +46,7 @@ from rtserve.protocol.types import (
     InferResponse,
     RequestedOutput,
     Tensor,
+    classification_count,
 )
 
 __all__ = [
@@ -477,9 +478,14 @@ def decode_infer_request(
             check_name(out["name"], f"outputs[{i}].name")
             op = out.get("parameters")
             flag = None
+            top = 0
             if op is not None:
-                flag = _check_parameters(op, f"outputs[{i}].parameters", limits).get("binary_data")
-            outputs.append(RequestedOutput(out["name"], flag if type(flag) is bool else None))
+                op = _check_parameters(op, f"outputs[{i}].parameters", limits)
+                flag = op.get("binary_data")
+                if "classification" in op:
+                    where = f"outputs[{i}].parameters.classification"
+                    top = classification_count(op["classification"], where)
+            outputs.append(RequestedOutput(out["name"], flag if type(flag) is bool else None, top))
     req_id = doc.get("id", "")
     return InferRequest(
         model_name=model_name,

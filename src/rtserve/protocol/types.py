@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from rtserve.errors import InvalidInput
+
 # V2 datatype name -> numpy dtype. BYTES is an object array of bytes.
 DATATYPE_TO_NUMPY: dict[str, np.dtype[Any]] = {
     "BOOL": np.dtype(np.bool_),
@@ -45,6 +47,19 @@ class Tensor:
 class RequestedOutput:
     name: str
     binary: bool | None = None  # None: the request-wide default applies
+    # The classification extension: the top N classes of this output, as "value:index[:label]"
+    # strings, instead of the tensor (0: the tensor).
+    classification: int = 0
+
+
+def classification_count(value: Any, where: str) -> int:
+    """An output's ``classification`` parameter: a positive number of classes (0: none)."""
+    if type(value) is not int or value < 0:
+        raise InvalidInput(
+            f"{where}: expected a positive integer (how many top classes to return), "
+            f"got {str(value)[:40]!r}"
+        )
+    return value
 
 
 @dataclass(slots=True)
