@@ -29,7 +29,7 @@ IRIS_NAMES = ["setosa", "versicolor", "virginica"]
 
 @pytest.fixture(scope="module")
 def fitted() -> dict[str, object]:
-    from sklearn.ensemble import RandomForestRegressor
+    from sklearn.ensemble import RandomForestClassifier, RandomForestRegressor
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
@@ -50,6 +50,8 @@ def fitted() -> dict[str, object]:
         "iris-forest-regressor": RandomForestRegressor(n_estimators=5, random_state=0).fit(
             x[:, :3], x[:, 3]
         ),
+        # converted without ZipMap: its classes come from a labels file in the config
+        "iris-forest": RandomForestClassifier(n_estimators=5, random_state=0).fit(x, y),
     }
 
 
@@ -64,9 +66,12 @@ def served(
         if name == "x":
             continue
         sample = x[:1, :3] if "regressor" in name else x[:1]
-        onx = skl2onnx.to_onnx(model, sample)  # defaults: classifiers end in a ZipMap
+        options = {"zipmap": False} if name == "iris-forest" else None
+        onx = skl2onnx.to_onnx(model, sample, options=options)  # default: ends in a ZipMap
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.onnx").write_bytes(onx.SerializeToString())
+    (repo / "iris-forest" / "classes.txt").write_text("\n".join(IRIS_NAMES) + "\n")
+    (repo / "iris-forest" / "config.yaml").write_text("labels: {probabilities: classes.txt}\n")
     s = start_server(repo, tmp_path_factory.mktemp("sklearn-server"))
     yield s
     s.stop()
@@ -199,11 +204,25 @@ def test_graphs_that_cannot_be_served_as_they_are_are_refused_by_name(tmp_path: 
     (repo / "any-rank-declared" / "config.yaml").write_text(
         "max_batch_size: 0\ninputs:\n  - {name: x, datatype: FP32, shape: [2, -1]}\n"
     )
+    # labels files that cannot be used: a missing file, an output the model lacks
+    _save(repo / "no-file" / "1", any_rank)
+    (repo / "no-file" / "config.yaml").write_text(
+        "max_batch_size: 0\ninputs: [{name: x, datatype: FP32, shape: [2]}]\n"
+        "labels: {y: missing.txt}\n"
+    )
+    _save(repo / "no-output" / "1", any_rank)
+    (repo / "no-output" / "labels.txt").write_text("a\nb\n")
+    (repo / "no-output" / "config.yaml").write_text(
+        "max_batch_size: 0\ninputs: [{name: x, datatype: FP32, shape: [2]}]\n"
+        "labels: {z: labels.txt}\n"
+    )
     s = start_server(repo, tmp_path / "work")
     try:
         with thttp.InferenceServerClient(s.http) as client:
             assert not client.is_model_ready("seq")
             assert not client.is_model_ready("any-rank")
+            assert not client.is_model_ready("no-file")
+            assert not client.is_model_ready("no-output")
             x = np.array([[1.0, -2.0, 3.0], [-4.0, 5.0, -6.0]], dtype=np.float32)
             inp = thttp.InferInput("x", [2, 3], "FP32")
             inp.set_data_from_numpy(x)
@@ -212,6 +231,8 @@ def test_graphs_that_cannot_be_served_as_they_are_are_refused_by_name(tmp_path: 
         log = s.log()
         assert "'S' has unsupported type seq(tensor(float))" in log
         assert "input 'x' has no shape (any rank)" in log
+        assert "labels.y: cannot read missing.txt" in log
+        assert "labels.z: the model has no output 'z'" in log
     finally:
         s.stop()
 
@@ -272,3 +293,24 @@ def test_top_classes_ranks_each_row_and_clamps_to_the_classes_there_are() -> Non
     assert got[1].tolist()[:2] == [b"0.500000:0:a", b"0.500000:1:b"]  # a tie: lower index first
     ints = top_classes(np.array([3, 9, 4], dtype=np.int64), 2, batched=False)
     assert ints.tolist() == [b"9:1", b"4:2"]  # not batched: the whole tensor is one row
+
+
+def test_labels_from_a_config_file_name_the_top_classes(
+    served: RunningServer, fitted: dict[str, object]
+) -> None:
+    x = fitted["x"]
+    model = fitted["iris-forest"]
+    assert isinstance(x, np.ndarray)
+    rows = x[::30]
+    with tgrpc.InferenceServerClient(served.grpc) as client:
+        config = client.get_model_config("iris-forest", as_json=True)["config"]
+        assert json.loads(config["parameters"]["labels:probabilities"]["string_value"]) == (
+            IRIS_NAMES
+        )
+        inp = tgrpc.InferInput("X", list(rows.shape), "FP32")
+        inp.set_data_from_numpy(rows)
+        wanted = tgrpc.InferRequestedOutput("probabilities", class_count=1)
+        result = client.infer("iris-forest", [inp], outputs=[wanted])
+    got = [v.decode().split(":")[2] for v in result.as_numpy("probabilities").reshape(-1)]
+    best = np.argmax(model.predict_proba(rows), axis=1)  # type: ignore[attr-defined]
+    assert got == [IRIS_NAMES[i] for i in best]

@@ -174,6 +174,9 @@ class ModelConfig:
     backend_options: dict[str, Any] = field(default_factory=dict)
     steps: tuple[Any, ...] = ()
     source: str = ""
+    # Output name -> a text file of its class labels (one per line, relative to the model's
+    # directory), for the classification extension (Triton's label_filename).
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 BACKENDS = ("onnxruntime", "python", "torch", "ensemble")
@@ -287,6 +290,17 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
         if not isinstance(section, dict):
             raise f.fail(backend, "a mapping of backend options", section)
         options = dict(section)
+    labels = f.get("labels", {})
+    if not isinstance(labels, dict) or any(
+        not isinstance(k, str) or not isinstance(v, str) or not v or Path(v).is_absolute()
+        for k, v in labels.items()
+    ):
+        raise f.fail(
+            "labels",
+            "a mapping of output name to a labels file in the model's directory "
+            "(one label per line)",
+            labels,
+        )
     steps = f.get("steps")
     if steps is not None and backend != "ensemble":
         raise f.fail("steps", "no steps unless backend is ensemble", steps)
@@ -312,6 +326,7 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
         backend_options=options,
         steps=tuple(steps or ()),
         source=where,
+        labels=dict(labels),
     )
 
 

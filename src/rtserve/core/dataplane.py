@@ -126,10 +126,9 @@ def top_classes(
 
 
 def _label_parameters(mv: ModelVersion) -> tuple[tuple[str, str], ...]:
-    """Class labels of outputs served in place of a ZipMap (ONNX classifiers from
-    scikit-learn), in column order: ``labels:<output>`` -> a JSON list."""
-    labels: dict[str, tuple[str, ...]] = getattr(mv.runtime, "labels", None) or {}
-    return tuple((f"labels:{name}", json.dumps(list(c))) for name, c in labels.items())
+    """Class labels of outputs that have them (a ZipMap'd scikit-learn classifier's, or the
+    config's labels files), in index order: ``labels:<output>`` -> a JSON list."""
+    return tuple((f"labels:{name}", json.dumps(list(c))) for name, c in mv.labels.items())
 
 
 class DataPlane:
@@ -408,8 +407,7 @@ class DataPlane:
         for name, top in wanted:
             arr = results[name]
             if top:
-                labels = (getattr(mv.runtime, "labels", None) or {}).get(name)
-                arr = top_classes(arr, top, mv.config.max_batch_size > 0, labels)
+                arr = top_classes(arr, top, mv.config.max_batch_size > 0, mv.labels.get(name))
                 out.append(Tensor(name, "BYTES", arr.shape, arr))
             else:
                 out.append(Tensor(name, specs[name].datatype, arr.shape, arr))

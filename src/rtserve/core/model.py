@@ -98,6 +98,8 @@ class ModelVersion:
     ready: bool = False
     # What one request to this version may cost to decode (sized to its signature).
     decode_limits: DecodeLimits = DEFAULT_LIMITS
+    # Class labels per output, in index order (the config's labels files, a ZipMap's classes).
+    labels: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def submit(
         self,
@@ -230,6 +232,34 @@ def slo_controller(runtime: Runtime, config: ModelConfig) -> SLOController:
     return SLOController(objective, BatchTimeModel.fit(samples))
 
 
+MAX_LABELS_BYTES = 16 * 1024 * 1024
+
+
+def read_labels(
+    config: ModelConfig, model_dir: Path, runtime: Runtime
+) -> dict[str, tuple[str, ...]]:
+    """Each output's class labels: the runtime's own (a ZipMap's classes), then the config's
+    ``labels`` files (one label per line, in index order), which take precedence."""
+    labels: dict[str, tuple[str, ...]] = dict(getattr(runtime, "labels", None) or {})
+    names = [s.name for s in runtime.outputs]
+    root = model_dir.resolve()
+    for output, file in config.labels.items():
+        where = f"{config.source}: labels.{output}"
+        if output not in names:
+            raise ConfigError(f"{where}: the model has no output {output!r} ({', '.join(names)})")
+        path = (model_dir / file).resolve()
+        if not path.is_relative_to(root):
+            raise ConfigError(f"{where}: {file!r} is outside the model's directory")
+        try:
+            if path.stat().st_size > MAX_LABELS_BYTES:
+                raise ConfigError(f"{where}: {file} is larger than {MAX_LABELS_BYTES} bytes")
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{where}: cannot read {file}: {exc}") from None
+        labels[output] = tuple(text.splitlines())
+    return labels
+
+
 async def build_runtime_version(
     config: ModelConfig, version_dir: Path, version: str, ctx: BuildContext
 ) -> ModelVersion:
@@ -244,6 +274,11 @@ async def build_runtime_version(
         raise ConfigError(f"{version_dir}: loading failed: {type(exc).__name__}: {exc}") from exc
     if runtime.max_batch_size != config.max_batch_size:
         config = dataclasses.replace(config, max_batch_size=runtime.max_batch_size)
+    try:
+        labels = read_labels(config, version_dir.parent, runtime)
+    except ConfigError:
+        runtime.close()
+        raise
     try:
         batch_ns = await loop.run_in_executor(None, warmup, runtime, config)
     except Exception as exc:
@@ -288,6 +323,7 @@ async def build_runtime_version(
         decode_limits=limits_for_model(
             runtime.inputs, 4 * max(1, config.max_batch_size), ctx.decode_limits
         ),
+        labels=labels,
     )
     log.info(
         "loaded %s version %s (%s, %s, largest warmup batch %.3f ms)",
