@@ -102,6 +102,21 @@ def test_a_zipmap_classifier_loads_and_its_probabilities_are_a_tensor(
     np.testing.assert_array_equal(result.as_numpy("output_label"), model.predict(rows))  # type: ignore[attr-defined]
 
 
+def _grpc_labels_and_infer(
+    served: RunningServer, model: str, output: str, rows: np.ndarray, class_count: int = 0
+) -> tuple[list[str], tgrpc.InferResult]:
+    """Over gRPC: the labels the model config lists for ``output``, and the answer to
+    ``rows`` (with ``class_count``: that output's top classes only)."""
+    with tgrpc.InferenceServerClient(served.grpc) as client:
+        config = client.get_model_config(model, as_json=True)["config"]
+        labels = json.loads(config["parameters"][f"labels:{output}"]["string_value"])
+        inp = tgrpc.InferInput("X", list(rows.shape), "FP32")
+        inp.set_data_from_numpy(rows)
+        wanted = [tgrpc.InferRequestedOutput(output, class_count=class_count)]
+        result = client.infer(model, [inp], outputs=wanted if class_count else None)
+    return labels, result
+
+
 def test_string_labels_come_back_as_bytes_with_their_classes_listed_over_grpc(
     served: RunningServer, fitted: dict[str, object]
 ) -> None:
@@ -109,13 +124,8 @@ def test_string_labels_come_back_as_bytes_with_their_classes_listed_over_grpc(
     model = fitted["iris-tree"]
     assert isinstance(x, np.ndarray)
     rows = x[::5]
-    with tgrpc.InferenceServerClient(served.grpc) as client:
-        config = client.get_model_config("iris-tree", as_json=True)["config"]
-        labels = config["parameters"]["labels:output_probability"]["string_value"]
-        assert json.loads(labels) == IRIS_NAMES
-        inp = tgrpc.InferInput("X", list(rows.shape), "FP32")
-        inp.set_data_from_numpy(rows)
-        result = client.infer("iris-tree", [inp])
+    labels, result = _grpc_labels_and_infer(served, "iris-tree", "output_probability", rows)
+    assert labels == IRIS_NAMES
     got = [v.decode() for v in result.as_numpy("output_label")]
     assert got == list(model.predict(rows))  # type: ignore[attr-defined]
     probs = result.as_numpy("output_probability")
@@ -302,15 +312,8 @@ def test_labels_from_a_config_file_name_the_top_classes(
     model = fitted["iris-forest"]
     assert isinstance(x, np.ndarray)
     rows = x[::30]
-    with tgrpc.InferenceServerClient(served.grpc) as client:
-        config = client.get_model_config("iris-forest", as_json=True)["config"]
-        assert json.loads(config["parameters"]["labels:probabilities"]["string_value"]) == (
-            IRIS_NAMES
-        )
-        inp = tgrpc.InferInput("X", list(rows.shape), "FP32")
-        inp.set_data_from_numpy(rows)
-        wanted = tgrpc.InferRequestedOutput("probabilities", class_count=1)
-        result = client.infer("iris-forest", [inp], outputs=[wanted])
+    labels, result = _grpc_labels_and_infer(served, "iris-forest", "probabilities", rows, 1)
+    assert labels == IRIS_NAMES
     got = [v.decode().split(":")[2] for v in result.as_numpy("probabilities").reshape(-1)]
     best = np.argmax(model.predict_proba(rows), axis=1)  # type: ignore[attr-defined]
     assert got == [IRIS_NAMES[i] for i in best]

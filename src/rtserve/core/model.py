@@ -274,8 +274,8 @@ async def build_runtime_version(
         raise ConfigError(f"{version_dir}: loading failed: {type(exc).__name__}: {exc}") from exc
     if runtime.max_batch_size != config.max_batch_size:
         config = dataclasses.replace(config, max_batch_size=runtime.max_batch_size)
-    try:
-        labels = read_labels(config, version_dir.parent, runtime)
+    try:  # (file reads: off the event loop, as the load)
+        labels = await loop.run_in_executor(None, read_labels, config, version_dir.parent, runtime)
     except ConfigError:
         runtime.close()
         raise

@@ -178,7 +178,7 @@ class OnnxRuntimeModel:
             raise ConfigError(f"{version_dir}: model.onnx not found")
         opts = config.onnxruntime
         providers = available_providers(opts.execution_providers)
-        sessions = cls._sessions_for(str(path), config, providers)
+        sessions = cls._sessions_for(str(path), config, providers, 1)
         labels: dict[str, tuple[str, ...]] = {}
         if any(o.type.startswith("seq(map(") for o in sessions[0].get_outputs()):
             try:
@@ -186,7 +186,7 @@ class OnnxRuntimeModel:
             except Exception as exc:  # a graph onnx cannot load or save: report the type below
                 log.warning("%s: could not remove the model's ZipMap: %s", path, exc)
             else:
-                if labels:
+                if labels:  # the first session, of the graph with ZipMap, is not kept
                     sessions = cls._sessions_for(model_bytes, config, providers)
                     for name, classes in labels.items():
                         log.info(
@@ -194,6 +194,10 @@ class OnnxRuntimeModel:
                             "FP32 tensor [batch, %d], columns in class order %s",
                             path, name, len(classes), list(classes),
                         )  # fmt: skip
+        if len(sessions) < config.instance_count:
+            sessions += cls._sessions_for(
+                str(path), config, providers, config.instance_count - len(sessions)
+            )
         s0 = sessions[0]
         max_batch = config.max_batch_size
         if max_batch == AUTO_BATCH:
@@ -218,13 +222,14 @@ class OnnxRuntimeModel:
 
     @staticmethod
     def _sessions_for(
-        model: str | bytes, config: ModelConfig, providers: list[str]
+        model: str | bytes, config: ModelConfig, providers: list[str], count: int = 0
     ) -> list[ort.InferenceSession]:
-        """``config.instance_count`` sessions of ``model`` (a path, or the model's bytes)."""
+        """``count`` (default: ``config.instance_count``) sessions of ``model`` (a path, or
+        the model's bytes)."""
         opts = config.onnxruntime
         where = model if isinstance(model, str) else config.source
         sessions = []
-        for _ in range(config.instance_count):
+        for _ in range(count or config.instance_count):
             so = ort.SessionOptions()
             so.intra_op_num_threads = opts.intra_op_threads
             so.inter_op_num_threads = opts.inter_op_threads

@@ -673,15 +673,9 @@ class Batcher:
         self._pop_dead(now)
         if not any(levels):
             return
-        limit = controller.limit
-        candidates = self._candidates(now, limit)
-        take = total = 0
-        for p in candidates:
-            if take and total + p.rows > limit:
-                break
-            total += p.rows
-            take += 1
-        live = self._take(candidates[:take], now)
+        candidates = self._candidates(now, controller.limit)
+        fit, _ = slo.fitting([p.rows for p in candidates], controller.limit)
+        live = self._take(candidates[: fit or 1], now)
         if not live:
             return
         self.stats.overdue_batches += 1

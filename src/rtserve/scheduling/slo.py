@@ -347,6 +347,19 @@ def target_rows(
     return max(1, min(max_rows, math.ceil(need * fixed / spare)))
 
 
+def fitting(rows: Sequence[int], max_rows: int) -> tuple[int, int]:
+    """How many requests from the head of the queue fit in one batch of ``max_rows``, and
+    their rows (0, 0 when the head alone is larger: it then runs alone)."""
+    total = 0
+    fit = 0
+    for r in rows:
+        if total + r > max_rows:
+            break
+        total += r
+        fit += 1
+    return fit, total
+
+
 def plan(
     rows: Sequence[int],
     deadlines: Sequence[int],
@@ -364,13 +377,7 @@ def plan(
     request in it late; otherwise wait for the rows the target still lacks, at most until the
     latest start. ``max_rows``: the largest batch to form (see ``batch_limit``).
     """
-    total = 0
-    fit = 0
-    for r in rows:
-        if total + r > max_rows:
-            break
-        total += r
-        fit += 1
+    fit, total = fitting(rows, max_rows)
     if fit == 0:  # nothing queued, or the head alone is larger than the limit: it runs alone
         return SLOPlan(1 if rows else 0, 0)
     earliest = min(deadlines[:fit])
