@@ -18,7 +18,7 @@ from rtserve.errors import (
 )
 from rtserve.protocol.types import Timings
 from rtserve.scheduling import slo
-from rtserve.scheduling.batcher import OVERDUE_SHARE, Batcher
+from rtserve.scheduling.batcher import OVERDUE_SHARE, REFUSAL_HOLD, Batcher
 from rtserve.scheduling.policy import DynamicBatchPolicy
 from tests.fakes import DoublingRuntime, FakeClock, run_async
 
@@ -374,6 +374,41 @@ async def test_refuse_early_is_the_refusal_any_request_would_get_before_it_is_de
     results = await asyncio.gather(*admitted)  # the admitted ones are all answered
     assert [r["y"].shape for r in results] == [(1, 4)] * len(admitted)
     assert b.refuse_early(clock.ns) is None  # the queue drained: admitted again
+    await b.stop()
+
+
+@run_async
+async def test_an_early_refusal_stands_for_a_moment_unless_something_ran_or_was_measured() -> None:
+    """Back-to-back refusals under overload: ``refuse_early``'s refusal stands for
+    ``REFUSAL_HOLD`` of the budget (retry-after counting down), counted each time; it is
+    decided anew once that has passed, or at once when a batch finishes."""
+    rt, clock = DoublingRuntime(), FakeClock()
+    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(1e6, 1e6))
+    b.start()
+    admitted = []
+    with pytest.raises(ObjectiveRefused):
+        for _ in range(64):
+            admitted.append(b.submit(rows(1), 1, Timings()))
+    first = b.refuse_early(clock.ns)
+    assert isinstance(first, ObjectiveRefused)
+    shed = b.stats.shed[("objective", 1)]
+    # The model turns 100x faster: a new decision would admit, the refusal still stands.
+    controller.model.scale = 0.01
+    hold_ns = int(controller.objective.budget_ns * REFUSAL_HOLD)
+    clock.ns += hold_ns // 2
+    again = b.refuse_early(clock.ns)
+    assert isinstance(again, ObjectiveRefused) and again.message == first.message
+    assert again.retry_after_s < first.retry_after_s
+    assert b.stats.shed[("objective", 1)] == shed + 1
+    clock.ns += hold_ns // 2 + 1
+    assert b.refuse_early(clock.ns) is None  # passed: decided anew, and admitted
+    # Held again; a finished batch drops it (what admission predicts from has changed).
+    controller.model.scale = 1.0
+    clock.ns += 1
+    assert isinstance(b.refuse_early(clock.ns), ObjectiveRefused)
+    controller.model.scale = 0.01
+    await asyncio.gather(*admitted)
+    assert b.refuse_early(clock.ns) is None
     await b.stop()
 
 

@@ -38,6 +38,7 @@ Outputs = dict[str, np.ndarray]
 OnDone = Callable[["asyncio.Future[Outputs]"], object]
 log = logging.getLogger(__name__)
 OVERDUE_SHARE = 0.25  # of the objective's budget: see ``Batcher._run_overdue``
+REFUSAL_HOLD = 0.03  # of the objective's budget: see ``Batcher.refuse_early``
 
 
 class _Pending:
@@ -152,6 +153,10 @@ class Batcher:
         # The last admission ``refuse_early`` granted: (received_ns, decision, work ahead).
         self._early: tuple[int, slo.Admission, bool] | None = None
         self._probing = False  # a loop-round probe is queued (``_admission``)
+        # The refusal ``refuse_early`` last decided, while it stands: (until, message, when
+        # to retry), all in ns; dropped when a batch finishes or the loop is timed again.
+        self._held: tuple[int, str, int] | None = None
+        self._hold_ns = int(controller.objective.budget_ns * REFUSAL_HOLD) if controller else 0
         # Inline models under an objective: queued work that has waited this long runs from
         # the next frontend callback (``_run_overdue``).
         self._overdue_ns = (
@@ -364,6 +369,7 @@ class Batcher:
 
     def _probed(self, sent_ns: int) -> None:
         self._probing = False
+        self._held = None
         controller = self._slo
         if controller is not None:
             now = self._now()
@@ -392,15 +398,27 @@ class Batcher:
         now = self._now()
         if self._overdue_ns:
             self._run_overdue(now)
+        held = self._held
+        if held is not None and now < held[0]:
+            # Refused a moment ago, and nothing ran or was measured since: the same refusal
+            # (only time has passed, and by less than the request would have had to wait).
+            # Under overload refusals come back to back; deciding each anew is a third of
+            # what a refusal costs the event loop.
+            self.stats.count_shed("objective", 1)
+            return ObjectiveRefused(held[1], retry_after_s=max(slo.MS, held[2] - now) / 1e9)
         decision, queued = self._admission(1, 1, now, 0, received_ns)
         if decision.admitted:
             # Kept for the submit that follows the decode (same request, same callback),
             # which then need not decide again. Keyed on the reception time: a request that
             # fails to decode leaves it to no other one.
             self._early = (received_ns, decision, queued) if received_ns else None
+            self._held = None
             return None
         self._early = None
-        return self._refused(decision, 1, now)
+        refusal = self._refused(decision, 1, now)
+        hold = min(self._hold_ns, decision.retry_after_ns)
+        self._held = (now + hold, refusal.message, now + decision.retry_after_ns)
+        return refusal
 
     def _expire(self, pending: _Pending, timeout_s: float) -> None:
         if not pending.future.done():
@@ -498,6 +516,7 @@ class Batcher:
             self._finish(live, instance, *result)
             await asyncio.sleep(0)  # let the frontends run between inline batches
             if self._slo is not None:  # what ran meanwhile: how far behind the loop is
+                self._held = None
                 now = self._now()
                 self._slo.loop.observe(now - yielded, now)
         else:
@@ -719,6 +738,7 @@ class Batcher:
         total_rows = sum(p.rows for p in batch)
         self.batch_ns += 0.1 * ((end - start) - self.batch_ns)
         if self._slo is not None:
+            self._held = None  # what admission predicts from has changed
             # Timed on the loop from dispatch: the thread hops and a busy loop count too.
             now = self._now()
             dispatched = self._dispatched.pop(instance, start)
