@@ -246,17 +246,19 @@ async def test_queued_work_that_waited_a_quarter_of_the_budget_runs_from_the_nex
     None
 ):
     """On a saturated event loop the gather task gets one turn per round of HTTP work;
-    queued requests of an inline model that have waited ``OVERDUE_SHARE`` of the budget run
+    queued requests of an inline model that have waited ``overdue_share`` of the budget run
     from the next admission or early check, without the new request, in batches of at most
-    the limit."""
+    the limit. (A share under the default: the round here, which never yields, must stay
+    short enough for admission to let requests in.)"""
     rt, clock = DoublingRuntime(), FakeClock()
-    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(20_000, 2_000))
+    share = 0.15
+    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(20_000, 2_000), share)
     b.start()
     await settle()
     calls: list[tuple[object, asyncio.Future]] = []
     first = [b.submit(rows(1, value=i), 1, Timings(), on_done=_recorder(calls)) for i in (1, 2)]
     # (no await: the gather task has not run; the loop is busy elsewhere)
-    overdue_ns = int(controller.objective.budget_ns * OVERDUE_SHARE)
+    overdue_ns = int(controller.objective.budget_ns * share)
     clock.advance_ms(overdue_ns / 1e6 * 0.9)
     assert b.refuse_early(clock.ns) is None
     third = b.submit(rows(1, value=3), 1, Timings(), on_done=_recorder(calls))
@@ -273,6 +275,31 @@ async def test_queued_work_that_waited_a_quarter_of_the_budget_runs_from_the_nex
     fifth = b.submit(rows(1, value=5), 1, Timings())
     assert fourth.done() and not fifth.done() and rt.batches == [3, 1]
     assert float((await fifth)["y"][0, 0]) == 10.0  # the gather task still runs the rest
+    await b.stop()
+
+
+@run_async
+async def test_a_loop_round_still_running_counts_as_lag_before_it_is_measured() -> None:
+    """Under overload the event loop can poll again and again without yielding (every poll
+    fills its event buffer): one round outlasts every lag measured before it. The probe
+    queued at the round's first admission has waited as long as the round has run, and
+    admission counts that, refusing once the round has used half the budget."""
+    rt, clock = DoublingRuntime(), FakeClock()
+    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(20_000, 2_000), 0.9)
+    b.start()
+    await settle()
+    first = b.submit(rows(1), 1, Timings())  # the round's first admission queues the probe
+    clock.advance_ms(3)  # the round runs on: 2 x 3 ms of loop ahead still fits 8.5 ms
+    assert b.refuse_early(clock.ns) is None
+    clock.advance_ms(2)  # 2 x 5 ms does not
+    refusal = b.refuse_early(clock.ns)
+    assert isinstance(refusal, ObjectiveRefused)
+    with pytest.raises(ObjectiveRefused):
+        b.submit(rows(1), 1, Timings())
+    assert controller.loop.current(clock.ns) == 0  # no measurement knew of it
+    await first  # the round ends: the loop yields, the probe and the gather task run
+    await settle()
+    assert b.refuse_early(clock.ns) is None
     await b.stop()
 
 
@@ -488,7 +515,9 @@ class LaggingRuntime(DoublingRuntime):
 async def test_a_lagging_event_loop_is_measured_and_refuses_with_nothing_queued() -> None:
     clock = FakeClock()
     rt = LaggingRuntime(clock, 20)
-    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(30_000, 4_000))
+    # (no overdue batches, so no probes: the clock jumps below stand for an idle loop, and a
+    # probe queued before one would read it as a round that ran that long)
+    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(30_000, 4_000), overdue_share=0)
     b.start()
     await b.submit(rows(1), 1, Timings())
     await settle()

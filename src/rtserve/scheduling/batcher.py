@@ -153,6 +153,7 @@ class Batcher:
         # The last admission ``refuse_early`` granted: (received_ns, decision, work ahead).
         self._early: tuple[int, slo.Admission, bool] | None = None
         self._probing = False  # a loop-round probe is queued (``_admission``)
+        self._probe_ns = 0  # when it was queued
         # The refusal ``refuse_early`` last decided, while it stands: (until, message, when
         # to retry), all in ns; dropped when a batch finishes or the loop is timed again.
         self._held: tuple[int, str, int] | None = None
@@ -335,11 +336,15 @@ class Batcher:
         if not self._free and self._busy_until:
             busy_ns = max(0, min(self._busy_until.values()) - now)
         # A saturated event loop is work ahead too (requests wait for it, not in the queue).
-        busy_ns += controller.loop.delay_ns(now, objective.budget_ns)
+        # A probe still queued has waited as long as this round has run since it was queued:
+        # the lag of a round still running, which the last measurement knows nothing of.
+        running = now - self._probe_ns if self._probing else 0
+        busy_ns += controller.loop.delay_ns(now, objective.budget_ns, running)
         if self._overdue_ns and not self._probing:
             # Time the rest of this loop round (overdue batches leave the gather task few
             # turns to time it by): a callback queued now runs once the round's I/O is done.
             self._probing = True
+            self._probe_ns = now
             assert self._loop is not None
             self._loop.call_soon(self._probed, now)
         factor = controller.feedback.factor

@@ -593,8 +593,11 @@ class LoopLag:
         elapsed = now_ns - self.at_ns
         return lag if elapsed <= lag else max(0, 2 * lag - elapsed)
 
-    def delay_ns(self, now_ns: int, budget_ns: int) -> int:
-        lag = self.current(now_ns)
+    def delay_ns(self, now_ns: int, budget_ns: int, running_ns: int = 0) -> int:
+        """``running_ns``: how long the loop round still running has run so far, when known
+        (a round can outlast every measurement before it: under overload, the event loop
+        polls again without yielding while every poll fills its event buffer)."""
+        lag = max(self.current(now_ns), running_ns)
         return LOOP_LAG_WEIGHT * lag if lag > budget_ns * LOOP_LAG_FLOOR else 0
 
 
