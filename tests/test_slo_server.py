@@ -25,6 +25,7 @@ import yaml
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import RunningServer, start_server
+from tests.metrics_load import sample_value
 
 OBJECTIVE_MS = 250
 CAPACITY = 8 / 0.052  # rows/s of the sleepy models at full batches
@@ -374,8 +375,28 @@ def test_an_overloaded_model_refuses_before_decoding(
                 admitted.append(post)
             else:
                 raise AssertionError("admission never refused")
-            r = await client.post("/v2/models/early/infer", content=malformed)
-            assert r.status_code == 429 and "latency objective" in r.json()["error"], r.text
+            counted = sample_value(
+                (await client.get("/metrics")).text,
+                "rtserve_requests_total",
+                model="early",
+                outcome="overloaded",
+            )
+            # Twice (the second is most often a refusal the scheduler holds, answered as
+            # encoded for the first): each echoes its own request id and is counted.
+            for request_id in ("first", "second"):
+                r = await client.post(
+                    "/v2/models/early/infer",
+                    content=malformed,
+                    headers={"x-request-id": request_id},
+                )
+                assert r.status_code == 429 and "latency objective" in r.json()["error"], r.text
+                assert r.headers["retry-after"] == "1", r.headers
+                assert r.headers["x-request-id"] == request_id, r.headers
+            metrics = (await client.get("/metrics")).text
+            assert (
+                sample_value(metrics, "rtserve_requests_total", model="early", outcome="overloaded")
+                == counted + 2
+            )
             assert await grpc_code(channel) == grpc.StatusCode.RESOURCE_EXHAUSTED
             _release(logs, "early")
             assert (await busy).status_code == 200

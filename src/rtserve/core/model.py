@@ -112,12 +112,16 @@ class ModelVersion:
     ) -> asyncio.Future[Outputs]:
         return self.scheduler.submit(feeds, rows, timings, timeout_s, priority, on_done)
 
-    def check_early(self, received_ns: int) -> None:
-        """Raise the scheduler's refusal before decoding (``Scheduler.refuse_early``); never
-        with a response cache, whose hits are answered whatever the queue."""
+    def early_refusal(self, received_ns: int) -> RTServeError | None:
+        """The scheduler's refusal before decoding (``Scheduler.refuse_early``), or None;
+        never with a response cache, whose hits are answered whatever the queue."""
         if self.cache is not None:
-            return
-        error = self.scheduler.refuse_early(received_ns)
+            return None
+        return self.scheduler.refuse_early(received_ns)
+
+    def check_early(self, received_ns: int) -> None:
+        """``early_refusal``, raised."""
+        error = self.early_refusal(received_ns)
         if error is not None:
             try:
                 raise error

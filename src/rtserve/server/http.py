@@ -25,7 +25,7 @@ from rtserve.observability.metrics import server_timing
 from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.control import ModelControl
-from rtserve.server.errors import JSON_TYPE, http_error
+from rtserve.server.errors import JSON_TYPE, http_error, retry_after_s
 from rtserve.server.httpserver import Connection, Request
 from rtserve.server.security import Guard
 from rtserve.server.stats import statistics_json
@@ -155,6 +155,8 @@ class HttpFrontend:
         self.max_decompressed_bytes = max_decompressed_bytes
         self.control = control
         self._tasks: set[asyncio.Task[None]] = set()
+        # The last early refusal's answer: (message, retry-after, status, body, headers).
+        self._refusal: tuple[str, int, int, bytes, Headers] | None = None
 
     def handle(self, conn: Connection, request: Request) -> None:
         if self.guard is not None:
@@ -187,7 +189,10 @@ class HttpFrontend:
         try:
             name, version = _infer_target(raw.path)
             mv = self.dataplane.resolve(name, version, timings)
-            mv.check_early(timings.received)  # overloaded: answered without decoding the body
+            refusal = mv.early_refusal(timings.received)
+            if refusal is not None:  # overloaded: answered without decoding the body
+                self._refuse_early(conn, raw, mv, refusal, timings)
+                return
             if body is None:
                 body = raw.body
                 encoding = headers.get(b"content-encoding")
@@ -220,6 +225,28 @@ class HttpFrontend:
         if traceparent is not None:
             timings.traceparent = traceparent[:128].decode("latin-1")
         conn.on_lost = self.dataplane.infer_nowait(request, partial(self.answer, conn), mv)
+
+    def _refuse_early(
+        self,
+        conn: Connection,
+        raw: Request,
+        mv: ModelVersion,
+        refusal: RTServeError,
+        timings: Timings,
+    ) -> None:
+        """Answer a refusal under overload. They come by the thousand, and one the scheduler
+        holds repeats its message (the same string): that answer is encoded once."""
+        retry = retry_after_s(refusal)
+        cached = self._refusal
+        if cached is None or cached[0] is not refusal.message or cached[1] != retry:
+            status, body, headers = http_error(refusal)
+            cached = self._refusal = (refusal.message, retry, status, body, headers)
+        headers = cached[4]
+        request_id = raw.headers.get(b"x-request-id")
+        if request_id is not None:
+            headers = [*headers, (b"x-request-id", request_id[:128])]
+        conn.respond(cached[2], cached[3], headers)
+        self.dataplane.observe(InferRequest("", "", [], timings=timings), mv, refusal, _now())
 
     def _start_decompress(self, conn: Connection, raw: Request, encoding: bytes) -> None:
         loop = asyncio.get_running_loop()
