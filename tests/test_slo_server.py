@@ -397,6 +397,17 @@ def test_an_overloaded_model_refuses_before_decoding(
                 sample_value(metrics, "rtserve_requests_total", model="early", outcome="overloaded")
                 == counted + 2
             )
+            # An HTTP/1.0 client (keep-alive asked for or not) gets its own framing, not the
+            # answer encoded for keep-alive HTTP/1.1.
+            for extra, connection in (("Connection: keep-alive\r\n", "keep-alive"), ("", "close")):
+                reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+                head = _request(server.http_port, "early", malformed).replace(
+                    b"HTTP/1.1\r\n", f"HTTP/1.0\r\n{extra}".encode(), 1
+                )
+                writer.write(head)
+                status, headers, _ = await _read_response(reader)
+                assert status == 429 and headers.get("connection") == connection, headers
+                writer.close()
             assert await grpc_code(channel) == grpc.StatusCode.RESOURCE_EXHAUSTED
             _release(logs, "early")
             assert (await busy).status_code == 200

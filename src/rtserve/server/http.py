@@ -26,7 +26,7 @@ from rtserve.protocol.http_codec import decode_infer_request, encode_infer_respo
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.control import ModelControl
 from rtserve.server.errors import JSON_TYPE, http_error, retry_after_s
-from rtserve.server.httpserver import Connection, Request
+from rtserve.server.httpserver import Connection, Request, response_bytes
 from rtserve.server.security import Guard
 from rtserve.server.stats import statistics_json
 
@@ -155,8 +155,9 @@ class HttpFrontend:
         self.max_decompressed_bytes = max_decompressed_bytes
         self.control = control
         self._tasks: set[asyncio.Task[None]] = set()
-        # The last early refusal's answer: (message, retry-after, status, body, headers).
-        self._refusal: tuple[str, int, int, bytes, Headers] | None = None
+        # The last early refusal's answer: (message, retry-after, status, body, headers, and
+        # all of it encoded for a keep-alive HTTP/1.1 request).
+        self._refusal: tuple[str, int, int, bytes, Headers, bytes] | None = None
 
     def handle(self, conn: Connection, request: Request) -> None:
         if self.guard is not None:
@@ -240,12 +241,14 @@ class HttpFrontend:
         cached = self._refusal
         if cached is None or cached[0] is not refusal.message or cached[1] != retry:
             status, body, headers = http_error(refusal)
-            cached = self._refusal = (refusal.message, retry, status, body, headers)
-        headers = cached[4]
+            encoded = response_bytes(status, body, headers, True, False)
+            cached = self._refusal = (refusal.message, retry, status, body, headers, encoded)
+        _, _, status, body, headers, encoded = cached
         request_id = raw.headers.get(b"x-request-id")
-        if request_id is not None:
-            headers = [*headers, (b"x-request-id", request_id[:128])]
-        conn.respond(cached[2], cached[3], headers)
+        if request_id is None:
+            conn.respond(status, body, headers, encoded)
+        else:
+            conn.respond(status, body, [*headers, (b"x-request-id", request_id[:128])])
         self.dataplane.observe(InferRequest("", "", [], timings=timings), mv, refusal, _now())
 
     def _start_decompress(self, conn: Connection, raw: Request, encoding: bytes) -> None:

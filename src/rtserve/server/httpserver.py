@@ -457,8 +457,16 @@ class Connection(asyncio.Protocol):
             if self.current is None and not self.pipeline and self._final is not None:
                 self._write_final()
 
-    def respond(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-        """Answer the current request; then start the next pipelined one."""
+    def respond(
+        self,
+        status: int,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        encoded: bytes | None = None,
+    ) -> None:
+        """Answer the current request; then start the next pipelined one. ``encoded``: the
+        same answer already encoded as ``response_bytes`` does for a keep-alive HTTP/1.1
+        request (what most requests are), sent as is when this request is one."""
         request = self.current
         if request is None:
             return
@@ -469,9 +477,11 @@ class Connection(asyncio.Protocol):
         if transport is None or transport.is_closing():
             return
         keep_alive = request.keep_alive and not self.server.draining
-        if request.method == b"HEAD":
-            body = b""
-        transport.write(response_bytes(status, body, headers, keep_alive, request.http10))
+        if encoded is None or not keep_alive or request.http10 or request.method == b"HEAD":
+            if request.method == b"HEAD":
+                body = b""
+            encoded = response_bytes(status, body, headers, keep_alive, request.http10)
+        transport.write(encoded)
         self.last_active = self.server.clock
         if not keep_alive:
             transport.close()
