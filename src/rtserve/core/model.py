@@ -10,6 +10,7 @@ like ensembles).
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
 import statistics
@@ -120,9 +121,11 @@ class ModelVersion:
         return self.scheduler.refuse_early(received_ns)
 
     def check_early(self, received_ns: int) -> None:
-        """``early_refusal``, raised."""
+        """``early_refusal``, raised: a copy, as the scheduler gives requests refused back to
+        back the same object, and a raised exception keeps its traceback."""
         error = self.early_refusal(received_ns)
         if error is not None:
+            error = copy.copy(error)
             try:
                 raise error
             finally:

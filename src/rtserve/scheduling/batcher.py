@@ -154,9 +154,9 @@ class Batcher:
         self._early: tuple[int, slo.Admission, bool] | None = None
         self._probing = False  # a loop-round probe is queued (``_admission``)
         self._probe_ns = 0  # when it was queued
-        # The refusal ``refuse_early`` last decided, while it stands: (until, message, when
-        # to retry), all in ns; dropped when a batch finishes or the loop is timed again.
-        self._held: tuple[int, str, int] | None = None
+        # The refusal ``refuse_early`` last decided, while it stands: (until when, in ns, the
+        # refusal); dropped when a batch finishes or the loop is timed again.
+        self._held: tuple[int, ObjectiveRefused] | None = None
         self._hold_ns = int(controller.objective.budget_ns * REFUSAL_HOLD) if controller else 0
         # Inline models under an objective: queued work that has waited this long runs from
         # the next frontend callback (``_run_overdue``).
@@ -396,7 +396,10 @@ class Batcher:
         checked; if even it would be refused, so would this one, and the server answers 429
         without decoding it. When the HTTP work, not the model, is what saturates, a refusal
         that skips the decode costs about half of one that does. Only without priority levels:
-        the request's level is in its body, and a higher one might be admitted."""
+        the request's level is in its body, and a higher one might be admitted.
+
+        Requests refused back to back get the same refusal object (see ``REFUSAL_HOLD``): it
+        is to be answered, not raised (raise a copy)."""
         controller = self._slo
         if controller is None or controller.objective.priority_levels > 1 or self._closing:
             return None
@@ -410,7 +413,7 @@ class Batcher:
             # Under overload refusals come back to back; deciding each anew is a third of
             # what a refusal costs the event loop.
             self.stats.count_shed("objective", 1)
-            return ObjectiveRefused(held[1], retry_after_s=max(slo.MS, held[2] - now) / 1e9)
+            return held[1]
         decision, queued = self._admission(1, 1, now, 0, received_ns)
         if decision.admitted:
             # Kept for the submit that follows the decode (same request, same callback),
@@ -421,8 +424,7 @@ class Batcher:
             return None
         self._early = None
         refusal = self._refused(decision, 1, now)
-        hold = min(self._hold_ns, decision.retry_after_ns)
-        self._held = (now + hold, refusal.message, now + decision.retry_after_ns)
+        self._held = (now + min(self._hold_ns, decision.retry_after_ns), refusal)
         return refusal
 
     def _expire(self, pending: _Pending, timeout_s: float) -> None:

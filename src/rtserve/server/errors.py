@@ -16,14 +16,9 @@ Headers = list[tuple[bytes, bytes]]
 JSON_TYPE = (b"content-type", b"application/json")
 
 
-def retry_after_s(err: BaseException) -> int:
-    """When to retry, in whole seconds (at least 1): HTTP's ``Retry-After``; 0 for an
-    error that is not a refusal under load."""
-    return max(1, round(err.retry_after_s)) if isinstance(err, Overloaded) else 0
-
-
 def _retry_after(err: Overloaded) -> str:
-    return str(retry_after_s(err))
+    """When to retry, in whole seconds (at least 1): HTTP's ``Retry-After``."""
+    return str(max(1, round(err.retry_after_s)))
 
 
 def http_error(exc: BaseException) -> tuple[int, bytes, Headers]:

@@ -25,7 +25,7 @@ from rtserve.observability.metrics import server_timing
 from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.control import ModelControl
-from rtserve.server.errors import JSON_TYPE, http_error, retry_after_s
+from rtserve.server.errors import JSON_TYPE, http_error
 from rtserve.server.httpserver import Connection, Request, response_bytes
 from rtserve.server.security import Guard
 from rtserve.server.stats import statistics_json
@@ -155,9 +155,9 @@ class HttpFrontend:
         self.max_decompressed_bytes = max_decompressed_bytes
         self.control = control
         self._tasks: set[asyncio.Task[None]] = set()
-        # The last early refusal's answer: (message, retry-after, status, body, headers, and
-        # all of it encoded for a keep-alive HTTP/1.1 request).
-        self._refusal: tuple[str, int, int, bytes, Headers, bytes] | None = None
+        # The last early refusal and its answer: (refusal, status, body, headers, and all of
+        # it encoded for a keep-alive HTTP/1.1 request).
+        self._refusal: tuple[RTServeError, int, bytes, Headers, bytes] | None = None
 
     def handle(self, conn: Connection, request: Request) -> None:
         if self.guard is not None:
@@ -235,15 +235,14 @@ class HttpFrontend:
         refusal: RTServeError,
         timings: Timings,
     ) -> None:
-        """Answer a refusal under overload. They come by the thousand, and one the scheduler
-        holds repeats its message (the same string): that answer is encoded once."""
-        retry = retry_after_s(refusal)
+        """Answer a refusal under overload. They come by the thousand, and the scheduler
+        gives those back to back the same refusal: its answer is encoded once."""
         cached = self._refusal
-        if cached is None or cached[0] is not refusal.message or cached[1] != retry:
+        if cached is None or cached[0] is not refusal:
             status, body, headers = http_error(refusal)
             encoded = response_bytes(status, body, headers, True, False)
-            cached = self._refusal = (refusal.message, retry, status, body, headers, encoded)
-        _, _, status, body, headers, encoded = cached
+            cached = self._refusal = (refusal, status, body, headers, encoded)
+        _, status, body, headers, encoded = cached
         request_id = raw.headers.get(b"x-request-id")
         if request_id is None:
             conn.respond(status, body, headers, encoded)
