@@ -182,7 +182,8 @@ class Batcher:
     @property
     def queue_depth(self) -> int:
         if self._slo is not None:
-            return sum(len(q) for q in self._levels)
+            levels = self._levels
+            return len(levels[0]) if len(levels) == 1 else sum(len(q) for q in levels)
         return len(self._queue)
 
     @property
@@ -283,8 +284,6 @@ class Batcher:
         timeout_ns = now + int(timeout_s * 1e9) if timeout_s > 0 else 0
         early = self._early
         self._early = None
-        if self._overdue_ns:
-            self._run_overdue(now)
         if (
             early is not None
             and early[0] == timings.received
@@ -293,9 +292,12 @@ class Batcher:
             and not timeout_ns
         ):
             # Admitted before its decode, in the same callback: nothing was queued or run
-            # since, and a one-row request without a timeout is what was checked.
+            # since (overdue work included), and a one-row request without a timeout is what
+            # was checked.
             _, decision, queued = early
         else:
+            if self._overdue_ns:
+                self._run_overdue(now)
             decision, queued = self._admission(rows, level, now, timeout_ns, timings.received)
         if not decision.admitted:
             raise self._refused(decision, level, now)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rtserve.errors import InvalidInput
 
@@ -58,19 +58,18 @@ class Objective:
     reserve: float = 0.5
     max_wait_ns: int = 0  # 0: half the budget
     headroom: float = 1.5
+    # Derived once (read for every request): the budget; ``gather_ns``, how long a batch may
+    # take to form and run (p50's share if set, else the budget); ``wait_bound_ns``.
+    budget_ns: int = field(init=False, default=0)
+    gather_ns: int = field(init=False, default=0)
+    wait_bound_ns: int = field(init=False, default=0)
 
-    @property
-    def budget_ns(self) -> int:
-        return int(self.p99_ns * self.margin)
-
-    @property
-    def gather_ns(self) -> int:
-        """How long a batch may take to form and run: p50's share if set, else the budget."""
-        return int(self.p50_ns * self.margin) if self.p50_ns else self.budget_ns
-
-    @property
-    def wait_bound_ns(self) -> int:
-        return self.max_wait_ns or self.budget_ns // 2
+    def __post_init__(self) -> None:
+        budget = int(self.p99_ns * self.margin)
+        object.__setattr__(self, "budget_ns", budget)
+        gather = int(self.p50_ns * self.margin) if self.p50_ns else budget
+        object.__setattr__(self, "gather_ns", gather)
+        object.__setattr__(self, "wait_bound_ns", self.max_wait_ns or budget // 2)
 
     def budget_for(self, priority: int) -> int:
         """The admission limit of a priority level: the full budget for the highest."""
@@ -440,9 +439,9 @@ def admit(
     """
     queued = rows_ahead + rows
     full = queued - queued % max_rows if queued % max_rows else queued - max_rows
-    ahead_ns = busy_ns + model.drain_ns(full, max_rows, instances)
-    last = min(max_rows, max(queued - full + int(rate * ahead_ns), batch_rows))
-    drain = model.drain_ns(full, max_rows, instances) + model.predict(last)
+    full_ns = model.drain_ns(full, max_rows, instances)
+    last = min(max_rows, max(queued - full + int(rate * (busy_ns + full_ns)), batch_rows))
+    drain = full_ns + model.predict(last)
     predicted = now_ns + int(busy_ns + drain)
     start = clock_start(received_ns, now_ns)
     limit = start + int(objective.budget_for(priority) * factor)
