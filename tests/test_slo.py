@@ -137,6 +137,20 @@ def test_a_warmup_on_the_wrong_shapes_is_corrected_by_served_batches() -> None:
         assert m.predict(b) == pytest.approx(true(b), rel=0.1), b
 
 
+def test_a_warmup_line_wrong_in_its_slope_is_refitted_within_a_few_batches() -> None:
+    """A fresh server under overload: the first batches served are small and all far slower
+    than the length-1 warmup line. Waiting 8 batches for the refit, admission would let in
+    a queue the real model drains long past the objective."""
+    m = BatchTimeModel.fit([(b, curve(1000, 50)(b)) for b in (1, 8, 32) for _ in range(3)])
+    true = curve(4_000, 11_000)  # MiniLM at sequence 128: ~15 ms for one row, ~356 for 32
+    for b in (1, 3, 6):
+        m.observe(b, true(b))
+    assert m.predict(32) == pytest.approx(true(32), rel=0.25)
+    # Admission follows: with 40 rows queued, a request now waits for two full batches.
+    state = dict(rows_ahead=40, busy_ns=0.0, max_rows=32, objective=Objective(p99_ns=500 * MS))
+    assert not admit(1, 1, 0, 0, model=m, **state).admitted
+
+
 def test_a_single_slow_outlier_barely_moves_the_prediction() -> None:
     true = curve(100, 10)
     m = fitted(true)

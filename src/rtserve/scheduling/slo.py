@@ -175,7 +175,11 @@ class BatchTimeModel:
 
     def observe(self, rows: int, ns: float) -> None:
         """Move ``scale`` toward the observed/predicted ratio (median of the last three);
-        every 8 batches, refit the line to the batches served."""
+        every 8 batches, refit the line to the batches served. Among the first 8, refit at
+        once when the last batches all ran over twice the line's prediction: a line fitted
+        at warmup on unrepresentative inputs (token sequences are warmed up at length 1) is
+        wrong in its slope, not only its scale, and admission must not wait 8 batches for
+        it (a fresh server put straight under overload would miss the objective meanwhile)."""
         if rows <= 0 or ns <= 0:
             return
         self._add(rows, ns)
@@ -184,7 +188,9 @@ class BatchTimeModel:
         recent.append((rows, ns))
         if len(recent) > 3:
             del recent[0]
-        refitted = self._seen % 8 == 0 and self._refit()
+        refitted = (self._seen % 8 == 0 or (self._seen < 8 and self._line_wrong())) and (
+            self._refit()
+        )
         ratios = [t / (self.fixed_ns + self.per_row_ns * b) for b, t in recent]
         # Until three batches have run, the current scale stands in for the missing ones:
         # the first batch served (often slow: code and caches still cold) is not believed alone.
@@ -201,6 +207,13 @@ class BatchTimeModel:
                     self._add(b, t)
         rate = self.up if target > self.scale else self.down
         self.scale *= (target / self.scale) ** rate
+
+    def _line_wrong(self) -> bool:
+        """The last two or three batches all ran over twice what the fitted line predicts
+        (before ``scale``, which follows the ratio but cannot fix the slope)."""
+        recent = self._recent
+        fixed, per_row = self.fixed_ns, self.per_row_ns
+        return len(recent) >= 2 and all(t > 2 * (fixed + per_row * b) for b, t in recent)
 
     def _add(self, rows: int, ns: float) -> None:
         f = self.forget
