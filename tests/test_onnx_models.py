@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -55,6 +56,13 @@ def fitted() -> dict[str, object]:
     }
 
 
+def _data(fitted: dict[str, object], name: str) -> tuple[np.ndarray, Any]:
+    """The iris features and the fitted scikit-learn model ``name``."""
+    x = fitted["x"]
+    assert isinstance(x, np.ndarray)
+    return x, fitted[name]
+
+
 @pytest.fixture(scope="module")
 def served(
     fitted: dict[str, object], tmp_path_factory: pytest.TempPathFactory
@@ -80,9 +88,7 @@ def served(
 def test_a_zipmap_classifier_loads_and_its_probabilities_are_a_tensor(
     served: RunningServer, fitted: dict[str, object]
 ) -> None:
-    x = fitted["x"]
-    model = fitted["iris-logreg"]
-    assert isinstance(x, np.ndarray)
+    x, model = _data(fitted, "iris-logreg")
     rows = x[::7]
     with thttp.InferenceServerClient(served.http) as client:
         meta = client.get_model_metadata("iris-logreg")
@@ -98,8 +104,8 @@ def test_a_zipmap_classifier_loads_and_its_probabilities_are_a_tensor(
         result = client.infer("iris-logreg", [inp])
     probs = result.as_numpy("output_probability")
     assert probs.shape == (len(rows), 3)
-    np.testing.assert_allclose(probs, model.predict_proba(rows), rtol=1e-4, atol=1e-5)  # type: ignore[attr-defined]
-    np.testing.assert_array_equal(result.as_numpy("output_label"), model.predict(rows))  # type: ignore[attr-defined]
+    np.testing.assert_allclose(probs, model.predict_proba(rows), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(result.as_numpy("output_label"), model.predict(rows))
 
 
 def _grpc_labels_and_infer(
@@ -120,16 +126,14 @@ def _grpc_labels_and_infer(
 def test_string_labels_come_back_as_bytes_with_their_classes_listed_over_grpc(
     served: RunningServer, fitted: dict[str, object]
 ) -> None:
-    x = fitted["x"]
-    model = fitted["iris-tree"]
-    assert isinstance(x, np.ndarray)
+    x, model = _data(fitted, "iris-tree")
     rows = x[::5]
     labels, result = _grpc_labels_and_infer(served, "iris-tree", "output_probability", rows)
     assert labels == IRIS_NAMES
     got = [v.decode() for v in result.as_numpy("output_label")]
-    assert got == list(model.predict(rows))  # type: ignore[attr-defined]
+    assert got == list(model.predict(rows))
     probs = result.as_numpy("output_probability")
-    np.testing.assert_allclose(probs, model.predict_proba(rows), atol=1e-6)  # type: ignore[attr-defined]
+    np.testing.assert_allclose(probs, model.predict_proba(rows), atol=1e-6)
     # The columns follow the listed classes: the most probable one is the label.
     assert [IRIS_NAMES[i] for i in probs.argmax(axis=1)] == got
 
@@ -137,9 +141,7 @@ def test_string_labels_come_back_as_bytes_with_their_classes_listed_over_grpc(
 def test_concurrent_one_row_requests_are_batched_and_each_gets_its_own_row(
     served: RunningServer, fitted: dict[str, object]
 ) -> None:
-    x = fitted["x"]
-    model = fitted["iris-logreg"]
-    assert isinstance(x, np.ndarray)
+    x, model = _data(fitted, "iris-logreg")
 
     def one(i: int) -> tuple[int, np.ndarray, np.ndarray]:
         row = x[i : i + 1]
@@ -153,16 +155,14 @@ def test_concurrent_one_row_requests_are_batched_and_each_gets_its_own_row(
         answers = list(pool.map(one, range(0, 150, 3)))
     for i, label, probs in answers:
         assert probs.shape == (1, 3)
-        np.testing.assert_allclose(probs, model.predict_proba(x[i : i + 1]), rtol=1e-4, atol=1e-5)  # type: ignore[attr-defined]
-        assert label.tolist() == model.predict(x[i : i + 1]).tolist()  # type: ignore[attr-defined]
+        np.testing.assert_allclose(probs, model.predict_proba(x[i : i + 1]), rtol=1e-4, atol=1e-5)
+        assert label.tolist() == model.predict(x[i : i + 1]).tolist()
 
 
 def test_a_regressor_without_zipmap_lists_no_labels(
     served: RunningServer, fitted: dict[str, object]
 ) -> None:
-    x = fitted["x"]
-    model = fitted["iris-forest-regressor"]
-    assert isinstance(x, np.ndarray)
+    x, model = _data(fitted, "iris-forest-regressor")
     rows = np.ascontiguousarray(x[:10, :3])
     with thttp.InferenceServerClient(served.http) as client:
         assert "parameters" not in client.get_model_config("iris-forest-regressor")
@@ -172,7 +172,7 @@ def test_a_regressor_without_zipmap_lists_no_labels(
     (name,) = [o["name"] for o in result.get_response()["outputs"]]
     np.testing.assert_allclose(
         result.as_numpy(name).reshape(-1),
-        model.predict(rows),  # type: ignore[attr-defined]
+        model.predict(rows),
         rtol=1e-5,
     )
 
@@ -252,11 +252,9 @@ def test_class_count_returns_the_top_classes_with_their_labels_over_both_protoco
 ) -> None:
     """tritonclient's ``class_count`` (the classification extension): each row's top N
     probabilities as ``value:index:label`` strings, in descending order."""
-    x = fitted["x"]
-    model = fitted["iris-tree"]
-    assert isinstance(x, np.ndarray)
+    x, model = _data(fitted, "iris-tree")
     rows = x[::25]
-    expected = model.predict_proba(rows)  # type: ignore[attr-defined]
+    expected = model.predict_proba(rows)
     for mod, url in ((thttp, served.http), (tgrpc, served.grpc)):
         with mod.InferenceServerClient(url) as client:
             inp = mod.InferInput("X", list(rows.shape), "FP32")
@@ -308,12 +306,10 @@ def test_top_classes_ranks_each_row_and_clamps_to_the_classes_there_are() -> Non
 def test_labels_from_a_config_file_name_the_top_classes(
     served: RunningServer, fitted: dict[str, object]
 ) -> None:
-    x = fitted["x"]
-    model = fitted["iris-forest"]
-    assert isinstance(x, np.ndarray)
+    x, model = _data(fitted, "iris-forest")
     rows = x[::30]
     labels, result = _grpc_labels_and_infer(served, "iris-forest", "probabilities", rows, 1)
     assert labels == IRIS_NAMES
     got = [v.decode().split(":")[2] for v in result.as_numpy("probabilities").reshape(-1)]
-    best = np.argmax(model.predict_proba(rows), axis=1)  # type: ignore[attr-defined]
+    best = np.argmax(model.predict_proba(rows), axis=1)
     assert got == [IRIS_NAMES[i] for i in best]
