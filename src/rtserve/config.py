@@ -6,6 +6,7 @@ Config is data (YAML). Every error names the file and the field, e.g.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ class _Fields:
         "http_port": 65535,
         "grpc_port": 65535,
         "max_request_bytes": 1 << 34,
+        "priority_levels": 1024,  # one queue per level, scanned per batch
     }
 
     def integer(self, key: str, default: int, minimum: int = 0, maximum: int | None = None) -> int:
@@ -67,7 +69,12 @@ class _Fields:
 
     def number(self, key: str, default: float, minimum: float = 0.0) -> float:
         value = self.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)  # YAML .nan / .inf
+            or value < minimum
+        ):
             raise self.fail(key, f"a number >= {minimum}", value)
         return float(value)
 
@@ -343,6 +350,9 @@ def _slo_section(f: _Fields) -> tuple[SLO | None, int, int]:
         sf.check_unknown()
         slo = SLO(p99_ms=p99, p50_ms=p50)
     levels = f.integer("priority_levels", 0)
+    if levels and slo is None:
+        # Priorities are scheduled by the latency objective; a fixed window would ignore them.
+        raise f.fail("priority_levels", "no priority_levels unless slo is set", levels)
     default = f.integer("default_priority", levels)
     if levels == 0 and default != 0:
         raise f.fail(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Callable
 from functools import partial
@@ -81,11 +82,31 @@ def _timeout_s(request: InferRequest, mv: ModelVersion) -> float:
     value = request.parameters.get("timeout")
     if value is None:
         return mv.config.dynamic_batching.default_timeout_us / 1e6
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not value >= 0  # also NaN
+        or value == math.inf
+    ):
         raise InvalidInput(
-            f"parameters.timeout: expected microseconds (a number >= 0), got {value!r:.100}"
+            f"parameters.timeout: expected microseconds (a finite number >= 0), got {value!r:.100}"
         )
     return float(value) / 1e6
+
+
+def _check_priority(request: InferRequest, mv: ModelVersion) -> None:
+    """The request parameter ``priority`` (Triton's uint64) on a model without levels (an
+    ensemble, or a model that ignores it): a bad value is still an error. A model's own
+    levels are checked where it queues the request."""
+    value = request.parameters.get("priority")
+    if (
+        value is not None
+        and mv.config.priority_levels <= 1
+        and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64)
+    ):
+        raise InvalidInput(
+            f"parameters.priority: expected an integer >= 0 (1 is the highest), got {value!r:.100}"
+        )
 
 
 def _config_type(datatype: str) -> str:
@@ -251,6 +272,7 @@ class DataPlane:
             feeds, rows = self._check_inputs(request, mv)
             wanted = self._check_outputs(request, mv)
             timeout_s = _timeout_s(request, mv)
+            _check_priority(request, mv)
             cache = mv.cache
             if cache is not None:
                 outputs, key = cache.lookup_memory(request)
