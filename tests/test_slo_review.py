@@ -60,6 +60,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         f"backend: ensemble\n{SIGNATURE.replace('x,', 'X,').replace('y,', 'Y,')}"
         "steps:\n  - {model: double, inputs: {x: X}, outputs: {y: Y}}\n"
     )
+    _python_model(root, "precise", "slo: {p99_ms: 1234567.5, p50_ms: 0.125}\n")
     # Broken configs: the server must start anyway and say what is wrong with each.
     _python_model(root, "infinite", "slo: {p99_ms: .inf}\n")
     _python_model(root, "levels_alone", "priority_levels: 3\n")
@@ -172,3 +173,13 @@ def test_a_bad_grpc_priority_is_invalid_argument(
         assert "parameters.priority" in info.value.details()
     answer = _grpc(server, "double", "priority", "uint64_param", 3)
     assert _value(answer) == 3.0
+
+
+def test_the_objective_in_the_model_config_is_the_configured_value(server: RunningServer) -> None:
+    expected = {"slo_p99_ms": "1234567.5", "slo_p50_ms": "0.125"}
+    config = httpx.get(f"http://{server.http}/v2/models/precise/config").json()
+    assert {k: v["string_value"] for k, v in config["parameters"].items()} == expected
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        answer = stub.ModelConfig(pb.ModelConfigRequest(name="precise"), timeout=10)
+    assert {k: v.string_value for k, v in answer.config.parameters.items()} == expected

@@ -117,9 +117,9 @@ def _slo_parameters(slo: SLO | None) -> tuple[tuple[str, str], ...]:
     """A model's latency objective as Triton config ``parameters`` (strings, in ms)."""
     if slo is None:
         return ()
-    out = [("slo_p99_ms", f"{slo.p99_ms:g}")]
+    out = [("slo_p99_ms", f"{slo.p99_ms:.15g}")]
     if slo.p50_ms:
-        out.append(("slo_p50_ms", f"{slo.p50_ms:g}"))
+        out.append(("slo_p50_ms", f"{slo.p50_ms:.15g}"))
     return tuple(out)
 
 
