@@ -36,6 +36,11 @@ class Model:
         return {"y": (inputs["x"] * 2).astype(np.float32)}
 """
 
+PICKY = """    def infer(self, inputs):
+        if len(inputs["x"]) > 2:
+            raise ValueError("at most 2 rows")
+"""
+
 SIGNATURE = (
     "max_batch_size: 8\n"
     "inputs: [{name: x, datatype: FP32, shape: [1]}]\n"
@@ -64,6 +69,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     # Broken configs: the server must start anyway and say what is wrong with each.
     _python_model(root, "infinite", "slo: {p99_ms: .inf}\n")
     _python_model(root, "levels_alone", "priority_levels: 3\n")
+    # Serves 2 rows, fails on more: warmup (1 row) passes, timing a full batch does not.
+    _python_model(root, "picky", "slo: {p99_ms: 500}\n")
+    picky = root / "picky" / "1" / "model.py"
+    picky.write_text(MODEL_PY.replace("    def infer(self, inputs):\n", PICKY))
     running = start_server(root, tmp_path_factory.mktemp("slo_review_logs"))
     try:
         yield running
@@ -127,6 +136,9 @@ def test_a_model_with_a_bad_objective_is_reported_and_the_others_serve(
     assert state["levels_alone"][0] == "UNAVAILABLE"
     reason = state["levels_alone"][1]
     assert "priority_levels: expected no priority_levels unless slo is set" in reason
+    assert state["picky"][0] == "UNAVAILABLE"
+    assert "slo: timing batches for the latency objective failed" in state["picky"][1]
+    assert "at most 2 rows" in state["picky"][1]
     for model in ("double", "fixed", "ranked", "chain"):
         assert state[model][0] == "READY", state[model]
         r = _http(server, model)

@@ -299,7 +299,14 @@ async def build_runtime_version(
     metrics = ctx.metrics.model(config.name, version)
     controller = None
     if config.slo is not None:
-        controller = await loop.run_in_executor(None, slo_controller, runtime, config)
+        try:  # timed batches up to max_batch_size: a model may fail where warmup did not
+            controller = await loop.run_in_executor(None, slo_controller, runtime, config)
+        except Exception as exc:
+            runtime.close()
+            raise ConfigError(
+                f"{version_dir}: slo: timing batches for the latency objective failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
     batcher = Batcher(
         f"{config.name}:{version}",
         runtime,
