@@ -454,11 +454,16 @@ async def test_a_request_admitted_before_its_decode_is_not_decided_again() -> No
     queued.append(b.submit(rows(1), 1, Timings(received=received)))  # the early admission
     with pytest.raises(ObjectiveRefused):  # used once: the same key again is decided anew
         b.submit(rows(1), 1, Timings(received=received))
-    # Eight rows behind the queue are past the objective; a 1 µs timeout is past its own.
-    for n, timeout_s in ((8, 0.0), (1, 1e-6)):
+    # Eight rows behind the queue are past the objective; a 1 µs timeout is past its own
+    # (shorter than its batch alone: a retry would not do better).
+    refusals: tuple[tuple[int, float, type[Exception]], ...] = (
+        (8, 0.0, ObjectiveRefused),
+        (1, 1e-6, DeadlineExceeded),
+    )
+    for n, timeout_s, refusal in refusals:
         received = clock.ns
         assert b.refuse_early(received) is None  # a one-row request would be admitted
-        with pytest.raises(ObjectiveRefused):
+        with pytest.raises(refusal):
             b.submit(rows(n), n, Timings(received=received), timeout_s=timeout_s)
     # A request whose decode failed leaves its admission behind; the next one is not it.
     received = clock.ns
@@ -529,4 +534,69 @@ async def test_a_lagging_event_loop_is_measured_and_refuses_with_nothing_queued(
     await b.submit(rows(1), 1, Timings())
     await settle()
     assert controller.loop.delay_ns(clock.ns, controller.objective.budget_ns) == 0
+    await b.stop()
+
+
+@run_async
+async def test_the_quick_admission_of_a_one_batch_queue_decides_as_admit_does() -> None:
+    """While what is queued fits in one batch, ``_admission`` decides without the arrival
+    rate and the target when even a full batch would end within the budget. Over queue
+    lengths, loop delays and times before the queue, it admits and refuses exactly as
+    ``slo.admit`` does from the same state, with the same deadline and a prediction between
+    the queued rows' batch and a full one."""
+    rt, clock = DoublingRuntime(max_batch_size=32), FakeClock()
+    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(200_000, 50_000))
+    b.start()  # the gather task does not run until the test yields: submits stay queued
+    model, objective = controller.model, controller.objective
+    limit = controller.limit
+    assert limit == 32
+    decided = {True: 0, False: 0}
+    for queued in (1, 5, 20, 31):
+        controller.loop.observe(0, clock.ns)
+        while b.queue_depth < queued:
+            b.submit(rows(1), 1, Timings(received=clock.ns))
+        for lag_ms in (0.0, 1.0, 2.5, 3.2, 4.0):
+            controller.loop.observe(int(lag_ms * slo.MS), clock.ns)
+            for waited_ms in (0.0, 2.0, 5.0):
+                now = clock.ns
+                received = now - int(waited_ms * slo.MS)
+                decision, _ = b._admission(1, 1, now, 0, received)
+                busy = controller.loop.delay_ns(now, objective.budget_ns)
+                rate = controller.rate.rate(now)
+                target = slo.target_rows(model, rate, limit, objective.headroom)
+                expected = slo.admit(
+                    1, 1, now, 0, queued, busy, model, limit, objective, 1, target, rate,
+                    controller.feedback.factor, received,
+                )  # fmt: skip
+                assert decision.admitted == expected.admitted, (queued, lag_ms, waited_ms)
+                assert decision.deadline_ns == expected.deadline_ns
+                if decision.admitted:
+                    low = now + busy + model.predict(queued + 1)
+                    assert low - 1 <= decision.predicted_ns <= now + busy + model.predict(limit)
+                decided[decision.admitted] += 1
+                b._held = None
+                b._probing = False
+                clock.ns += 1_000
+    assert decided[True] and decided[False]  # both outcomes were compared
+    await b.stop()
+
+
+@run_async
+async def test_a_timeout_shorter_than_the_requests_own_batch_is_not_told_to_retry() -> None:
+    """A request whose own batch alone cannot end by its timeout gets ``DeadlineExceeded``
+    (HTTP 504, gRPC DEADLINE_EXCEEDED), not a refusal with a retry-after (a retry would
+    fare no better); one refused because of the work ahead of it is told when to retry."""
+    rt, clock = DoublingRuntime(), FakeClock()
+    b, controller = make_slo(rt, clock, 100, slo.BatchTimeModel(1e6, 1e6))
+    b.start()
+    with pytest.raises(DeadlineExceeded, match="shorter than its batch alone"):
+        b.submit(rows(1), 1, Timings(received=clock.ns), timeout_s=0.001)  # batch: 2 ms
+    assert b.stats.shed[("deadline", 1)] == 1
+    assert b.queue_depth == 0
+    queued = [b.submit(rows(1), 1, Timings(received=clock.ns)) for _ in range(16)]
+    with pytest.raises(ObjectiveRefused) as refused:
+        b.submit(rows(1), 1, Timings(received=clock.ns), timeout_s=0.005)  # alone: 2 ms
+    assert refused.value.retry_after_s > 0
+    assert b.stats.shed[("deadline", 1)] == 2
+    await asyncio.gather(*queued)
     await b.stop()

@@ -338,6 +338,18 @@ def test_a_request_deadline_tighter_than_the_queue_is_refused_at_once() -> None:
     assert ok.admitted and ok.deadline_ns == 10 * MS
 
 
+def test_a_deadline_shorter_than_the_requests_own_batch_has_no_retry_after() -> None:
+    """Refused for its deadline with nothing to wait for (its own batch alone ends past it):
+    no retry could be admitted, so there is no retry-after to give."""
+    m = fitted(curve(100, 10))
+    alone = int(m.predict(4))
+    hopeless = admit(4, 1, 0, alone - 1, 32 * 10, 0.0, m, 32, OBJ)
+    assert not hopeless.admitted and hopeless.reason == "deadline"
+    assert hopeless.retry_after_ns == 0
+    behind = admit(4, 1, 0, alone + 1, 32 * 10, 0.0, m, 32, OBJ)
+    assert not behind.admitted and behind.retry_after_ns > 0
+
+
 def test_expired_work_is_never_run() -> None:
     assert late(deadline_ns=MS, now_ns=MS - 100, batch_ns=200)
     assert not late(deadline_ns=MS, now_ns=MS - 300, batch_ns=200)
@@ -672,7 +684,11 @@ def test_slo_config_parses_and_validates() -> None:
         ({"slo": {"p99_ms": 0}}, "slo.p99_ms: expected a latency objective"),
         ({"slo": {"p99_ms": 5, "p50_ms": 10}}, r"slo.p50_ms: expected a number <= p99_ms \(5\)"),
         ({"slo": {"p99_ms": 5, "p95_ms": 1}}, "slo.p95_ms: unknown field"),
-        ({"priority_levels": 2, "default_priority": 3}, "default_priority: expected a level"),
+        (
+            {"slo": {"p99_ms": 5}, "priority_levels": 2, "default_priority": 3},
+            "default_priority: expected a level",
+        ),
+        ({"priority_levels": 2}, "priority_levels: expected no priority_levels unless slo"),
         ({"default_priority": 1}, "default_priority: expected no default_priority"),
     ]
     for extra, message in bad:

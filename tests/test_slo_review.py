@@ -195,3 +195,20 @@ def test_the_objective_in_the_model_config_is_the_configured_value(server: Runni
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         answer = stub.ModelConfig(pb.ModelConfigRequest(name="precise"), timeout=10)
     assert {k: v.string_value for k, v in answer.config.parameters.items()} == expected
+
+
+def test_a_timeout_shorter_than_the_batch_alone_is_deadline_exceeded_not_retry_later(
+    server: RunningServer,
+) -> None:
+    """A ``timeout`` (µs) that even the request's own batch cannot meet on an idle model:
+    HTTP 504 / gRPC DEADLINE_EXCEEDED saying so, without a ``Retry-After`` (a retry would
+    fare no better); the model keeps serving."""
+    r = _http(server, "double", timeout=1)
+    assert r.status_code == 504, r.text
+    assert "timeout (0.001 ms) is shorter than its batch alone" in r.json()["error"]
+    assert "retry-after" not in r.headers
+    with pytest.raises(grpc.RpcError) as info:
+        _grpc(server, "double", "timeout", "int64_param", 1)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "shorter than its batch alone" in (info.value.details() or "")
+    assert _http(server, "double", timeout=5_000_000).json()["outputs"][0]["data"] == [3.0]
