@@ -208,6 +208,52 @@ def test_drain_finishes_in_flight_requests_and_refuses_new_ones(tmp_path: Path) 
         s.stop()
 
 
+STUCK_MODEL = """
+import threading
+
+
+class Model:
+    def load(self, context):
+        self.never = threading.Event()
+
+    def infer(self, inputs):
+        if (inputs["x"] == 7).any():  # never the warmup's input
+            self.never.wait(120)
+        return {"y": inputs["x"]}
+"""
+
+
+def test_a_request_stuck_in_a_models_code_does_not_keep_the_server_from_exiting(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM while a model's own code never returns: after the grace period and
+    ``STOP_MODELS_S`` the process exits (status 1), saying which model was still running,
+    instead of waiting for the stuck thread forever."""
+    from rtserve.server.app import STOP_MODELS_S
+
+    model = tmp_path / "repo" / "stuck"
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "model.py").write_text(STUCK_MODEL)
+    (model / "config.yaml").write_text(
+        "backend: python\nmax_batch_size: 4\n"
+        "inputs: [{name: x, datatype: FP32, shape: [1]}]\n"
+        "outputs: [{name: y, datatype: FP32, shape: [1]}]\n"
+    )
+    s = start_server(tmp_path / "repo", tmp_path / "server", "--grace-period", "0.5")
+    try:
+        body = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [7.0]}]}
+        with pytest.raises(httpx.TimeoutException):  # the model never answers
+            httpx.post(f"{s.base}/v2/models/stuck/infer", json=body, timeout=0.5)
+        start = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(0.5 + STOP_MODELS_S + 10) == 1
+        assert time.monotonic() - start < 0.5 + STOP_MODELS_S + 5
+        log = s.log_path.read_text()
+        assert "models still running requests" in log and "stuck:1" in log, log[-2000:]
+    finally:
+        s.stop()
+
+
 def test_requests_with_different_sequence_lengths_batch_separately(server: RunningServer) -> None:
     rng = np.random.default_rng(11)
     xs = [rng.normal(size=(1 + i % 2, 3 + i % 3)).astype(np.float32) for i in range(24)]

@@ -53,6 +53,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rtserve")
 
+# After the grace period, how long the models may take to stop (release their sessions and
+# threads): with nothing in flight, milliseconds. Past it a model's code is stuck (a request
+# that never returns), and the process exits without it rather than never.
+STOP_MODELS_S = 2.0
+
 
 class Server:
     def __init__(
@@ -179,7 +184,22 @@ class Server:
         await self._drain(http_server, grpc_server)
         await http_server.close()
         await self.control.stop()
-        await self.registry.stop()
+        try:
+            await asyncio.wait_for(self.registry.stop(), STOP_MODELS_S)
+        except TimeoutError:
+            busy = [
+                f"{mv.name}:{mv.version}"
+                for mv in self.registry.loaded_versions()
+                if mv.scheduler.busy
+            ]
+            log.error(
+                "models still running requests %.1f s after the grace period (%s): exiting "
+                "without waiting for them",
+                STOP_MODELS_S,
+                ", ".join(busy) or "none named",
+            )
+            logging.shutdown()
+            os._exit(1)  # a thread stuck in a model's code would block the interpreter's exit
         if self.workers is not None:
             await self.workers.stop()
         if self.tracer is not None:
