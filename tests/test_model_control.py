@@ -65,7 +65,14 @@ def test_explicit_mode_loads_and_unloads_with_tritonclient_http_and_grpc(tmp_pat
         grpc.load_model("b")
         assert grpc.is_model_ready("b") and infer(s.base, "b") == 3.0
         grpc.unload_model("b")
-        assert "b" not in [m.name for m in grpc.get_model_repository_index().models]
+        # Listed as unloaded, as Triton lists it (the version is no longer known).
+        rows = [m for m in grpc.get_model_repository_index().models if m.name == "b"]
+        assert [(m.version, m.state, m.reason) for m in rows] == [("", "UNAVAILABLE", "unloaded")]
+        rows = [m for m in http.get_model_repository_index() if m["name"] == "b"]
+        assert [(m["state"], m["reason"]) for m in rows] == [("UNAVAILABLE", "unloaded")]
+        http.load_model("b")  # loaded again: listed as ready, no longer as unloaded
+        rows = [m for m in http.get_model_repository_index() if m["name"] == "b"]
+        assert [m["state"] for m in rows] == ["READY"], rows
         # An unknown model: a clear error, and the server keeps serving.
         with pytest.raises(InferenceServerException, match="no such model in the repository"):
             http.load_model("nope")

@@ -46,6 +46,10 @@ class ModelRegistry:
         self._roots = [f"{r}/" for r in {str(root), str(root.resolve())}] if root else []
         ctx.lookup = self.get
         self.models: dict[str, ModelEntry] = {}
+        # Models unloaded since they last loaded: listed in the index as UNAVAILABLE with
+        # the reason "unloaded", as Triton lists them (a client polling the index sees the
+        # unload instead of the model vanishing).
+        self.unloaded: set[str] = set()
 
     # ------------------------------------------------------------------ loading
     async def load_all(self, sources: list[ModelSource]) -> None:
@@ -56,6 +60,7 @@ class ModelRegistry:
 
     async def load(self, source: ModelSource) -> ModelEntry:
         """Build the source's versions beside the serving ones, then switch over."""
+        self.unloaded.discard(source.name)
         entry = self.models.get(source.name)
         if entry is None:
             entry = self.models[source.name] = ModelEntry(source.name)
@@ -98,6 +103,7 @@ class ModelRegistry:
         if entry is None:
             raise ModelNotFound(f"unknown model '{shown(name)}'")
         del self.models[name]
+        self.unloaded.add(name)
         for mv in entry.versions.values():
             mv.ready = False
         for mv in entry.versions.values():
@@ -145,6 +151,9 @@ class ModelRegistry:
                 rows.append(
                     IndexEntry(entry.name, v.version, "READY" if v.ready else "UNAVAILABLE")
                 )
+        rows.extend(
+            IndexEntry(name, "", "UNAVAILABLE", "unloaded") for name in sorted(self.unloaded)
+        )
         return rows
 
     def set_ready(self, ready: bool) -> None:

@@ -175,6 +175,7 @@ class ModelControl:
         for name in [n for n in list(self.registry.models) if n not in names]:
             log.info("model control: %s removed from disk; unloading", name)
             await self._unload(name)
+            self.registry.unloaded.discard(name)  # gone from the repository: not listed
 
     # The journal: one JSON line per explicit request, shared by the workers.
     def _append_journal(self, entry: dict[str, Any]) -> None:
