@@ -73,6 +73,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     _python_model(root, "picky", "slo: {p99_ms: 500}\n")
     picky = root / "picky" / "1" / "model.py"
     picky.write_text(MODEL_PY.replace("    def infer(self, inputs):\n", PICKY))
+    # One row takes 30 ms, more than a 10 ms objective leaves: served, with a warning.
+    _python_model(root, "too_slow", "slo: {p99_ms: 10}\n")
+    slow = root / "too_slow" / "1" / "model.py"
+    slow.write_text(
+        MODEL_PY.replace("        return {", "        time.sleep(0.03)\n        return {")
+    )
+    slow.write_text("import time\n" + slow.read_text())
     running = start_server(root, tmp_path_factory.mktemp("slo_review_logs"))
     try:
         yield running
@@ -212,3 +219,16 @@ def test_a_timeout_shorter_than_the_batch_alone_is_deadline_exceeded_not_retry_l
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "shorter than its batch alone" in (info.value.details() or "")
     assert _http(server, "double", timeout=5_000_000).json()["outputs"][0]["data"] == [3.0]
+
+
+def test_an_objective_shorter_than_one_rows_batch_is_warned_about_at_load(
+    server: RunningServer,
+) -> None:
+    """A model whose one-row batch alone takes longer than the objective's budget is served
+    (a request with nothing ahead is admitted), and the load says its requests will miss."""
+    log = server.log_path.read_text()
+    assert "model too_slow: a batch of one row took" in log, log[-3000:]
+    assert "its requests will miss the objective" in log
+    assert "model double: a batch of one row" not in log
+    r = _http(server, "too_slow")
+    assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [3.0]

@@ -236,7 +236,21 @@ def slo_controller(runtime: Runtime, config: ModelConfig) -> SLOController:
     objective = objective_from_config(
         config.slo.p99_ms, config.slo.p50_ms, config.priority_levels, config.default_priority
     )
-    return SLOController(objective, BatchTimeModel.fit(samples))
+    model = BatchTimeModel.fit(samples)
+    alone_ns = model.predict(1)
+    if alone_ns > objective.budget_ns:
+        # Admitted anyway when nothing is ahead (queueing is not what makes it late), so
+        # every request would miss the objective: say so once, where the user looks.
+        log.warning(
+            "model %s: a batch of one row took %.3g ms when timed, more than the latency "
+            "objective leaves for the queue and the model (%.3g ms of p99 %.3g ms): its "
+            "requests will miss the objective",
+            config.name,
+            alone_ns / 1e6,
+            objective.budget_ns / 1e6,
+            config.slo.p99_ms,
+        )
+    return SLOController(objective, model)
 
 
 MAX_LABELS_BYTES = 16 * 1024 * 1024
