@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import numpy as np
@@ -599,4 +600,32 @@ async def test_a_timeout_shorter_than_the_requests_own_batch_is_not_told_to_retr
     assert refused.value.retry_after_s > 0
     assert b.stats.shed[("deadline", 1)] == 2
     await asyncio.gather(*queued)
+    await b.stop()
+
+
+@run_async
+async def test_the_loop_delays_weight_follows_the_share_of_requests_refused() -> None:
+    """Refusals for the objective raise the loop delay's weight toward 2.5 (read once per
+    batch or loop round); admissions bring it back toward 2."""
+    rt, clock = DoublingRuntime(), FakeClock()
+    b, _ = make_slo(rt, clock, 10, slo.BatchTimeModel(1e6, 1e6))
+    b.start()
+    assert b._lag_weight == slo.LOOP_LAG_WEIGHT
+    admitted = []
+    for _ in range(40):
+        with contextlib.suppress(ObjectiveRefused):
+            admitted.append(b.submit(rows(1), 1, Timings(received=clock.ns)))
+    refused = b.stats.shed[("objective", 1)]
+    assert admitted and refused > len(admitted)
+    for _ in range(10):
+        b._note_refusals()
+        assert b.refuse_early(clock.ns) is not None  # refused again: counted
+    assert 2.3 < b._lag_weight <= 2.5
+    clock.advance_ms(100)
+    await asyncio.wait_for(asyncio.gather(*admitted), 5)
+    for _ in range(30):  # admitted only, one at a time
+        clock.advance_ms(20)
+        await asyncio.wait_for(b.submit(rows(1), 1, Timings(received=clock.ns)), 5)
+        b._note_refusals()
+    assert b._lag_weight < 2.05
     await b.stop()

@@ -26,6 +26,7 @@ from rtserve.scheduling.slo import (
     parse_priority,
     plan,
     rate_window,
+    refused_weight,
     schedule_order,
     target_rows,
 )
@@ -108,6 +109,21 @@ def test_loop_lag_counts_only_past_the_floor_holds_for_a_round_then_drains() -> 
     assert lag.delay_ns(30 * MS, budget) == 0  # long drained, nothing newer measured
     lag.observe(-5, 40 * MS)  # a clock step backwards is no lag
     assert lag.current(40 * MS) == 0
+
+
+def test_the_loop_delay_counts_for_more_as_more_requests_are_refused() -> None:
+    """Twice with nothing refused, up to two and a half times when everything is (the
+    admitted few are those that came when the noisy reading was low); shares outside 0..1
+    are clamped. The weight multiplies the delay, and only past the floor."""
+    assert refused_weight(0.0) == 2.0
+    assert refused_weight(0.5) == 2.25
+    assert refused_weight(1.0) == refused_weight(3.0) == 2.5
+    assert refused_weight(-1.0) == 2.0
+    lag = LoopLag()
+    lag.observe(2 * MS, 0)
+    assert lag.delay_ns(0, 8 * MS, weight=2.5) == 5 * MS
+    lag.observe(200_000, 0)  # under the floor: 0 whatever the weight
+    assert lag.delay_ns(0, 8 * MS, weight=2.5) == 0
 
 
 def test_a_request_behind_a_lagging_event_loop_is_refused() -> None:

@@ -159,6 +159,11 @@ class Batcher:
         # refusal); dropped when a batch finishes or the loop is timed again.
         self._held: tuple[int, ObjectiveRefused] | None = None
         self._hold_ns = int(controller.objective.budget_ns * REFUSAL_HOLD) if controller else 0
+        # Requests admitted and refused for the objective, as last read by
+        # ``_note_refusals``, the refused share (decayed) and the loop delay's weight.
+        self._admitted = self._seen_admitted = self._seen_refused = 0
+        self._refused_share = 0.0
+        self._lag_weight = float(slo.LOOP_LAG_WEIGHT)
         # ``LoopLag.delay_ns`` is 0 unless the lag or the round under way is longer than this.
         self._lag_floor_ns = (
             int(controller.objective.budget_ns * slo.LOOP_LAG_FLOOR) if controller else 0
@@ -315,6 +320,7 @@ class Batcher:
                 )
             raise self._refused(decision, level, now)
         controller.rate.observe(now, rows)  # the rate that batches form from: admitted rows
+        self._admitted += 1
         future: asyncio.Future[Outputs] = loop.create_future()
         shape_key = tuple(a.shape[1:] for a in feeds.values()) if self._ragged else None
         pending = _Pending(feeds, rows, future, timings, shape_key, on_done)
@@ -356,7 +362,7 @@ class Batcher:
         running = now - self._probe_ns if self._probing else 0
         loop_lag = controller.loop
         if loop_lag.lag_ns > self._lag_floor_ns or running > self._lag_floor_ns:
-            busy_ns += loop_lag.delay_ns(now, objective.budget_ns, running)
+            busy_ns += loop_lag.delay_ns(now, objective.budget_ns, running, self._lag_weight)
         if self._overdue_ns and not self._probing:
             # Time the rest of this loop round (overdue batches leave the gather task few
             # turns to time it by): a callback queued now runs once the round's I/O is done.
@@ -414,6 +420,22 @@ class Batcher:
         if controller is not None:
             now = self._now()
             controller.loop.observe(now - sent_ns, now)
+            self._note_refusals()
+
+    def _note_refusals(self) -> None:
+        """Once per loop round (the probe) or batch: the share of requests refused for the
+        objective since the last time, decayed, and the loop delay's weight that follows
+        (``slo.refused_weight``)."""
+        refused = 0
+        for (reason, _), count in self.stats.shed.items():
+            if reason == "objective":
+                refused += count
+        fresh_refused = refused - self._seen_refused
+        fresh = fresh_refused + self._admitted - self._seen_admitted
+        if fresh:
+            self._seen_refused, self._seen_admitted = refused, self._admitted
+            self._refused_share += 0.2 * (fresh_refused / fresh - self._refused_share)
+            self._lag_weight = slo.refused_weight(self._refused_share)
 
     def _refused(self, decision: slo.Admission, level: int, now: int) -> ObjectiveRefused:
         self.stats.count_shed(decision.reason, level)
@@ -789,6 +811,7 @@ class Batcher:
             controller.model.observe(total_rows, max(end - start, now - dispatched))
             if not self.inline:  # from the thread's end to here: how far behind the loop is
                 controller.loop.observe(now - end, now)
+            self._note_refusals()
             stats = self.stats
             feedback = controller.feedback
             budget = controller.objective.budget_ns

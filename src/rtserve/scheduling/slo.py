@@ -609,12 +609,28 @@ class LoopLag:
         elapsed = now_ns - self.at_ns
         return lag if elapsed <= lag else max(0, 2 * lag - elapsed)
 
-    def delay_ns(self, now_ns: int, budget_ns: int, running_ns: int = 0) -> int:
+    def delay_ns(
+        self, now_ns: int, budget_ns: int, running_ns: int = 0, weight: float = LOOP_LAG_WEIGHT
+    ) -> int:
         """``running_ns``: how long the loop round still running has run so far, when known
         (a round can outlast every measurement before it: under overload, the event loop
-        polls again without yielding while every poll fills its event buffer)."""
+        polls again without yielding while every poll fills its event buffer). ``weight``:
+        how many times the delay is counted (see ``refused_weight``)."""
         lag = max(self.current(now_ns), running_ns)
-        return LOOP_LAG_WEIGHT * lag if lag > budget_ns * LOOP_LAG_FLOOR else 0
+        return int(weight * lag) if lag > budget_ns * LOOP_LAG_FLOOR else 0
+
+
+REFUSED_WEIGHT = 0.5  # added to the loop delay's weight when every request is being refused
+
+
+def refused_weight(refused_share: float) -> float:
+    """The loop delay's weight for admission when ``refused_share`` of recent requests were
+    refused for the objective. The delay is a noisy reading, and the more admission refuses,
+    the more the few requests it admits are those that came when the reading was low, not
+    when the loop was: a selection that makes admitted requests later than predicted. So
+    the delay counts for more as the refused share grows: twice at no refusals (before the
+    batch and before the answer), two and a half times when nearly all are refused."""
+    return LOOP_LAG_WEIGHT + REFUSED_WEIGHT * min(1.0, max(0.0, refused_share))
 
 
 class SLOController:
