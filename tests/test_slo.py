@@ -20,6 +20,7 @@ from rtserve.scheduling.slo import (
     Objective,
     admit,
     admit_alone,
+    admit_one_batch,
     batch_limit,
     late,
     objective_from_config,
@@ -352,6 +353,23 @@ def test_a_request_deadline_tighter_than_the_queue_is_refused_at_once() -> None:
     assert a.retry_after_ns == a.predicted_ns - 2 * MS
     ok = admit(1, 1, 0, 10 * MS, 32 * 10, 0.0, m, 32, OBJ)
     assert ok.admitted and ok.deadline_ns == 10 * MS
+
+
+def test_admit_one_batch_decides_as_admit_or_leaves_it_to_admit() -> None:
+    """Without the arrival rate: admits exactly where ``admit`` admits at any rate when a full
+    batch after the work in flight fits the budget; None past one batch or when it does not
+    fit (``admit`` decides then)."""
+    m = fitted(curve(100, 10))  # a full batch of 32: 420 µs
+    for queued, busy in ((1, 0.0), (20, 5 * MS), (32, 30 * MS), (33, 0.0), (10, 39.7 * MS)):
+        one = admit_one_batch(queued, 1, 0, busy, m, 32, OBJ, batch_rows=8)
+        if queued > 32 or busy + m.predict(32) > OBJ.budget_ns:
+            assert one is None, (queued, busy)
+            continue
+        assert one is not None
+        for rate in (0.0, 1e-3, 1.0):  # rows per ns: none, 1M/s, far past any batch
+            full = admit(1, 1, 0, 0, queued - 1, busy, m, 32, OBJ, 1, 8, rate)
+            assert full.admitted and full.deadline_ns == one.deadline_ns
+        assert one.predicted_ns == int(busy + m.predict(max(queued, 8)))
 
 
 def test_a_deadline_shorter_than_the_requests_own_batch_has_no_retry_after() -> None:

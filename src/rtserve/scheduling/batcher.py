@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -164,10 +163,6 @@ class Batcher:
         self._admitted = self._seen_admitted = self._seen_refused = 0
         self._refused_share = 0.0
         self._lag_weight = float(slo.LOOP_LAG_WEIGHT)
-        # ``LoopLag.delay_ns`` is 0 unless the lag or the round under way is longer than this.
-        self._lag_floor_ns = (
-            int(controller.objective.budget_ns * slo.LOOP_LAG_FLOOR) if controller else 0
-        )
         # Inline models under an objective: queued work that has waited this long runs from
         # the next frontend callback (``_run_overdue``).
         self._overdue_ns = (
@@ -360,9 +355,7 @@ class Batcher:
         # A probe still queued has waited as long as this round has run since it was queued:
         # the lag of a round still running, which the last measurement knows nothing of.
         running = now - self._probe_ns if self._probing else 0
-        loop_lag = controller.loop
-        if loop_lag.lag_ns > self._lag_floor_ns or running > self._lag_floor_ns:
-            busy_ns += loop_lag.delay_ns(now, objective.budget_ns, running, self._lag_weight)
+        busy_ns += controller.loop.delay_ns(now, objective.budget_ns, running, self._lag_weight)
         if self._overdue_ns and not self._probing:
             # Time the rest of this loop round (overdue batches leave the gather task few
             # turns to time it by): a callback queued now runs once the round's I/O is done.
@@ -371,29 +364,18 @@ class Batcher:
             assert self._loop is not None
             self._loop.call_soon(self._probed, now)
         factor = controller.feedback.factor
-        ahead = self._level_rows[0] if level == 1 else sum(self._level_rows[:level])
+        ahead = sum(self._level_rows[:level])
         if not ahead and not busy_ns and self._free and not timeout_ns:
             alone = slo.admit_alone(rows, now, controller.model, objective, factor, received_ns)
             return alone, False
         max_rows = controller.limit
-        queued = ahead + rows
-        if queued <= max_rows and not timeout_ns:
-            # What is queued runs in one batch. If even a full one, after the work in flight
-            # and the loop's delay, ends within the budget, ``admit`` admits (its prediction
-            # is that batch, as full as the arrival rate and the target make it, at most
-            # full): decided without them. The common case below capacity, kept cheap.
-            model = controller.model
-            start = received_ns if 0 < received_ns <= now else now
-            budget = objective.budget_ns if level == 1 else objective.budget_for(level)
-            per_row = model.per_row_ns
-            fixed = model.fixed_ns
-            scale = model.scale
-            if now + busy_ns + scale * (fixed + per_row * max_rows) <= start + budget * factor:
-                last = self.stats.target  # the plan's: how full batches are being made
-                last = queued if queued > last else max_rows if last > max_rows else last
-                predicted = now + int(busy_ns + scale * (fixed + per_row * last))
-                deadline = start + int(objective.gather_ns * factor)
-                return slo.Admission(True, predicted, deadline), ahead > 0 or busy_ns > 0
+        if not timeout_ns:  # the common case below capacity, decided without the rate
+            one = slo.admit_one_batch(
+                ahead + rows, level, now, busy_ns, controller.model, max_rows, objective,
+                self.stats.target, factor, received_ns,
+            )  # fmt: skip
+            if one is not None:
+                return one, ahead > 0 or busy_ns > 0
         rate = controller.rate.rate(now)
         decision = slo.admit(
             rows,
@@ -816,16 +798,9 @@ class Batcher:
             feedback = controller.feedback
             budget = controller.objective.budget_ns
             queued_enough = start - budget // 10  # enqueued before this: waited 10% of budget
-            predicted, observed = stats.predicted, stats.observed  # histograms, inlined
-            p_bounds, p_counts, p_total = predicted.bounds, predicted.counts, 0.0
-            o_bounds, o_counts, o_total = observed.bounds, observed.counts, 0.0
             for p in batch:
-                value = (p.predicted_ns - p.enqueued_ns) * 1e-9
-                p_counts[bisect_left(p_bounds, value)] += 1
-                p_total += value
-                value = (now - p.enqueued_ns) * 1e-9
-                o_counts[bisect_left(o_bounds, value)] += 1
-                o_total += value
+                stats.predicted.observe((p.predicted_ns - p.enqueued_ns) * 1e-9)
+                stats.observed.observe((now - p.enqueued_ns) * 1e-9)
                 # Only requests that waited in the queue tell whether admission lets in too
                 # much: when the event loop, not the queue, is what delays requests (a model
                 # run inline that is cheap next to the HTTP work), admitting less cannot help.
@@ -833,8 +808,6 @@ class Batcher:
                     began = slo.clock_start(p.timings.received, p.enqueued_ns)
                     counts = p.feedback and p.enqueued_ns <= queued_enough
                     feedback.observe(now - began, budget, now, counts)
-            predicted.sum += p_total
-            observed.sum += o_total
             stats.budget_factor = feedback.factor
             controller.refresh(self._policy.max_rows)
         if self._on_batch is not None:

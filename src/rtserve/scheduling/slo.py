@@ -474,6 +474,35 @@ def admit(
     return Admission(True, predicted, deadline)
 
 
+def admit_one_batch(
+    queued: int,
+    priority: int,
+    now_ns: int,
+    busy_ns: float,
+    model: BatchTimeModel,
+    max_rows: int,
+    objective: Objective,
+    batch_rows: int = 0,
+    factor: float = 1.0,
+    received_ns: int = 0,
+) -> Admission | None:
+    """``admit``'s decision for a request without a timeout of its own, when it needs no
+    arrival rate; None when it does (then ask ``admit``). ``queued``: the rows queued ahead
+    plus the request's. If they run in one batch and even a full one, after ``busy_ns``,
+    ends within the budget, ``admit`` admits whatever the rate, which only says how full
+    that batch gets: the prediction here is the batch at ``batch_rows`` (the plan's current
+    target), or ``queued`` if more. The common case below capacity, kept cheap."""
+    if queued > max_rows:
+        return None
+    start = clock_start(received_ns, now_ns)
+    budget = objective.budget_for(priority) * factor
+    if now_ns + busy_ns + model.predict(max_rows) > start + budget:
+        return None
+    last = min(max_rows, max(queued, batch_rows))
+    predicted = now_ns + int(busy_ns + model.predict(last))
+    return Admission(True, predicted, start + int(objective.gather_ns * factor))
+
+
 def admit_alone(
     rows: int,
     now_ns: int,
