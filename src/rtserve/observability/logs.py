@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from typing import Any
 
 import orjson
 
+from rtserve.errors import InvalidInput
 from rtserve.protocol.types import Timings
 
 ACCESS = logging.getLogger("rtserve.access")
+MAX_REQUEST_ID = 128
+_REQUEST_ID = re.compile(f"[!-~]{{1,{MAX_REQUEST_ID}}}")
+_UNSAFE = re.compile(r"[^!-~]")
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None)))
 
 
@@ -45,6 +50,25 @@ def configure_logging(level: str, fmt: str = "text") -> None:
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
 
 
+def checked_request_id(value: str) -> str:
+    """A client's ``x-request-id`` if it is 1-128 visible ASCII characters (no spaces or
+    control characters that could forge log lines or fields); otherwise ``InvalidInput``."""
+    if _REQUEST_ID.fullmatch(value) is None:
+        raise InvalidInput(
+            f"x-request-id: expected 1-{MAX_REQUEST_ID} visible ASCII characters (no spaces "
+            f"or control characters), got {len(value)} characters"
+        )
+    return value
+
+
+def _field(value: object) -> str:
+    """A value as one space-free token of a text log line (unsafe characters escaped)."""
+    text = str(value)
+    if _UNSAFE.search(text) is None:
+        return text
+    return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 def access_line(
     t: Timings,
     model: str,
@@ -70,4 +94,4 @@ def access_line(
         "trace_id": trace_id or "-",
         "request_id": t.request_id or "-",
     }
-    ACCESS.info(" ".join(f"{k}={v}" for k, v in fields.items()), extra=fields)
+    ACCESS.info(" ".join(f"{k}={_field(v)}" for k, v in fields.items()), extra=fields)

@@ -19,6 +19,7 @@ import grpc
 
 from rtserve.core.dataplane import DataPlane
 from rtserve.errors import ClientClosed, InvalidInput, RTServeError, as_error
+from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol.grpc_codec import decode_model_infer, encode_model_infer
@@ -227,7 +228,7 @@ class GrpcFrontend:
             if context is not None:
                 for key, value in context.invocation_metadata() or ():
                     if key == "x-request-id":
-                        timings.request_id = str(value)[:128]
+                        timings.request_id = checked_request_id(str(value))
                     elif key == "traceparent":
                         timings.traceparent = str(value)[:128]
             remaining = context.time_remaining() if context is not None else None

@@ -13,7 +13,6 @@ import zlib
 from functools import partial
 from importlib import resources
 from typing import Any
-from urllib.parse import unquote
 
 import orjson
 
@@ -21,6 +20,7 @@ from rtserve.core.dataplane import DataPlane
 from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.core.model import ModelVersion
 from rtserve.errors import InvalidInput, PayloadTooLarge, RouteNotFound, RTServeError, as_error
+from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
 from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
@@ -47,9 +47,7 @@ def _int_header(value: bytes, name: str) -> int:
 
 
 def _infer_target(path: str) -> tuple[str, str]:
-    """(model, version) of ``/v2/models/{m}[/versions/{v}]/infer``."""
-    if "%" in path:
-        path = unquote(path)
+    """(model, version) of ``/v2/models/{m}[/versions/{v}]/infer`` (a canonical path)."""
     parts = path.split("/")
     n = len(parts)
     if n == 5 and parts[1] == "v2" and parts[2] == "models":
@@ -188,6 +186,9 @@ class HttpFrontend:
         mv: ModelVersion | None = None
         headers = raw.headers
         try:
+            request_id = headers.get(b"x-request-id")
+            if request_id is not None:
+                timings.request_id = checked_request_id(request_id.decode("latin-1"))
             name, version = _infer_target(raw.path)
             mv = self.dataplane.resolve(name, version, timings)
             refusal = mv.early_refusal(timings.received)
@@ -219,9 +220,6 @@ class HttpFrontend:
             self.answer(conn, empty, mv, None, as_error(exc, "inference request"))
             return
         request.timings = timings
-        request_id = headers.get(b"x-request-id")
-        if request_id is not None:
-            timings.request_id = request_id[:128].decode("latin-1")
         traceparent = headers.get(b"traceparent")
         if traceparent is not None:
             timings.traceparent = traceparent[:128].decode("latin-1")
@@ -243,11 +241,11 @@ class HttpFrontend:
             encoded = response_bytes(status, body, headers, True, False)
             cached = self._refusal = (refusal, status, body, headers, encoded)
         _, status, body, headers, encoded = cached
-        request_id = raw.headers.get(b"x-request-id")
-        if request_id is None:
+        if not timings.request_id:
             conn.respond(status, body, headers, encoded)
         else:
-            conn.respond(status, body, [*headers, (b"x-request-id", request_id[:128])])
+            request_id = timings.request_id.encode("ascii")
+            conn.respond(status, body, [*headers, (b"x-request-id", request_id)])
         self.dataplane.observe(InferRequest("", "", [], timings=timings), mv, refusal, _now())
 
     def _start_decompress(self, conn: Connection, raw: Request, encoding: bytes) -> None:
@@ -331,7 +329,7 @@ class HttpFrontend:
         {"config": <mapping or JSON string>}}``, a config used instead of config.yaml) and
         ``.../unload``."""
         try:
-            parts = unquote(request.path).split("/")
+            parts = request.path.split("/")
             if len(parts) != 6 or parts[5] not in ("load", "unload") or not parts[4]:
                 raise RouteNotFound(f"no route for POST {request.path[:200]}")
             if self.control is None:
@@ -351,7 +349,7 @@ class HttpFrontend:
         method = request.method
         if method == b"HEAD":
             method = b"GET"
-        path = unquote(request.path)
+        path = request.path
         dp = self.dataplane
         parts = [p for p in path.split("/") if p]
         if method == b"GET" and parts == ["metrics"]:

@@ -44,6 +44,7 @@ from rtserve.errors import (
     UriTooLong,
 )
 from rtserve.server.errors import http_error
+from rtserve.server.paths import canonical_path
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,8 @@ class Connection(asyncio.Protocol):
         "_gen",
         "_url",
         "_url_size",
+        "_path",
+        "_query",
         "_headers",
         "_header_count",
         "_head_size",
@@ -225,6 +228,8 @@ class Connection(asyncio.Protocol):
         self._gen = 0  # requests begun on this connection
         self._url: list[bytes] = []
         self._url_size = 0
+        self._path = "/"  # the current request's canonical path (server/paths.py)
+        self._query = ""
         self._headers: dict[bytes, bytes] = {}
         self._header_count = 0
         self._head_size = 0  # URL + headers, counted exactly as the parser reports them
@@ -360,6 +365,12 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.state = _BODY
+        parts = self._url
+        url = parts[0] if len(parts) == 1 else b"".join(parts)
+        self._url = []
+        path, _, query = url.partition(b"?")
+        self._query = query.decode("latin-1")
+        self._path = canonical_path(path)
         parser = self.parser
         if parser.should_upgrade():
             if parser.get_method() == b"CONNECT":
@@ -397,21 +408,17 @@ class Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self.state = _IDLE
         parser = self.parser
-        parts = self._url
-        url = parts[0] if len(parts) == 1 else b"".join(parts)
-        path, _, query = url.partition(b"?")
         parts = self._body
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         # The request owns these now; the connection keeps no reference to them.
         headers = self._headers
-        self._url = []
         self._headers = {}
         self._body = []
         keep_alive = parser.should_keep_alive() and not self.server.draining and not self._rejected
         request = Request(
             parser.get_method(),
-            path.decode("utf-8", "replace"),
-            query.decode("latin-1"),
+            self._path,
+            self._query,
             headers,
             body,
             keep_alive,

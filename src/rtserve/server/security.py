@@ -198,7 +198,9 @@ class Guard:
         self.limiter = limiter
 
     def http(self, path: str, headers: dict[bytes, bytes], peer: str) -> None:
-        parts = [p for p in path.split("?", 1)[0].split("/") if p]
+        """``path``: the request's canonical path (``server/paths.py``), as the router sees
+        it; ``peer``: the client's IP address, the same key its gRPC calls are limited by."""
+        parts = path.split("/")[1:]
         if parts[:2] == ["v2", "health"]:
             return  # probes stay open
         if self.limiter is not None:
@@ -222,8 +224,7 @@ class Guard:
         if method in _OPEN_GRPC:
             return
         if self.limiter is not None:
-            peer = str(context.peer())  # type: ignore[attr-defined]
-            self.limiter.take(peer.rsplit(":", 1)[0])
+            self.limiter.take(grpc_address(str(context.peer())))  # type: ignore[attr-defined]
         auth = self.auth
         if auth is None:
             return
@@ -237,6 +238,16 @@ class Guard:
         else:
             name = getattr(request, "name", "") or getattr(request, "model_name", "")
             auth.check_model(credential, str(name))
+
+
+def grpc_address(peer: str) -> str:
+    """The IP address in a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``), written
+    as HTTP's peer address is, so that both protocols share one rate-limit bucket."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        host = rest.rsplit(":", 1)[0]
+        return host[1:-1] if host.startswith("[") else host
+    return peer
 
 
 def grpc_credential(context: object) -> str | None:
