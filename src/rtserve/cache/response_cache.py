@@ -30,8 +30,8 @@ from rtserve.cache.keys import cache_key
 from rtserve.cache.memory import MemoryCache
 from rtserve.cache.metrics import CacheMetrics
 from rtserve.cache.redis_tier import RedisTier
-from rtserve.cache.singleflight import SingleFlight
-from rtserve.errors import InvalidInput
+from rtserve.cache.singleflight import SingleFlight, WaitTimeout
+from rtserve.errors import ClientClosed, DeadlineExceeded, InvalidInput, ObjectiveRefused
 from rtserve.protocol.types import InferRequest, Tensor
 
 # The tier a response came from, as returned by ResponseCache.lookup_or_run.
@@ -50,6 +50,9 @@ _FALSE = frozenset({"false", "0", "no", "off"})
 # parameters is None or a flat (key, value, key, value, ...) tuple.
 _Stored = tuple[Any, ...]
 _FIELDS = 4
+# Failures of the leader's own request (its deadline, its priority, its client), not of
+# the work: requests waiting on it start over instead of getting them.
+_HANDOFF = (DeadlineExceeded, ObjectiveRefused, ClientClosed)
 
 
 class OutputSpec(Protocol):
@@ -96,7 +99,7 @@ class ResponseCache:
         self._redis: RedisTier | None = None
         if config.redis is not None:
             self._redis = RedisTier(config.redis, model_name, version, m)
-        self._flights: SingleFlight[bytes, tuple[_Stored, str]] = SingleFlight()
+        self._flights: SingleFlight[bytes, tuple[_Stored, str]] = SingleFlight(_HANDOFF)
         self._outputs: dict[str, tuple[str, tuple[int, ...]]] | None = None
         if outputs is not None:
             self._outputs = {o.name: (o.datatype, tuple(o.shape)) for o in outputs}
@@ -148,10 +151,27 @@ class ResponseCache:
         return None, key
 
     async def fill(
-        self, key: bytes, request: InferRequest, run: Callable[[], Awaitable[list[Tensor]]]
+        self,
+        key: bytes,
+        request: InferRequest,
+        run: Callable[[], Awaitable[list[Tensor]]],
+        timeout_s: float = 0.0,
     ) -> tuple[list[Tensor], str]:
-        """The rest after an L1 miss: single-flight on ``key``, then L2, then ``run``."""
-        (stored, tier), shared = await self._flights.do(key, self._fill, key, request, run)
+        """The rest after an L1 miss: single-flight on ``key``, then L2, then ``run``.
+
+        ``timeout_s`` > 0: the request's own deadline, which bounds its wait on an identical
+        request in flight (``run`` applies it to a run of its own). A leader that fails on
+        its own deadline or client does not fail the requests waiting on it.
+        """
+        try:
+            (stored, tier), shared = await self._flights.do(
+                key, self._fill, key, request, run, wait_s=timeout_s
+            )
+        except WaitTimeout:
+            raise DeadlineExceeded(
+                f"model '{self.model_name}': request timed out after {timeout_s * 1e3:.3g} ms "
+                "waiting for an identical request in flight"
+            ) from None
         if shared:
             self._metrics.coalesced.inc()
         return _fresh(stored), tier

@@ -412,7 +412,7 @@ class DataPlane:
 
         assert mv.cache is not None
         try:
-            outputs, tier = await mv.cache.fill(key, request, run)
+            outputs, tier = await mv.cache.fill(key, request, run, timeout_s)
         except BaseException as exc:
             done(request, mv, None, as_error(exc, "inference request"))
             return
