@@ -14,6 +14,13 @@ from rtserve.config import AUTO_BATCH, DEFAULT_MAX_BATCH, ModelConfig, TensorSpe
 from rtserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
+# What each other backend reads from a version directory, for the missing-model.onnx error.
+_OTHER_BACKENDS = (
+    ("model.py", "for Python code set backend: python (model.py)"),
+    ("model.pt", "for TorchScript or torch.export set backend: torch (model.pt or model.pt2)"),
+    ("", "for a pipeline of models set backend: ensemble (steps in config.yaml)"),
+)
+_LISTED_FILES = 10
 
 _ORT_TYPES = {
     "tensor(bool)": "BOOL",
@@ -146,6 +153,21 @@ def _reconcile(
     return configured
 
 
+def missing_model_message(version_dir: Path) -> str:
+    """Why a version directory cannot be served as ONNX: what the directory holds and what
+    each backend expects, the likeliest first (a forgotten ``backend: python`` said only
+    "model.onnx not found")."""
+    names = sorted(p.name for p in version_dir.iterdir()) if version_dir.is_dir() else []
+    found = ", ".join(names[:_LISTED_FILES]) + (", ..." if len(names) > _LISTED_FILES else "")
+    hints = sorted(
+        _OTHER_BACKENDS, key=lambda h: not (h[0] and any(n.startswith(h[0]) for n in names))
+    )
+    return (
+        f"{version_dir}: model.onnx not found (backend: onnxruntime, the default); "
+        f"the directory holds {found or 'no files'}; " + "; ".join(hint for _, hint in hints)
+    )
+
+
 class OnnxRuntimeModel:
     platform = "onnxruntime_onnx"
 
@@ -175,7 +197,7 @@ class OnnxRuntimeModel:
     def load(cls, config: ModelConfig, version_dir: Path) -> OnnxRuntimeModel:
         path = version_dir / "model.onnx"
         if not path.exists():
-            raise ConfigError(f"{version_dir}: model.onnx not found")
+            raise ConfigError(missing_model_message(version_dir))
         opts = config.onnxruntime
         providers = available_providers(opts.execution_providers)
         sessions = cls._sessions_for(str(path), config, providers, 1)
