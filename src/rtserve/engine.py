@@ -1,0 +1,326 @@
+"""rtserve without sockets: the registry, model control, dataplane, metrics and response
+cache in one object, for Python programs, serverless handlers and the servers themselves.
+
+```python
+async with Engine.from_repository("examples/repository") as engine:
+    out = await engine.infer("mlp", {"input": np.random.rand(4, 256).astype(np.float32)})
+with Engine.from_repository("examples/repository").sync() as engine:
+    out = engine.infer("digits", {...})
+```
+
+``infer`` goes through the same path as an HTTP or gRPC request (input checks, response
+cache, the model's batcher and SLO controller, metrics), so concurrent calls batch together
+and errors are the typed ``rtserve.errors`` the servers map to statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from rtserve.config import ServerConfig, load_server_config
+from rtserve.core.dataplane import DataPlane
+from rtserve.core.info import ModelConfigInfo, ModelInfo
+from rtserve.core.model import BuildContext
+from rtserve.core.registry import ModelRegistry
+from rtserve.errors import ClientClosed, InvalidInput, as_error
+from rtserve.observability.metrics import Metrics
+from rtserve.observability.tracing import Tracer
+from rtserve.observability.workers import WorkerView
+from rtserve.protocol.limits import DecodeLimits
+from rtserve.protocol.types import (
+    DATATYPE_TO_NUMPY,
+    NUMPY_TO_DATATYPE,
+    InferRequest,
+    RequestedOutput,
+    Tensor,
+    Timings,
+)
+from rtserve.server.control import ModelControl
+
+if TYPE_CHECKING:
+    from rtserve.cache import CacheConfig
+
+T = TypeVar("T")
+_now = time.perf_counter_ns
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """One model version as the repository index lists it."""
+
+    name: str
+    version: str
+    state: str  # READY | UNAVAILABLE | LOADING
+    reason: str = ""
+
+
+def _cache_default(config: ServerConfig) -> CacheConfig | None:
+    """The server-wide response cache config (validated; errors name the file and field)."""
+    if config.response_cache is None:
+        return None
+    from rtserve.cache import CacheConfig
+
+    return CacheConfig.from_dict(config.response_cache, config.config_file or "server config")
+
+
+def _tensor(name: str, value: Any, datatype: str | None) -> Tensor:
+    """One named input as the decoders make it: a numpy array with its V2 datatype; strings
+    and bytes become a BYTES tensor. A list takes the model's ``datatype`` for the input."""
+    if isinstance(value, np.ndarray):
+        array = value
+    else:
+        dtype = DATATYPE_TO_NUMPY.get(datatype or "")
+        try:
+            array = np.asarray(value, dtype=None if dtype is None or datatype == "BYTES" else dtype)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"inputs.{name}: expected {datatype or 'an array'}: {exc}") from None
+    if array.dtype.kind in "US":
+        array = np.vectorize(
+            lambda v: v.encode() if isinstance(v, str) else bytes(v), otypes=[object]
+        )(array)
+    elif array.dtype.kind == "O":
+        if not all(isinstance(v, bytes | str) for v in array.flat):
+            raise InvalidInput(f"inputs.{name}: an object array must hold str or bytes")
+        array = np.vectorize(lambda v: v.encode() if isinstance(v, str) else v, otypes=[object])(
+            array
+        )
+    datatype = "BYTES" if array.dtype.kind == "O" else NUMPY_TO_DATATYPE.get(array.dtype)
+    if datatype is None:
+        raise InvalidInput(
+            f"inputs.{name}: numpy dtype {array.dtype} has no V2 datatype "
+            f"(expected one of {', '.join(str(d) for d in NUMPY_TO_DATATYPE)})"
+        )
+    return Tensor(name, datatype, tuple(array.shape), array)
+
+
+class Engine:
+    """The serving core in one process, without transports."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        more_expected: Callable[[], bool] | None = None,
+    ) -> None:
+        """``more_expected``: whether another request may arrive soon (the transports know;
+        without them, never)."""
+        self.config = config
+        self.metrics = Metrics()
+        self.registry = ModelRegistry(
+            BuildContext(
+                self.metrics,
+                more_expected=more_expected or (lambda: False),
+                cache_default=_cache_default(config),
+                decode_limits=DecodeLimits(
+                    max_elements=config.max_tensor_elements,
+                    max_bytes_elements=config.max_bytes_elements,
+                    max_json_depth=config.max_json_depth,
+                    max_json_containers=config.max_json_containers,
+                ),
+            ),
+            root=config.model_repository,
+        )
+        shared = Path(config.shared_dir) if config.shared_dir else None
+        self.workers = (
+            WorkerView(shared, config.worker_index, self.metrics, self.registry)
+            if shared is not None
+            else None
+        )
+        self.tracer = (
+            Tracer(config.trace_endpoint, config.trace_sample_ratio)
+            if config.trace_endpoint
+            else None
+        )
+        self.dataplane = DataPlane(
+            self.registry, self.metrics, self.workers, self.tracer, config.access_log
+        )
+        self.dataplane.strict_readiness = config.strict_readiness
+        self.control = ModelControl(
+            self.registry,
+            config.model_repository,
+            config.model_control_mode,
+            config.repository_poll_secs,
+            config.load_models,
+            journal=shared / "model-control.jsonl" if shared is not None else None,
+        )
+        self.started = False
+
+    @classmethod
+    def from_repository(cls, path: str | Path, **settings: Any) -> Engine:
+        """An engine over a model repository; ``settings``: ``ServerConfig`` fields, e.g.
+        ``model_control_mode="explicit"``, ``load_models=("mlp",)``, ``response_cache``."""
+        return cls(load_server_config(None, model_repository=Path(path), **settings))
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Load and warm up the models (those that fail are listed by ``models()``)."""
+        await self.control.start()
+        self.dataplane.started = True
+        self.started = True
+
+    async def stop(self) -> None:
+        """Answer what was accepted, then release the models."""
+        self.dataplane.begin_drain()
+        while any(mv.scheduler.busy for mv in self.registry.loaded_versions()):
+            await asyncio.sleep(0.005)
+        await self.control.stop()
+        await self.registry.stop()
+        if self.tracer is not None:
+            self.tracer.shutdown()
+        self.started = False
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def sync(self) -> SyncEngine:
+        """The same engine for plain (non-async) code: its own event loop on a thread."""
+        return SyncEngine(self)
+
+    # ------------------------------------------------------------------ inference
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        version: str = "",
+        outputs: Sequence[str] | None = None,
+        parameters: Mapping[str, Any] | None = None,
+        request_id: str = "",
+    ) -> dict[str, np.ndarray]:
+        """Run one request; returns its outputs by name. ``inputs``: arrays (or nested
+        lists, strings for BYTES) with the batch dimension when the model batches;
+        ``parameters``: the V2 request parameters (``timeout`` in µs, ``priority``, ...).
+        Raises ``ModelNotFound``, ``InvalidInput`` (naming the field), ``Overloaded``..."""
+        timings = Timings(received=_now())
+        request = InferRequest(model, version, [], timings=timings)
+        mv = None
+        dp = self.dataplane
+        try:
+            if not isinstance(inputs, Mapping) or not inputs:
+                raise InvalidInput("inputs: expected a mapping of input names to arrays")
+            mv = dp.resolve(model, version, timings)
+            specs = mv.inputs
+            request = InferRequest(
+                model,
+                version,
+                [
+                    _tensor(str(k), v, specs[k].datatype if k in specs else None)
+                    for k, v in inputs.items()
+                ],
+                None if outputs is None else [RequestedOutput(str(o)) for o in outputs],
+                request_id,
+                dict(parameters or {}),
+                timings,
+            )
+            response = await dp.infer(request, mv)
+        except asyncio.CancelledError:  # the caller went away: its queued work was dropped
+            dp.observe(request, mv, ClientClosed("the caller cancelled"), _now())
+            raise
+        except Exception as exc:
+            error = as_error(exc, "inference request")
+            dp.observe(request, mv, error, _now())
+            try:
+                raise error from None
+            finally:
+                del error  # not held by this frame, which its traceback holds (a cycle)
+        dp.observe(request, mv, None, _now())
+        return {t.name: t.data for t in response.outputs}
+
+    # ------------------------------------------------------------------ what is served
+    def models(self) -> list[ModelStatus]:
+        """Every model version the engine knows, with its state (the repository index)."""
+        return [ModelStatus(e.name, e.version, e.state, e.reason) for e in self.registry.index()]
+
+    def ready(self) -> bool:
+        """Started, not stopping, and every model asked for serves (strict readiness)."""
+        return self.dataplane.ready()
+
+    def metadata(self, model: str, version: str = "") -> ModelInfo:
+        return self.dataplane.model_metadata(model, version)
+
+    def model_config(self, model: str, version: str = "") -> ModelConfigInfo:
+        return self.dataplane.model_config(model, version)
+
+    async def load(self, model: str, config: dict[str, Any] | None = None) -> None:
+        """Load (or reload) a model, as ``POST /v2/repository/models/{m}/load`` does."""
+        await self.control.load(model, config)
+
+    async def unload(self, model: str) -> None:
+        await self.control.unload(model)
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus exposition of every model's metrics."""
+        return self.dataplane.metrics_exposition()[0]
+
+
+class SyncEngine:
+    """``Engine`` for plain scripts: each call runs on the engine's own loop thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            coro.close()
+            raise RuntimeError("the engine is not started: use `with engine.sync() as e:`")
+        future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result()
+
+    def start(self) -> SyncEngine:
+        loop = self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name="rtserve-engine", daemon=True)
+        self._thread.start()
+        try:
+            self._call(self.engine.start())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        try:
+            if self.engine.started:
+                self._call(self.engine.stop())
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
+            self._loop = self._thread = None
+
+    def __enter__(self) -> SyncEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def infer(self, model: str, inputs: Mapping[str, Any], **options: Any) -> dict[str, np.ndarray]:
+        return self._call(self.engine.infer(model, inputs, **options))
+
+    def models(self) -> list[ModelStatus]:
+        return self.engine.models()
+
+    def ready(self) -> bool:
+        return self.engine.ready()
+
+    def load(self, model: str, config: dict[str, Any] | None = None) -> None:
+        self._call(self.engine.load(model, config))
+
+    def unload(self, model: str) -> None:
+        self._call(self.engine.unload(model))
