@@ -15,7 +15,8 @@ Redis values are authenticated: each is stored with an HMAC-SHA256 over the Redi
 and the value, keyed by ``hmac_key`` (or the environment variable named by
 ``hmac_key_env``). Without a key, each process signs with its own random key: Redis
 still works as a cache for that process (and survives its L1 evictions), but replicas
-do not share entries. Configure the same key on every replica to share them.
+do not share entries and a restarted server rejects them. Configure the same key on every
+replica (the documented config reads it from ``RTSERVE_CACHE_KEY``) to share them.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ trip).
 Values are authenticated: what is stored is ``value + HMAC-SHA256(key, redis key + value)``
 (32 bytes), so a value written by anyone without the key, or moved from another key, is
 a miss (counted as ``rtserve_cache_rejected_values{reason="signature"}``). Without a
-configured key each process uses its own random key (see ``RedisTierConfig``).
+configured key each process uses its own random key (see ``RedisTierConfig``), with one
+warning per process.
 """
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ def process_key() -> bytes:
     return key
 
 
+def _unkeyed(model_name: str) -> bytes:
+    """The per-process key, with one warning per process (not one per model)."""
+    if os.getpid() not in _process_keys:
+        log.warning(
+            "model %s (and any other without a key): response_cache.redis has no hmac_key "
+            "or hmac_key_env, so values are signed with a random key of this process: "
+            "other processes, replicas and this server after a restart reject them "
+            '(rtserve_cache_rejected_values{reason="signature"}); see docs/cache.md',
+            model_name,
+        )
+    return process_key()
+
+
 def _tag(key: bytes, redis_key: bytes, value: bytes) -> bytes:
     return hmac.digest(key, b"".join((_TAG_CONTEXT, redis_key, b"\0", value)), "sha256")
 
@@ -88,15 +102,7 @@ class RedisTier:
         self._ttl_ms = max(1, int(config.ttl_s * 1000))
         self._max_pending = config.max_pending_writes
         self._metrics = metrics
-        if config.hmac_key is None:
-            log.warning(
-                "model %s version %s: response_cache.redis has no hmac_key; values are "
-                "signed with a per-process random key, so other processes and replicas "
-                "cannot use them (set hmac_key or hmac_key_env to share)",
-                model_name,
-                version,
-            )
-        self._key = config.hmac_key if config.hmac_key is not None else process_key()
+        self._key = config.hmac_key if config.hmac_key is not None else _unkeyed(model_name)
         self._client = aioredis.Redis.from_url(
             config.url,
             socket_timeout=timeout_s,
