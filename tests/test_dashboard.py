@@ -255,3 +255,91 @@ def test_grafana_dashboard_reads_only_metrics_a_server_exposes(tmp_path: Path) -
             time.sleep(0.1)
         exposed = sample_names(scrape(server))
     assert used <= exposed, f"the dashboard reads metrics no server exposes: {used - exposed}"
+
+
+ADMIN_KEY = "dashboard-admin-key-0123456789"
+STATE_JS = """window.rtserveDashboard && JSON.stringify({
+  polls: window.rtserveDashboard.polls, failures: window.rtserveDashboard.failures,
+  status: document.getElementById('status').textContent,
+  first: window.rtserveDashboard.firstCharts, charts: window.rtserveDashboard.charts,
+  legend: Array.from(document.querySelectorAll('#legend-c-throughput [data-legend]'),
+                     e => e.dataset.legend),
+})"""
+
+
+def _state(tools: DevTools) -> dict[str, Any]:
+    """The page's figures and charts; empty until the page has loaded."""
+    raw = tools.evaluate(STATE_JS)
+    doc: dict[str, Any] = json.loads(raw) if raw else {"polls": 0, "failures": 0}
+    return doc
+
+
+def _wait_state(tools: DevTools, ok: Any, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while not ok(state := _state(tools)):
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+    return state
+
+
+@pytest.fixture
+def eight_models(tmp_path: Path) -> Iterator[Any]:
+    from tests.conftest import start_server
+    from tests.models import build_scale
+
+    repo = tmp_path / "repo"
+    names = [f"model{i}" for i in range(8)]
+    for i, name in enumerate(names):
+        build_scale(repo / name / "1" / "model.onnx", float(i + 1))
+        (repo / name / "config.yaml").write_text("max_batch_size: 4\n")
+    auth = tmp_path / "auth.yaml"
+    auth.write_text(f"keys:\n  - {{name: ops, token: {ADMIN_KEY}, admin: true}}\n")
+    server = start_server(repo, tmp_path / "server", "--auth-file", str(auth))
+    try:
+        body = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1] * 4}]}
+        for name in names:
+            r = httpx.post(
+                f"{server.base}/v2/models/{name}/infer",
+                json=body,
+                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                timeout=10,
+            )
+            assert r.status_code == 200, r.text
+        yield server, names
+    finally:
+        server.stop()
+
+
+def test_dashboard_with_auth_sends_the_key_and_draws_every_model_from_the_first_scrape(
+    eight_models: Any, browser: DevTools
+) -> None:
+    server, names = eight_models
+    assert httpx.get(f"{server.base}/metrics", timeout=10).status_code == 401
+    browser.call("Network.enable")
+    # interval=10: a chart drawn within ~1 s shows the first scrape (and the fast second).
+    browser.call("Page.navigate", url=f"{server.base}/dashboard?interval=10")
+    asked = _wait_state(browser, lambda s: s["failures"] >= 1, 15)
+    assert "401" in asked["status"] and "API key" in asked["status"], asked
+    assert asked["polls"] == 0
+
+    browser.evaluate(
+        f"document.getElementById('key').value = {json.dumps(ADMIN_KEY)};"
+        "document.querySelector('#key-form button').click(); 1"
+    )
+    first = _wait_state(browser, lambda s: s["polls"] >= 1, 10)
+    # The first scrape already draws latency and queue depth for every model.
+    assert first["first"]["c-latency"] == {"series": 8, "points": 3 * 8}, first
+    assert first["first"]["c-queue"] == {"series": 8, "points": 8}, first
+    second = _wait_state(browser, lambda s: s["polls"] >= 2, 4)  # not 10 s later
+    assert second["charts"]["c-throughput"]["points"] >= 8, second
+    assert second["legend"] == names  # all eight, none dropped
+    assert browser.evaluate("sessionStorage.getItem('rtserve-dashboard-key')") == ADMIN_KEY
+    sent = [
+        e["params"]["request"]["headers"]
+        for e in browser.events
+        if e.get("method") == "Network.requestWillBeSent"
+        and e["params"]["request"]["url"].endswith("/metrics")
+    ]
+    assert sent and "Authorization" not in sent[0]  # before a key was typed
+    assert sent[-1].get("Authorization") == f"Bearer {ADMIN_KEY}"
+    assert browser.errors() == []

@@ -1,9 +1,10 @@
 """Authentication, per-client rate limits and TLS settings (all optional, off by default).
 
 Auth (``--auth-file``): API keys / bearer tokens, each allowed some models (or all) and
-optionally the admin routes (repository index and model control, metrics, dashboard,
-statistics of every model). Tokens are compared in constant time (``hmac.compare_digest``)
-against each configured token; health probes stay open. Clients send
+optionally the admin routes (repository index and model control, metrics, statistics of
+every model). Tokens are compared in constant time (``hmac.compare_digest``) against each
+configured token; health probes and the dashboard's static page stay open (the page sends
+a key for ``/metrics``). Clients send
 ``Authorization: Bearer <token>`` (or ``x-api-key: <token>``) as an HTTP header or gRPC
 metadata.
 
@@ -210,7 +211,9 @@ class Guard:
             return
         raw = headers.get(b"authorization") or headers.get(b"x-api-key")
         credential = raw.decode("latin-1") if raw is not None else None
-        if parts in (["metrics"], ["dashboard"]):
+        if parts == ["dashboard"]:
+            return  # a static page without data: it sends a key for /metrics itself
+        if parts == ["metrics"]:
             if not auth.open_metrics:
                 auth.check_admin(credential)
         elif parts[:2] == ["v2", "repository"] or parts == ["v2", "models", "stats"]:
