@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests import rawhttp
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RELAXED, RunningServer, start_server
 
 BODY = json.dumps(
     {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
@@ -128,7 +128,7 @@ class Hostile:
 
 @pytest.fixture(scope="module")
 def hostile(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
-    server = start_server(test_repo, tmp_path_factory.mktemp("hostile"), *LIMITS)
+    server = start_server(test_repo, tmp_path_factory.mktemp("hostile"), *LIMITS, *RELAXED)
     h = Hostile(server)
     for _ in range(50):  # warm: allocator pools, first-request paths
         infer_once(h.port)
@@ -467,7 +467,7 @@ def test_memory_returns_near_baseline(hostile: Hostile) -> None:
 def test_sigterm_does_not_wait_for_a_client_that_never_reads(
     test_repo: Path, tmp_path: Path
 ) -> None:
-    server = start_server(test_repo, tmp_path, "--grace-period", "30")
+    server = start_server(test_repo, tmp_path, "--grace-period", "30", *RELAXED)
     try:
         sock, _, _ = _flood_unread(server.http_port, 1.0)
         with sock:

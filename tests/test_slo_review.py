@@ -23,7 +23,7 @@ from rtserve.config import parse_model_config
 from rtserve.errors import ConfigError
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol import grpc_service_pb2_grpc as pb_grpc
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RELAXED, RunningServer, start_server
 
 MODEL_PY = """
 import numpy as np
@@ -80,7 +80,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         MODEL_PY.replace("        return {", "        time.sleep(0.03)\n        return {")
     )
     slow.write_text("import time\n" + slow.read_text())
-    running = start_server(root, tmp_path_factory.mktemp("slo_review_logs"))
+    running = start_server(root, tmp_path_factory.mktemp("slo_review_logs"), *RELAXED)
     try:
         yield running
     finally:

@@ -32,6 +32,16 @@ _DECODE_LIMITS: dict[str, str] = {
 }
 
 
+def _boolean(text: str) -> bool:
+    """``true``/``false`` (also 1/0, yes/no, on/off), as Triton's boolean flags take."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def _serve(args: argparse.Namespace) -> int:
     from rtserve.config import load_server_config
     from rtserve.server.app import serve
@@ -59,6 +69,8 @@ def _serve(args: argparse.Namespace) -> int:
             tls_client_ca=args.tls_client_ca,
             repository_poll_secs=args.repository_poll_secs,
             load_models=tuple(args.load_model) if args.load_model else None,
+            strict_readiness=args.strict_readiness,
+            exit_on_error=args.exit_on_error,
             **{f"http_{name}": getattr(args, f"http_{name}") for name in _HTTP_LIMITS},
             **{name: getattr(args, name) for name in _DECODE_LIMITS},
         )
@@ -134,6 +146,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="NAME",
         help="explicit mode: a model to load at start (repeatable; '*' loads all)",
+    )
+    s.add_argument(
+        "--strict-readiness",
+        type=_boolean,
+        nargs="?",
+        const=True,
+        metavar="true|false",
+        help="true (default): /v2/health/ready answers 503 until every model asked for is "
+        "ready; false: ready once started, whatever failed to load",
+    )
+    s.add_argument(
+        "--exit-on-error",
+        type=_boolean,
+        nargs="?",
+        const=True,
+        metavar="true|false",
+        help="stop at start, exit status 1, naming the model, when a model fails to load "
+        "(default false)",
     )
     s.add_argument(
         "--workers", type=int, default=1, help="server processes sharing the ports (default 1)"

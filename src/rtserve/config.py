@@ -454,6 +454,10 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
         raw = load_yaml(path)
         f = _Fields(raw, str(path))
         data = {
+    # Readiness: not ready until every model asked for serves (strict); or stop at start
+    # with a non-zero exit when one fails to load (exit_on_error).
+    strict_readiness: bool = True
+    exit_on_error: bool = False
             "config_file": str(path),
             "model_repository": f.get("model_repository"),
             "host": f.string("host", "127.0.0.1"),
@@ -500,3 +504,5 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
         raise ConfigError("model_repository: expected a directory (--model-repository)")
     data["model_repository"] = Path(data["model_repository"])
     return ServerConfig(**{k: v for k, v in data.items() if v is not None})
+            "strict_readiness": f.boolean("strict_readiness", True),
+            "exit_on_error": f.boolean("exit_on_error", False),

@@ -88,6 +88,13 @@ class InferenceFailed(RTServeError):
     grpc_code = grpc.StatusCode.INTERNAL
 
 
+class SharedMemoryFull(RTServeError):
+    """``/dev/shm`` has no room for a batch's tensors (HTTP 507); names its size and free space."""
+
+    http_status = 507
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class RequestTimeout(RTServeError):
     """The client was too slow sending its request (HTTP 408); names the timeout."""
 

@@ -171,6 +171,7 @@ class DataPlane:
         self.access_log = access_log
         self.started = False
         self.draining = False
+        self.strict_readiness = True  # ready only while every model asked for serves
         self.drain_started_ns = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -183,7 +184,10 @@ class DataPlane:
         return True
 
     def ready(self) -> bool:
-        return self.started and not self.draining
+        """Started, not draining and (strict readiness) no model asked for has failed."""
+        if not self.started or self.draining:
+            return False
+        return not (self.strict_readiness and self.registry.failed())
 
     def model_ready(self, name: str, version: str = "") -> bool:
         mv = self.registry.get_loaded(name, version)

@@ -156,6 +156,15 @@ class ModelRegistry:
         )
         return rows
 
+    def failed(self) -> dict[str, str]:
+        """Models asked for that serve no ready version -> why (strict readiness counts
+        these; a failed reload whose old versions still serve is not one of them)."""
+        return {
+            name: entry.error or "not ready"
+            for name, entry in self.models.items()
+            if not any(mv.ready for mv in entry.versions.values())
+        }
+
     def set_ready(self, ready: bool) -> None:
         for mv in self.loaded_versions():
             mv.ready = ready

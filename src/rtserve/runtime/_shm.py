@@ -6,16 +6,26 @@ framed as ``n`` little-endian uint32 lengths followed by the concatenated items.
 
 The server process creates (and unlinks) every segment, so a worker that dies never
 leaks one; the worker only attaches.
+
+Segments are grown with ``ftruncate``, which reserves nothing: a write through the mapping
+into a page ``/dev/shm`` has no room for kills the writer with SIGBUS. So every writer first
+reserves what it writes (``posix_fallocate``: ENOSPC instead, raised as ``SharedMemoryFull``)
+and tracks how far it has reserved; only reserved pages are ever touched, on either side.
+Released segments are truncated first, which frees their pages even while the worker still
+maps them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
+
+from rtserve.errors import SharedMemoryFull
 
 _ALIGN = 64
 # (name, kind "n"|"b", dtype str, shape, offset, nbytes)
@@ -24,6 +34,34 @@ Layout = list[tuple[str, str, str, tuple[int, ...], int, int]]
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.3g} MiB"
+
+
+def _shm_usage() -> str:
+    """``/dev/shm (64 MiB, 12 MiB free)``, as far as it can be read."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return "/dev/shm"
+    return f"/dev/shm ({_mib(st.f_blocks * st.f_frsize)}, {_mib(st.f_bavail * st.f_frsize)} free)"
+
+
+def reserve(shm: shared_memory.SharedMemory, start: int, end: int, what: str) -> None:
+    """Reserve bytes ``start:end`` of ``shm`` so that writing them cannot raise SIGBUS."""
+    fd = getattr(shm, "_fd", -1)
+    if end <= start or fd < 0 or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, start, end - start)
+    except OSError as exc:
+        raise SharedMemoryFull(
+            f"shared memory is full: {_shm_usage()} has no room for {_mib(end)} of {what} "
+            f"({exc.strerror}); give the container a larger /dev/shm "
+            "(docker run --shm-size, or a Kubernetes emptyDir with medium: Memory)"
+        ) from None
 
 
 def _as_bytes(item: Any) -> bytes:
@@ -94,6 +132,7 @@ class Segment:
     def __init__(self, prefix: str) -> None:
         self._prefix = prefix
         self.shm: shared_memory.SharedMemory | None = None
+        self.reserved = 0  # bytes 0:reserved are backed by /dev/shm
 
     @property
     def size(self) -> int:
@@ -103,15 +142,17 @@ class Segment:
     def name(self) -> str:
         return self.shm.name if self.shm is not None else ""
 
-    def ensure(self, nbytes: int) -> bool:
-        """Make room for ``nbytes``; True when the segment was replaced (new name)."""
-        if self.shm is not None and self.shm.size >= nbytes:
-            return False
-        size = max(1 << 16, _aligned(int(nbytes * 1.25)))
-        self.release()
-        name = f"{self._prefix}_{secrets.token_hex(6)}"
-        self.shm = shared_memory.SharedMemory(name=name, create=True, size=size)
-        return True
+    def ensure(self, nbytes: int, what: str = "") -> None:
+        """Make the segment at least ``nbytes`` long (a new name when it grows) and, when
+        ``what`` names the data, reserve its first ``nbytes`` for the server to write."""
+        if self.shm is None or self.shm.size < nbytes:
+            size = max(1 << 16, _aligned(int(nbytes * 1.25)))
+            self.release()
+            name = f"{self._prefix}_{secrets.token_hex(6)}"
+            self.shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        if what and nbytes > self.reserved:
+            reserve(self.shm, self.reserved, nbytes, what)
+            self.reserved = nbytes
 
     @property
     def buf(self) -> memoryview:
@@ -119,12 +160,16 @@ class Segment:
         return self.shm.buf
 
     def release(self) -> None:
+        """Free the segment's pages at once (the worker may still map it), then unlink it."""
         if self.shm is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(getattr(self.shm, "_fd", -1), 0)
             with contextlib.suppress(BufferError):  # a view still alive: unlink anyway
                 self.shm.close()
             with contextlib.suppress(FileNotFoundError):
                 self.shm.unlink()
             self.shm = None
+            self.reserved = 0
 
 
 class Attached:
@@ -133,14 +178,20 @@ class Attached:
     def __init__(self) -> None:
         self.shm: shared_memory.SharedMemory | None = None
         self._retired: list[shared_memory.SharedMemory] = []
+        self._reserved = 0
 
-    def attach(self, name: str) -> memoryview:
+    def attach(self, name: str, reserve_bytes: int = 0) -> memoryview:
+        """The segment ``name``; its first ``reserve_bytes`` reserved for the worker to write."""
         if self.shm is None or self.shm.name != name:
+            self._reserved = 0
             if self.shm is not None:
                 try:
                     self.shm.close()
                 except BufferError:  # user code kept a view of an old input: keep it mapped
                     self._retired.append(self.shm)
             self.shm = shared_memory.SharedMemory(name=name)
+        if reserve_bytes > self._reserved:
+            reserve(self.shm, self._reserved, reserve_bytes, "outputs")
+            self._reserved = reserve_bytes
         assert self.shm.buf is not None
         return self.shm.buf

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from rtserve.config import ModelConfig, TensorSpec, _Fields
-from rtserve.errors import ConfigError, InferenceFailed
+from rtserve.errors import ConfigError, InferenceFailed, SharedMemoryFull
 from rtserve.protocol.types import DATATYPE_TO_NUMPY
 from rtserve.runtime import _shm
 
@@ -320,11 +320,16 @@ def _worker_main(conn: Connection, version_dir: str, unique: str, context: Model
             feeds = _shm.read(inputs.attach(in_name), in_layout, copy=False)
             result = _call_infer(model, feeds)
             layout, payloads, total = _shm.plan(result)
+            full = ""
             if total <= out_size:
-                _shm.write(outputs.attach(out_name), layout, payloads)
-                conn.send(("ok", layout))
-            else:  # too big for the segment this time: pickle it; the server grows it
-                conn.send(("big", result, total))
+                try:
+                    _shm.write(outputs.attach(out_name, total), layout, payloads)
+                    conn.send(("ok", layout))
+                    continue
+                except SharedMemoryFull as exc:
+                    full = exc.message
+            # Too big for the segment this time, or no room in /dev/shm: pickle it.
+            conn.send(("big", result, total, full))
         except _UserError as exc:
             conn.send(("error", str(exc), exc.detail))
         except Exception as exc:
@@ -353,6 +358,7 @@ class _ProcessInstance:
         self._restart: threading.Thread | None = None
         self._restart_error: BaseException | None = None
         self.restarts = 0
+        self._warned_full = False
         self._start()
 
     @property
@@ -445,7 +451,7 @@ class _ProcessInstance:
     def infer(self, feeds: Tensors, out_hint: int) -> Tensors:
         conn = self._ready()
         layout, payloads, total = _shm.plan(feeds)
-        self._in.ensure(total)
+        self._room_for_inputs(total)
         _shm.write(self._in.buf, layout, payloads)
         self._out.ensure(out_hint)
         try:
@@ -468,10 +474,29 @@ class _ProcessInstance:
         if reply[0] == "ok":
             return _shm.read(self._out.buf, reply[1], copy=True)
         if reply[0] == "big":
+            if reply[3]:
+                self._outputs_through_pipe(reply[3])
             self._out.ensure(reply[2])
             result: Tensors = reply[1]
             return result
         raise _UserError(reply[1], reply[2])
+
+    def _room_for_inputs(self, nbytes: int) -> None:
+        """Reserve the input segment; when ``/dev/shm`` is full, free this instance's output
+        segment and try once more, else refuse the batch (``SharedMemoryFull``, a 507)."""
+        try:
+            self._in.ensure(nbytes, "this batch's inputs")
+        except SharedMemoryFull:
+            self._out.release()
+            self._in.ensure(nbytes, "this batch's inputs")
+
+    def _outputs_through_pipe(self, why: str) -> None:
+        if not self._warned_full:
+            self._warned_full = True
+            log.warning(
+                "model %s instance %d: outputs cross the pipe (slower): %s",
+                self._context.model_name, self._context.instance, why,
+            )  # fmt: skip
 
     def close(self) -> None:
         if self._restart is not None:
@@ -560,6 +585,8 @@ class PythonModel:
             if exc.detail:
                 log.error("model %s: infer failed\n%s", self._log_name, exc.detail)
             raise InferenceFailed(f"python model '{self.name}': {exc}") from None
+        except SharedMemoryFull as exc:
+            raise SharedMemoryFull(f"python model '{self.name}': {exc.message}") from None
         return check_outputs(result, self.outputs, rows, self.name)
 
     def close(self) -> None:

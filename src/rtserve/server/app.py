@@ -65,7 +65,7 @@ class Server:
         config: ServerConfig,
         ports_file: Path | None = None,
         http_sock: socket.socket | None = None,
-        on_ready: Callable[[], None] | None = None,
+        on_ready: Callable[[dict[str, str]], None] | None = None,
     ) -> None:
         self.config = config
         self.ports_file = ports_file
@@ -101,6 +101,7 @@ class Server:
         self.dataplane = DataPlane(
             self.registry, self.metrics, self.workers, self.tracer, config.access_log
         )
+        self.dataplane.strict_readiness = config.strict_readiness
         self.control = ModelControl(
             self.registry,
             config.model_repository,
@@ -158,11 +159,13 @@ class Server:
             reuse_port=self.http_sock is not None,
             credentials=grpc_credentials(*_tls_files(cfg)) if tls else None,
         )
-        log.info(
-            "listening: http://%s:%d grpc %s:%d", cfg.host, self.http_port, cfg.host, self.grpc_port
-        )
+        log.info("listening: %s", _addresses(cfg, self.http_port, self.grpc_port))
 
         await self.control.start()
+        failed = self.registry.failed()
+        if cfg.exit_on_error and failed:
+            await self._abort(http_server, grpc_server)
+            raise ConfigError(_failed_message(failed))
         if self.workers is not None:
             self.workers.start()
         gc.collect()
@@ -172,13 +175,13 @@ class Server:
         gc.set_threshold(50_000, 20, 100)
         self.dataplane.started = True
         if self.on_ready is not None:
-            self.on_ready()
+            self.on_ready(failed)
         else:
             models = {
                 name: (sorted(m.versions) if not m.error else f"FAILED: {m.error}")
                 for name, m in self.registry.models.items()
             }
-            announce(self.config, self.http_port, self.grpc_port, models, self.ports_file)
+            announce(self.config, self.http_port, self.grpc_port, models, self.ports_file, failed)
         await self._stop.wait()
 
         await self._drain(http_server, grpc_server)
@@ -205,6 +208,13 @@ class Server:
         if self.tracer is not None:
             self.tracer.shutdown()
         log.info("stopped")
+
+    async def _abort(self, http_server: HttpServer, grpc_server: object) -> None:
+        """Stop at start (--exit-on-error): nothing was served, so nothing to drain."""
+        await http_server.close()
+        await grpc_server.stop(0)  # type: ignore[attr-defined]
+        await self.control.stop()
+        await self.registry.stop()
 
     async def _drain(self, http_server: HttpServer, grpc_server: object) -> None:
         cfg = self.config
@@ -251,24 +261,42 @@ def _tls_files(config: ServerConfig) -> tuple[Path, Path, Path | None]:
     return Path(config.tls_cert), Path(config.tls_key), ca
 
 
+def _addresses(config: ServerConfig, http_port: int, grpc_port: int) -> str:
+    """Where clients connect: ``https://`` and ``grpc (TLS)`` when serving TLS."""
+    tls = bool(config.tls_cert)
+    scheme, grpc = ("https", "grpc (TLS)") if tls else ("http", "grpc")
+    return f"{scheme}://{config.host}:{http_port} {grpc} {config.host}:{grpc_port}"
+
+
+def _failed_message(failed: dict[str, str]) -> str:
+    return "; ".join(f"model '{name}' failed to load: {why}" for name, why in failed.items())
+
+
 def announce(
     config: ServerConfig,
     http_port: int,
     grpc_port: int,
     models: Any,
     ports_file: Path | None,
+    failed: dict[str, str] | None = None,
     workers: int = 1,
 ) -> None:
-    """Say that the server is ready: the ports file (for scripts) and one line on stdout."""
+    """Say that the server has started: the ports file (for scripts) and one log line,
+    "ready" or, under strict readiness with ``failed`` models, "not ready" and why."""
     info = {"host": config.host, "http_port": http_port, "grpc_port": grpc_port, "workers": workers}
     if ports_file is not None:
         ports_file.write_text(json.dumps(info))
-    log.info("ready: models %s", models)
-    print(
-        f"rtserve ready: http://{config.host}:{http_port} grpc {config.host}:{grpc_port} "
-        f"models {json.dumps(models)}",
-        flush=True,
-    )
+    where = _addresses(config, http_port, grpc_port)
+    if failed and config.strict_readiness:
+        log.warning(
+            "not ready (strict readiness; --strict-readiness false serves the others): %s "
+            "models %s: %s",
+            where,
+            json.dumps(models),
+            _failed_message(failed),
+        )
+    else:
+        log.info("ready: %s models %s", where, json.dumps(models))
 
 
 def _cache_default(config: ServerConfig) -> CacheConfig | None:
@@ -299,7 +327,11 @@ def serve(config: ServerConfig, ports_file: Path | None = None, workers: int = 1
 
 def _worker(config: ServerConfig, sock: socket.socket, ready: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent turns Ctrl-C into SIGTERM
-    _run(Server(config, http_sock=sock, on_ready=lambda: ready.put(os.getpid())))
+    try:
+        _run(Server(config, http_sock=sock, on_ready=ready.put))
+    except ConfigError as exc:  # --exit-on-error: the parent sees the exit and stops
+        log.error("%s", exc)
+        raise SystemExit(1) from None
 
 
 def _serve_workers(config: ServerConfig, ports_file: Path | None, workers: int) -> int:
@@ -334,10 +366,11 @@ def _serve_workers(config: ServerConfig, ports_file: Path | None, workers: int) 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     started = 0
+    failed: dict[str, str] = {}  # models that failed to load (each worker loads the same)
     deadline = time.monotonic() + 600
     while started < workers and not stop.is_set() and time.monotonic() < deadline:
         try:
-            ready.get(timeout=0.2)
+            failed = ready.get(timeout=0.2)
             started += 1
         except queue.Empty:
             if any(not p.is_alive() for p in procs):
@@ -348,7 +381,7 @@ def _serve_workers(config: ServerConfig, ports_file: Path | None, workers: int) 
     if started == workers:
         models = f"loaded by each of {workers} workers"
         http_port = http_sock.getsockname()[1]
-        announce(config, http_port, grpc_port, models, ports_file, workers)
+        announce(config, http_port, grpc_port, models, ports_file, failed, workers)
     while not stop.wait(0.5):
         if any(not p.is_alive() for p in procs):
             log.error("a worker exited; stopping the others")
