@@ -438,6 +438,10 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""  # set: clients must present a certificate it signed (mTLS)
+    # Readiness: not ready until every model asked for serves (strict); or stop at start
+    # with a non-zero exit when one fails to load (exit_on_error).
+    strict_readiness: bool = True
+    exit_on_error: bool = False
     # Set by ``--workers N`` for its workers: a directory they share (model control journal,
     # metrics snapshots) and each worker's index. Not a user setting.
     shared_dir: str = ""
@@ -454,10 +458,6 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
         raw = load_yaml(path)
         f = _Fields(raw, str(path))
         data = {
-    # Readiness: not ready until every model asked for serves (strict); or stop at start
-    # with a non-zero exit when one fails to load (exit_on_error).
-    strict_readiness: bool = True
-    exit_on_error: bool = False
             "config_file": str(path),
             "model_repository": f.get("model_repository"),
             "host": f.string("host", "127.0.0.1"),
@@ -497,6 +497,8 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
             "tls_cert": f.string("tls_cert", ""),
             "tls_key": f.string("tls_key", ""),
             "tls_client_ca": f.string("tls_client_ca", ""),
+            "strict_readiness": f.boolean("strict_readiness", True),
+            "exit_on_error": f.boolean("exit_on_error", False),
         }
         f.check_unknown()
     data.update({k: v for k, v in overrides.items() if v is not None})
@@ -504,5 +506,3 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
         raise ConfigError("model_repository: expected a directory (--model-repository)")
     data["model_repository"] = Path(data["model_repository"])
     return ServerConfig(**{k: v for k, v in data.items() if v is not None})
-            "strict_readiness": f.boolean("strict_readiness", True),
-            "exit_on_error": f.boolean("exit_on_error", False),
