@@ -37,6 +37,7 @@ from rtserve.errors import (
     DeadlineExceeded,
     InvalidInput,
     ModelNotFound,
+    ModelNotReady,
     Overloaded,
     RTServeError,
     ShuttingDown,
@@ -190,7 +191,14 @@ class DataPlane:
         return not (self.strict_readiness and self.registry.failed())
 
     def model_ready(self, name: str, version: str = "") -> bool:
-        mv = self.registry.get_loaded(name, version)
+        """False for a model that is unloaded or failed to load; ModelNotFound (HTTP 404,
+        gRPC NOT_FOUND) only for a name the server never knew or an unknown version."""
+        if name in self.registry.unloaded:
+            return False
+        try:
+            mv = self.registry.get_loaded(name, version)
+        except ModelNotReady:
+            return False
         return mv.ready and not self.draining
 
     # ------------------------------------------------------------------ metadata

@@ -19,6 +19,7 @@ from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol.bytes_codec import decode_bytes_elements, encode_bytes_elements
 from rtserve.protocol.limits import (
     DEFAULT_LIMITS,
+    MAX_ID_CHARS,
     MAX_NDIM,
     DecodeLimits,
     ElementBudget,
@@ -103,6 +104,7 @@ def decode_model_infer(
 def _decode(request: pb.ModelInferRequest, limits: DecodeLimits) -> InferRequest:
     check_name(request.model_name, "model_name")
     check_name(request.model_version, "model_version")
+    check_name(request.id, "id", MAX_ID_CHARS)
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput(

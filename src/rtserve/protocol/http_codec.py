@@ -33,6 +33,7 @@ from rtserve.errors import InvalidInput, PayloadTooLarge
 from rtserve.protocol.bytes_codec import decode_bytes_elements, encode_bytes_elements
 from rtserve.protocol.limits import (
     DEFAULT_LIMITS,
+    MAX_ID_CHARS,
     MAX_NDIM,
     DecodeLimits,
     ElementBudget,
@@ -492,7 +493,7 @@ def decode_infer_request(
         model_version=model_version,
         inputs=inputs,
         outputs=outputs,
-        id=req_id if type(req_id) is str else str(req_id),
+        id=check_name(req_id if type(req_id) is str else str(req_id), "id", MAX_ID_CHARS),
         parameters=params,
     )
 

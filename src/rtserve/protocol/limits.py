@@ -17,6 +17,8 @@ MAX_NDIM = 32
 # Model, version, input and output names longer than this are refused, so that no error
 # message that repeats a name can grow large.
 MAX_NAME_CHARS = 1024
+# A request's ``id`` is echoed in its answer: longer ones are refused (400 / INVALID_ARGUMENT).
+MAX_ID_CHARS = 256
 # Echoed client strings (names, values) are cut to this many characters in error messages.
 SHOWN_CHARS = 100
 
@@ -51,12 +53,11 @@ def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
     return text
 
 
-def check_name(value: str, where: str) -> str:
-    """``value`` if it is at most MAX_NAME_CHARS long; else InvalidInput naming ``where``."""
-    if len(value) > MAX_NAME_CHARS:
-        raise InvalidInput(
-            f"{where}: {len(value)} characters, longer than the limit of {MAX_NAME_CHARS}"
-        )
+def check_name(value: str, where: str, limit: int = MAX_NAME_CHARS) -> str:
+    """``value`` if it is at most ``limit`` characters long; else InvalidInput naming
+    ``where``."""
+    if len(value) > limit:
+        raise InvalidInput(f"{where}: {len(value)} characters, longer than the limit of {limit}")
     return value
 
 

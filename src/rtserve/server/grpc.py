@@ -23,6 +23,7 @@ from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol.grpc_codec import decode_model_infer, encode_model_infer
+from rtserve.protocol.limits import MAX_ID_CHARS
 from rtserve.protocol.types import InferRequest, Timings
 from rtserve.server.control import ModelControl
 from rtserve.server.errors import grpc_error, grpc_trailers
@@ -238,6 +239,7 @@ class GrpcFrontend:
             answer = encode_model_infer(response)
         except asyncio.CancelledError:  # the client cancelled: its queued work was dropped
             dp.observe(request, mv, ClientClosed("the client cancelled the call"), _now())
+            log.debug("gRPC request cancelled by its client (model %.100s)", request.model_name)
             raise
         except BaseException as exc:
             error = as_error(exc, "inference request")
@@ -269,64 +271,126 @@ class GrpcFrontend:
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
         """Requests on a stream run concurrently (so they batch together); each answer is
         sent as soon as it is ready, carrying its request's id. Every request gets an answer:
-        its result or an error message."""
-        answers: asyncio.Queue[Any] = asyncio.Queue()
+        its result or an error message. While the stream's window is full (answers the
+        client has not read) no further request is read: HTTP/2 flow control holds it."""
+        window = _Window(STREAM_WINDOW, STREAM_WINDOW_BYTES)
+        answers: asyncio.Queue[tuple[Any, int] | None] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()
-
-        async def answer(request: Any) -> None:
-            try:
-                if self.guard is not None:
-                    self.guard.grpc("ModelStreamInfer", _check(request), context)
-                message, _ = await self._infer(request, None)
-                reply = pb.ModelStreamInferResponse(infer_response=message)
-            except BaseException as exc:
-                ok = not isinstance(request, _Malformed)
-                reply = pb.ModelStreamInferResponse(
-                    error_message=grpc_error(exc)[1],
-                    infer_response=pb.ModelInferResponse(
-                        model_name=request.model_name[:200] if ok else "",
-                        model_version=request.model_version[:200] if ok else "",
-                        id=request.id[:200] if ok else "",
-                    ),
-                )
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-            finally:
-                self.in_flight -= 1
-            await answers.put(reply)
-
-        async def read() -> None:
-            async for request in request_iterator:
-                self.in_flight += 1
-                task = asyncio.get_running_loop().create_task(answer(request))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-
-        reader = asyncio.get_running_loop().create_task(read())
+        reader = asyncio.get_running_loop().create_task(
+            self._read_stream(request_iterator, context, window, answers, pending)
+        )
         try:
-            while True:
-                if answers.empty() and reader.done() and not pending:
-                    break
-                getter = asyncio.ensure_future(answers.get())
-                waiters: set[asyncio.Future[Any]] = {getter}
-                if not reader.done():
-                    waiters.add(reader)
-                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    yield getter.result()
-                else:
-                    getter.cancel()
-                    if not pending and answers.empty():
-                        break
-                    # The client finished sending; drain the answers still to come.
-                    while pending or not answers.empty():
-                        yield await answers.get()
-                    break
-            reader.result()
+            while (item := await answers.get()) is not None:
+                yield item[0]
+                window.release(item[1])
+            await reader  # the reader's own failure, if any, ends the call
         finally:
             reader.cancel()
             for task in pending:
                 task.cancel()
+
+    async def _read_stream(
+        self,
+        requests: Any,
+        context: Any,
+        window: _Window,
+        answers: asyncio.Queue[tuple[Any, int] | None],
+        pending: set[asyncio.Task[None]],
+    ) -> None:
+        """Start a task per request, up to the window; ends the answers with None once the
+        client finished sending and every request was answered."""
+        loop = asyncio.get_running_loop()
+        try:
+            async for request in requests:
+                cost = 0 if isinstance(request, _Malformed) else request.ByteSize()
+                window.take(cost)
+                self.in_flight += 1
+                task = loop.create_task(
+                    self._stream_answer(request, cost, context, window, answers)
+                )
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                task.add_done_callback(self._stream_task_done)  # also if cancelled unstarted
+                await window.room()
+            if pending:
+                await asyncio.wait(set(pending))
+        finally:
+            answers.put_nowait(None)
+
+    def _stream_task_done(self, task: asyncio.Task[None]) -> None:
+        self.in_flight -= 1
+
+    async def _stream_answer(
+        self,
+        request: Any,
+        cost: int,
+        context: Any,
+        window: _Window,
+        answers: asyncio.Queue[tuple[Any, int] | None],
+    ) -> None:
+        try:
+            if self.guard is not None:
+                self.guard.grpc("ModelStreamInfer", _check(request), context)
+            message, _ = await self._infer(request, None)
+            reply = pb.ModelStreamInferResponse(infer_response=message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            reply = _stream_error(request, exc)
+        size = reply.ByteSize()
+        window.take_answer(size)
+        answers.put_nowait((reply, cost + size))
+
+
+def _stream_error(request: Any, exc: Exception) -> Any:
+    """The stream answer to a failed request: the error, and what identifies the request."""
+    ok = not isinstance(request, _Malformed)
+    return pb.ModelStreamInferResponse(
+        error_message=grpc_error(exc)[1],
+        infer_response=pb.ModelInferResponse(
+            model_name=request.model_name[:MAX_ID_CHARS] if ok else "",
+            model_version=request.model_version[:MAX_ID_CHARS] if ok else "",
+            id=request.id[:MAX_ID_CHARS] if ok else "",
+        ),
+    )
+
+
+# Per stream: requests read and not yet answered on the wire, and their request and answer
+# bytes. At either bound the stream is not read until the client reads answers.
+STREAM_WINDOW = 64
+STREAM_WINDOW_BYTES = 16 << 20
+
+
+class _Window:
+    """What one stream holds: requests read and not yet sent back, and their bytes."""
+
+    def __init__(self, count: int, nbytes: int) -> None:
+        self.max_count, self.max_bytes = count, nbytes
+        self.count = self.nbytes = 0
+        self._room = asyncio.Event()
+        self._room.set()
+
+    def take(self, nbytes: int) -> None:
+        self.count += 1
+        self.take_answer(nbytes)
+
+    def take_answer(self, nbytes: int) -> None:
+        self.nbytes += nbytes
+        self._update()
+
+    def release(self, nbytes: int) -> None:
+        self.count -= 1
+        self.nbytes -= nbytes
+        self._update()
+
+    async def room(self) -> None:
+        await self._room.wait()
+
+    def _update(self) -> None:
+        if self.count < self.max_count and self.nbytes < self.max_bytes:
+            self._room.set()
+        else:
+            self._room.clear()
 
 
 def _generic_handler(frontend: GrpcFrontend) -> grpc.GenericRpcHandler:

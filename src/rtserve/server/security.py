@@ -254,7 +254,10 @@ def grpc_address(peer: str) -> str:
 
 
 def grpc_credential(context: object) -> str | None:
+    """The call's ``authorization`` metadata, else its ``x-api-key``, as HTTP reads its
+    headers (either may carry a ``Bearer`` prefix). gRPC metadata keys are lowercase."""
+    found: dict[str, str] = {}
     for key, value in context.invocation_metadata() or ():  # type: ignore[attr-defined]
         if key in ("authorization", "x-api-key"):
-            return str(value)
-    return None
+            found.setdefault(key, str(value))
+    return found.get("authorization") or found.get("x-api-key")
