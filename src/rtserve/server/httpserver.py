@@ -185,6 +185,8 @@ class Connection(asyncio.Protocol):
         "state",
         "read_paused",
         "write_paused",
+        "_held",
+        "_feeding",
         "_write_paused_at",
         "_dispatching",
         "_rejected",
@@ -218,7 +220,9 @@ class Connection(asyncio.Protocol):
         self.last_active = time.monotonic()
         # A new connection is waiting for its first head: the header timeout applies.
         self.state = _HEAD
-        self.read_paused = False  # by us: answers pile up or the peer does not read them
+        self.read_paused = False  # the transport's reads, paused by us
+        self._held = False  # parse no more: answers pile up or the peer does not read them
+        self._feeding = False  # inside _feed_slices
         self.write_paused = False  # by the transport: its buffer is above the high-water mark
         self._write_paused_at = 0.0
         self._dispatching = False  # inside the loop that hands requests to the handler
@@ -294,6 +298,8 @@ class Connection(asyncio.Protocol):
             return
         if len(data) > _SLICE:
             self._feed_slices(memoryview(data))
+            if self._held:  # answers may have drained while it was parsed
+                self._maybe_resume_reading()
             return
         self.last_active = self.server.clock
         state = self.state
@@ -322,13 +328,17 @@ class Connection(asyncio.Protocol):
         """Parse a large read a slice at a time; once reading pauses (answers pile up), keep
         the rest unparsed until they drain: a read of tiny pipelined requests must not turn
         into thousands of parsed requests at once."""
-        for start in range(0, len(view), _SLICE):
-            if self._rejected:
-                return
-            if self.read_paused:
-                self._unparsed = view[start:]
-                return
-            self.data_received(view[start : start + _SLICE])
+        self._feeding = True
+        try:
+            for start in range(0, len(view), _SLICE):
+                if self._rejected:
+                    return
+                if self._held:
+                    self._unparsed = view[start:]
+                    return
+                self.data_received(view[start : start + _SLICE])
+        finally:
+            self._feeding = False
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
@@ -457,7 +467,7 @@ class Connection(asyncio.Protocol):
                 ):
                     return
                 request = self.pipeline.popleft()
-                if self.read_paused:
+                if self._held:
                     self._maybe_resume_reading()
         finally:
             self._dispatching = False
@@ -501,6 +511,8 @@ class Connection(asyncio.Protocol):
                 self._write_final()
         elif self.server.draining:
             transport.close()
+        if self._held:
+            self._maybe_resume_reading()
 
     def refuse(self, exc: RTServeError) -> None:
         """Answer a request the parser or a limit refused (after the answers to the requests
@@ -562,26 +574,31 @@ class Connection(asyncio.Protocol):
             transport.close()
 
     def _pause_reading(self) -> None:
+        """Parse no more (answers pile up, or the peer does not read them) and stop reading."""
+        self._held = True
         if not self.read_paused and self.transport is not None:
             self.transport.pause_reading()
             self.read_paused = True
 
     def _maybe_resume_reading(self) -> None:
-        if (
-            self.read_paused
+        """Once the answers waiting have drained: parse what was held back, then read again.
+        Called by every answer while held, so that no pipelined request is left unread. From
+        inside a parse it does nothing: the parse in progress holds the rest and retries."""
+        while (
+            self._held
+            and not self._feeding
             and not self.write_paused
             and len(self.pipeline) < MAX_PIPELINED // 2
             and self._final is None
             and self.transport is not None
         ):
-            unparsed = self._unparsed
-            if unparsed is not None:  # parse what was held back first
-                self._unparsed = None
-                self.read_paused = False
+            self._held = False
+            unparsed, self._unparsed = self._unparsed, None
+            if unparsed is not None:
                 self._feed_slices(unparsed)
-                if self.read_paused or self.transport is None:
-                    return
-            self.transport.resume_reading()
+        transport = self.transport
+        if self.read_paused and not self._held and not self._feeding and transport is not None:
+            transport.resume_reading()
             self.read_paused = False
 
     def _header_error(self, name: bytes, size: int) -> HeaderTooLarge:
