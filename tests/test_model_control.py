@@ -253,3 +253,135 @@ def test_every_worker_converges_on_explicit_loads_and_unloads(tmp_path: Path) ->
         assert answers("a") == [2.0] * 24
     finally:
         s.stop()
+
+
+# ---------------------------------------------------------------------- the load body (item 10)
+PY_MODEL = """
+class Model:
+    def infer(self, inputs):
+        return {"y": inputs["x"] * 5}
+"""
+
+
+def python_model(root: Path, name: str) -> None:
+    """A Python backend model (y = x * 5): its config.yaml holds what a partial load config
+    must not lose (the backend, the tensors, the batching window)."""
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "1" / "model.py").write_text(PY_MODEL)
+    (root / name / "config.yaml").write_text(
+        "backend: python\nmax_batch_size: 4\ndynamic_batching: {max_queue_delay_us: 700}\n"
+        "inputs: [{name: x, datatype: FP32, shape: [4]}]\n"
+        "outputs: [{name: y, datatype: FP32, shape: [4]}]\n"
+    )
+
+
+def test_a_partial_config_is_merged_over_config_yaml(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    python_model(repo, "py")
+    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit")
+    try:
+        http = httpclient.InferenceServerClient(s.http)
+        http.load_model("py", config=json.dumps({"max_batch_size": 8}))
+        config = http.get_model_config("py")
+        assert (config["max_batch_size"], config["backend"]) == (8, "python")
+        assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 700
+        assert infer(s.base, "py") == 5.0
+        grpc = grpcclient.InferenceServerClient(s.grpc)
+        grpc.load_model("py", config=json.dumps({"dynamic_batching": {"max_queue_delay_us": 9}}))
+        config = grpc.get_model_config("py", as_json=True)["config"]
+        assert (config["max_batch_size"], config["backend"]) == (4, "python")
+        assert config["dynamic_batching"]["max_queue_delay_microseconds"] == "9"
+        assert infer(s.base, "py") == 5.0
+    finally:
+        s.stop()
+
+
+def test_body_errors_name_the_request_and_unknown_fields_are_refused(tmp_path: Path) -> None:
+    repo = scale_repo(tmp_path / "repo", {"a": 2.0})
+    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit", "--load-model", "a")
+    try:
+        clients = (
+            httpclient.InferenceServerClient(s.http),
+            grpcclient.InferenceServerClient(s.grpc),
+        )
+        for client in clients:
+            with pytest.raises(InferenceServerException) as err:
+                client.load_model("a", config=json.dumps({"max_batch_size": -1}))
+            message = str(err.value)
+            assert "load request parameters.config.max_batch_size: expected an integer" in message
+            assert "config.yaml" not in message
+            # One the allow-list passes but the config parser refuses: named the same way.
+            with pytest.raises(InferenceServerException) as err:
+                client.load_model("a", config=json.dumps({"warmup": {"batch_sizes": [8]}}))
+            assert "load request parameters.config.warmup.batch_sizes: expected sizes <= " in (
+                str(err.value)
+            )
+            assert "config.yaml" not in str(err.value)
+            with pytest.raises(InferenceServerException, match=r"config\.bogus: unknown field"):
+                client.load_model("a", config=json.dumps({"max_batch_size": 2, "bogus": 1}))
+            with pytest.raises(InferenceServerException, match="not settable over the network"):
+                client.load_model("a", config=json.dumps({"backend": "python"}))
+        # Refused requests changed nothing: the file's config still serves.
+        assert infer(s.base, "a") == 2.0
+        assert clients[0].get_model_config("a")["max_batch_size"] == 4
+        rows = [r for r in clients[0].get_model_repository_index() if r["name"] == "a"]
+        assert [(r["state"], r["reason"]) for r in rows] == [("READY", "")]
+    finally:
+        s.stop()
+
+
+def ensemble_repo(root: Path) -> Path:
+    """double (x2), triple (x3) and chain: an ensemble of double then triple."""
+    scale_repo(root, {"double": 2.0, "triple": 3.0})
+    (root / "chain" / "1").mkdir(parents=True)
+    step = "{{model: {}, inputs: {{x: {}}}, outputs: {{y: {}}}}}"
+    (root / "chain" / "config.yaml").write_text(
+        "backend: ensemble\nmax_batch_size: 4\n"
+        "inputs: [{name: x, datatype: FP32, shape: [4]}]\n"
+        "outputs: [{name: y, datatype: FP32, shape: [4]}]\n"
+        f"steps: [{step.format('double', 'x', 'x2')}, {step.format('triple', 'x2', 'y')}]\n"
+    )
+    return root
+
+
+def test_loading_an_ensemble_loads_its_steps(tmp_path: Path) -> None:
+    repo = ensemble_repo(tmp_path / "repo")
+    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit")
+    try:
+        http = httpclient.InferenceServerClient(s.http)
+        http.load_model("chain")
+        assert http.is_model_ready("double") and http.is_model_ready("triple")
+        assert infer(s.base, "chain") == 6.0
+        for name in ("chain", "double", "triple"):
+            http.unload_model(name)
+        grpc = grpcclient.InferenceServerClient(s.grpc)
+        grpc.load_model("chain")
+        assert grpc.is_model_ready("chain") and grpc.is_model_ready("triple")
+        assert infer(s.base, "chain") == 6.0
+    finally:
+        s.stop()
+    # At start too: --load-model chain loads its steps.
+    s = start_server(
+        repo, tmp_path / "s2", "--model-control-mode", "explicit", "--load-model", "chain"
+    )
+    try:
+        assert infer(s.base, "chain") == 6.0 and infer(s.base, "double") == 2.0
+    finally:
+        s.stop()
+
+
+def test_explicit_mode_index_lists_every_model_in_the_repository(tmp_path: Path) -> None:
+    repo = scale_repo(tmp_path / "repo", {"a": 2.0, "b": 3.0})
+    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit", "--load-model", "a")
+    try:
+        http = httpclient.InferenceServerClient(s.http)
+        rows = {r["name"]: (r["state"], r["reason"]) for r in http.get_model_repository_index()}
+        assert rows == {"a": ("READY", ""), "b": ("UNAVAILABLE", "not loaded")}
+        grpc = grpcclient.InferenceServerClient(s.grpc)
+        rows = {m.name: (m.state, m.reason) for m in grpc.get_model_repository_index().models}
+        assert rows == {"a": ("READY", ""), "b": ("UNAVAILABLE", "not loaded")}
+        http.load_model("b")
+        states = {r["name"]: r["state"] for r in http.get_model_repository_index()}
+        assert states == {"a": "READY", "b": "READY"}
+    finally:
+        s.stop()

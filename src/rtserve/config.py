@@ -14,7 +14,17 @@ from typing import Any
 import yaml
 
 from rtserve.errors import ConfigError
+from rtserve.protocol.limits import shown
 from rtserve.protocol.types import DATATYPE_TO_NUMPY
+
+
+def shown_value(value: Any) -> str:
+    """``repr`` of a config value for an error message, cut to 100 characters: a value
+    sent in a load request must not be echoed whole into answers, the index and the log."""
+    try:
+        return shown(repr(value))
+    except ValueError:  # an integer beyond Python's 4300-digit str limit
+        return "a larger integer"
 
 
 class _Fields:
@@ -24,7 +34,9 @@ class _Fields:
         if data is None:
             data = {}
         if not isinstance(data, dict):
-            raise ConfigError(f"{where}: {prefix or 'config'}: expected a mapping, got {data!r}")
+            raise ConfigError(
+                f"{where}: {prefix or 'config'}: expected a mapping, got {shown_value(data)}"
+            )
         self.data: dict[str, Any] = data
         self.where = where
         self.prefix = prefix
@@ -34,7 +46,9 @@ class _Fields:
         return f"{self.prefix}.{key}" if self.prefix else key
 
     def fail(self, key: str, expected: str, value: Any) -> ConfigError:
-        return ConfigError(f"{self.where}: {self.path(key)}: expected {expected}, got {value!r}")
+        return ConfigError(
+            f"{self.where}: {shown(self.path(key))}: expected {expected}, got {shown_value(value)}"
+        )
 
     def get(self, key: str, default: Any = None) -> Any:
         self.seen.add(key)
@@ -63,8 +77,7 @@ class _Fields:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise self.fail(key, f"an integer >= {minimum}", value)
         if value > maximum:
-            shown = value if value < 10**30 else "a larger integer"
-            raise self.fail(key, f"an integer <= {maximum}", shown)
+            raise self.fail(key, f"an integer <= {maximum}", value)
         return value
 
     def number(self, key: str, default: float, minimum: float = 0.0) -> float:
@@ -107,7 +120,8 @@ class _Fields:
         if unknown:
             known = ", ".join(sorted(self.seen))
             raise ConfigError(
-                f"{self.where}: {self.path(unknown[0])}: unknown field (known fields: {known})"
+                f"{self.where}: {shown(self.path(str(unknown[0])))}: unknown field "
+                f"(known fields: {known})"
             )
 
 
@@ -195,7 +209,9 @@ def _tensor_specs(value: Any, where: str, key: str) -> tuple[TensorSpec, ...] | 
     if value is None:
         return None
     if not isinstance(value, list) or not value:
-        raise ConfigError(f"{where}: {key}: expected a non-empty list of tensors, got {value!r}")
+        raise ConfigError(
+            f"{where}: {key}: expected a non-empty list of tensors, got {shown_value(value)}"
+        )
     specs = []
     for i, item in enumerate(value):
         f = _Fields(item, where, f"{key}[{i}]")

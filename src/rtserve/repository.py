@@ -35,14 +35,16 @@ def version_dirs(model_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def read_model(model_dir: Path, override: dict[str, object] | None = None) -> ModelSource:
+def read_model(
+    model_dir: Path, override: dict[str, object] | None = None, where: str = ""
+) -> ModelSource:
     """Parse one model directory; a config or layout error is recorded, never raised.
 
     ``override``: a config mapping used instead of ``config.yaml`` (model control's load
-    with a config in the request body)."""
+    with a config in the request body); ``where``: what errors name as its origin."""
     name = model_dir.name
     source = ModelSource(name, model_dir)
-    where = str(model_dir / "config.yaml")
+    where = where or str(model_dir / "config.yaml")
     try:
         raw = override if override is not None else load_yaml(model_dir / "config.yaml")
         config = parse_model_config(raw, name, where)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rtserve.config import AUTO_BATCH, ModelConfig, TensorSpec, _Fields
+from rtserve.config import AUTO_BATCH, ModelConfig, TensorSpec, _Fields, shown_value
 from rtserve.core.model import BuildContext, ModelVersion, Outputs
 from rtserve.errors import (
     ConfigError,
@@ -78,6 +78,38 @@ class Plan:
     producer: dict[str, Step]  # tensor -> the step that produces it
 
 
+def step_models(config: ModelConfig) -> list[str]:
+    """The model names an ensemble's steps call, read from its raw steps (no checks)."""
+    names = (s.get("model") for s in config.steps if isinstance(s, dict))
+    return list(dict.fromkeys(n for n in names if isinstance(n, str) and n))
+
+
+def find_cycle(name: str, calls: Callable[[str], list[str]]) -> list[str] | None:
+    """A chain of models from ``name`` back to itself (``calls``: the models a model's steps
+    call, [] for a model that is not an ensemble), or None."""
+    seen: set[str] = set()
+
+    def visit(model: str, chain: list[str]) -> list[str] | None:
+        for step in calls(model):
+            if step == name:
+                return [*chain, step]
+            if step not in seen:
+                seen.add(step)
+                found = visit(step, [*chain, step])
+                if found:
+                    return found
+        return None
+
+    return visit(name, [name])
+
+
+def cycle_error(where: str, chain: list[str]) -> ConfigError:
+    return ConfigError(
+        f"{where}: steps: cycle: {' -> '.join(chain)} (an ensemble cannot call itself, "
+        "directly or through other ensembles)"
+    )
+
+
 def _mapping(f: _Fields, key: str) -> dict[str, str]:
     value = f.get(key)
     if not isinstance(value, dict) or not value:
@@ -86,7 +118,7 @@ def _mapping(f: _Fields, key: str) -> dict[str, str]:
         if not isinstance(k, str) or not k or not isinstance(v, str) or not v:
             raise ConfigError(
                 f"{f.where}: {f.path(key)}: expected names (strings) on both sides, "
-                f"got {k!r}: {v!r}"
+                f"got {shown_value(k)}: {shown_value(v)}"
             )
     return dict(value)
 

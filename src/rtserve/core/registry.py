@@ -11,6 +11,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rtserve.config import ModelConfig
+from rtserve.core.ensemble import cycle_error, find_cycle, step_models
 from rtserve.core.model import BuildContext, ModelVersion, build_version
 from rtserve.errors import ConfigError, ModelNotFound, ModelNotReady
 from rtserve.protocol.limits import shown
@@ -43,6 +45,7 @@ class ModelRegistry:
         """``root``: the repository directory; error reasons that clients can read name
         paths relative to it (never the server's absolute paths)."""
         self.ctx = ctx
+        self.root = root
         self._roots = [f"{r}/" for r in {str(root), str(root.resolve())}] if root else []
         ctx.lookup = self.get
         self.models: dict[str, ModelEntry] = {}
@@ -65,17 +68,18 @@ class ModelRegistry:
         if entry is None:
             entry = self.models[source.name] = ModelEntry(source.name)
         if source.error or source.config is None:
-            entry.error = self._redact(source.error or f"model '{source.name}': no config")
+            entry.error = self.redact(source.error or f"model '{source.name}': no config")
             log.error("model %s not loaded: %s", source.name, entry.error)
             return entry
         built: dict[str, ModelVersion] = {}
         try:
+            self._check_cycle(source.config)
             for version, path in source.versions.items():
                 built[version] = await build_version(source.config, path, version, self.ctx)
         except ConfigError as exc:
             for mv in built.values():
                 await mv.stop()
-            entry.error = self._redact(str(exc))
+            entry.error = self.redact(str(exc))
             log.error("model %s not loaded: %s", source.name, exc)
             return entry
         old = entry.versions
@@ -92,7 +96,24 @@ class ModelRegistry:
             await mv.stop()  # drains: requests it admitted are answered
         return entry
 
-    def _redact(self, message: str) -> str:
+    def _check_cycle(self, config: ModelConfig) -> None:
+        """Refuse an ensemble that would call itself through the live ensembles (its
+        readiness and requests would recurse without end)."""
+        if config.backend != "ensemble":
+            return
+
+        def calls(name: str) -> list[str]:
+            if name == config.name:
+                return step_models(config)
+            entry = self.models.get(name)
+            mv = entry.versions.get(entry.latest) if entry is not None else None
+            return step_models(mv.config) if mv is not None else []
+
+        chain = find_cycle(config.name, calls)
+        if chain:
+            raise cycle_error(config.source, chain)
+
+    def redact(self, message: str) -> str:
         for root in self._roots:
             message = message.replace(root, "")
         return message
@@ -154,7 +175,24 @@ class ModelRegistry:
         rows.extend(
             IndexEntry(name, "", "UNAVAILABLE", "unloaded") for name in sorted(self.unloaded)
         )
+        rows.extend(
+            IndexEntry(name, "", "UNAVAILABLE", "not loaded")
+            for name in self._repository_names()
+            if name not in self.models and name not in self.unloaded
+        )
         return rows
+
+    def _repository_names(self) -> list[str]:
+        """Every model directory of the repository (the index lists those never loaded,
+        as Triton does in explicit mode)."""
+        if self.root is None:
+            return []
+        try:
+            return sorted(
+                p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
+            )
+        except OSError:
+            return []
 
     def failed(self) -> dict[str, str]:
         """Models asked for that serve no ready version -> why (strict readiness counts

@@ -10,8 +10,11 @@ Modes (``--model-control-mode``):
 
 A (re)load is zero-downtime: the registry warms the new versions beside the old ones and
 switches when they are ready; a failed load keeps the old versions serving and the index
-says why. With ``--workers N`` explicit requests are written to a shared journal that
-every worker applies, so all workers converge; in poll mode every worker polls the disk.
+says why. A load request's config (``server/load_request.py``) is merged over the model's
+config.yaml; an error it causes is the request's (400, nothing changes). Loading an ensemble
+loads the models its steps call that are not loaded (as Triton does). With ``--workers N``
+the loads and unloads that succeeded are recorded in a shared journal that every worker
+applies, so all workers converge; in poll mode every worker polls the disk.
 """
 
 from __future__ import annotations
@@ -19,18 +22,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import grpc
+import orjson
 
+from rtserve.config import load_yaml
+from rtserve.core.ensemble import cycle_error, step_models
 from rtserve.core.registry import ModelRegistry
 from rtserve.errors import ConfigError, InvalidInput, ModelNotFound, RTServeError
 from rtserve.protocol.limits import shown
 from rtserve.repository import ModelSource, read_model, scan
+from rtserve.server.load_request import WHERE, check_merged, merge
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,58 @@ def _fingerprint(path: Path) -> tuple[Any, ...]:
     return tuple(items)
 
 
+class Journal:
+    """The explicit loads and unloads that succeeded, shared by the workers of one server.
+
+    One JSON document holding the latest request per model, replaced whole under a lock: it
+    grows with the models, not with the requests. Each entry carries a sequence number; a
+    worker applies the entries of other workers it has not seen yet, oldest first, and reads
+    the file again only when it changed (inode, size, modification time).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.applied = 0  # the highest sequence number seen
+        self._stamp: tuple[int, int, int] | None = None
+
+    def record(self, op: str, name: str, config: dict[str, Any] | None = None) -> None:
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
+            doc = self._read()
+            seq = doc["seq"] + 1
+            entry = {"op": op, "config": config, "seq": seq, "pid": os.getpid()}
+            doc = {"seq": seq, "models": {**doc["models"], name: entry}}
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(orjson.dumps(doc))
+            os.replace(tmp, self.path)
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            doc = orjson.loads(self.path.read_bytes())
+        except FileNotFoundError:
+            return {"seq": 0, "models": {}}
+        assert isinstance(doc, dict)
+        return doc
+
+    def new_entries(self) -> list[tuple[str, dict[str, Any]]]:
+        """(model, entry) recorded by other processes since the last call, oldest first."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return []
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if stamp == self._stamp:
+            return []
+        self._stamp = stamp
+        fresh = sorted(
+            ((name, e) for name, e in self._read()["models"].items() if e["seq"] > self.applied),
+            key=lambda item: int(item[1]["seq"]),
+        )
+        if fresh:
+            self.applied = int(fresh[-1][1]["seq"])
+        return [(name, e) for name, e in fresh if e["pid"] != os.getpid()]
+
+
 class ModelControl:
     def __init__(
         self,
@@ -75,8 +133,8 @@ class ModelControl:
         self.mode = mode
         self.poll_s = poll_s
         self.startup_models = startup_models
-        self.journal = journal  # shared by the workers of one server (explicit mode)
-        self._seen = 0  # journal entries applied
+        # Shared by the workers of one server (explicit mode).
+        self.journal = Journal(journal) if journal is not None else None
         self._prints: dict[str, tuple[Any, ...]] = {}
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
@@ -84,15 +142,7 @@ class ModelControl:
     # ------------------------------------------------------------------ start / stop
     async def start(self) -> None:
         if self.mode == "explicit":
-            names = self.startup_models
-            if "*" in names:
-                names = tuple(s.name for s in scan(self.root))
-            sources = [self._source(n) for n in names]
-            await self.registry.load_all(sources)
-            for s in sources:
-                self._prints[s.name] = _fingerprint(s.path)
-            if self.journal is not None:  # a worker (re)started late catches up
-                await self._apply_journal()
+            await self._start_explicit()
         else:
             sources = scan(self.root)
             for s in sources:
@@ -100,6 +150,26 @@ class ModelControl:
             await self.registry.load_all(sources)
         if self.mode == "poll" or (self.mode == "explicit" and self.journal is not None):
             self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _start_explicit(self) -> None:
+        """Load the ``--load-model`` names (with the steps of ensembles among them), then
+        what the other workers loaded since they started."""
+        names = self.startup_models
+        if "*" in names:
+            names = tuple(s.name for s in scan(self.root))
+        sources = [self._source(n) for n in names]
+        async with self._lock:
+            for source in sorted(sources, key=_is_ensemble):  # step models first
+                if self._serving(source.name):
+                    continue  # loaded already as the step of an ensemble
+                try:
+                    await self._load_source(source)
+                except RTServeError as exc:
+                    log.error("model control: %s", exc)
+                    if source.name not in self.registry.models:  # a step failed: listed too
+                        await self.registry.load(source)
+        if self.journal is not None:  # a worker (re)started late catches up
+            await self._apply_journal()
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -109,17 +179,22 @@ class ModelControl:
 
     # ------------------------------------------------------------------ API
     async def load(self, name: str, config: dict[str, Any] | None = None) -> None:
-        """Load (or reload) a model; raises ``LoadFailed`` naming the reason."""
+        """Load (or reload) a model; ``config``: a checked load request config, merged over
+        config.yaml. Raises ``LoadFailed`` (or ``InvalidInput``) naming the reason."""
         self._explicit_only("load")
-        self._append_journal({"op": "load", "name": name, "config": config})
-        await self._load(name, config)
+        async with self._lock:
+            await self._load_source(self._source(name, config))
+            if self.journal is not None:
+                self.journal.record("load", name, config)
 
     async def unload(self, name: str) -> None:
         self._explicit_only("unload")
-        if name not in self.registry.models:
-            raise ModelNotFound(f"unknown model '{shown(name)}' (not loaded)")
-        self._append_journal({"op": "unload", "name": name})
-        await self._unload(name)
+        async with self._lock:
+            if name not in self.registry.models:
+                raise ModelNotFound(f"unknown model '{shown(name)}' (not loaded)")
+            await self._unload(name)
+            if self.journal is not None:
+                self.journal.record("unload", name)
 
     # ------------------------------------------------------------------ internals
     def _explicit_only(self, what: str) -> None:
@@ -129,27 +204,74 @@ class ModelControl:
                 "(start the server with --model-control-mode explicit)"
             )
 
-    def _source(self, name: str, config: dict[str, Any] | None = None) -> ModelSource:
+    def _model_dir(self, name: str) -> Path:
         if not name or "/" in name or name.startswith(".") or len(name) > 255:
             raise InvalidInput(f"model name '{shown(name)}': expected a directory name")
         path = self.root / name
         if not path.is_dir():
             raise ModelNotFound(f"unknown model '{shown(name)}': no such model in the repository")
-        return read_model(path, config)
+        return path
 
-    async def _load(self, name: str, config: dict[str, Any] | None) -> None:
-        async with self._lock:
-            source = self._source(name, config)
-            entry = await self.registry.load(source)
-            self._prints[name] = _fingerprint(source.path)
+    def _source(self, name: str, config: dict[str, Any] | None = None) -> ModelSource:
+        path = self._model_dir(name)
+        return read_model(path) if not config else self._merged_source(path, config)
+
+    def _merged_source(self, path: Path, body: dict[str, Any]) -> ModelSource:
+        """config.yaml with the request's config merged over it. An error of the file alone
+        is the file's (reported as a load without a body); any other is the request's:
+        InvalidInput, and nothing is loaded."""
+        try:
+            raw = load_yaml(path / "config.yaml")
+        except ConfigError:
+            return read_model(path)
+        on_disk = read_model(path, raw)
+        if on_disk.error:
+            return on_disk
+        source = read_model(path, merge(raw, body), WHERE)
+        if source.error or source.config is None:  # "<WHERE>: field: ..." -> "<WHERE>.field: ..."
+            message = self.registry.redact(source.error).replace(f"{WHERE}: ", f"{WHERE}.", 1)
+            raise InvalidInput(message)
+        check_merged(source.config, body)
+        return source
+
+    def _serving(self, name: str) -> bool:
+        entry = self.registry.models.get(name)
+        return entry is not None and bool(entry.versions)
+
+    async def _load_source(self, source: ModelSource) -> None:
+        """Load the models an ensemble's steps call, then the source (the lock is held)."""
+        await self._load_steps(source, [source.name])
+        entry = await self.registry.load(source)
+        self._prints[source.name] = _fingerprint(source.path)
         if entry.error:
-            raise LoadFailed(f"failed to load '{name}': {entry.error}")
+            raise LoadFailed(f"failed to load '{source.name}': {entry.error}")
+
+    async def _load_steps(self, source: ModelSource, chain: list[str]) -> None:
+        """Load from the repository the step models of an ensemble that serve nothing yet,
+        their own steps first; ``chain``: the ensembles being loaded, outermost first."""
+        if source.config is None or source.config.backend != "ensemble":
+            return
+        for step in step_models(source.config):
+            if self._serving(step) or "/" in step or not (self.root / step).is_dir():
+                continue  # a step that is not in the repository: the ensemble's build names it
+            if step in chain:
+                error = cycle_error(source.config.source, [*chain, step])
+                raise LoadFailed(f"failed to load '{chain[0]}': {self.registry.redact(str(error))}")
+            step_source = self._source(step)
+            await self._load_steps(step_source, [*chain, step])
+            entry = await self.registry.load(step_source)
+            self._prints[step] = _fingerprint(step_source.path)
+            if entry.error:
+                raise LoadFailed(
+                    f"failed to load '{chain[0]}': its step model '{step}' did not load: "
+                    f"{entry.error}"
+                )
 
     async def _unload(self, name: str) -> None:
-        async with self._lock:
-            if name in self.registry.models:
-                await self.registry.unload(name)
-            self._prints.pop(name, None)
+        """Unload (the lock is held)."""
+        if name in self.registry.models:
+            await self.registry.unload(name)
+        self._prints.pop(name, None)
 
     async def _watch(self) -> None:
         period = self.poll_s if self.mode == "poll" else 0.2
@@ -174,36 +296,23 @@ class ModelControl:
                     self._prints[name] = fp
         for name in [n for n in list(self.registry.models) if n not in names]:
             log.info("model control: %s removed from disk; unloading", name)
-            await self._unload(name)
+            async with self._lock:
+                await self._unload(name)
             self.registry.unloaded.discard(name)  # gone from the repository: not listed
 
-    # The journal: one JSON line per explicit request, shared by the workers.
-    def _append_journal(self, entry: dict[str, Any]) -> None:
-        if self.journal is None:
-            return
-        with open(self.journal, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            f.write(json.dumps({**entry, "pid": os.getpid()}) + "\n")
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-    def _read_journal(self) -> list[dict[str, Any]]:
-        assert self.journal is not None
-        try:
-            lines = self.journal.read_text().splitlines()
-        except FileNotFoundError:
-            return []
-        return [json.loads(line) for line in lines if line.strip()]
-
     async def _apply_journal(self) -> None:
-        entries = self._read_journal()
-        for entry in entries[self._seen :]:
-            self._seen += 1
-            if entry.get("pid") == os.getpid():
-                continue
+        """Apply what the other workers loaded and unloaded."""
+        assert self.journal is not None
+        for name, entry in self.journal.new_entries():
             try:
-                if entry["op"] == "load":
-                    await self._load(entry["name"], entry.get("config"))
-                else:
-                    await self._unload(entry["name"])
+                async with self._lock:
+                    if entry["op"] == "load":
+                        await self._load_source(self._source(name, entry.get("config")))
+                    else:
+                        await self._unload(name)
             except RTServeError as exc:
-                log.error("model control: %s of %s failed: %s", entry["op"], entry["name"], exc)
+                log.error("model control: %s of %s failed: %s", entry["op"], name, exc)
+
+
+def _is_ensemble(source: ModelSource) -> bool:
+    return source.config is not None and source.config.backend == "ensemble"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +26,7 @@ from rtserve.protocol.limits import MAX_ID_CHARS
 from rtserve.protocol.types import InferRequest, Timings
 from rtserve.server.control import ModelControl
 from rtserve.server.errors import grpc_error, grpc_trailers
+from rtserve.server.load_request import config_from_grpc
 from rtserve.server.security import Guard
 from rtserve.server.stats import inference_stats
 
@@ -191,16 +191,7 @@ class GrpcFrontend:
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
         if self.control is None:
             raise InvalidInput("model control is not available")
-        config = None
-        if "config" in request.parameters:
-            text = request.parameters["config"].string_param
-            try:
-                config = json.loads(text)
-            except ValueError as exc:
-                raise InvalidInput(f"parameters.config: not valid JSON ({exc})") from None
-            if not isinstance(config, dict):
-                raise InvalidInput("parameters.config: expected a model config object")
-        await self.control.load(request.model_name, config)
+        await self.control.load(request.model_name, config_from_grpc(request.parameters))
         return pb.RepositoryModelLoadResponse()
 
     @_unary

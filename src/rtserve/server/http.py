@@ -27,6 +27,7 @@ from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.control import ModelControl
 from rtserve.server.errors import JSON_TYPE, http_error
 from rtserve.server.httpserver import Connection, Request, response_bytes
+from rtserve.server.load_request import config_from_body
 from rtserve.server.security import Guard
 from rtserve.server.stats import statistics_json
 
@@ -72,29 +73,8 @@ def _ready_only(body: bytes) -> bool:
 
 
 def _config_override(body: bytes) -> dict[str, Any] | None:
-    """The config given in a load request's body, if any."""
-    if not body.strip():
-        return None
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"load request body: not valid JSON ({exc})") from None
-    params = doc.get("parameters") if isinstance(doc, dict) else None
-    if params is None:
-        return None
-    if not isinstance(params, dict):
-        raise InvalidInput("parameters: expected an object")
-    config = params.get("config")
-    if config is None:
-        return None
-    if isinstance(config, str):
-        try:
-            config = orjson.loads(config)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidInput(f"parameters.config: not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise InvalidInput("parameters.config: expected a model config object")
-    return config
+    """The config given in a load request's body, if any (checked: size, fields, bounds)."""
+    return config_from_body(body)
 
 
 def _tensors(tensors: Any) -> list[dict[str, Any]]:
@@ -326,8 +306,8 @@ class HttpFrontend:
     # ------------------------------------------------------------------ model control
     async def _model_control(self, conn: Connection, request: Request) -> None:
         """``POST /v2/repository/models/{m}/load`` (optional body: ``{"parameters":
-        {"config": <mapping or JSON string>}}``, a config used instead of config.yaml) and
-        ``.../unload``."""
+        {"config": <mapping or JSON string>}}``, merged over config.yaml; see
+        ``server/load_request.py``) and ``.../unload``."""
         try:
             parts = request.path.split("/")
             if len(parts) != 6 or parts[5] not in ("load", "unload") or not parts[4]:
