@@ -321,6 +321,9 @@ def test_body_errors_name_the_request_and_unknown_fields_are_refused(tmp_path: P
                 client.load_model("a", config=json.dumps({"max_batch_size": 2, "bogus": 1}))
             with pytest.raises(InferenceServerException, match="not settable over the network"):
                 client.load_model("a", config=json.dumps({"backend": "python"}))
+            big = json.dumps({"max_batch_size": 2, "name": "a" * 1_100_000})  # over 1 MiB
+            with pytest.raises(InferenceServerException, match="limit of 1048576 bytes"):
+                client.load_model("a", config=big)
         # Refused requests changed nothing: the file's config still serves.
         assert infer(s.base, "a") == 2.0
         assert clients[0].get_model_config("a")["max_batch_size"] == 4
