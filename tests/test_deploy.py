@@ -8,6 +8,8 @@ import contextlib
 import os
 import re
 import shutil
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -20,8 +22,9 @@ import yaml
 
 from examples.build_repository import MLP_CONFIG
 from tests.cache_fixtures import free_port
-from tests.conftest import ROOT
+from tests.conftest import ROOT, start_server
 from tests.metrics_load import sample_names
+from tests.models import build_scale
 
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
@@ -46,14 +49,16 @@ def test_every_manifest_parses_and_names_its_object() -> None:
     files = sorted(K8S.glob("*.yaml"))
     assert {f.name for f in files} >= {
         "deployment.yaml", "hpa.yaml", "keda-scaledobject.yaml", "podmonitor.yaml",
-        "prometheusrule.yaml", "prometheus-adapter-values.yaml",
+        "prometheusrule.yaml", "prometheus-adapter-values.yaml", "pvc.yaml",
+        "models-loader.yaml", "podmonitor-auth-tls.yaml",
     }  # fmt: skip
     for f in files:
         for doc in _docs(f):
             if f.name.endswith("-values.yaml"):  # Helm values, not an object
                 continue
             assert doc["apiVersion"] and doc["kind"], f
-            assert doc["metadata"]["name"] == "rtserve", f"{f.name}: {doc['metadata']}"
+            name = doc["metadata"]["name"]
+            assert name == "rtserve" or name.startswith("rtserve-"), f"{f.name}: {name}"
     for f in [*DEPLOY.rglob("*.yml"), DEPLOY / "kustomization.yaml"]:
         assert _docs(f), f
 
@@ -70,8 +75,11 @@ def test_manifests_probe_the_v2_health_routes() -> None:
         assert container[probe]["httpGet"]["port"] in ports
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     server_grace = int(dockerfile.split('"--grace-period", "')[1].split('"')[0])
-    assert server_grace < pod["terminationGracePeriodSeconds"], (
-        "pod grace period must outlast the server's drain"
+    # SIGTERM waits for the preStop sleep: endpoints drop the pod before it starts refusing.
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and int(command[1]) >= 5, command
+    assert int(command[1]) + server_grace < pod["terminationGracePeriodSeconds"], (
+        "pod grace period must outlast the preStop sleep and the server's drain"
     )
     exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", dockerfile, re.M)[1].split()}  # type: ignore[index]
     assert exposed == {p["containerPort"] for p in container["ports"]}
@@ -123,7 +131,7 @@ def test_autoscalers_scale_the_deployment_on_served_traffic() -> None:
     assert [t["type"] for t in triggers] == ["prometheus", "prometheus"]
     assert "rtserve_queue_depth" in triggers[0]["metadata"]["query"]
     assert triggers[0]["metadata"]["threshold"] == targets["rtserve_queue_depth"]
-    assert "rtserve_requests_total" in triggers[1]["metadata"]["query"]
+    assert "rtserve_client_requests_total" in triggers[1]["metadata"]["query"]
     assert triggers[1]["metadata"]["threshold"] == targets["rtserve_requests_per_second"]
 
 
@@ -177,6 +185,7 @@ def test_kustomization_lists_existing_files() -> None:
     assert built == {
         ("Deployment", "rtserve"), ("Service", "rtserve"), ("PodDisruptionBudget", "rtserve"),
         ("HorizontalPodAutoscaler", "rtserve"), ("ConfigMap", "rtserve-prometheus"),
+        ("PersistentVolumeClaim", "rtserve-models"),
         ("ConfigMap", "rtserve-grafana-dashboard"),
     }  # fmt: skip
 
@@ -195,13 +204,19 @@ def test_promtool_accepts_the_prometheus_configs(tmp_path: Path) -> None:
     for job in config["scrape_configs"]:
         assert job.pop("kubernetes_sd_configs") == [{"role": "pod"}]
         job["static_configs"] = [{"targets": ["127.0.0.1:8000"]}]
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    shutil.copy(PROMETHEUS / "rtserve-rules.yml", tmp_path)
-    cluster = subprocess.run(
-        [PROMTOOL, "check", "config", str(tmp_path / "prometheus.yml")],
+    _check_config(config, tmp_path)
+
+
+def _check_config(config: dict[str, Any], tmp: Path) -> None:
+    """``promtool check config`` on ``config`` written beside rtserve's rules file."""
+    assert PROMTOOL is not None
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    shutil.copy(PROMETHEUS / "rtserve-rules.yml", tmp)
+    checked = subprocess.run(
+        [PROMTOOL, "check", "config", str(tmp / "prometheus.yml")],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert cluster.returncode == 0, cluster.stdout + cluster.stderr
+    assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 SLOW_LOAD_MODEL = """
@@ -268,5 +283,195 @@ def test_readiness_follows_model_state_and_scaling_metrics_exist(tmp_path: Path)
     keda = (K8S / "keda-scaledobject.yaml").read_text()
     read = _metric_names(adapter) | _metric_names(keda)
     read.discard("rtserve_requests_per_second")  # the adapter's name for a rate, not a series
-    assert read == {"rtserve_queue_depth", "rtserve_requests_total"}
+    assert read == {"rtserve_queue_depth", "rtserve_client_requests_total"}
     assert read <= exposed
+
+
+# ---------------------------------------------------------------------- model repository PVC
+def _fill_command() -> str:
+    """deploy/README.md's command that copies a repository into the claim."""
+    readme = (DEPLOY / "README.md").read_text()
+    found = re.search(r"^(tar -C examples/repository .*)$", readme, re.M)
+    assert found, "deploy/README.md: no tar ... | kubectl exec ... fill command"
+    return found[1]
+
+
+def test_the_models_claim_is_the_one_the_pods_and_the_loader_mount() -> None:
+    claim = _by_kind("pvc.yaml")["PersistentVolumeClaim"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # pods on several nodes
+    pod = _by_kind("deployment.yaml")["Deployment"]["spec"]["template"]["spec"]
+    loader = _by_kind("models-loader.yaml")["Pod"]["spec"]
+    for spec, read_only in ((pod, True), (loader, False)):
+        volume = next(v for v in spec["volumes"] if "persistentVolumeClaim" in v)
+        assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+        mount = next(
+            m for c in spec["containers"] for m in c["volumeMounts"] if m["name"] == volume["name"]
+        )
+        assert mount["mountPath"] == "/models" and mount.get("readOnly", False) is read_only
+    command = _fill_command()
+    assert "kubectl exec -i rtserve-models-loader -- tar -C /models -xf -" in command
+    assert command in (K8S / "models-loader.yaml").read_text()
+
+
+def test_the_fill_command_lays_out_a_repository_that_serves(tmp_path: Path) -> None:
+    """The README's tar pipeline, with the pod's side run here: models land at the top of
+    /models (not in a subdirectory), and a server on that directory is ready."""
+    if not (ROOT / "examples" / "repository" / ".built").exists():
+        pytest.skip("examples/repository is not built (make examples)")
+    volume = tmp_path / "models"
+    volume.mkdir()
+    local = _fill_command().replace(
+        "kubectl exec -i rtserve-models-loader -- tar -C /models", f"tar -C {volume}"
+    )
+    subprocess.run(local, shell=True, check=True, cwd=ROOT, timeout=120)
+    assert (volume / "text-embedding" / "config.yaml").is_file()
+    s = start_server(volume, tmp_path / "s", timeout=180)  # strict: every model loaded
+    s.stop()
+
+
+# ---------------------------------------------------------------------- scraping auth + TLS
+def _auth_tls_config(tmp: Path, ca: Path, token: Path, server_name: str) -> dict[str, Any]:
+    """prometheus-auth-tls.yml with its Secret paths and server_name pointed at ``tmp``."""
+    config = yaml.safe_load((PROMETHEUS / "prometheus-auth-tls.yml").read_text())
+    job = config["scrape_configs"][0]
+    assert job["scheme"] == "https" and job["authorization"]["type"] == "Bearer"
+    assert job["tls_config"]["server_name"] and job["tls_config"]["ca_file"]
+    job["tls_config"].update(ca_file=str(ca), server_name=server_name)
+    job["authorization"]["credentials_file"] = str(token)
+    assert job.pop("kubernetes_sd_configs") == [{"role": "pod"}]
+    job["static_configs"] = [{"targets": ["127.0.0.1:8000"]}]
+    return config
+
+
+def _scrape(port: int, server_name: str, ca: Path, token: str | None) -> tuple[int, bytes]:
+    """GET /metrics as the scrape job sends it: TLS checked against ``ca`` for
+    ``server_name``, ``Authorization: Bearer <token>``."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        ctx.wrap_socket(raw, server_hostname=server_name) as tls,
+    ):
+        tls.sendall(f"GET /metrics HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n".encode())
+        answer = b""
+        while chunk := tls.recv(65536):
+            answer += chunk
+    return int(answer.split(b" ", 2)[1]), answer
+
+
+def test_the_auth_and_tls_scrape_config_reads_a_secured_server(tmp_path: Path) -> None:
+    from tests.test_security import make_cert
+
+    cert, key = make_cert(tmp_path)  # signed for 127.0.0.1 and localhost
+    token = "scrape-token-0123456789abcdef"
+    (tmp_path / "token").write_text(token + "\n")
+    (tmp_path / "auth.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "keys": [
+                    {"name": "prometheus", "token_file": str(tmp_path / "token"), "admin": True},
+                    {"name": "app", "token": "app-token-0123456789abcdef", "models": "*"},
+                ]
+            }
+        )
+    )
+    config = _auth_tls_config(tmp_path, cert, tmp_path / "token", "localhost")
+    if PROMTOOL is not None:
+        _check_config(config, tmp_path)
+    repo = tmp_path / "repo"
+    build_scale(repo / "m" / "1" / "model.onnx", 2.0)
+    (repo / "m" / "config.yaml").write_text("max_batch_size: 4\n")
+    s = start_server(
+        repo, tmp_path / "s",
+        "--tls-cert", str(cert), "--tls-key", str(key), "--auth-file", str(tmp_path / "auth.yaml"),
+        tls=ssl.create_default_context(cafile=str(cert)),
+    )  # fmt: skip
+    try:
+        job = config["scrape_configs"][0]
+        credentials = Path(job["authorization"]["credentials_file"]).read_text().strip()
+        server_name, ca = job["tls_config"]["server_name"], Path(job["tls_config"]["ca_file"])
+        status, body = _scrape(s.http_port, server_name, ca, credentials)
+        assert status == 200 and b"rtserve_queue_depth" in body
+        assert _scrape(s.http_port, server_name, ca, None)[0] == 401
+        assert _scrape(s.http_port, server_name, ca, "app-token-0123456789abcdef")[0] == 403
+    finally:
+        s.stop()
+
+
+def test_the_auth_tls_podmonitor_scrapes_like_the_plain_one() -> None:
+    plain = _by_kind("podmonitor.yaml")["PodMonitor"]["spec"]
+    secure = _by_kind("podmonitor-auth-tls.yaml")["PodMonitor"]["spec"]
+    assert secure["selector"] == plain["selector"]
+    endpoint = secure["podMetricsEndpoints"][0]
+    assert {k: endpoint[k] for k in ("port", "path")} == {"port": "http", "path": "/metrics"}
+    assert endpoint["scheme"] == "https" and endpoint["tlsConfig"]["serverName"]
+    assert endpoint["tlsConfig"]["ca"]["secret"]["key"] == "ca.crt"
+    assert endpoint["authorization"]["type"] == "Bearer"
+    assert endpoint["authorization"]["credentials"]["key"] == "token"
+
+
+# ---------------------------------------------------------------------- autoscaling metric
+def _totals(base: str, names: set[str]) -> dict[str, float]:
+    """Each metric's value summed over every label set (what sum(...) in a query sees)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals
+
+
+def _scaling_series() -> set[str]:
+    """The counters the requests-per-second autoscalers take a rate of."""
+    adapter = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())
+    rule = next(
+        r for r in adapter["rules"]["custom"] if r["name"]["as"] == "rtserve_requests_per_second"
+    )
+    keda = _by_kind("keda-scaledobject.yaml")["ScaledObject"]["spec"]["triggers"]
+    query = next(t for t in keda if t["name"] == "requests-per-second")["metadata"]["query"]
+    names = {
+        *re.findall(r"rate\((rtserve_[a-z_]+)\{", rule["metricsQuery"]),
+        *re.findall(r"rate\((rtserve_[a-z_]+)\{", query),
+    }
+    assert len(names) == 1, names
+    return names
+
+
+def test_requests_per_second_counts_a_pipeline_request_once(tmp_path: Path) -> None:
+    """A 2-step ensemble (double, then triple): 5 requests raise the autoscalers' series by 5,
+    while rtserve_requests_total (the ensemble and each step) rises by 15."""
+    repo = tmp_path / "repo"
+    for name, factor in (("double", 2.0), ("triple", 3.0)):
+        build_scale(repo / name / "1" / "model.onnx", factor)
+        (repo / name / "config.yaml").write_text("max_batch_size: 4\n")
+    (repo / "pipeline" / "1").mkdir(parents=True)
+    (repo / "pipeline" / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "backend": "ensemble",
+                "max_batch_size": 4,
+                "inputs": [{"name": "X", "datatype": "FP32", "shape": [4]}],
+                "outputs": [{"name": "Y", "datatype": "FP32", "shape": [4]}],
+                "steps": [
+                    {"model": "double", "inputs": {"x": "X"}, "outputs": {"y": "X2"}},
+                    {"model": "triple", "inputs": {"x": "X2"}, "outputs": {"y": "Y"}},
+                ],
+            }
+        )
+    )
+    (series,) = _scaling_series()
+    names = {series, "rtserve_requests_total"}
+    s = start_server(repo, tmp_path / "s")
+    try:
+        before = _totals(s.base, names)
+        body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 4], "data": [1] * 4}]}
+        for _ in range(5):
+            r = httpx.post(f"{s.base}/v2/models/pipeline/infer", json=body)
+            assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [6.0] * 4
+        after = _totals(s.base, names)
+    finally:
+        s.stop()
+    assert after[series] - before[series] == 5
+    assert after["rtserve_requests_total"] - before["rtserve_requests_total"] == 15

@@ -171,8 +171,8 @@ class DataPlane:
         self.tracer = tracer
         self.access_log = access_log
         self.started = False
-        self.draining = False
         self.strict_readiness = True  # ready only while every model asked for serves
+        self.draining = False
         self.drain_started_ns = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -351,12 +351,14 @@ class DataPlane:
         rows = 1
         if mv is None:
             self.metrics.unrouted.labels(outcome_of(error) if error else "error").inc()
-        elif error is None:
-            if mv.config.max_batch_size > 0 and request.inputs and request.inputs[0].shape:
-                rows = request.inputs[0].shape[0]
-            mv.metrics.observe_success(request.timings, rows, end_ns)
         else:
-            mv.metrics.observe_failure(outcome_of(error), request.timings, end_ns)
+            mv.metrics.client_requests += 1  # step requests of an ensemble are not
+            if error is None:
+                if mv.config.max_batch_size > 0 and request.inputs and request.inputs[0].shape:
+                    rows = request.inputs[0].shape[0]
+                mv.metrics.observe_success(request.timings, rows, end_ns)
+            else:
+                mv.metrics.observe_failure(outcome_of(error), request.timings, end_ns)
         if self.tracer is not None or self.access_log:
             self._trace_and_log(request, mv, error, rows, end_ns)
 

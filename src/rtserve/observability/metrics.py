@@ -115,6 +115,7 @@ class ModelMetrics:
     def __init__(self, model: str, version: str) -> None:
         self.labels = (model, version)
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.client_requests = 0  # sent by clients: an ensemble's step requests are not
         self.e2e = Accumulator(LATENCY_BUCKETS)
         self.queue = Accumulator(LATENCY_BUCKETS)
         self.compute = Accumulator(LATENCY_BUCKETS)
@@ -182,6 +183,12 @@ class _ModelCollector(Collector):
             "Inference requests by outcome",
             labels=["model", "version", "outcome"],
         )
+        clients = CounterMetricFamily(
+            "rtserve_client_requests",
+            "Inference requests sent by clients, any outcome (rtserve_requests counts an "
+            "ensemble's step requests too, on the step model): what autoscaling follows",
+            labels=["model", "version"],
+        )
         depth = GaugeMetricFamily(
             "rtserve_queue_depth",
             "Requests waiting in the model's queue",
@@ -190,8 +197,10 @@ class _ModelCollector(Collector):
         for mm in models:
             for outcome, count in mm.outcomes.items():
                 requests.add_metric([*mm.labels, outcome], count)
+            clients.add_metric(list(mm.labels), mm.client_requests)
             depth.add_metric(list(mm.labels), mm.queue_depth())
         yield requests
+        yield clients
         yield depth
         yield from _scheduler_families(models)
         for name, attr, doc in _HISTOGRAMS:
