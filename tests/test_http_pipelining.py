@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests import rawhttp
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RELAXED, RunningServer, start_server
 
 BODY_TIMEOUT_S = 2.0
 
@@ -23,7 +23,7 @@ def pipelining(
     server = start_server(
         test_repo,
         tmp_path_factory.mktemp("pipelining"),
-        "--http-body-timeout-s", str(BODY_TIMEOUT_S),
+        "--http-body-timeout-s", str(BODY_TIMEOUT_S), *RELAXED,
     )  # fmt: skip
     yield server
     server.stop()
