@@ -378,13 +378,13 @@ class Connection(asyncio.Protocol):
         parts = self._url
         url = parts[0] if len(parts) == 1 else b"".join(parts)
         self._url = []
+        parser = self.parser
+        if parser.get_method() == b"CONNECT":  # its target is host:port, not a path
+            raise NotSupported("CONNECT is not supported: this is not a proxy")
         path, _, query = url.partition(b"?")
         self._query = query.decode("latin-1")
         self._path = canonical_path(path)
-        parser = self.parser
         if parser.should_upgrade():
-            if parser.get_method() == b"CONNECT":
-                raise NotSupported("CONNECT is not supported: this is not a proxy")
             protocol = self._headers.get(b"upgrade", b"").decode("latin-1")
             if "websocket" in protocol.lower():
                 raise NotSupported(
