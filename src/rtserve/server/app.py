@@ -24,19 +24,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rtserve.config import ServerConfig
-from rtserve.core.dataplane import DataPlane
-from rtserve.core.model import BuildContext
-from rtserve.core.registry import ModelRegistry
+from rtserve.engine import Engine
 from rtserve.errors import ConfigError
 from rtserve.observability.logs import configure_logging
-from rtserve.observability.metrics import Metrics
-from rtserve.observability.tracing import Tracer
-from rtserve.observability.workers import WorkerView
-from rtserve.protocol.limits import DecodeLimits
-from rtserve.server.control import ModelControl
 from rtserve.server.grpc import GrpcFrontend, start_grpc_server
 from rtserve.server.http import HttpFrontend
 from rtserve.server.httpserver import HttpLimits, HttpServer
@@ -47,9 +40,6 @@ from rtserve.server.security import (
     grpc_credentials,
     server_ssl_context,
 )
-
-if TYPE_CHECKING:
-    from rtserve.cache import CacheConfig
 
 log = logging.getLogger("rtserve")
 
@@ -71,45 +61,15 @@ class Server:
         self.ports_file = ports_file
         self.http_sock = http_sock  # set in worker processes: the listening socket they share
         self.on_ready = on_ready
-        self.metrics = Metrics()
         self.http_server: HttpServer | None = None
-        self.registry = ModelRegistry(
-            BuildContext(
-                self.metrics,
-                more_expected=self._more_expected,
-                cache_default=_cache_default(config),
-                decode_limits=DecodeLimits(
-                    max_elements=config.max_tensor_elements,
-                    max_bytes_elements=config.max_bytes_elements,
-                    max_json_depth=config.max_json_depth,
-                    max_json_containers=config.max_json_containers,
-                ),
-            ),
-            root=config.model_repository,
-        )
-        shared = Path(config.shared_dir) if config.shared_dir else None
-        self.workers = (
-            WorkerView(shared, config.worker_index, self.metrics, self.registry)
-            if shared is not None
-            else None
-        )
-        self.tracer = (
-            Tracer(config.trace_endpoint, config.trace_sample_ratio)
-            if config.trace_endpoint
-            else None
-        )
-        self.dataplane = DataPlane(
-            self.registry, self.metrics, self.workers, self.tracer, config.access_log
-        )
-        self.dataplane.strict_readiness = config.strict_readiness
-        self.control = ModelControl(
-            self.registry,
-            config.model_repository,
-            config.model_control_mode,
-            config.repository_poll_secs,
-            config.load_models,
-            journal=shared / "model-control.jsonl" if shared is not None else None,
-        )
+        # The core, shared by both frontends; the transports feed its idleness hint.
+        self.engine = engine = Engine(config, more_expected=self._more_expected)
+        self.metrics = engine.metrics
+        self.registry = engine.registry
+        self.workers = engine.workers
+        self.tracer = engine.tracer
+        self.dataplane = engine.dataplane
+        self.control = engine.control
         guard = _guard(config)
         self.http = HttpFrontend(
             self.dataplane,
@@ -150,6 +110,7 @@ class Server:
             cfg.max_request_bytes,
             limits=HttpLimits.from_config(cfg),
             ssl=server_ssl_context(*_tls_files(cfg)) if tls else None,
+            head=self.http.check_head,
         )
         self.http_port = await http_server.start(cfg.host, cfg.http_port, self.http_sock)
         grpc_server, self.grpc_port = await start_grpc_server(
@@ -297,15 +258,6 @@ def announce(
         )
     else:
         log.info("ready: %s models %s", where, json.dumps(models))
-
-
-def _cache_default(config: ServerConfig) -> CacheConfig | None:
-    """The server-wide response cache config (validated; errors name the file and field)."""
-    if config.response_cache is None:
-        return None
-    from rtserve.cache import CacheConfig
-
-    return CacheConfig.from_dict(config.response_cache, config.config_file or "server config")
 
 
 def _run(server: Server) -> None:
