@@ -93,21 +93,21 @@ soak: setup examples
 	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES) --out docs/soak.md --plot docs/img/soak.png
 
 # The SLO controller against fixed windows and Triton (PyTriton), open loop 0.2x-3x of capacity
-# (about 25 min): one round of each workload -> docs/slo/*.md, *.json, *.png; earlier rounds
-# and the per-round medians are in docs/benchmarks-slo.md (bench.slo_openloop --combine).
+# (about 25 min): one round of each workload -> bench/results/slo/*.md, *.json, *.png; the
+# medians over rounds (bench.slo_openloop --combine) are in docs/benchmarks-slo.md.
 bench-slo: setup examples
 	$(BIN)/python -m bench.slo_openloop --workload minilm --seq 32 --objective-ms 250 \
 		--loads 0.2,0.5,1,1.5,2,3 --windows 0,2000,10000 --triton-windows 0,5000 --seconds 6 \
-		--clients 1 --probe-rate 1500 --out docs/slo/minilm-seq32.md
+		--clients 1 --probe-rate 1500 --out bench/results/slo/minilm-seq32.md
 	$(BIN)/python -m bench.slo_openloop --workload minilm --seq 128 --objective-ms 500 \
 		--loads 0.2,0.5,1,1.5,2,3 --windows 0,2000,10000 --triton-windows 0,5000 --seconds 8 \
-		--clients 1 --probe-rate 500 --out docs/slo/minilm-seq128.md
+		--clients 1 --probe-rate 500 --out bench/results/slo/minilm-seq128.md
 	$(BIN)/python -m bench.slo_openloop --workload mlp --objective-ms 10 \
 		--loads 0.2,0.5,1,1.5,2,3 --windows 0,200,1000 --triton-windows 0,5000 --seconds 4 \
-		--clients 1 --probe-rate 30000 --out docs/slo/mlp.md
+		--clients 1 --probe-rate 30000 --out bench/results/slo/mlp.md
 	$(BIN)/python -m bench.slo_openloop --workload mlp --objective-ms 10 --loadgen c \
 		--server-cpus 0 --client-cpus 1 --loads 0.2,0.5,1,1.5,2,3 --windows 0,200,1000,5000 \
-		--seconds 4 --clients 1 --out docs/slo/mlp-pinned.md
+		--seconds 4 --clients 1 --out bench/results/slo/mlp-pinned.md
 
 optimize-report: setup
 	$(BIN)/python -m bench.showcase --out docs/optimization.md

@@ -364,12 +364,13 @@ def round_ratio_section(record: RunRecord) -> list[str]:
     ]
 
 
-SLO_DIR = Path(__file__).resolve().parent.parent / "docs" / "slo"
+SLO_DIR = Path(__file__).resolve().parent / "results" / "slo"
+SLO_LINK = "../bench/results/slo"  # SLO_DIR as linked from a page under docs/
 
 
 def slo_section(slo_dir: Path = SLO_DIR) -> list[str]:
     """The latency-objective benchmark's plots (``python -m bench.slo_openloop``, run on its
-    own and committed under docs/slo/), so that this page shows them too."""
+    own and committed under bench/results/slo/), so that this page shows them too."""
     plots = sorted(slo_dir.glob("*.png")) if slo_dir.is_dir() else []
     if not plots:
         return []
@@ -384,7 +385,7 @@ def slo_section(slo_dir: Path = SLO_DIR) -> list[str]:
         "",
     ]
     for png in plots:
-        lines += [f"![{png.stem}](slo/{png.name})", "", f"*{png.stem}*", ""]
+        lines += [f"![{png.stem}]({SLO_LINK}/{png.name})", "", f"*{png.stem}*", ""]
     return lines
 
 

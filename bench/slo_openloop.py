@@ -6,7 +6,7 @@ from 0.2x to 3x of the measured capacity to one configuration at a time, alterna
 each point: goodput (answers within the objective, per second, measured at the client from
 each request's scheduled send time) and the p99 of admitted (answered 200) requests.
 
-    python -m bench.slo_openloop --out docs/benchmarks-slo.md
+    python -m bench.slo_openloop --out bench/results/slo/mlp.md   # + .json, .png beside it
     python -m bench.slo_openloop --loads 0.5,2 --windows 0,1000 --seconds 2   # a quick look
 
 ``--server-cpus``/``--client-cpus`` pin the processes with taskset (on a machine with spare

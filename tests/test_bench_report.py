@@ -215,5 +215,5 @@ def test_slo_plots_are_embedded_when_present(tmp_path: Path) -> None:
     assert slo_section(tmp_path) == []
     (tmp_path / "minilm-seq32.png").write_bytes(b"\x89PNG")
     lines = slo_section(tmp_path)
-    assert "![minilm-seq32](slo/minilm-seq32.png)" in lines
+    assert "![minilm-seq32](../bench/results/slo/minilm-seq32.png)" in lines
     assert any("benchmarks-slo.md" in line for line in lines)
