@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from rtserve.config import ServerConfig, load_server_config
-from rtserve.core.dataplane import DataPlane
+from rtserve.core.dataplane import DataPlane, statistics_of
 from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.core.model import BuildContext
 from rtserve.core.registry import ModelRegistry
@@ -130,7 +130,12 @@ class Engine:
         )
         shared = Path(config.shared_dir) if config.shared_dir else None
         self.workers = (
-            WorkerView(shared, config.worker_index, self.metrics, self.registry)
+            WorkerView(
+                shared,
+                config.worker_index,
+                self.metrics,
+                lambda: statistics_of(self.registry.loaded_versions()),
+            )
             if shared is not None
             else None
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 
 import numpy as np
@@ -28,23 +28,19 @@ from rtserve.core.info import (
     ModelInfo,
     ServerInfo,
     TensorInfo,
-    VersionStatistics,
 )
 from rtserve.core.model import ModelVersion
 from rtserve.core.registry import IndexEntry, ModelRegistry
 from rtserve.errors import (
     ClientClosed,
-    DeadlineExceeded,
     InvalidInput,
-    ModelNotFound,
     ModelNotReady,
-    Overloaded,
     RTServeError,
     ShuttingDown,
     as_error,
 )
 from rtserve.observability.logs import access_line
-from rtserve.observability.metrics import Metrics
+from rtserve.observability.metrics import Metrics, VersionStatistics, outcome_of
 from rtserve.observability.tracing import Tracer
 from rtserve.observability.workers import WorkerView
 from rtserve.protocol.types import InferRequest, InferResponse, Tensor, Timings
@@ -65,16 +61,9 @@ Done = Callable[
 ]
 
 
-def outcome_of(exc: BaseException) -> str:
-    if isinstance(exc, Overloaded | ShuttingDown):
-        return "overloaded"
-    if isinstance(exc, DeadlineExceeded):
-        return "timeout"
-    if isinstance(exc, ModelNotFound):
-        return "not_found"
-    if isinstance(exc, RTServeError) and exc.http_status < 500:
-        return "client_error"
-    return "error"
+def statistics_of(versions: Iterable[ModelVersion]) -> list[VersionStatistics]:
+    """This process's statistics of ``versions``."""
+    return [VersionStatistics(mv.name, mv.version, mv.metrics.stats) for mv in versions]
 
 
 def _timeout_s(request: InferRequest, mv: ModelVersion) -> float:
@@ -254,7 +243,7 @@ class DataPlane:
         else:
             mv = self.registry.get_loaded(name, version)
             versions = [mv] if version else list(self.registry.entry(mv.name).versions.values())
-        own = [VersionStatistics(mv.name, mv.version, mv.metrics.stats) for mv in versions]
+        own = statistics_of(versions)
         return self.workers.statistics(own) if self.workers is not None else own
 
     def metrics_exposition(self) -> tuple[bytes, str]:

@@ -45,6 +45,7 @@ from rtserve.errors import (
     RTServeError,
     ShuttingDown,
 )
+from rtserve.observability.metrics import outcome_of
 from rtserve.protocol.types import Timings
 
 _now = time.perf_counter_ns
@@ -498,8 +499,6 @@ class EnsembleScheduler:
             outputs = await mv.submit(feeds, rows, t, timeout_s, priority)
         except BaseException as exc:
             if isinstance(exc, Exception):
-                from rtserve.core.dataplane import outcome_of
-
                 mv.metrics.observe_failure(outcome_of(exc), t, _now())
                 raise _step_error(self.name, step, exc) from None
             raise

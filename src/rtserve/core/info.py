@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rtserve.observability.metrics import ModelStats
-
 
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
@@ -56,10 +54,3 @@ class ModelConfigInfo:
     default_priority: int = 0
     # Triton's free-form ``parameters``: here the latency objective (``slo_p99_ms`` etc.).
     parameters: tuple[tuple[str, str], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class VersionStatistics:
-    name: str
-    version: str
-    stats: ModelStats

@@ -24,6 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from rtserve.errors import DeadlineExceeded, ModelNotFound, Overloaded, RTServeError, ShuttingDown
 from rtserve.protocol.types import Timings
 
 LATENCY_BUCKETS = (
@@ -32,6 +33,19 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 OUTCOMES = ("success", "client_error", "not_found", "overloaded", "timeout", "error")
+
+
+def outcome_of(exc: BaseException) -> str:
+    """The ``outcome`` label of a failed request."""
+    if isinstance(exc, Overloaded | ShuttingDown):
+        return "overloaded"
+    if isinstance(exc, DeadlineExceeded):
+        return "timeout"
+    if isinstance(exc, ModelNotFound):
+        return "not_found"
+    if isinstance(exc, RTServeError) and exc.http_status < 500:
+        return "client_error"
+    return "error"
 
 
 class Accumulator:
@@ -82,6 +96,13 @@ class ModelStats:
     cache_hit: StatDuration = field(default_factory=StatDuration)
     cache_miss: StatDuration = field(default_factory=StatDuration)
     batch_sizes: dict[int, StatDuration] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class VersionStatistics:
+    name: str
+    version: str
+    stats: ModelStats
 
 
 class SchedulerStats:

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,7 @@ import orjson
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from rtserve.core.info import VersionStatistics
-from rtserve.core.registry import ModelRegistry
-from rtserve.observability.metrics import Metrics, ModelStats, StatDuration
+from rtserve.observability.metrics import Metrics, ModelStats, StatDuration, VersionStatistics
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +113,17 @@ class _Merged:
 
 class WorkerView:
     def __init__(
-        self, directory: Path, index: int, metrics: Metrics, registry: ModelRegistry
+        self,
+        directory: Path,
+        index: int,
+        metrics: Metrics,
+        statistics: Callable[[], list[VersionStatistics]],
     ) -> None:
+        """``statistics``: this worker's statistics of every version it serves."""
         self.directory = directory
         self.index = index
         self.metrics = metrics
-        self.registry = registry
+        self.own_statistics = statistics
         self.path = directory / f"worker-{index}.json"
         self._task: asyncio.Task[None] | None = None
 
@@ -128,10 +131,7 @@ class WorkerView:
         snap = {
             "pid": os.getpid(),
             "families": _family_snapshot(self.metrics),
-            "stats": [
-                _stats_to_dict(VersionStatistics(mv.name, mv.version, mv.metrics.stats))
-                for mv in self.registry.loaded_versions()
-            ],
+            "stats": [_stats_to_dict(v) for v in self.own_statistics()],
         }
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(orjson.dumps(snap))

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rtserve.core.info import VersionStatistics
-from rtserve.observability.metrics import StatDuration
+from rtserve.observability.metrics import StatDuration, VersionStatistics
 
 INFERENCE_STATS = (
     "success",
