@@ -9,7 +9,7 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 export LD_LIBRARY_PATH := $(CURDIR)/$(VENV)/lib/python3.11/site-packages/nvidia/cuda_runtime/lib:$(LD_LIBRARY_PATH)
 
-.PHONY: bench-observability setup system-deps examples run test test-modern test-fast lint format bench bench-quick bench-slo optimize-report soak clean
+.PHONY: setup system-deps examples run test test-modern test-fast lint format bench bench-quick bench-slo optimize-report soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -81,10 +81,6 @@ bench-quick: setup examples
 bench: setup examples
 	$(BIN)/python -m bench.run
 	$(BIN)/python -m bench.cache_zipf --model all
-
-# Tracing off / 1% / 100% and the access log, alternating rounds -> docs/benchmarks-observability.md
-bench-observability: setup examples
-	$(BIN)/python -m bench.overhead
 
 # Soak: SOAK_MINUTES (default 30) at ~70% of capacity next to hostile clients; writes
 # docs/soak.md and docs/img/soak.png (make soak SOAK_MINUTES=1 for a quick check).
