@@ -11,7 +11,7 @@ import pytest
 import tritonclient.grpc as tgrpc
 
 from tests.cache_fixtures import RedisServer
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RELAXED, RunningServer, start_server
 from tests.models import build_scale
 
 
@@ -130,7 +130,7 @@ def test_bad_cache_config_stops_only_that_model(tmp_path: Path) -> None:
     (tmp_path / "repo" / "bad" / "config.yaml").write_text(
         "response_cache: {memory: {max_bytes: -5, ttl_s: 1}}\n"
     )
-    s = start_server(tmp_path / "repo", tmp_path / "server")
+    s = start_server(tmp_path / "repo", tmp_path / "server", *RELAXED)
     try:
         r = httpx.post(
             f"{s.base}/v2/models/bad/infer",

@@ -20,7 +20,7 @@ import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RELAXED, RunningServer, start_server
 
 skl2onnx = pytest.importorskip("skl2onnx")
 datasets = pytest.importorskip("sklearn.datasets")
@@ -226,7 +226,7 @@ def test_graphs_that_cannot_be_served_as_they_are_are_refused_by_name(tmp_path: 
         "max_batch_size: 0\ninputs: [{name: x, datatype: FP32, shape: [2]}]\n"
         "labels: {z: labels.txt}\n"
     )
-    s = start_server(repo, tmp_path / "work")
+    s = start_server(repo, tmp_path / "work", *RELAXED)
     try:
         with thttp.InferenceServerClient(s.http) as client:
             assert not client.is_model_ready("seq")
