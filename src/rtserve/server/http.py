@@ -137,8 +137,25 @@ class HttpFrontend:
         # it encoded for a keep-alive HTTP/1.1 request).
         self._refusal: tuple[RTServeError, int, bytes, Headers, bytes] | None = None
 
-    def handle(self, conn: Connection, request: Request) -> None:
+    def check_head(
+        self, conn: Connection, method: bytes, path: str, headers: dict[bytes, bytes]
+    ) -> None:
+        """Decide from the head what needs no body, before a large or chunked body is read:
+        the key and rate limit, the route, the model (unknown: 404; not ready: 503). The
+        server answers a refusal at once and closes, so a refused client cannot make it
+        buffer an upload."""
         if self.guard is not None:
+            self.guard.http(path, headers, _peer(conn))
+        if method != b"POST":
+            return
+        if path.endswith("/infer"):
+            name, version = _infer_target(path)
+            self.dataplane.resolve(name, version, Timings(received=_now()))
+        elif not path.startswith("/v2/repository/"):
+            raise RouteNotFound(f"no route for POST {path[:200]}")
+
+    def handle(self, conn: Connection, request: Request) -> None:
+        if self.guard is not None and not request.checked:
             try:
                 self.guard.http(request.path, request.headers, _peer(conn))
             except Exception as exc:

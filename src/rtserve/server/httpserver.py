@@ -62,6 +62,9 @@ _BACKLOG = 65535
 _LINGER_S = 2.0
 # Connections over the cap that may linger like that; beyond it they are closed at once.
 _REFUSED_LINGERING = 256
+# Bodies up to this size are read before their request is checked (reading them costs less
+# than a refusal that closes the connection); larger or chunked ones are checked at the head.
+_READ_FIRST = 64 * 1024
 _now = time.perf_counter_ns
 
 # Where a connection's parser is: between requests, inside a request's head, in its body.
@@ -126,6 +129,7 @@ class Request:
         "keep_alive",
         "received_ns",
         "http10",
+        "checked",
     )
 
     def __init__(
@@ -138,6 +142,7 @@ class Request:
         keep_alive: bool,
         received_ns: int,
         http10: bool = False,
+        checked: bool = False,
     ) -> None:
         self.method = method
         self.path = path
@@ -147,9 +152,13 @@ class Request:
         self.keep_alive = keep_alive
         self.received_ns = received_ns
         self.http10 = http10
+        self.checked = checked  # passed the server's head check before its body was read
 
 
 Handler = Callable[["Connection", Request], None]
+# Checks a request from its head (method, canonical path, headers), before a large or chunked
+# body is read; raises an ``RTServeError`` to refuse it.
+HeadCheck = Callable[["Connection", bytes, str, dict[bytes, bytes]], None]
 
 
 def response_bytes(
@@ -204,6 +213,7 @@ class Connection(asyncio.Protocol):
         "_body",
         "_size",
         "_started",
+        "_checked",
     )
 
     def __init__(self, server: HttpServer) -> None:
@@ -238,9 +248,12 @@ class Connection(asyncio.Protocol):
         self._header_count = 0
         self._head_size = 0  # URL + headers, counted exactly as the parser reports them
         self._head_raw = 0  # bytes of reads that fell wholly inside the current head
-        self._body: list[bytes] = []
+        # The body so far: the first piece as received (most bodies come in one), then a
+        # bytearray that later pieces are appended to in place.
+        self._body: bytes | bytearray = b""
         self._size = 0
         self._started = _now()
+        self._checked = False
 
     # ------------------------------------------------------------------ transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -269,7 +282,7 @@ class Connection(asyncio.Protocol):
         del self.parser
         self._url = []
         self._headers = {}
-        self._body = []
+        self._body = b""
         self._final = None
         self._unparsed = None
 
@@ -350,6 +363,7 @@ class Connection(asyncio.Protocol):
         self._head_raw = 0
         self._size = 0
         self._started = _now()
+        self._checked = False
 
     def on_url(self, url: bytes) -> None:
         self._url.append(url)
@@ -392,12 +406,17 @@ class Connection(asyncio.Protocol):
                 )
             self._rejected = True  # another protocol (e.g. h2c): answered as usual, then closed
         headers = self._headers
+        server = self.server
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.server.max_body:
+        length = int(declared) if declared is not None and declared.isdigit() else 0
+        if length > server.max_body:
             raise PayloadTooLarge(
-                f"request body of {declared.decode()} bytes exceeds the limit of "
-                f"{self.server.max_body} bytes (max_request_bytes)"
+                f"request body of {length} bytes exceeds the limit of "
+                f"{server.max_body} bytes (max_request_bytes)"
             )
+        if server.head is not None and (length > _READ_FIRST or b"transfer-encoding" in headers):
+            server.head(self, parser.get_method(), self._path, headers)
+            self._checked = True
         if (
             headers.get(b"expect", b"").lower() == b"100-continue"
             and self.transport is not None
@@ -407,23 +426,32 @@ class Connection(asyncio.Protocol):
             self.transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
+        """Gather the body. A piece is appended to one buffer, so that a body of many tiny
+        chunks costs its size, not an object per chunk."""
         self._size += len(body)
         if self._size > self.server.max_body:
             raise PayloadTooLarge(
                 f"request body exceeds the limit of {self.server.max_body} bytes "
                 "(max_request_bytes)"
             )
-        self._body.append(body)
+        held = self._body
+        if isinstance(held, bytearray):
+            held += body
+        elif held:
+            self._body = bytearray(held) + body
+        else:
+            self._body = body
 
     def on_message_complete(self) -> None:
         self.state = _IDLE
         parser = self.parser
-        parts = self._body
-        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        body = self._body
+        if isinstance(body, bytearray):
+            body = bytes(body)
         # The request owns these now; the connection keeps no reference to them.
         headers = self._headers
         self._headers = {}
-        self._body = []
+        self._body = b""
         keep_alive = parser.should_keep_alive() and not self.server.draining and not self._rejected
         request = Request(
             parser.get_method(),
@@ -435,6 +463,7 @@ class Connection(asyncio.Protocol):
             self._started,
             # Only an HTTP/1.0 client that asked for keep-alive is told it got it.
             keep_alive and b"connection" in headers and parser.get_http_version() == "1.0",
+            self._checked,
         )
         if self.current is not None or self._dispatching or self.write_paused:
             self.pipeline.append(request)
@@ -522,7 +551,7 @@ class Connection(asyncio.Protocol):
         self._unparsed = None
         self._url = []
         self._headers = {}
-        self._body = []
+        self._body = b""
         status, body, headers = error_answer(exc)
         self._final = response_bytes(status, body, headers, False, False)
         if self.current is None and not self.pipeline and not self._dispatching:
@@ -681,10 +710,14 @@ class HttpServer:
         idle_timeout_s: float | None = None,
         limits: HttpLimits | None = None,
         ssl: Any = None,
+        head: HeadCheck | None = None,
     ) -> None:
-        """``ssl``: an ``ssl.SSLContext`` to serve HTTPS (None: plain HTTP)."""
+        """``ssl``: an ``ssl.SSLContext`` to serve HTTPS (None: plain HTTP). ``head``: checks
+        a request whose body is large or chunked before that body is read; a refusal is
+        answered at once and the connection closed, the body never buffered."""
         self.ssl = ssl
         self.handler = handler
+        self.head = head
         self.max_body = max_body
         limits = limits or HttpLimits()
         if idle_timeout_s is not None:
