@@ -94,13 +94,16 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]
 
 
 # ---------------------------------------------------------------------------- item 3: shape
-@pytest.mark.parametrize("chunk", [2, 0], ids=["chunked-2-byte-chunks", "content-length"])
+@pytest.mark.parametrize(
+    ("chunk", "payload"),
+    [(2, MiB), (4096, 8 * MiB), (0, 8 * MiB)],
+    ids=["chunked-2-byte-chunks", "chunked-4-KiB-chunks", "content-length"],
+)
 def test_a_body_costs_about_its_size_whatever_its_chunks(
-    open_server: RunningServer, chunk: int
+    open_server: RunningServer, chunk: int, payload: int
 ) -> None:
     """8 MiB in 2-byte chunks peaked at +555 MB (68x); now under 3x the payload, as with
     Content-Length."""
-    payload = 8 * MiB
     if chunk:
         request = head("/v2/models/scale/infer", "Transfer-Encoding: chunked\r\n")
         request += chunked(payload, chunk)
@@ -115,7 +118,39 @@ def test_a_body_costs_about_its_size_whatever_its_chunks(
         sender.join(10)
     assert status == 400 and b"not valid JSON" in body  # read in full, then refused
     grown = status_mb(pid, "VmHWM") - before
-    assert grown < 3 * payload / MiB, f"peak RSS +{grown:.0f} MB for an 8 MiB body"
+    assert grown < 3 * max(payload / MiB, 8), f"peak RSS +{grown:.0f} MB for the body"
+
+
+def test_tiny_chunks_are_charged_against_the_body_limit(open_server: RunningServer) -> None:
+    """Each chunk counts 64 bytes beyond its payload: 8 MiB in 2-byte chunks (4 million
+    parser callbacks, ~270 MB charged) is refused with 413 once 64 MiB is charged, after
+    about a million chunks, instead of holding the event loop for seconds."""
+    request = head("/v2/models/scale/infer", "Transfer-Encoding: chunked\r\n")
+    request += chunked(8 * MiB, 2)
+    with rawhttp.connect(open_server.http_port, timeout=60) as sock:
+        sender = send_in_background(sock, request)
+        status, _, body = rawhttp.read_response(sock, bytearray())
+        sender.join(10)
+    assert status == 413 and b"each chunk counts 64 bytes more" in body
+    client = rawhttp.connect(open_server.http_port)
+    try:  # the server keeps serving
+        client.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert rawhttp.read_response(client, bytearray())[0] == 200
+    finally:
+        client.close()
+
+
+def test_a_load_body_over_a_config_files_limit_is_refused_from_its_head(
+    open_server: RunningServer,
+) -> None:
+    """A model-control load body may not exceed a config file's 1 MiB: a 45 MB body is
+    refused from its Content-Length, before any of it is read."""
+    request = head("/v2/repository/models/scale/load", f"Content-Length: {45_000_000}\r\n")
+    with rawhttp.connect(open_server.http_port, timeout=10) as sock:
+        sock.sendall(request + b"{")
+        status, headers, body = rawhttp.read_response(sock, bytearray())
+    assert status == 413 and b"1048576 bytes" in body
+    assert headers.get("connection") == "close"
 
 
 # ---------------------------------------------------------------------------- item 3: the head

@@ -27,7 +27,7 @@ from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.control import ModelControl
 from rtserve.server.errors import JSON_TYPE, http_error
 from rtserve.server.httpserver import Connection, Request, response_bytes
-from rtserve.server.load_request import config_from_body
+from rtserve.server.load_request import MAX_LOAD_BODY_BYTES, config_from_body
 from rtserve.server.security import Guard
 from rtserve.server.stats import statistics_json
 
@@ -139,7 +139,7 @@ class HttpFrontend:
 
     def check_head(
         self, conn: Connection, method: bytes, path: str, headers: dict[bytes, bytes]
-    ) -> None:
+    ) -> int | None:
         """Decide from the head what needs no body, before a large or chunked body is read:
         the key and rate limit, the route, the model (unknown: 404; not ready: 503). The
         server answers a refusal at once and closes, so a refused client cannot make it
@@ -147,12 +147,16 @@ class HttpFrontend:
         if self.guard is not None:
             self.guard.http(path, headers, _peer(conn))
         if method != b"POST":
-            return
+            return None
         if path.endswith("/infer"):
             name, version = _infer_target(path)
             self.dataplane.resolve(name, version, Timings(received=_now()))
-        elif not path.startswith("/v2/repository/"):
+            return None
+        if path.startswith("/v2/repository/models/"):
+            return MAX_LOAD_BODY_BYTES  # a load body has a config file's size limit
+        if not path.startswith("/v2/repository/"):
             raise RouteNotFound(f"no route for POST {path[:200]}")
+        return None
 
     def handle(self, conn: Connection, request: Request) -> None:
         if self.guard is not None and not request.checked:

@@ -65,6 +65,9 @@ _REFUSED_LINGERING = 256
 # Bodies up to this size are read before their request is checked (reading them costs less
 # than a refusal that closes the connection); larger or chunked ones are checked at the head.
 _READ_FIRST = 64 * 1024
+# What a chunk of a chunked body costs beyond its payload (a parser callback, a copy), charged
+# against the body limit: 2-byte chunks cannot make the server parse 32 million of them.
+_CHUNK_COST = 64
 _now = time.perf_counter_ns
 
 # Where a connection's parser is: between requests, inside a request's head, in its body.
@@ -157,8 +160,8 @@ class Request:
 
 Handler = Callable[["Connection", Request], None]
 # Checks a request from its head (method, canonical path, headers), before a large or chunked
-# body is read; raises an ``RTServeError`` to refuse it.
-HeadCheck = Callable[["Connection", bytes, str, dict[bytes, bytes]], None]
+# body is read; raises an ``RTServeError`` to refuse it, or returns a lower body limit for it.
+HeadCheck = Callable[["Connection", bytes, str, dict[bytes, bytes]], int | None]
 
 
 def response_bytes(
@@ -214,6 +217,8 @@ class Connection(asyncio.Protocol):
         "_size",
         "_started",
         "_checked",
+        "_limit",
+        "_chunk_cost",
     )
 
     def __init__(self, server: HttpServer) -> None:
@@ -254,6 +259,8 @@ class Connection(asyncio.Protocol):
         self._size = 0
         self._started = _now()
         self._checked = False
+        self._limit = self.server.max_body  # this request's body limit (a route may lower it)
+        self._chunk_cost = 0
 
     # ------------------------------------------------------------------ transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -364,6 +371,8 @@ class Connection(asyncio.Protocol):
         self._size = 0
         self._started = _now()
         self._checked = False
+        self._limit = self.server.max_body  # this request's body limit (a route may lower it)
+        self._chunk_cost = 0
 
     def on_url(self, url: bytes) -> None:
         self._url.append(url)
@@ -414,9 +423,19 @@ class Connection(asyncio.Protocol):
                 f"request body of {length} bytes exceeds the limit of "
                 f"{server.max_body} bytes (max_request_bytes)"
             )
-        if server.head is not None and (length > _READ_FIRST or b"transfer-encoding" in headers):
-            server.head(self, parser.get_method(), self._path, headers)
+        chunked = b"transfer-encoding" in headers
+        if chunked:
+            self._chunk_cost = _CHUNK_COST
+        if server.head is not None and (length > _READ_FIRST or chunked):
+            limit = server.head(self, parser.get_method(), self._path, headers)
             self._checked = True
+            if limit is not None and limit < self._limit:
+                self._limit = limit
+                if length > limit:
+                    raise PayloadTooLarge(
+                        f"request body of {length} bytes exceeds the limit of {limit} bytes "
+                        f"for {self._path[:100]}"
+                    )
         if (
             headers.get(b"expect", b"").lower() == b"100-continue"
             and self.transport is not None
@@ -428,12 +447,9 @@ class Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         """Gather the body. A piece is appended to one buffer, so that a body of many tiny
         chunks costs its size, not an object per chunk."""
-        self._size += len(body)
-        if self._size > self.server.max_body:
-            raise PayloadTooLarge(
-                f"request body exceeds the limit of {self.server.max_body} bytes "
-                "(max_request_bytes)"
-            )
+        self._size += len(body) + self._chunk_cost
+        if self._size > self._limit:
+            raise self._body_too_large()
         held = self._body
         if isinstance(held, bytearray):
             held += body
@@ -441,6 +457,12 @@ class Connection(asyncio.Protocol):
             self._body = bytearray(held) + body
         else:
             self._body = body
+
+    def _body_too_large(self) -> PayloadTooLarge:
+        limit = self._limit
+        name = "max_request_bytes" if limit == self.server.max_body else self._path[:100]
+        extra = f"; each chunk counts {_CHUNK_COST} bytes more" if self._chunk_cost else ""
+        return PayloadTooLarge(f"request body exceeds the limit of {limit} bytes ({name}{extra})")
 
     def on_message_complete(self) -> None:
         self.state = _IDLE
