@@ -1,13 +1,16 @@
-"""Small ONNX models and repositories built for the tests."""
+"""Small ONNX and Python-backend models and repositories built for the tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import onnx
+import yaml
 from onnx import TensorProto, helper
 
 from examples.build_repository import build_digits, build_mlp
+from rtserve.config import ModelConfig, parse_model_config
 
 ALL_TYPES = {
     "FP32": TensorProto.FLOAT,
@@ -113,3 +116,47 @@ def build_slow_repository(root: Path, max_queue_size: int, delay_us: int) -> Pat
         " adaptive_delay: false}\n"
     )
     return root
+
+
+DOUBLE_PY = """
+import time
+
+import numpy as np
+
+class Model:
+    def load(self, context):
+        pass
+
+    def infer(self, inputs):
+        time.sleep(SLEEP)
+        return {"y": (inputs["x"] * 2).astype(np.float32)}
+"""
+
+
+def double_py(sleep: float = 0.0) -> str:
+    """A Python-backend model: ``y = 2 * x`` (FP32), after sleeping ``sleep`` s per batch."""
+    return DOUBLE_PY.replace("SLEEP", repr(sleep))
+
+
+def write_python_model(root: Path, name: str, config: dict[str, Any] | str, model_py: str) -> Path:
+    """``root/name`` with version 1's ``model.py`` and a ``config.yaml`` (a dict is written
+    as YAML, a string as it is)."""
+    model_dir = root / name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "1" / "model.py").write_text(model_py)
+    text = config if isinstance(config, str) else yaml.safe_dump(config)
+    (model_dir / "config.yaml").write_text(text)
+    return model_dir
+
+
+def config_of(model_dir: Path) -> ModelConfig:
+    """The parsed ``config.yaml`` of ``model_dir``, as the repository loader reads it."""
+    where = str(model_dir / "config.yaml")
+    return parse_model_config(yaml.safe_load(Path(where).read_text()), model_dir.name, where)
+
+
+def edit_config(model_dir: Path, change: dict[str, Any]) -> None:
+    """Merge ``change`` into ``model_dir``'s ``config.yaml``; a ``None`` value removes the key."""
+    path = model_dir / "config.yaml"
+    data = {**yaml.safe_load(path.read_text()), **change}
+    path.write_text(yaml.safe_dump({k: v for k, v in data.items() if v is not None}))

@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
-import yaml
 from tritonclient.utils import InferenceServerException
 
-from rtserve.config import ModelConfig, parse_model_config
 from rtserve.errors import ConfigError, InferenceFailed
 from rtserve.runtime.python import PythonModel, load
 from tests.conftest import RunningServer, start_server
+from tests.models import config_of, edit_config, write_python_model
 
 # A model whose behaviour the first row's MODE picks: answer, raise, exit, hang, die.
 MODEL_PY = """
@@ -79,9 +78,6 @@ SIGNATURE = {
 
 
 def write_model(root: Path, name: str, isolation: str, **extra: Any) -> Path:
-    model_dir = root / name
-    (model_dir / "1").mkdir(parents=True, exist_ok=True)
-    (model_dir / "1" / "model.py").write_text(MODEL_PY)
     config = {
         "backend": "python",
         "max_batch_size": 8,
@@ -90,13 +86,7 @@ def write_model(root: Path, name: str, isolation: str, **extra: Any) -> Path:
         "python": {"isolation": isolation, "batch_timeout_s": 2, "parameters": {"scale": 3.0}},
         **extra,
     }
-    (model_dir / "config.yaml").write_text(yaml.safe_dump(config))
-    return model_dir
-
-
-def config_of(model_dir: Path) -> ModelConfig:
-    where = str(model_dir / "config.yaml")
-    return parse_model_config(yaml.safe_load(Path(where).read_text()), model_dir.name, where)
+    return write_python_model(root, name, config, MODEL_PY)
 
 
 def user_module(model_dir: Path) -> ModuleType:
@@ -270,10 +260,7 @@ def test_config_errors_name_file_and_field(
     tmp_path: Path, change: dict[str, Any], message: str
 ) -> None:
     model_dir = write_model(tmp_path, "echo", "thread")
-    data = yaml.safe_load((model_dir / "config.yaml").read_text())
-    data.update(change)
-    data = {k: v for k, v in data.items() if v is not None}
-    (model_dir / "config.yaml").write_text(yaml.safe_dump(data))
+    edit_config(model_dir, change)
     with pytest.raises(ConfigError, match=message):
         load(config_of(model_dir), model_dir / "1")
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 import yaml
 
-from rtserve.config import ModelConfig, parse_model_config
 from rtserve.errors import ConfigError
 from rtserve.runtime.torch import load
 from tests.conftest import ROOT, RunningServer, start_server
+from tests.models import config_of, edit_config
 
 try:
     import tritonclient.grpc as tgrpc
@@ -119,11 +119,6 @@ def write_model(root: Path, name: str, form: str, net: torch.nn.Module, **torch_
     return root / name
 
 
-def config_of(model_dir: Path) -> ModelConfig:
-    where = str(model_dir / "config.yaml")
-    return parse_model_config(yaml.safe_load(Path(where).read_text()), model_dir.name, where)
-
-
 def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], tol: float) -> None:
     assert got["scores"].dtype == np.float32 and got["best"].dtype == np.int64
     np.testing.assert_allclose(got["scores"], want["scores"], rtol=tol, atol=tol)
@@ -149,9 +144,7 @@ def test_each_model_form_matches_eager(tmp_path: Path, form: str) -> None:
 def test_batch_buckets_pad_and_slice_back(tmp_path: Path) -> None:
     net = make_net(3)
     model_dir = write_model(tmp_path, "net", "factory", net, device="cpu", batch_buckets=[4, 1, 2])
-    data = yaml.safe_load((model_dir / "config.yaml").read_text())
-    del data["max_batch_size"]
-    (model_dir / "config.yaml").write_text(yaml.safe_dump(data))
+    edit_config(model_dir, {"max_batch_size": None})
     rt = load(config_of(model_dir), model_dir / "1")
     try:
         assert rt.max_batch_size == 4  # unset: the largest bucket
@@ -199,10 +192,7 @@ def test_config_errors_name_file_and_field(
 ) -> None:
     model_dir = write_model(tmp_path, "net", "torchscript", make_net())
     (model_dir / "1" / "net.py").write_text(NET_PY)
-    data = yaml.safe_load((model_dir / "config.yaml").read_text())
-    data.update(change)
-    data = {k: v for k, v in data.items() if v is not None}
-    (model_dir / "config.yaml").write_text(yaml.safe_dump(data))
+    edit_config(model_dir, change)
     with pytest.raises(ConfigError, match=message):
         load(config_of(model_dir), model_dir / "1")
 
@@ -312,9 +302,7 @@ def test_served_wrong_input_is_a_4xx_and_the_server_keeps_serving(
 def test_instances_share_weights_and_answer_alike(tmp_path: Path) -> None:
     net = make_net(9)
     model_dir = write_model(tmp_path, "net", "export", net, device="cpu")
-    data = yaml.safe_load((model_dir / "config.yaml").read_text())
-    data["instance_count"] = 2
-    (model_dir / "config.yaml").write_text(yaml.safe_dump(data))
+    edit_config(model_dir, {"instance_count": 2})
     rt = load(config_of(model_dir), model_dir / "1")
     try:
         assert rt.instance_count == 2

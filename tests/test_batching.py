@@ -14,7 +14,8 @@ import onnxruntime as ort
 import pytest
 
 from tests.conftest import RunningServer, start_server
-from tests.models import build_slow_repository
+from tests.models import build_slow_repository, write_python_model
+from tests.v2 import infer_body
 
 
 def _batch_histogram(metrics: str, model: str) -> dict[str, float]:
@@ -98,13 +99,7 @@ def slow_server(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _slow_body(i: int, **params: object) -> dict:
-    body: dict = {
-        "id": str(i),
-        "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [i, i, i, i]}],
-    }
-    if params:
-        body["parameters"] = params
-    return body
+    return {"id": str(i), **infer_body("x", [i, i, i, i], [1, 4], **params)}
 
 
 def test_overload_returns_503_with_retry_after_while_admitted_complete(
@@ -231,14 +226,12 @@ def test_a_request_stuck_in_a_models_code_does_not_keep_the_server_from_exiting(
     instead of waiting for the stuck thread forever."""
     from rtserve.server.app import STOP_MODELS_S
 
-    model = tmp_path / "repo" / "stuck"
-    (model / "1").mkdir(parents=True)
-    (model / "1" / "model.py").write_text(STUCK_MODEL)
-    (model / "config.yaml").write_text(
+    config = (
         "backend: python\nmax_batch_size: 4\n"
         "inputs: [{name: x, datatype: FP32, shape: [1]}]\n"
         "outputs: [{name: y, datatype: FP32, shape: [1]}]\n"
     )
+    write_python_model(tmp_path / "repo", "stuck", config, STUCK_MODEL)
     s = start_server(tmp_path / "repo", tmp_path / "server", "--grace-period", "0.5")
     try:
         body = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [7.0]}]}

@@ -56,6 +56,19 @@ def test_optimize_help_prints_the_actual_default_values() -> None:
     assert "%(default)" not in text
 
 
+def _export_from(cwd: pathlib.Path, target: str) -> subprocess.CompletedProcess[str]:
+    """``rtserve export <target>`` run in ``cwd`` as the installed script runs it: ``-P``
+    keeps the current directory off sys.path, and no PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [
+            sys.executable, "-P", "-m", "rtserve.cli", "export", target,
+            "--out", "m.onnx", "--input", "x:2x8:float32",
+        ],
+        capture_output=True, text=True, timeout=120, cwd=cwd, env=env,
+    )  # fmt: skip
+
+
 def test_export_imports_a_module_from_the_current_directory(tmp_path: pathlib.Path) -> None:
     (tmp_path / "my_local_model.py").write_text(
         "import torch\n\n"
@@ -63,29 +76,14 @@ def test_export_imports_a_module_from_the_current_directory(tmp_path: pathlib.Pa
         "    torch.manual_seed(0)\n"
         "    return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    # -P keeps the current directory off sys.path, as for the installed `rtserve` script.
-    proc = subprocess.run(
-        [
-            sys.executable, "-P", "-m", "rtserve.cli", "export", "my_local_model:build",
-            "--out", "m.onnx", "--input", "x:2x8:float32",
-        ],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
-    )  # fmt: skip
+    proc = _export_from(tmp_path, "my_local_model:build")
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "m.onnx").is_file()
     assert "max abs diff vs torch" in proc.stdout
 
 
 def test_export_names_a_module_that_is_not_there(tmp_path: pathlib.Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run(
-        [
-            sys.executable, "-P", "-m", "rtserve.cli", "export", "no_such_module_here:build",
-            "--out", "m.onnx", "--input", "x:2x8:float32",
-        ],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
-    )  # fmt: skip
+    proc = _export_from(tmp_path, "no_such_module_here:build")
     assert proc.returncode == 2
     assert "cannot import 'no_such_module_here'" in proc.stderr
     assert "Traceback" not in proc.stderr

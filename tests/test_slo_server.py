@@ -20,12 +20,13 @@ import grpc
 import httpx
 import numpy as np
 import pytest
-import yaml
 
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import RunningServer, start_server
 from tests.metrics_load import sample_value
+from tests.models import write_python_model
+from tests.v2 import infer_body
 
 OBJECTIVE_MS = 250
 CAPACITY = 8 / 0.052  # rows/s of the sleepy models at full batches
@@ -64,9 +65,6 @@ class Model:
 
 
 def _model(root: Path, name: str, log: Path, fixed_ms: float, per_row_ms: float, **extra) -> None:
-    d = root / name
-    (d / "1").mkdir(parents=True)
-    (d / "1" / "model.py").write_text(MODEL_PY)
     config = {
         "backend": "python",
         "max_batch_size": 8,
@@ -75,7 +73,7 @@ def _model(root: Path, name: str, log: Path, fixed_ms: float, per_row_ms: float,
         "python": {"parameters": {"fixed_ms": fixed_ms, "per_row_ms": per_row_ms, "log": str(log)}},
         **extra,
     }
-    (d / "config.yaml").write_text(yaml.safe_dump(config))
+    write_python_model(root, name, config, MODEL_PY)
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +102,14 @@ def slo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Runni
 
 
 def _body(x: float, **params: object) -> bytes:
-    doc: dict = {"inputs": [{"name": "X", "shape": [1, 1], "datatype": "FP32", "data": [x]}]}
-    if params:
-        doc["parameters"] = params
-    return json.dumps(doc).encode()
+    return json.dumps(infer_body("X", [x], [1, 1], **params)).encode()
+
+
+def _grpc_request(model: str, x: float) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model)
+    tensor = request.inputs.add(name="X", datatype="FP32", shape=[1, 1])
+    tensor.contents.fp32_contents.append(x)
+    return request
 
 
 def _request(port: int, model: str, body: bytes) -> bytes:
@@ -277,14 +279,7 @@ def test_refusal_is_429_with_retry_after_and_grpc_resource_exhausted(
             assert r.headers["retry-after"] == "1"
         channel = grpc.aio.insecure_channel(server.grpc)
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-
-        def request(x: float) -> pb.ModelInferRequest:
-            req = pb.ModelInferRequest(model_name="sleepy")
-            t = req.inputs.add(name="X", datatype="FP32", shape=[1, 1])
-            t.contents.fp32_contents.append(x)
-            return req
-
-        calls = [stub.ModelInfer(request(float(i))) for i in range(60)]
+        calls = [stub.ModelInfer(_grpc_request("sleepy", float(i))) for i in range(60)]
         codes = []
         for c in calls:
             try:
@@ -477,21 +472,15 @@ def test_cancelled_grpc_call_is_not_computed(slo_server: tuple[RunningServer, Pa
         async with grpc.aio.insecure_channel(server.grpc) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
 
-            def request(x: float) -> pb.ModelInferRequest:
-                req = pb.ModelInferRequest(model_name="patient")
-                t = req.inputs.add(name="X", datatype="FP32", shape=[1, 1])
-                t.contents.fp32_contents.append(x)
-                return req
-
             async with httpx.AsyncClient(base_url=server.base, timeout=30) as client:
                 busy = await _stall(client, logs, "patient")
-                doomed = stub.ModelInfer(request(43.0))
+                doomed = stub.ModelInfer(_grpc_request("patient", 43.0))
                 await _queued(server, "patient", 1)
                 doomed.cancel()
                 await asyncio.sleep(0.1)  # the cancellation reaches the server
                 _release(logs, "patient")
                 assert (await busy).status_code == 200
-            await stub.ModelInfer(request(8.0))
+            await stub.ModelInfer(_grpc_request("patient", 8.0))
 
     asyncio.run(scenario())
     computed = _logged(logs, "patient")
