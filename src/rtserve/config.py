@@ -200,7 +200,6 @@ class ModelConfig:
     labels: dict[str, str] = field(default_factory=dict)
 
 
-BACKENDS = ("onnxruntime", "python", "torch", "ensemble")
 _LEVELS = ("disable", "basic", "extended", "layout", "all")
 _PROVIDERS = ("CPU", "CUDA", "TensorRT")
 
@@ -234,7 +233,7 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
     cfg_name = f.string("name", name)
     if cfg_name != name:
         raise f.fail("name", f"the directory name {name!r}", cfg_name)
-    backend = f.string("backend", "onnxruntime", BACKENDS)
+    backend = f.string("backend", "onnxruntime")  # core.factory.BACKENDS names them
     max_batch_size = f.integer("max_batch_size", 0) if "max_batch_size" in f.data else AUTO_BATCH
     f.seen.add("max_batch_size")
     inputs = _tensor_specs(f.get("inputs"), where, "inputs")
@@ -308,7 +307,7 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
                 raise f.fail(key, f"{what} on an ensemble (set {key} on its step models)", value)
     slo, priority_levels, default_priority = _slo_section(f)
     options: dict[str, Any] = {}
-    if backend in ("python", "torch"):
+    if backend not in ("onnxruntime", "ensemble"):  # those two have sections of their own
         section = f.get(backend, {})
         if not isinstance(section, dict):
             raise f.fail(backend, "a mapping of backend options", section)

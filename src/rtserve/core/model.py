@@ -1,10 +1,9 @@
-"""A live model version and the one factory that builds it.
+"""A live model version, and how one runtime becomes one.
 
 ``ModelVersion`` = runtime + scheduler (the dynamic batcher, or an ensemble's step
-scheduler) + response cache + metrics, with ``drain``/``stop``. ``build_version`` is the
-only place that wires them; the config's ``backend`` picks the builder, so a new backend is
-one module under ``runtime/`` (or one builder here for a backend that is not a runtime,
-like ensembles).
+scheduler) + response cache + metrics, with ``drain``/``stop``. ``build_runtime_version``
+wires a runtime backend's version (load, labels, warmup, SLO calibration, batcher, cache);
+``core/factory.py`` picks the builder for the config's ``backend``.
 """
 
 from __future__ import annotations
@@ -13,30 +12,23 @@ import asyncio
 import copy
 import dataclasses
 import logging
-import statistics
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from rtserve.config import ModelConfig, TensorSpec
+from rtserve.core.labels import read_labels
+from rtserve.core.warmup import slo_controller, warmup
 from rtserve.errors import ConfigError, RTServeError
 from rtserve.observability.metrics import Metrics, ModelMetrics
 from rtserve.protocol.limits import DEFAULT_LIMITS, DecodeLimits, limits_for_model
-from rtserve.protocol.types import DATATYPE_TO_NUMPY, Timings
-from rtserve.runtime.base import Runtime, load_runtime
+from rtserve.protocol.types import Timings
+from rtserve.runtime.base import Runtime
 from rtserve.scheduling.batcher import Batcher
 from rtserve.scheduling.policy import DynamicBatchPolicy
-from rtserve.scheduling.slo import (
-    BatchTimeModel,
-    SLOController,
-    calibration_sizes,
-    measure,
-    objective_from_config,
-)
 
 if TYPE_CHECKING:
     from rtserve.cache import CacheConfig, CacheMetrics, ResponseCache
@@ -45,8 +37,6 @@ log = logging.getLogger(__name__)
 
 # A model whose largest warmup batch runs faster than this runs inline on the event loop.
 INLINE_MAX_BATCH_NS = 1_000_000
-# Backends whose code may hold the GIL or block (user code, torch): never inline.
-_NEVER_INLINE = ("python", "torch")
 
 Outputs = dict[str, np.ndarray]
 
@@ -170,7 +160,7 @@ class BuildContext:
         """The model's response cache (its config merged over the server default), or None."""
         if config.response_cache is None and self.cache_default is None:
             return None
-        from rtserve.cache import CacheConfig, CacheMetrics, ResponseCache, merge
+        from rtserve.cache import CacheConfig, CacheMetrics, ResponseCache, merge  # (redis: slow)
 
         own = (
             CacheConfig.from_dict(config.response_cache, config.source)
@@ -195,99 +185,21 @@ class BuildContext:
 Builder = Callable[[ModelConfig, Path, str, BuildContext], Awaitable[ModelVersion]]
 
 
-def example_batch(specs: tuple[TensorSpec, ...], rows: int, batched: bool) -> dict[str, Any]:
-    feeds: dict[str, Any] = {}
-    for spec in specs:
-        dims = tuple(d if d >= 0 else 1 for d in spec.shape)
-        shape = (rows, *dims) if batched else dims
-        if spec.datatype == "BYTES":
-            feeds[spec.name] = np.full(shape, b"", dtype=object)
-        else:
-            feeds[spec.name] = np.zeros(shape, dtype=DATATYPE_TO_NUMPY[spec.datatype])
-    return feeds
-
-
-def warmup(runtime: Runtime, config: ModelConfig) -> int:
-    """Run the configured warmup batches on every instance; return the median ns of the
-    largest batch (used to decide where the model runs)."""
-    batched = config.max_batch_size > 0
-    largest = max(config.warmup.batch_sizes)
-    times: list[int] = []
-    for instance in range(runtime.instance_count):
-        for size in config.warmup.batch_sizes:
-            feeds = example_batch(runtime.inputs, size, batched)
-            for _ in range(max(1, config.warmup.iterations)):
-                start = time.perf_counter_ns()
-                runtime.run(instance, feeds)
-                if size == largest:
-                    times.append(time.perf_counter_ns() - start)
-    return int(statistics.median(times)) if times else 0
-
-
-def slo_controller(runtime: Runtime, config: ModelConfig) -> SLOController:
-    """The latency objective's controller, its batch-time model fitted from timed batches."""
-    assert config.slo is not None
-    batched = config.max_batch_size > 0
-    max_rows = max(1, config.max_batch_size)
-    sizes = calibration_sizes(max_rows) if batched else (1,)
-    samples = measure(
-        lambda rows: runtime.run(0, example_batch(runtime.inputs, rows, batched)), sizes
-    )
-    objective = objective_from_config(
-        config.slo.p99_ms, config.slo.p50_ms, config.priority_levels, config.default_priority
-    )
-    model = BatchTimeModel.fit(samples)
-    alone_ns = model.predict(1)
-    if alone_ns > objective.budget_ns:
-        # Admitted anyway when nothing is ahead (queueing is not what makes it late), so
-        # every request would miss the objective: say so once, where the user looks.
-        log.warning(
-            "model %s: a batch of one row took %.3g ms when timed, more than the latency "
-            "objective leaves for the queue and the model (%.3g ms of p99 %.3g ms): its "
-            "requests will miss the objective",
-            config.name,
-            alone_ns / 1e6,
-            objective.budget_ns / 1e6,
-            config.slo.p99_ms,
-        )
-    return SLOController(objective, model)
-
-
-MAX_LABELS_BYTES = 16 * 1024 * 1024
-
-
-def read_labels(
-    config: ModelConfig, model_dir: Path, runtime: Runtime
-) -> dict[str, tuple[str, ...]]:
-    """Each output's class labels: the runtime's own (a ZipMap's classes), then the config's
-    ``labels`` files (one label per line, in index order), which take precedence."""
-    labels: dict[str, tuple[str, ...]] = dict(getattr(runtime, "labels", None) or {})
-    names = [s.name for s in runtime.outputs]
-    root = model_dir.resolve()
-    for output, file in config.labels.items():
-        where = f"{config.source}: labels.{output}"
-        if output not in names:
-            raise ConfigError(f"{where}: the model has no output {output!r} ({', '.join(names)})")
-        path = (model_dir / file).resolve()
-        if not path.is_relative_to(root):
-            raise ConfigError(f"{where}: {file!r} is outside the model's directory")
-        try:
-            if path.stat().st_size > MAX_LABELS_BYTES:
-                raise ConfigError(f"{where}: {file} is larger than {MAX_LABELS_BYTES} bytes")
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{where}: cannot read {file}: {exc}") from None
-        labels[output] = tuple(text.splitlines())
-    return labels
-
-
 async def build_runtime_version(
-    config: ModelConfig, version_dir: Path, version: str, ctx: BuildContext
+    config: ModelConfig,
+    version_dir: Path,
+    version: str,
+    ctx: BuildContext,
+    *,
+    load: Callable[[ModelConfig, Path], Runtime],
+    may_inline: bool = True,
 ) -> ModelVersion:
-    """A version served by one runtime behind the dynamic batcher (ONNX, Python, torch)."""
+    """A version served by one runtime behind the dynamic batcher (ONNX, Python, torch):
+    ``load`` builds the runtime; ``may_inline``: whether its batches may run on the event
+    loop (a small model's, when a thread hop would cost more than the compute)."""
     loop = asyncio.get_running_loop()
     try:
-        runtime = await loop.run_in_executor(None, load_runtime, config, version_dir)
+        runtime = await loop.run_in_executor(None, load, config, version_dir)
     except ConfigError:
         raise
     except Exception as exc:
@@ -306,7 +218,7 @@ async def build_runtime_version(
         runtime.close()
         raise ConfigError(f"{version_dir}: warmup failed: {type(exc).__name__}: {exc}") from exc
     mode = config.onnxruntime.execution
-    inline = config.backend not in _NEVER_INLINE and (
+    inline = may_inline and (
         mode == "inline"
         or (mode == "auto" and runtime.instance_count == 1 and batch_ns < INLINE_MAX_BATCH_NS)
     )
@@ -358,31 +270,3 @@ async def build_runtime_version(
         config.name, version, config.backend, "inline" if inline else "threaded", batch_ns / 1e6,
     )  # fmt: skip
     return mv
-
-
-async def _build_ensemble(
-    config: ModelConfig, version_dir: Path, version: str, ctx: BuildContext
-) -> ModelVersion:
-    from rtserve.core.ensemble import build_ensemble_version
-
-    return await build_ensemble_version(config, version_dir, version, ctx)
-
-
-# config.backend -> builder. Runtime backends share one builder (runtime.base picks the
-# module); a backend that composes other models brings its own.
-BUILDERS: dict[str, Builder] = {
-    "onnxruntime": build_runtime_version,
-    "python": build_runtime_version,
-    "torch": build_runtime_version,
-    "ensemble": _build_ensemble,
-}
-
-
-async def build_version(
-    config: ModelConfig, version_dir: Path, version: str, ctx: BuildContext
-) -> ModelVersion:
-    """Build, warm up and return one live (not yet ready) version."""
-    builder = BUILDERS.get(config.backend)
-    if builder is None:
-        raise ConfigError(f"{config.source}: backend: unknown backend {config.backend!r}")
-    return await builder(config, version_dir, version, ctx)

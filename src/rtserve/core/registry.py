@@ -13,7 +13,8 @@ from pathlib import Path
 
 from rtserve.config import ModelConfig
 from rtserve.core.ensemble import cycle_error, find_cycle, step_models
-from rtserve.core.model import BuildContext, ModelVersion, build_version
+from rtserve.core.factory import build_version
+from rtserve.core.model import BuildContext, ModelVersion
 from rtserve.errors import ConfigError, ModelNotFound, ModelNotReady
 from rtserve.protocol.limits import shown
 from rtserve.repository import ModelSource

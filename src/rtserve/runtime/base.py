@@ -31,20 +31,10 @@ class Runtime(Protocol):
     def close(self) -> None: ...
 
 
-# config.backend -> the module whose ``load(config, version_dir)`` builds its runtime.
-# Adding a backend is one module under runtime/ and one line here.
-BACKEND_MODULES = {
-    "onnxruntime": "rtserve.runtime.onnx",
-    "python": "rtserve.runtime.python",
-    "torch": "rtserve.runtime.torch",
-}
-
-
-def load_runtime(config: ModelConfig, version_dir: Path) -> Runtime:
-    """Build the runtime of one model version (blocking: run it off the event loop)."""
-    module_name = BACKEND_MODULES.get(config.backend)
-    if module_name is None:
-        raise ValueError(f"unknown backend {config.backend!r}")
+def load_runtime(module_name: str, config: ModelConfig, version_dir: Path) -> Runtime:
+    """Build the runtime of one model version with the backend module's ``load`` (blocking:
+    run it off the event loop). The module is imported here, when its first model loads:
+    a server without torch models never imports torch (``core/factory.py`` names them)."""
     module = importlib.import_module(module_name)
     runtime: Runtime = module.load(config, version_dir)
     return runtime

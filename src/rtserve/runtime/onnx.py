@@ -304,5 +304,5 @@ def _to_bytes_array(arr: np.ndarray) -> np.ndarray:
 
 
 def load(config: ModelConfig, version_dir: Path) -> OnnxRuntimeModel:
-    """The backend entry point (see ``runtime.base.BACKEND_MODULES``)."""
+    """The backend entry point (see ``core.factory.BACKENDS``)."""
     return OnnxRuntimeModel.load(config, version_dir)

@@ -607,7 +607,7 @@ def _fixed_row_bytes(specs: tuple[TensorSpec, ...]) -> int:
 
 
 def load(config: ModelConfig, version_dir: Path) -> PythonModel:
-    """The backend entry point (see ``runtime.base.BACKEND_MODULES``)."""
+    """The backend entry point (see ``core.factory.BACKENDS``)."""
     start = time.perf_counter()
     model = PythonModel.load(config, version_dir)
     log.info(

@@ -440,5 +440,5 @@ def _cuda_graph_thread() -> None:
 
 
 def load(config: ModelConfig, version_dir: Path) -> TorchModel:
-    """The backend entry point (see ``runtime.base.BACKEND_MODULES``)."""
+    """The backend entry point (see ``core.factory.BACKENDS``)."""
     return TorchModel.load(config, version_dir)
