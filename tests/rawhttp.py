@@ -31,3 +31,15 @@ def read_response(sock: socket.socket, buf: bytearray) -> tuple[int, dict[str, s
     buf.clear()
     buf += rest[length:]
     return status, headers, rest[:length]
+
+
+def read_all(sock: socket.socket, limit_s: float = 10.0) -> bytes:
+    """Everything the server sends until it closes (a reset counts as a close)."""
+    sock.settimeout(limit_s)
+    out = bytearray()
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return bytes(out)

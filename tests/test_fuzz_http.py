@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import RunningServer
+from tests.rawhttp import read_all
 from tests.test_hostile_http import BODY, assert_still_serves, connect
 
 EXAMPLES = int(os.environ.get("RTSERVE_FUZZ_EXAMPLES", "200"))
@@ -126,13 +127,7 @@ def _exchange(port: int, pieces: list[bytes]) -> bytes:
                 break
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_WR)
-        out = bytearray()
-        try:
-            while chunk := sock.recv(65536):
-                out += chunk
-        except ConnectionResetError:
-            pass
-        return bytes(out)
+        return read_all(sock)
 
 
 def _responses(data: bytes) -> list[tuple[int, bytes]]:

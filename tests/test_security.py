@@ -12,7 +12,6 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -22,6 +21,7 @@ from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import start_server
 from tests.models import build_scale
+from tests.v2 import x_input
 
 USER = "user-token-0123456789abcdef"
 ADMIN = "admin-token-0123456789abcdef"
@@ -50,12 +50,6 @@ def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, byte
             return r.status, r.read(), dict(r.headers)
     except urllib.error.HTTPError as e:
         return e.code, e.read(), dict(e.headers)
-
-
-def x_input(module: object, value: float = 1.0) -> object:
-    x = module.InferInput("x", [1, 4], "FP32")  # type: ignore[attr-defined]
-    x.set_data_from_numpy(np.full((1, 4), value, np.float32))
-    return x
 
 
 @pytest.fixture
