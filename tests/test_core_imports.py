@@ -117,6 +117,19 @@ def test_the_layers_below_the_core_do_not_import_it() -> None:
     assert upward == []
 
 
+def test_the_core_and_the_engine_import_no_transport() -> None:
+    """Model control, the dataplane and the Engine work without ``server/``."""
+    graph = _graph()
+    transport = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        if name.startswith(("rtserve.core", "rtserve.engine"))
+        for target in targets
+        if target.startswith("rtserve.server")
+    )
+    assert transport == []
+
+
 @pytest.mark.parametrize("name", CORE)
 def test_each_core_module_imports_alone(name: str) -> None:
     """Imported first, in a fresh interpreter: a circle fails here in some order."""

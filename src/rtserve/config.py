@@ -430,7 +430,7 @@ class ServerConfig:
     http_header_timeout_s: float = 20.0
     http_body_timeout_s: float = 30.0
     http_max_connections: int = 10_000
-    # Model control (rtserve.server.control): none | poll | explicit.
+    # Model control (rtserve.core.control): none | poll | explicit.
     model_control_mode: str = "none"
     repository_poll_secs: float = 15.0
     load_models: tuple[str, ...] = ()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from rtserve.config import ServerConfig, load_server_config
+from rtserve.core.control import ModelControl
 from rtserve.core.dataplane import DataPlane, statistics_of
 from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.core.model import BuildContext
@@ -44,7 +45,6 @@ from rtserve.protocol.types import (
     Tensor,
     Timings,
 )
-from rtserve.server.control import ModelControl
 
 if TYPE_CHECKING:
     from rtserve.cache import CacheConfig

@@ -42,6 +42,13 @@ class ModelNotReady(RTServeError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
 
 
+class LoadFailed(RTServeError):
+    """A model load request failed; the old versions (if any) keep serving."""
+
+    http_status = 400
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
 class PayloadTooLarge(RTServeError):
     http_status = 413
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED

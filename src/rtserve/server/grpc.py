@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from rtserve.core.control import ModelControl
 from rtserve.core.dataplane import DataPlane
 from rtserve.errors import ClientClosed, InvalidInput, RTServeError, as_error
 from rtserve.observability.logs import checked_request_id
@@ -23,10 +24,9 @@ from rtserve.observability.metrics import server_timing
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol.grpc_codec import decode_model_infer, encode_model_infer
 from rtserve.protocol.limits import MAX_ID_CHARS
+from rtserve.protocol.load_request import config_from_grpc
 from rtserve.protocol.types import InferRequest, Timings
-from rtserve.server.control import ModelControl
 from rtserve.server.errors import grpc_error, grpc_trailers
-from rtserve.server.load_request import config_from_grpc
 from rtserve.server.security import Guard
 from rtserve.server.stats import inference_stats
 

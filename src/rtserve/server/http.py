@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from rtserve.core.control import ModelControl
 from rtserve.core.dataplane import DataPlane
 from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.core.model import ModelVersion
@@ -23,11 +24,10 @@ from rtserve.errors import InvalidInput, PayloadTooLarge, RouteNotFound, RTServe
 from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
 from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
+from rtserve.protocol.load_request import MAX_LOAD_BODY_BYTES, config_from_body
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
-from rtserve.server.control import ModelControl
 from rtserve.server.errors import JSON_TYPE, http_error
 from rtserve.server.httpserver import Connection, Request, response_bytes
-from rtserve.server.load_request import MAX_LOAD_BODY_BYTES, config_from_body
 from rtserve.server.security import Guard
 from rtserve.server.stats import statistics_json
 
@@ -328,7 +328,7 @@ class HttpFrontend:
     async def _model_control(self, conn: Connection, request: Request) -> None:
         """``POST /v2/repository/models/{m}/load`` (optional body: ``{"parameters":
         {"config": <mapping or JSON string>}}``, merged over config.yaml; see
-        ``server/load_request.py``) and ``.../unload``."""
+        ``protocol/load_request.py``) and ``.../unload``."""
         try:
             parts = request.path.split("/")
             if len(parts) != 6 or parts[5] not in ("load", "unload") or not parts[4]:

@@ -10,7 +10,7 @@ Modes (``--model-control-mode``):
 
 A (re)load is zero-downtime: the registry warms the new versions beside the old ones and
 switches when they are ready; a failed load keeps the old versions serving and the index
-says why. A load request's config (``server/load_request.py``) is merged over the model's
+says why. A load request's config (``protocol/load_request.py``) is merged over the model's
 config.yaml; an error it causes is the request's (400, nothing changes). Loading an ensemble
 loads the models its steps call that are not loaded (as Triton does). With ``--workers N``
 the loads and unloads that succeeded are recorded in a shared journal that every worker
@@ -27,27 +27,19 @@ import os
 from pathlib import Path
 from typing import Any
 
-import grpc
 import orjson
 
 from rtserve.config import load_yaml
 from rtserve.core.ensemble import cycle_error, step_models
 from rtserve.core.registry import ModelRegistry
-from rtserve.errors import ConfigError, InvalidInput, ModelNotFound, RTServeError
+from rtserve.errors import ConfigError, InvalidInput, LoadFailed, ModelNotFound, RTServeError
 from rtserve.protocol.limits import shown
+from rtserve.protocol.load_request import WHERE, check_merged, merge
 from rtserve.repository import ModelSource, read_model, scan
-from rtserve.server.load_request import WHERE, check_merged, merge
 
 log = logging.getLogger(__name__)
 
 MODES = ("none", "poll", "explicit")
-
-
-class LoadFailed(RTServeError):
-    """The model could not be loaded; the old versions (if any) keep serving."""
-
-    http_status = 400
-    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 def _fingerprint(path: Path) -> tuple[Any, ...]:
