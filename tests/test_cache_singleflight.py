@@ -9,9 +9,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
-import yaml
 
 from tests.conftest import RunningServer, start_server
+from tests.models import write_python_model
+from tests.v2 import http_infer, infer_body
 
 SLEEP_S = 0.4
 MODEL_PY = f"""
@@ -30,9 +31,6 @@ class Model:
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("sf-repo")
-    model = repo / "slow"
-    (model / "1").mkdir(parents=True)
-    (model / "1" / "model.py").write_text(MODEL_PY)
     config = {
         "backend": "python",
         "max_batch_size": 8,
@@ -42,19 +40,15 @@ def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSer
         "python": {"isolation": "thread", "batch_timeout_s": 10},
         "response_cache": {"memory": {"max_bytes": 1000000, "ttl_s": 60}},
     }
-    (model / "config.yaml").write_text(yaml.safe_dump(config))
+    write_python_model(repo, "slow", config, MODEL_PY)
     server = start_server(repo, tmp_path_factory.mktemp("sf-server"))
     yield server
     server.stop()
 
 
 def _post(server: RunningServer, seed: float, timeout_us: int | None = None) -> httpx.Response:
-    body: dict = {
-        "inputs": [{"name": "X", "shape": [1, 4], "datatype": "FP32", "data": [seed] * 4}]
-    }
-    if timeout_us is not None:
-        body["parameters"] = {"timeout": timeout_us}
-    return httpx.post(f"{server.base}/v2/models/slow/infer", json=body, timeout=30)
+    params = {} if timeout_us is None else {"timeout": timeout_us}
+    return http_infer(server, "slow", infer_body("X", [seed] * 4, [1, 4], **params), timeout=30)
 
 
 def _pair(
