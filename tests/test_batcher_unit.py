@@ -19,8 +19,10 @@ from rtserve.errors import (
 )
 from rtserve.protocol.types import Timings
 from rtserve.scheduling import slo
-from rtserve.scheduling.batcher import OVERDUE_SHARE, REFUSAL_HOLD, Batcher
+from rtserve.scheduling.batcher import Batcher
 from rtserve.scheduling.policy import DynamicBatchPolicy
+from rtserve.scheduling.slo_policy import OVERDUE_SHARE, REFUSAL_HOLD, SLOPolicy
+from rtserve.scheduling.window import WindowPolicy
 from tests.fakes import DoublingRuntime, FakeClock, run_async
 
 
@@ -40,11 +42,9 @@ def make(
     return Batcher(
         "m:1",
         runtime,
-        policy,
-        max_queue,
+        WindowPolicy(policy, max_queue, lambda: more_expected),
         batched=True,
         inline=inline,
-        more_expected=lambda: more_expected,
         clock=clock,
     )
 
@@ -57,12 +57,9 @@ def make_slo(
     overdue_share: float = OVERDUE_SHARE,
 ) -> tuple[Batcher, slo.SLOController]:
     """An inline batcher under a latency objective, with its controller."""
-    policy = DynamicBatchPolicy(runtime.max_batch_size, DynamicBatching())
     controller = slo.SLOController(slo.Objective(p99_ns=int(p99_ms * slo.MS)), model)
-    batcher = Batcher(
-        "m:1", runtime, policy, 64, batched=True, inline=True, more_expected=lambda: False,
-        clock=clock, controller=controller, overdue_share=overdue_share,
-    )  # fmt: skip
+    policy = SLOPolicy(controller, runtime.max_batch_size, 64, overdue_share)
+    batcher = Batcher("m:1", runtime, policy, batched=True, inline=True, clock=clock)
     return batcher, controller
 
 
@@ -487,13 +484,10 @@ async def test_refuse_early_never_without_an_objective_or_with_priority_levels()
     assert fixed.refuse_early(clock.ns) is None
     await fixed.stop()
     # With priority levels the request's level is in its body: a higher one may be admitted.
-    policy = DynamicBatchPolicy(rt.max_batch_size, DynamicBatching())
     objective = slo.Objective(p99_ns=10 * slo.MS, priority_levels=2, default_priority=2)
     controller = slo.SLOController(objective, slo.BatchTimeModel(1e6, 1e6))
-    ranked = Batcher(
-        "m:1", rt, policy, 64, batched=True, inline=True, more_expected=lambda: False,
-        clock=clock, controller=controller,
-    )  # fmt: skip
+    policy = SLOPolicy(controller, rt.max_batch_size, 64)
+    ranked = Batcher("m:1", rt, policy, batched=True, inline=True, clock=clock)
     ranked.start()
     with pytest.raises(ObjectiveRefused):
         for _ in range(64):
@@ -561,7 +555,7 @@ async def test_the_quick_admission_of_a_one_batch_queue_decides_as_admit_does() 
             for waited_ms in (0.0, 2.0, 5.0):
                 now = clock.ns
                 received = now - int(waited_ms * slo.MS)
-                decision, _ = b._admission(1, 1, now, 0, received)
+                decision, _ = b.policy._admission(1, 1, now, 0, received)
                 busy = controller.loop.delay_ns(now, objective.budget_ns)
                 rate = controller.rate.rate(now)
                 target = slo.target_rows(model, rate, limit, objective.headroom)
@@ -575,8 +569,8 @@ async def test_the_quick_admission_of_a_one_batch_queue_decides_as_admit_does() 
                     low = now + busy + model.predict(queued + 1)
                     assert low - 1 <= decision.predicted_ns <= now + busy + model.predict(limit)
                 decided[decision.admitted] += 1
-                b._held = None
-                b._probing = False
+                b.policy._held = None
+                b.policy._probing = False
                 clock.ns += 1_000
     assert decided[True] and decided[False]  # both outcomes were compared
     await b.stop()
@@ -610,7 +604,7 @@ async def test_the_loop_delays_weight_follows_the_share_of_requests_refused() ->
     rt, clock = DoublingRuntime(), FakeClock()
     b, _ = make_slo(rt, clock, 10, slo.BatchTimeModel(1e6, 1e6))
     b.start()
-    assert b._lag_weight == slo.LOOP_LAG_WEIGHT
+    assert b.policy._lag_weight == slo.LOOP_LAG_WEIGHT
     admitted = []
     for _ in range(40):
         with contextlib.suppress(ObjectiveRefused):
@@ -618,14 +612,14 @@ async def test_the_loop_delays_weight_follows_the_share_of_requests_refused() ->
     refused = b.stats.shed[("objective", 1)]
     assert admitted and refused > len(admitted)
     for _ in range(10):
-        b._note_refusals()
+        b.policy._note_refusals()
         assert b.refuse_early(clock.ns) is not None  # refused again: counted
-    assert 2.3 < b._lag_weight <= 2.5
+    assert 2.3 < b.policy._lag_weight <= 2.5
     clock.advance_ms(100)
     await asyncio.wait_for(asyncio.gather(*admitted), 5)
     for _ in range(30):  # admitted only, one at a time
         clock.advance_ms(20)
         await asyncio.wait_for(b.submit(rows(1), 1, Timings(received=clock.ns)), 5)
-        b._note_refusals()
-    assert b._lag_weight < 2.05
+        b.policy._note_refusals()
+    assert b.policy._lag_weight < 2.05
     await b.stop()

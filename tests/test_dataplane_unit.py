@@ -22,6 +22,7 @@ from rtserve.observability.metrics import Metrics
 from rtserve.protocol.types import InferRequest, InferResponse, RequestedOutput, Tensor, Timings
 from rtserve.scheduling.batcher import Batcher
 from rtserve.scheduling.policy import DynamicBatchPolicy
+from rtserve.scheduling.window import WindowPolicy
 from tests.fakes import DoublingRuntime, FakeClock, run_async
 
 
@@ -33,11 +34,9 @@ def plane() -> tuple[DataPlane, DoublingRuntime, ModelVersion]:
     batcher = Batcher(
         "double:1",
         rt,
-        DynamicBatchPolicy(8, DynamicBatching()),
-        16,
+        WindowPolicy(DynamicBatchPolicy(8, DynamicBatching()), 16, lambda: False),
         batched=True,
         inline=True,
-        more_expected=lambda: False,
         clock=FakeClock(),
     )
     batcher.start()
@@ -194,15 +193,15 @@ async def test_an_early_refusal_leaves_no_reference_cycle() -> None:
 
     from rtserve.errors import ObjectiveRefused
     from rtserve.scheduling import slo
+    from rtserve.scheduling.slo_policy import SLOPolicy
 
     metrics = Metrics()
     rt = DoublingRuntime(max_batch_size=8)
     clock = FakeClock()
     controller = slo.SLOController(slo.Objective(p99_ns=10 * slo.MS), slo.BatchTimeModel(1e6, 1e6))
     batcher = Batcher(
-        "slow:1", rt, DynamicBatchPolicy(8, DynamicBatching()), 64, batched=True, inline=True,
-        more_expected=lambda: False, clock=clock, controller=controller,
-    )  # fmt: skip
+        "slow:1", rt, SLOPolicy(controller, 8, 64), batched=True, inline=True, clock=clock
+    )
     batcher.start()
     mv = ModelVersion(
         name="slow", version="1", config=ModelConfig(name="slow", max_batch_size=8),

@@ -27,8 +27,11 @@ from rtserve.observability.metrics import Metrics, ModelMetrics
 from rtserve.protocol.limits import DEFAULT_LIMITS, DecodeLimits, limits_for_model
 from rtserve.protocol.types import Timings
 from rtserve.runtime.base import Runtime
+from rtserve.scheduling.base import SchedulingPolicy
 from rtserve.scheduling.batcher import Batcher
 from rtserve.scheduling.policy import DynamicBatchPolicy
+from rtserve.scheduling.slo_policy import SLOPolicy
+from rtserve.scheduling.window import WindowPolicy
 
 if TYPE_CHECKING:
     from rtserve.cache import CacheConfig, CacheMetrics, ResponseCache
@@ -233,16 +236,23 @@ async def build_runtime_version(
                 f"{version_dir}: slo: timing batches for the latency objective failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+    batching = config.dynamic_batching
+    policy: SchedulingPolicy = (
+        WindowPolicy(
+            DynamicBatchPolicy(config.max_batch_size, batching),
+            batching.max_queue_size,
+            ctx.more_expected,
+        )
+        if controller is None
+        else SLOPolicy(controller, max(1, config.max_batch_size), batching.max_queue_size)
+    )
     batcher = Batcher(
         f"{config.name}:{version}",
         runtime,
-        DynamicBatchPolicy(config.max_batch_size, config.dynamic_batching),
-        config.dynamic_batching.max_queue_size,
+        policy,
         batched=config.max_batch_size > 0,
         inline=inline,
-        more_expected=ctx.more_expected,
         on_batch=metrics.observe_batch,
-        controller=controller,
         stats=metrics.scheduler,
     )
     batcher.start()

@@ -1,0 +1,449 @@
+"""The latency-objective policy: admission, priority levels and deadline-aware gathering,
+from the pure decisions of ``slo`` and the state they are made from (``SLOController``).
+
+Under an inline model it also acts from the frontends' callbacks: queued work that has
+waited ``overdue_share`` of the budget runs from the next admission or early check
+(``_run_overdue``), and a callback queued at a loop round's first admission times the
+round (``_probed``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rtserve.errors import DeadlineExceeded, ObjectiveRefused, Overloaded
+from rtserve.scheduling import slo
+from rtserve.scheduling.base import WAIT_INSTANCE, EngineView, Request, SchedulingPolicy, Step
+
+OVERDUE_SHARE = 0.25  # of the objective's budget: see ``SLOPolicy._run_overdue``
+REFUSAL_HOLD = 0.03  # of the objective's budget: see ``SLOPolicy.refuse_early``
+
+
+class SLOPolicy(SchedulingPolicy):
+    def __init__(
+        self,
+        controller: slo.SLOController,
+        max_rows: int,
+        max_queue: int,
+        overdue_share: float = OVERDUE_SHARE,
+    ) -> None:
+        """``controller``: the objective and its state; ``max_rows``: the model's largest
+        batch; ``overdue_share``: of its budget, how long an inline model's queued work may
+        wait before a frontend callback runs it (``_run_overdue``; 0: never)."""
+        self.controller = controller
+        self._max_rows = max_rows
+        self._max_queue = max_queue
+        self._overdue_share = overdue_share
+        levels = controller.objective.priority_levels
+        # One FIFO per priority level (index 0 is priority 1, the highest).
+        self._levels: list[deque[Request]] = [deque() for _ in range(levels)]
+        self._level_rows = [0] * levels
+        self._queued_rows = 0
+        self._threshold = max_rows  # re-plan early once this many rows are queued
+        self._busy_until: dict[int, int] = {}  # instance -> predicted end of its batch
+        self._dispatched: dict[int, int] = {}  # instance -> when its batch was dispatched
+        # The last admission ``refuse_early`` granted: (received_ns, decision, work ahead).
+        self._early: tuple[int, slo.Admission, bool] | None = None
+        self._probing = False  # a loop-round probe is queued (``_admission``)
+        self._probe_ns = 0  # when it was queued
+        # The refusal ``refuse_early`` last decided, while it stands: (until when, in ns, the
+        # refusal); dropped when a batch finishes or the loop is timed again.
+        self._held: tuple[int, ObjectiveRefused] | None = None
+        self._hold_ns = int(controller.objective.budget_ns * REFUSAL_HOLD)
+        # Requests admitted and refused for the objective, as last read by
+        # ``_note_refusals``, the refused share (decayed) and the loop delay's weight.
+        self._admitted = self._seen_admitted = self._seen_refused = 0
+        self._refused_share = 0.0
+        self._lag_weight = float(slo.LOOP_LAG_WEIGHT)
+        self._overdue_ns = 0  # set by ``bind``: inline models only
+
+    def bind(self, engine: EngineView) -> None:
+        super().bind(engine)
+        controller = self.controller
+        self.name = engine.name
+        self.stats = engine.stats
+        self._now = engine.clock
+        self._free = engine.free
+        self._instances = engine.instance_count
+        self._inline = engine.inline
+        if engine.inline:
+            self._overdue_ns = int(controller.objective.budget_ns * self._overdue_share)
+        self.stats.objective_ns = controller.objective.p99_ns
+        controller.refresh(self._max_rows)
+
+    @property
+    def queue_depth(self) -> int:
+        levels = self._levels
+        return len(levels[0]) if len(levels) == 1 else sum(len(q) for q in levels)
+
+    # ------------------------------------------------------------------ admission
+    def add(self, request: Request, timeout_s: float, priority: object) -> None:
+        controller = self.controller
+        objective = controller.objective
+        rows = request.rows
+        timings = request.timings
+        level = slo.parse_priority(priority, objective) if objective.priority_levels > 1 else 1
+        if self.queue_depth >= self._max_queue:
+            self.stats.count_shed("queue_full", level)
+            raise Overloaded(
+                f"model '{self.name}' queue is full ({self._max_queue} requests); retry later"
+            )
+        now = request.enqueued_ns = timings.enqueued = self._now()
+        timeout_ns = now + int(timeout_s * 1e9) if timeout_s > 0 else 0
+        early = self._early
+        self._early = None
+        if (
+            early is not None
+            and early[0] == timings.received
+            and rows == 1
+            and level == 1
+            and not timeout_ns
+        ):
+            # Admitted before its decode, in the same callback: nothing was queued or run
+            # since (overdue work included), and a one-row request without a timeout is what
+            # was checked.
+            _, decision, queued = early
+        else:
+            if self._overdue_ns:
+                self._run_overdue(now)
+            decision, queued = self._admission(rows, level, now, timeout_ns, timings.received)
+        if not decision.admitted:
+            if not decision.retry_after_ns:
+                self.stats.count_shed(decision.reason, level)
+                alone_ms = controller.model.predict(rows) / 1e6
+                raise DeadlineExceeded(
+                    f"model '{self.name}': the request's timeout ({timeout_s * 1e3:.3g} ms) is "
+                    f"shorter than its batch alone is predicted to take ({alone_ms:.3g} ms); "
+                    "not run"
+                )
+            raise self._refused(decision, level, now)
+        controller.rate.observe(now, rows)  # the rate that batches form from: admitted rows
+        self._admitted += 1
+        request.priority = level
+        request.deadline_ns = decision.deadline_ns
+        request.timeout_ns = timeout_ns
+        request.predicted_ns = decision.predicted_ns
+        # Fed back only when admission could have refused it (work was ahead of it) and its
+        # own batch is not most of the budget: lateness without queueing (a busy event loop
+        # before it reached the queue) is not corrected by admitting less.
+        request.feedback = queued and (controller.model.predict(rows) < objective.budget_ns / 2)
+        self._levels[level - 1].append(request)
+        self._level_rows[level - 1] += rows
+        self._queued_rows += rows
+
+    def wake_now(self) -> bool:
+        return self._queued_rows >= self._threshold
+
+    def _admission(
+        self, rows: int, level: int, now: int, timeout_ns: int, received_ns: int
+    ) -> tuple[slo.Admission, bool]:
+        """Admission's decision for a request, and whether work was ahead of it."""
+        controller = self.controller
+        objective = controller.objective
+        busy_ns = 0
+        if not self._free and self._busy_until:
+            busy_ns = max(0, min(self._busy_until.values()) - now)
+        # A saturated event loop is work ahead too (requests wait for it, not in the queue).
+        # A probe still queued has waited as long as this round has run since it was queued:
+        # the lag of a round still running, which the last measurement knows nothing of.
+        running = now - self._probe_ns if self._probing else 0
+        busy_ns += controller.loop.delay_ns(now, objective.budget_ns, running, self._lag_weight)
+        if self._overdue_ns and not self._probing:
+            # Time the rest of this loop round (overdue batches leave the gather task few
+            # turns to time it by): a callback queued now runs once the round's I/O is done.
+            self._probing = True
+            self._probe_ns = now
+            loop = self.engine.loop
+            assert loop is not None
+            loop.call_soon(self._probed, now)
+        factor = controller.feedback.factor
+        ahead = sum(self._level_rows[:level])
+        if not ahead and not busy_ns and self._free and not timeout_ns:
+            alone = slo.admit_alone(rows, now, controller.model, objective, factor, received_ns)
+            return alone, False
+        max_rows = controller.limit
+        if not timeout_ns:  # the common case below capacity, decided without the rate
+            one = slo.admit_one_batch(
+                ahead + rows, level, now, busy_ns, controller.model, max_rows, objective,
+                self.stats.target, factor, received_ns,
+            )  # fmt: skip
+            if one is not None:
+                return one, ahead > 0 or busy_ns > 0
+        rate = controller.rate.rate(now)
+        decision = slo.admit(
+            rows,
+            level,
+            now,
+            timeout_ns,
+            ahead,
+            busy_ns,
+            controller.model,
+            max_rows,
+            objective,
+            self._instances,
+            slo.target_rows(controller.model, rate, max_rows, objective.headroom),
+            rate,
+            factor,
+            received_ns,
+        )
+        return decision, ahead > 0 or busy_ns > 0
+
+    def _probed(self, sent_ns: int) -> None:
+        self._probing = False
+        self._held = None
+        now = self._now()
+        self.controller.loop.observe(now - sent_ns, now)
+        self._note_refusals()
+
+    def _note_refusals(self) -> None:
+        """Once per loop round (the probe) or batch: the share of requests refused for the
+        objective since the last time, decayed, and the loop delay's weight that follows
+        (``slo.refused_weight``)."""
+        refused = 0
+        for (reason, _), count in self.stats.shed.items():
+            if reason == "objective":
+                refused += count
+        fresh_refused = refused - self._seen_refused
+        fresh = fresh_refused + self._admitted - self._seen_admitted
+        if fresh:
+            self._seen_refused, self._seen_admitted = refused, self._admitted
+            self._refused_share += 0.2 * (fresh_refused / fresh - self._refused_share)
+            self._lag_weight = slo.refused_weight(self._refused_share)
+
+    def _refused(self, decision: slo.Admission, level: int, now: int) -> ObjectiveRefused:
+        self.stats.count_shed(decision.reason, level)
+        what = "its deadline" if decision.reason == "deadline" else "the latency objective"
+        return ObjectiveRefused(
+            f"model '{self.name}': predicted completion in "
+            f"{(decision.predicted_ns - now) / 1e6:.3g} ms is past {what}; retry later",
+            retry_after_s=decision.retry_after_ns / 1e9,
+        )
+
+    def refuse_early(self, received_ns: int) -> ObjectiveRefused | None:
+        """Before a request is decoded: the refusal any request would get now, else None.
+
+        The smallest request (one row, no timeout of its own) is checked; if even it would
+        be refused, so would this one, and the server answers 429 without decoding it. When
+        the HTTP work, not the model, is what saturates, a refusal that skips the decode
+        costs about half of one that does. Only without priority levels: the request's level
+        is in its body, and a higher one might be admitted.
+
+        Requests refused back to back get the same refusal object (see ``REFUSAL_HOLD``): it
+        is to be answered, not raised (raise a copy)."""
+        if self.controller.objective.priority_levels > 1 or self.engine.closing:
+            return None
+        now = self._now()
+        if self._overdue_ns:
+            self._run_overdue(now)
+        held = self._held
+        if held is not None and now < held[0]:
+            # Refused a moment ago, and nothing ran or was measured since: the same refusal
+            # (only time has passed, and by less than the request would have had to wait).
+            # Under overload refusals come back to back; deciding each anew is a third of
+            # what a refusal costs the event loop.
+            self.stats.count_shed("objective", 1)
+            return held[1]
+        decision, queued = self._admission(1, 1, now, 0, received_ns)
+        if decision.admitted:
+            # Kept for the submit that follows the decode (same request, same callback),
+            # which then need not decide again. Keyed on the reception time: a request that
+            # fails to decode leaves it to no other one.
+            self._early = (received_ns, decision, queued) if received_ns else None
+            self._held = None
+            return None
+        self._early = None
+        refusal = self._refused(decision, 1, now)
+        self._held = (now + min(self._hold_ns, decision.retry_after_ns), refusal)
+        return refusal
+
+    # ------------------------------------------------------------------ scheduling
+    def next(self, now_ns: int, instance: int) -> Step | None:
+        controller = self.controller
+        stats = self.stats
+        while True:
+            self._pop_dead(now_ns)
+            if not any(self._levels):
+                return None
+            if instance < 0:
+                return WAIT_INSTANCE
+            max_rows = controller.limit
+            candidates = self._candidates(now_ns, max_rows)
+            plan = slo.plan(
+                [p.rows for p in candidates],
+                [p.deadline_ns for p in candidates],
+                now_ns,
+                controller.model,
+                controller.rate.rate(now_ns),
+                max_rows,
+                controller.objective,
+            )
+            stats.target = plan.target_rows
+            stats.window_ns = plan.window_ns
+            if plan.take == 0:
+                self._threshold = plan.wake_rows or max_rows
+                return Step([], plan.wait_until_ns)
+            live = self._take(candidates[: plan.take], now_ns, instance)
+            if live:
+                return Step(live)
+
+    def _pop_dead(self, now: int) -> None:
+        """Drop finished (cancelled, expired) requests at the head of each level, and those
+        that can no longer finish by their own timeout: they are answered, never run."""
+        model = self.controller.model
+        for i, level in enumerate(self._levels):
+            while level:
+                head = level[0]
+                if not head.future.done():
+                    if not head.timeout_ns or not slo.late(
+                        head.timeout_ns, now, model.predict(head.rows)
+                    ):
+                        break
+                    self._late(head, now)
+                level.popleft()
+                self._level_rows[i] -= head.rows
+                self._queued_rows -= head.rows
+                self.engine.dropped(head)
+
+    def _late(self, request: Request, now: int) -> None:
+        if request.timer is not None:
+            request.timer.cancel()
+        self.stats.count_shed("expired", request.priority)
+        left = (request.timeout_ns - now) / 1e6
+        request.future.set_exception(
+            DeadlineExceeded(
+                f"model '{self.name}': the request's deadline ({left:.3g} ms away) is "
+                f"sooner than its batch can finish; not run"
+            )
+        )
+
+    def _candidates(self, now: int, max_rows: int) -> list[Request]:
+        """Queued requests in schedule order (priority, bounded wait), up to one past a full
+        batch of ``max_rows``, all with the head's input shapes."""
+        objective = self.controller.objective
+        levels = self._levels
+        if len(levels) == 1:
+            out = []
+            count = 0
+            head = levels[0][0]
+            for p in levels[0]:
+                if p.shape_key != head.shape_key:
+                    break
+                out.append(p)
+                count += p.rows
+                if count > max_rows:
+                    break
+            return out
+        index = [0] * len(levels)
+        out = []
+        count = 0
+        shape = None
+        while count <= max_rows:
+            best = -1
+            best_key: tuple[int, int] | None = None
+            for i, level in enumerate(levels):
+                if index[i] < len(level):
+                    p = level[index[i]]
+                    key = slo.schedule_key(p.priority, p.enqueued_ns, now, objective)
+                    if best_key is None or key < best_key:
+                        best, best_key = i, key
+            if best < 0:
+                break
+            p = levels[best][index[best]]
+            if out and p.shape_key != shape:
+                break
+            shape = p.shape_key
+            out.append(p)
+            index[best] += 1
+            count += p.rows
+        return out
+
+    def _take(self, batch: list[Request], now: int, instance: int) -> list[Request]:
+        """Dequeue ``batch`` (the head of the schedule) for ``instance``: the requests still
+        worth running (those whose timeout the batch cannot meet are answered), with the
+        instance's predicted end recorded for admission."""
+        model = self.controller.model
+        for p in batch:
+            level = p.priority - 1
+            popped = self._levels[level].popleft()
+            assert popped is p
+            self._level_rows[level] -= p.rows
+            self._queued_rows -= p.rows
+        live = []
+        batch_ns = model.predict(sum(p.rows for p in batch))
+        for p in batch:
+            if not p.future.done() and p.timeout_ns and slo.late(p.timeout_ns, now, batch_ns):
+                self._late(p, now)
+            if p.future.done():
+                self.engine.dropped(p)
+            else:
+                live.append(p)
+        if live:
+            rows = sum(p.rows for p in live)
+            self._busy_until[instance] = now + int(model.predict(rows))
+            self._dispatched[instance] = now
+        return live
+
+    def _run_overdue(self, now: int) -> None:
+        """An inline model's queued work that has waited ``overdue_ns`` runs now, from the
+        frontend's callback that noticed it, instead of when the gather task next gets the
+        loop. On a loop saturated by HTTP work one round (reading and answering every ready
+        connection) can take longer than the objective, and the gather task runs one batch
+        per round: queued requests would wait whole rounds. Runs before a new request is
+        admitted or refused, so the request that triggers it is not in the batch (its answer
+        is never written from inside its own submit) and admission sees the queue after it."""
+        levels = self._levels
+        oldest = 0
+        for level in levels:
+            if level and (not oldest or level[0].enqueued_ns < oldest):
+                oldest = level[0].enqueued_ns
+        free = self._free
+        if not oldest or now - oldest < self._overdue_ns or not free or self.engine.closing:
+            return
+        controller = self.controller
+        self._pop_dead(now)
+        if not any(levels):
+            return
+        candidates = self._candidates(now, controller.limit)
+        fit, _ = slo.fitting([p.rows for p in candidates], controller.limit)
+        live = self._take(candidates[: fit or 1], now, free[-1])
+        if not live:
+            return
+        self.stats.overdue_batches += 1
+        self.engine.run_now(live)
+
+    # ------------------------------------------------------------------ feedback
+    def finished(
+        self, batch: list[Request], rows: int, instance: int, start_ns: int, end_ns: int
+    ) -> None:
+        self._held = None  # what admission predicts from has changed
+        # Timed on the loop from dispatch: the thread hops and a busy loop count too.
+        now = self._now()
+        dispatched = self._dispatched.pop(instance, start_ns)
+        self._busy_until.pop(instance, None)
+        controller = self.controller
+        controller.model.observe(rows, max(end_ns - start_ns, now - dispatched))
+        if not self._inline:  # from the thread's end to here: how far behind the loop is
+            controller.loop.observe(now - end_ns, now)
+        self._note_refusals()
+        stats = self.stats
+        feedback = controller.feedback
+        budget = controller.objective.budget_ns
+        queued_enough = start_ns - budget // 10  # enqueued before this: waited 10% of budget
+        for p in batch:
+            stats.predicted.observe((p.predicted_ns - p.enqueued_ns) * 1e-9)
+            stats.observed.observe((now - p.enqueued_ns) * 1e-9)
+            # Only requests that waited in the queue tell whether admission lets in too
+            # much: when the event loop, not the queue, is what delays requests (a model
+            # run inline that is cheap next to the HTTP work), admitting less cannot help.
+            if not p.future.done():
+                began = slo.clock_start(p.timings.received, p.enqueued_ns)
+                counts = p.feedback and p.enqueued_ns <= queued_enough
+                feedback.observe(now - began, budget, now, counts)
+        stats.budget_factor = feedback.factor
+        controller.refresh(self._max_rows)
+
+    def resumed(self, yielded_ns: int) -> None:
+        """What ran meanwhile: how far behind the loop is."""
+        self._held = None
+        now = self._now()
+        self.controller.loop.observe(now - yielded_ns, now)
