@@ -21,7 +21,13 @@ from rtserve.protocol.types import Timings
 from rtserve.scheduling import slo
 from rtserve.scheduling.batcher import Batcher
 from rtserve.scheduling.policy import DynamicBatchPolicy
-from rtserve.scheduling.slo_policy import OVERDUE_SHARE, REFUSAL_HOLD, SLOPolicy
+from rtserve.scheduling.slo_policy import (
+    OVERDUE_SHARE,
+    REFUSAL_HOLD,
+    BatchTimeModel,
+    SLOController,
+    SLOPolicy,
+)
 from rtserve.scheduling.window import WindowPolicy
 from tests.fakes import DoublingRuntime, FakeClock, run_async
 
@@ -53,11 +59,11 @@ def make_slo(
     runtime: DoublingRuntime,
     clock: FakeClock,
     p99_ms: float,
-    model: slo.BatchTimeModel,
+    model: BatchTimeModel,
     overdue_share: float = OVERDUE_SHARE,
-) -> tuple[Batcher, slo.SLOController]:
+) -> tuple[Batcher, SLOController]:
     """An inline batcher under a latency objective, with its controller."""
-    controller = slo.SLOController(slo.Objective(p99_ns=int(p99_ms * slo.MS)), model)
+    controller = SLOController(slo.Objective(p99_ns=int(p99_ms * slo.MS)), model)
     policy = SLOPolicy(controller, runtime.max_batch_size, 64, overdue_share)
     batcher = Batcher("m:1", runtime, policy, batched=True, inline=True, clock=clock)
     return batcher, controller
@@ -223,7 +229,7 @@ async def test_a_completed_batch_calls_its_requests_done_callbacks_at_once_and_o
     for controller in (False, True):
         rt, clock = DoublingRuntime(), FakeClock()
         if controller:
-            b, _ = make_slo(rt, clock, 50, slo.BatchTimeModel(1e5, 1e4))
+            b, _ = make_slo(rt, clock, 50, BatchTimeModel(1e5, 1e4))
         else:
             b = make(rt, clock)
         b.start()
@@ -250,7 +256,7 @@ async def test_queued_work_that_waited_a_quarter_of_the_budget_runs_from_the_nex
     short enough for admission to let requests in.)"""
     rt, clock = DoublingRuntime(), FakeClock()
     share = 0.15
-    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(20_000, 2_000), share)
+    b, controller = make_slo(rt, clock, 10, BatchTimeModel(20_000, 2_000), share)
     b.start()
     await settle()
     calls: list[tuple[object, asyncio.Future]] = []
@@ -283,7 +289,7 @@ async def test_a_loop_round_still_running_counts_as_lag_before_it_is_measured() 
     queued at the round's first admission has waited as long as the round has run, and
     admission counts that, refusing once the round has used half the budget."""
     rt, clock = DoublingRuntime(), FakeClock()
-    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(20_000, 2_000), 0.9)
+    b, controller = make_slo(rt, clock, 10, BatchTimeModel(20_000, 2_000), 0.9)
     b.start()
     await settle()
     first = b.submit(rows(1), 1, Timings())  # the round's first admission queues the probe
@@ -341,7 +347,7 @@ async def test_timings_carry_the_batch() -> None:
 @run_async
 async def test_under_an_objective_timings_carry_the_batch_not_the_reception() -> None:
     rt, clock = DoublingRuntime(), FakeClock()
-    b, controller = make_slo(rt, clock, 50, slo.BatchTimeModel(1e5, 1e4))
+    b, controller = make_slo(rt, clock, 50, BatchTimeModel(1e5, 1e4))
     b.start()
     t = Timings()
     t.received = clock.ns - 5_000_000  # decoded for 5 ms before it reached the queue
@@ -356,7 +362,7 @@ async def test_lateness_without_queueing_does_not_tighten_admission() -> None:
     """Requests that reached an empty queue late (the event loop was busy before) cannot be
     helped by refusing others: the latency feedback ignores them."""
     rt, clock = DoublingRuntime(), FakeClock()
-    b, controller = make_slo(rt, clock, 50, slo.BatchTimeModel(1e5, 1e4))
+    b, controller = make_slo(rt, clock, 50, BatchTimeModel(1e5, 1e4))
     b.start()
     for _ in range(150):
         t = Timings()
@@ -371,7 +377,7 @@ async def test_lateness_without_queueing_does_not_tighten_admission() -> None:
 async def test_a_request_larger_than_the_slo_batch_limit_is_still_served() -> None:
     rt, clock = DoublingRuntime(), FakeClock()  # max batch 8
     # 0.1 ms + 1 ms per row against a 10 ms objective: batches of at most 4 rows.
-    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(1e5, 1e6))
+    b, controller = make_slo(rt, clock, 10, BatchTimeModel(1e5, 1e6))
     b.start()
     assert controller.limit == 4
     out = await asyncio.wait_for(b.submit(rows(8), 8, Timings()), 5)
@@ -383,7 +389,7 @@ async def test_a_request_larger_than_the_slo_batch_limit_is_still_served() -> No
 async def test_refuse_early_is_the_refusal_any_request_would_get_before_it_is_decoded() -> None:
     rt, clock = DoublingRuntime(), FakeClock()
     # 1 ms + 1 ms per row against a 10 ms objective: a few rows queued fill the budget.
-    b, _ = make_slo(rt, clock, 10, slo.BatchTimeModel(1e6, 1e6))
+    b, _ = make_slo(rt, clock, 10, BatchTimeModel(1e6, 1e6))
     b.start()
     assert b.refuse_early(clock.ns) is None  # idle: anything is admitted
     admitted = []
@@ -408,7 +414,7 @@ async def test_an_early_refusal_stands_for_a_moment_unless_something_ran_or_was_
     ``REFUSAL_HOLD`` of the budget (the same object, answered again), counted each time; it
     is decided anew once that has passed, or at once when a batch finishes."""
     rt, clock = DoublingRuntime(), FakeClock()
-    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(1e6, 1e6))
+    b, controller = make_slo(rt, clock, 10, BatchTimeModel(1e6, 1e6))
     b.start()
     admitted = []
     with pytest.raises(ObjectiveRefused):
@@ -443,7 +449,7 @@ async def test_a_request_admitted_before_its_decode_is_not_decided_again() -> No
     rt, clock = DoublingRuntime(), FakeClock()
     # (queued work is never overdue here: the clock jumps that show what is reused would
     # otherwise run it from the next submit)
-    b, _ = make_slo(rt, clock, 10, slo.BatchTimeModel(1e6, 1e6), overdue_share=0)
+    b, _ = make_slo(rt, clock, 10, BatchTimeModel(1e6, 1e6), overdue_share=0)
     b.start()
     queued = [b.submit(rows(1), 1, Timings()) for _ in range(3)]  # work ahead: ~4 ms
     received = clock.ns
@@ -485,7 +491,7 @@ async def test_refuse_early_never_without_an_objective_or_with_priority_levels()
     await fixed.stop()
     # With priority levels the request's level is in its body: a higher one may be admitted.
     objective = slo.Objective(p99_ns=10 * slo.MS, priority_levels=2, default_priority=2)
-    controller = slo.SLOController(objective, slo.BatchTimeModel(1e6, 1e6))
+    controller = SLOController(objective, BatchTimeModel(1e6, 1e6))
     policy = SLOPolicy(controller, rt.max_batch_size, 64)
     ranked = Batcher("m:1", rt, policy, batched=True, inline=True, clock=clock)
     ranked.start()
@@ -515,7 +521,7 @@ async def test_a_lagging_event_loop_is_measured_and_refuses_with_nothing_queued(
     rt = LaggingRuntime(clock, 20)
     # (no overdue batches, so no probes: the clock jumps below stand for an idle loop, and a
     # probe queued before one would read it as a round that ran that long)
-    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(30_000, 4_000), overdue_share=0)
+    b, controller = make_slo(rt, clock, 10, BatchTimeModel(30_000, 4_000), overdue_share=0)
     b.start()
     await b.submit(rows(1), 1, Timings())
     await settle()
@@ -540,7 +546,7 @@ async def test_the_quick_admission_of_a_one_batch_queue_decides_as_admit_does() 
     ``slo.admit`` does from the same state, with the same deadline and a prediction between
     the queued rows' batch and a full one."""
     rt, clock = DoublingRuntime(max_batch_size=32), FakeClock()
-    b, controller = make_slo(rt, clock, 10, slo.BatchTimeModel(200_000, 50_000))
+    b, controller = make_slo(rt, clock, 10, BatchTimeModel(200_000, 50_000))
     b.start()  # the gather task does not run until the test yields: submits stay queued
     model, objective = controller.model, controller.objective
     limit = controller.limit
@@ -582,7 +588,7 @@ async def test_a_timeout_shorter_than_the_requests_own_batch_is_not_told_to_retr
     (HTTP 504, gRPC DEADLINE_EXCEEDED), not a refusal with a retry-after (a retry would
     fare no better); one refused because of the work ahead of it is told when to retry."""
     rt, clock = DoublingRuntime(), FakeClock()
-    b, controller = make_slo(rt, clock, 100, slo.BatchTimeModel(1e6, 1e6))
+    b, controller = make_slo(rt, clock, 100, BatchTimeModel(1e6, 1e6))
     b.start()
     with pytest.raises(DeadlineExceeded, match="shorter than its batch alone"):
         b.submit(rows(1), 1, Timings(received=clock.ns), timeout_s=0.001)  # batch: 2 ms
@@ -602,7 +608,7 @@ async def test_the_loop_delays_weight_follows_the_share_of_requests_refused() ->
     """Refusals for the objective raise the loop delay's weight toward 2.5 (read once per
     batch or loop round); admissions bring it back toward 2."""
     rt, clock = DoublingRuntime(), FakeClock()
-    b, _ = make_slo(rt, clock, 10, slo.BatchTimeModel(1e6, 1e6))
+    b, _ = make_slo(rt, clock, 10, BatchTimeModel(1e6, 1e6))
     b.start()
     assert b.policy._lag_weight == slo.LOOP_LAG_WEIGHT
     admitted = []

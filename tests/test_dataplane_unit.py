@@ -193,12 +193,12 @@ async def test_an_early_refusal_leaves_no_reference_cycle() -> None:
 
     from rtserve.errors import ObjectiveRefused
     from rtserve.scheduling import slo
-    from rtserve.scheduling.slo_policy import SLOPolicy
+    from rtserve.scheduling.slo_policy import BatchTimeModel, SLOController, SLOPolicy
 
     metrics = Metrics()
     rt = DoublingRuntime(max_batch_size=8)
     clock = FakeClock()
-    controller = slo.SLOController(slo.Objective(p99_ns=10 * slo.MS), slo.BatchTimeModel(1e6, 1e6))
+    controller = SLOController(slo.Objective(p99_ns=10 * slo.MS), BatchTimeModel(1e6, 1e6))
     batcher = Batcher(
         "slow:1", rt, SLOPolicy(controller, 8, 64), batched=True, inline=True, clock=clock
     )

@@ -13,10 +13,6 @@ from rtserve.config import parse_model_config
 from rtserve.errors import ConfigError, InvalidInput, ObjectiveRefused, Overloaded
 from rtserve.scheduling.slo import (
     MS,
-    ArrivalRate,
-    BatchTimeModel,
-    LatencyFeedback,
-    LoopLag,
     Objective,
     admit,
     admit_alone,
@@ -31,6 +27,7 @@ from rtserve.scheduling.slo import (
     schedule_order,
     target_rows,
 )
+from rtserve.scheduling.slo_policy import ArrivalRate, BatchTimeModel, LatencyFeedback, LoopLag
 
 US = 1_000
 

@@ -16,13 +16,8 @@ import numpy as np
 from rtserve.config import ModelConfig, TensorSpec
 from rtserve.protocol.types import DATATYPE_TO_NUMPY
 from rtserve.runtime.base import Runtime
-from rtserve.scheduling.slo import (
-    BatchTimeModel,
-    SLOController,
-    calibration_sizes,
-    measure,
-    objective_from_config,
-)
+from rtserve.scheduling.slo import calibration_sizes, objective_from_config
+from rtserve.scheduling.slo_policy import BatchTimeModel, SLOController, measure
 
 log = logging.getLogger(__name__)
 

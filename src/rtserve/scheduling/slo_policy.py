@@ -1,5 +1,17 @@
 """The latency-objective policy: admission, priority levels and deadline-aware gathering,
-from the pure decisions of ``slo`` and the state they are made from (``SLOController``).
+from the pure decisions of ``slo``, and the state they are made from (``SLOController``):
+
+- ``BatchTimeModel``: batch time as a function of batch size, ``scale * (fixed + per_row * b)``.
+  The line is fitted from warmup measurements; while serving, ``scale`` follows the observed
+  batches with an exponential update (fast up, slow down; a median of the last three ratios
+  ignores a single slow outlier), so a model that suddenly runs 3x slower is tracked within a
+  few batches.
+- ``ArrivalRate``: rows per second, an exponentially decayed count (a burst shows within
+  ``tau``).
+- ``LatencyFeedback``: the share of the budget admission and gathering plan with, cut when
+  admitted requests finish past the budget and restored while they do not (AIMD), so what the
+  batch-time model cannot see (thread hops, a busy event loop) is corrected by what happened.
+- ``LoopLag``: how far behind the event loop runs (requests wait there, not in the queue).
 
 Under an inline model it also acts from the frontends' callbacks: queued work that has
 waited ``overdue_share`` of the budget runs from the next admission or early check
@@ -9,20 +21,366 @@ round (``_probed``).
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 
 from rtserve.errors import DeadlineExceeded, ObjectiveRefused, Overloaded
 from rtserve.scheduling import slo
 from rtserve.scheduling.base import WAIT_INSTANCE, EngineView, Request, SchedulingPolicy, Step
+from rtserve.scheduling.slo import (
+    LOOP_LAG_FLOOR,
+    LOOP_LAG_WEIGHT,
+    MS,
+    Objective,
+    batch_limit,
+    rate_window,
+)
 
 OVERDUE_SHARE = 0.25  # of the objective's budget: see ``SLOPolicy._run_overdue``
 REFUSAL_HOLD = 0.03  # of the objective's budget: see ``SLOPolicy.refuse_early``
 
 
+class BatchTimeModel:
+    """Predicted run time of a batch of ``rows``: ``scale * (fixed_ns + per_row_ns * rows)``.
+
+    Two speeds of learning while serving: ``scale`` follows the last few batches (a sudden
+    slowdown), and every few batches the line itself is refitted by exponentially weighted
+    least squares over the batches served (once their sizes differ enough to tell fixed from
+    per-row cost), so a warmup on unrepresentative inputs (ragged shapes are warmed up at
+    length 1) is corrected by real traffic.
+    """
+
+    __slots__ = (
+        "fixed_ns", "per_row_ns", "scale", "up", "down", "forget", "_recent", "_sums", "_seen",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        fixed_ns: float,
+        per_row_ns: float,
+        up: float = 1.0,
+        down: float = 0.1,
+        forget: float = 0.98,
+    ) -> None:
+        self.fixed_ns = max(0.0, fixed_ns)
+        self.per_row_ns = max(0.0, per_row_ns)
+        if self.fixed_ns + self.per_row_ns <= 0:
+            self.fixed_ns = 1_000.0  # nothing measured yet: assume 1 µs until batches run
+        self.scale = 1.0
+        self.up = up
+        self.down = down
+        self.forget = forget
+        self._recent: list[tuple[int, float]] = []
+        self._sums = [0.0] * 5  # weighted: n, sum b, sum b^2, sum t, sum b*t
+        self._seen = 0
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[int, float]]) -> BatchTimeModel:
+        """Least squares over the median time of each measured batch size.
+
+        With a single size measured the split between fixed cost and per-row cost is unknown;
+        half of each is assumed, which over-predicts larger batches (the safe side) until
+        served batches correct the scale.
+        """
+        by_size: dict[int, list[float]] = {}
+        for rows, ns in samples:
+            if rows > 0 and ns >= 0:
+                by_size.setdefault(rows, []).append(float(ns))
+        if not by_size:
+            return cls(0.0, 0.0)
+        points = [(b, _median(ts)) for b, ts in sorted(by_size.items())]
+        if len(points) == 1:
+            b, t = points[0]
+            return cls(t / 2, t / 2 / b)
+        n = len(points)
+        mean_b = sum(b for b, _ in points) / n
+        mean_t = sum(t for _, t in points) / n
+        sxx = sum((b - mean_b) ** 2 for b, _ in points)
+        sxy = sum((b - mean_b) * (t - mean_t) for b, t in points)
+        slope = max(0.0, sxy / sxx)
+        fixed = mean_t - slope * mean_b
+        if fixed < 0:  # a line through the origin fits better than a negative intercept
+            slope = sum(b * t for b, t in points) / sum(b * b for b, _ in points)
+            fixed = 0.0
+        return cls(fixed, slope)
+
+    def predict(self, rows: int) -> float:
+        return self.scale * (self.fixed_ns + self.per_row_ns * rows)
+
+    def observe(self, rows: int, ns: float) -> None:
+        """Move ``scale`` toward the observed/predicted ratio (median of the last three);
+        every 8 batches, refit the line to the batches served. Among the first 8, refit at
+        once when the last batches all ran over twice the line's prediction: a line fitted
+        at warmup on unrepresentative inputs (token sequences are warmed up at length 1) is
+        wrong in its slope, not only its scale, and admission must not wait 8 batches for
+        it (a fresh server put straight under overload would miss the objective meanwhile)."""
+        if rows <= 0 or ns <= 0:
+            return
+        self._add(rows, ns)
+        self._seen += 1
+        recent = self._recent
+        recent.append((rows, ns))
+        if len(recent) > 3:
+            del recent[0]
+        refitted = (self._seen % 8 == 0 or (self._seen < 8 and self._line_wrong())) and (
+            self._refit()
+        )
+        ratios = [t / (self.fixed_ns + self.per_row_ns * b) for b, t in recent]
+        # Until three batches have run, the current scale stands in for the missing ones:
+        # the first batch served (often slow: code and caches still cold) is not believed alone.
+        ratios += [self.scale] * (3 - len(ratios))
+        target = _median(ratios)
+        if refitted:
+            self.scale = target
+            return
+        if target > 1.5 * self.scale:
+            # A sudden slowdown: batches from before it would only mislead the next refit.
+            self._sums = [0.0] * 5
+            for b, t in recent:
+                if t > 1.5 * self.scale * (self.fixed_ns + self.per_row_ns * b):
+                    self._add(b, t)
+        rate = self.up if target > self.scale else self.down
+        self.scale *= (target / self.scale) ** rate
+
+    def _line_wrong(self) -> bool:
+        """The last two or three batches all ran over twice what the fitted line predicts
+        (before ``scale``, which follows the ratio but cannot fix the slope)."""
+        recent = self._recent
+        fixed, per_row = self.fixed_ns, self.per_row_ns
+        return len(recent) >= 2 and all(t > 2 * (fixed + per_row * b) for b, t in recent)
+
+    def _add(self, rows: int, ns: float) -> None:
+        f = self.forget
+        s = self._sums
+        s[0] = s[0] * f + 1.0
+        s[1] = s[1] * f + rows
+        s[2] = s[2] * f + rows * rows
+        s[3] = s[3] * f + ns
+        s[4] = s[4] * f + rows * ns
+
+    def _refit(self) -> bool:
+        n, sb, sbb, st, sbt = self._sums
+        mean_b = sb / n
+        var_b = sbb / n - mean_b * mean_b
+        if var_b < 1.0:  # batches of one size: fixed and per-row cost cannot be told apart
+            return False
+        mean_t = st / n
+        slope = (sbt / n - mean_b * mean_t) / var_b
+        fixed = mean_t - slope * mean_b
+        if slope < 0:
+            slope, fixed = 0.0, mean_t
+        elif fixed < 0:
+            slope, fixed = (sbt / n) / (sbb / n), 0.0
+        if fixed + slope <= 0:
+            return False
+        self.fixed_ns, self.per_row_ns = fixed, slope
+        return True
+
+    def rows_within(self, ns: float, max_rows: int) -> int:
+        """The largest batch (up to ``max_rows``) predicted to run within ``ns``; 0 if none."""
+        fixed = self.scale * self.fixed_ns
+        per_row = self.scale * self.per_row_ns
+        if ns < fixed + per_row:
+            return 0
+        if per_row <= 0:
+            return max_rows
+        return min(max_rows, int((ns - fixed) / per_row))
+
+    def drain_ns(self, rows: int, max_rows: int, instances: int = 1) -> float:
+        """Time to run ``rows`` queued rows in batches of at most ``max_rows``."""
+        if rows <= 0:
+            return 0.0
+        full, rest = divmod(rows, max_rows)
+        total = math.ceil(full / max(1, instances)) * self.predict(max_rows) if full else 0.0
+        return total + (self.predict(rest) if rest else 0.0)
+
+
+def _median(values: Sequence[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+class ArrivalRate:
+    """Arrivals per nanosecond: a count decayed with time constant ``tau_ns``.
+
+    A burst shows within about ``tau`` (63% of a step change after ``tau``); a lull decays the
+    estimate even when nothing arrives, so a quiet model stops waiting for company.
+    """
+
+    __slots__ = ("tau_ns", "_count", "_first_ns", "_last_ns")
+
+    def __init__(self, tau_ns: float = 50 * MS) -> None:
+        self.tau_ns = float(tau_ns)
+        self._count = 0.0
+        self._first_ns = 0
+        self._last_ns = 0
+
+    def observe(self, now_ns: int, rows: int = 1) -> None:
+        if self._last_ns:
+            self._count *= math.exp(-(now_ns - self._last_ns) / self.tau_ns)
+        else:
+            self._first_ns = now_ns
+        self._count += rows
+        self._last_ns = now_ns
+
+    def rate(self, now_ns: int) -> float:
+        """The decayed count over the decayed length of the window seen so far (at start-up
+        the window is shorter than ``tau``: dividing by ``tau`` would under-read a burst).
+        The latest arrival is left out (n arrivals span n - 1 gaps): one lone request is no
+        evidence of company coming, so it is never kept waiting for it."""
+        if not self._last_ns:
+            return 0.0
+        tau = self.tau_ns
+        window = tau * -math.expm1(-max(now_ns - self._first_ns, tau / 100) / tau)
+        count = self._count * math.exp(-(now_ns - self._last_ns) / tau) - 1.0
+        return max(0.0, count) / window
+
+
+class LatencyFeedback:
+    """Closes the loop on what the batch-time model cannot see (thread hops, a busy event
+    loop, time before the queue): ``factor`` is the share of the budget admission and
+    gathering plan with. Over each window of completed requests (``window`` of them, or
+    ``span_ns`` with at least ``min_window``), more than ``tolerance`` of them past the budget
+    cuts it multiplicatively (by how late the worst was, between 0.5x and 0.9x); a window
+    with none late restores ``step`` of it (5x that when even the worst used under 80% of
+    the budget). Additive increase, multiplicative decrease: it
+    settles where admitted requests just meet the objective."""
+
+    __slots__ = (
+        "factor", "floor", "window", "min_window", "span_ns", "tolerance", "step",
+        "_n", "_late", "_worst", "_start_ns",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        floor: float = 0.1,
+        window: int = 100,
+        min_window: int = 20,
+        span_ns: int = 500 * MS,
+        tolerance: float = 0.01,
+        step: float = 0.02,
+    ) -> None:
+        self.factor = 1.0
+        self.floor = floor
+        self.window = window
+        self.min_window = min_window
+        self.span_ns = span_ns
+        self.tolerance = tolerance
+        self.step = step
+        self._n = 0
+        self._late = 0
+        self._worst = 0.0
+        self._start_ns = 0
+
+    def observe(
+        self, latency_ns: float, budget_ns: float, now_ns: int, counts: bool = True
+    ) -> None:
+        """One admitted request finished ``latency_ns`` after it was received. ``counts``:
+        whether its lateness is admission's to correct (it waited in the queue behind other
+        work); every request closes windows, so the share is given back while none is late."""
+        if budget_ns <= 0:
+            return
+        if not self._n:
+            self._start_ns = now_ns
+        self._n += 1
+        ratio = latency_ns / budget_ns
+        if ratio > 1.0 and counts:
+            self._late += 1
+        if ratio > self._worst:
+            self._worst = ratio
+        n = self._n
+        if n >= self.window or (n >= self.min_window and now_ns - self._start_ns >= self.span_ns):
+            if self._late > self.tolerance * n:
+                cut = min(0.9, max(0.5, 1.0 / self._worst))
+                self.factor = max(self.floor, self.factor * cut)
+            elif not self._late:  # far from the budget: give back faster
+                step = self.step if self._worst > 0.8 else 5 * self.step
+                self.factor = min(1.0, self.factor + step)
+            self._n = self._late = 0
+            self._worst = 0.0
+
+
+class LoopLag:
+    """How far behind the event loop is running: the last measured delay between a callback
+    becoming ready and running (a batch's completion reaching the loop from its thread, the
+    gather task resuming after it yielded to the frontends, a probe timing the rest of a loop
+    round), held for as long as it took (the round being measured is taken to be as long as
+    the last: a saturated loop does not catch up by itself), then drained in real time, until
+    the next measurement. When the HTTP work of a model that is cheap next to it saturates the
+    loop, requests wait in the loop's ready queue, not in the batcher's: ``delay_ns`` is that
+    wait as work ahead of a request, for admission to count (twice: before its batch runs and
+    before its answer is written), and 0 while the loop keeps up."""
+
+    __slots__ = ("lag_ns", "at_ns")
+
+    def __init__(self) -> None:
+        self.lag_ns = 0
+        self.at_ns = 0
+
+    def observe(self, lag_ns: int, now_ns: int) -> None:
+        self.lag_ns = max(0, lag_ns)
+        self.at_ns = now_ns
+
+    def current(self, now_ns: int) -> int:
+        lag = self.lag_ns
+        elapsed = now_ns - self.at_ns
+        return lag if elapsed <= lag else max(0, 2 * lag - elapsed)
+
+    def delay_ns(
+        self, now_ns: int, budget_ns: int, running_ns: int = 0, weight: float = LOOP_LAG_WEIGHT
+    ) -> int:
+        """``running_ns``: how long the loop round still running has run so far, when known
+        (a round can outlast every measurement before it: under overload, the event loop
+        polls again without yielding while every poll fills its event buffer). ``weight``:
+        how many times the delay is counted (see ``refused_weight``)."""
+        lag = max(self.current(now_ns), running_ns)
+        return int(weight * lag) if lag > budget_ns * LOOP_LAG_FLOOR else 0
+
+
+class SLOController:
+    """What one batcher keeps for the decisions above: its objective, the batch-time model,
+    the rate of admitted rows, the latency feedback and the event loop's lag."""
+
+    __slots__ = ("objective", "model", "rate", "feedback", "limit", "loop")
+
+    def __init__(self, objective: Objective, model: BatchTimeModel, tau_ns: float = 50 * MS):
+        self.objective = objective
+        self.model = model
+        self.rate = ArrivalRate(tau_ns)
+        self.feedback = LatencyFeedback()
+        self.loop = LoopLag()
+        self.limit = 1  # the batch limit; set by ``refresh``
+
+    def refresh(self, max_rows: int) -> None:
+        """Recompute what follows from the batch-time model (after each batch): the batch
+        limit and the arrival rate's time constant. The limit is structural (the full
+        budget): the feedback shrinks what is admitted, not the batches, which would cost
+        throughput just when the queue is longest."""
+        self.limit = batch_limit(self.model, self.objective, max_rows)
+        self.rate.tau_ns = rate_window(self.model, self.limit)
+
+
+def measure(
+    run: Callable[[int], object], sizes: Iterable[int], iterations: int = 3
+) -> list[tuple[int, int]]:
+    """(rows, ns) samples of ``run(rows)``, after one untimed run per size."""
+    samples = []
+    for rows in sizes:
+        run(rows)
+        for _ in range(iterations):
+            start = time.perf_counter_ns()
+            run(rows)
+            samples.append((rows, time.perf_counter_ns() - start))
+    return samples
+
+
 class SLOPolicy(SchedulingPolicy):
     def __init__(
         self,
-        controller: slo.SLOController,
+        controller: SLOController,
         max_rows: int,
         max_queue: int,
         overdue_share: float = OVERDUE_SHARE,
