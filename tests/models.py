@@ -133,6 +133,13 @@ class Model:
 """
 
 
+# The signature of ``double_py`` per row (FP32 ``x`` -> ``y``, one value each).
+XY_ROWS = (
+    "inputs: [{name: x, datatype: FP32, shape: [1]}]\n"
+    "outputs: [{name: y, datatype: FP32, shape: [1]}]\n"
+)
+
+
 def double_py(sleep: float = 0.0) -> str:
     """A Python-backend model: ``y = 2 * x`` (FP32), after sleeping ``sleep`` s per batch."""
     return DOUBLE_PY.replace("SLEEP", repr(sleep))
@@ -147,6 +154,18 @@ def write_python_model(root: Path, name: str, config: dict[str, Any] | str, mode
     text = config if isinstance(config, str) else yaml.safe_dump(config)
     (model_dir / "config.yaml").write_text(text)
     return model_dir
+
+
+def write_double_chain(root: Path) -> Path:
+    """``chain``: an ensemble (max batch 8) of one step, the model ``double``, that takes
+    ``X`` and answers ``Y``."""
+    (root / "chain" / "1").mkdir(parents=True, exist_ok=True)
+    (root / "chain" / "config.yaml").write_text(
+        "backend: ensemble\nmax_batch_size: 8\n"
+        + XY_ROWS.replace("x,", "X,").replace("y,", "Y,")
+        + "steps:\n  - {model: double, inputs: {x: X}, outputs: {y: Y}}\n"
+    )
+    return root / "chain"
 
 
 def config_of(model_dir: Path) -> ModelConfig:
