@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -62,30 +63,58 @@ def request(x: np.ndarray, name: str = "x", model: str = "double") -> InferReque
     return InferRequest(model, "", [Tensor(name, "FP32", x.shape, x)])
 
 
+async def ask(dp: DataPlane, req: InferRequest) -> InferResponse:
+    """One request through ``DataPlane.infer``, already decoded."""
+    return await dp.infer(req.model_name, req.model_version, req.timings, lambda mv: req)
+
+
+def submit(dp: DataPlane, req: InferRequest, sink: Callable[..., None]) -> object:
+    return dp.submit(req.model_name, req.model_version, req.timings, lambda mv: req, sink)
+
+
 @run_async
 async def test_infer_returns_the_models_outputs_and_records_success_once() -> None:
     dp, rt, mv = plane()
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     req = request(x)
-    response = await dp.infer(req)
+    response = await ask(dp, req)
     assert isinstance(response, InferResponse)
     assert response.model_name == "double" and response.model_version == "1"
     np.testing.assert_array_equal(response.outputs[0].data, x * 2)
-    dp.observe(req, mv, None, req.timings.received + 1)
     assert mv.metrics.outcomes["success"] == 1
     assert mv.metrics.stats.inference_count == 2  # rows
 
 
 @run_async
-async def test_infer_nowait_calls_done_exactly_once() -> None:
+async def test_submit_calls_the_sink_exactly_once_then_records_the_request() -> None:
     dp, _, mv = plane()
     calls: list[tuple[object, object]] = []
-    dp.infer_nowait(
-        request(np.ones((1, 4), np.float32)),
-        lambda req, m, resp, err: calls.append((resp, err)),
+    submit(
+        dp, request(np.ones((1, 4), np.float32)), lambda r, m, resp, err: calls.append((resp, err))
     )
     await mv.drain()
+    await asyncio.sleep(0)
     assert len(calls) == 1 and calls[0][1] is None
+    assert mv.metrics.outcomes["success"] == 1
+
+
+@run_async
+async def test_an_error_the_sink_meets_is_recorded_as_the_outcome() -> None:
+    dp, _, mv = plane()
+    submit(dp, request(np.ones((1, 4), np.float32)), lambda *_: InferenceFailed("encode"))
+    await mv.drain()
+    await asyncio.sleep(0)
+    assert mv.metrics.outcomes["error"] == 1 and mv.metrics.outcomes["success"] == 0
+
+
+@run_async
+async def test_the_decoder_runs_only_after_the_model_is_found() -> None:
+    dp, _, _ = plane()
+    decoded: list[object] = []
+    errors: list[object] = []
+    dp.submit("missing", "", Timings(), decoded.append, lambda r, m, resp, err: errors.append(err))
+    assert decoded == [] and isinstance(errors[0], ModelNotFound)
+    assert dp.metrics.unrouted.labels("not_found")._value.get() == 1
 
 
 @pytest.mark.parametrize(
@@ -103,7 +132,7 @@ async def test_bad_inputs_are_refused_naming_the_field(
 ) -> None:
     dp, rt, mv = plane()
     with pytest.raises(InvalidInput, match=match):
-        await dp.infer(request(x, name=name))
+        await ask(dp, request(x, name=name))
     assert rt.batches == []
 
 
@@ -113,7 +142,7 @@ async def test_unknown_output_is_refused() -> None:
     req = request(np.ones((1, 4), np.float32))
     req.outputs = [RequestedOutput("z")]
     with pytest.raises(InvalidInput, match=r"outputs\[0\].name: model 'double' has no output 'z'"):
-        await dp.infer(req)
+        await ask(dp, req)
 
 
 @run_async
@@ -121,8 +150,7 @@ async def test_unknown_model_is_not_found_and_counted_as_unrouted() -> None:
     dp, _, _ = plane()
     req = request(np.ones((1, 4), np.float32), model="missing")
     with pytest.raises(ModelNotFound, match="unknown model 'missing'"):
-        await dp.infer(req)
-    dp.observe(req, None, ModelNotFound("x"), 0)
+        await ask(dp, req)
     assert dp.metrics.unrouted.labels("not_found")._value.get() == 1
 
 
@@ -132,8 +160,8 @@ async def test_a_runtime_failure_is_a_500_naming_the_model() -> None:
     rt.fail_next = RuntimeError("boom")
     req = request(np.ones((1, 4), np.float32))
     with pytest.raises(InferenceFailed, match=r"model 'double:1' failed to run the batch") as info:
-        await dp.infer(req)
-    dp.observe(req, mv, info.value, req.timings.received + 1)
+        await ask(dp, req)
+    assert info.value.http_status == 500
     assert mv.metrics.outcomes["error"] == 1
 
 
@@ -143,14 +171,12 @@ async def test_an_unexpected_exception_still_answers_a_500() -> None:
     req = request(np.ones((1, 4), np.float32))
     req.parameters = {"timeout": object()}  # a bad parameter: a 400 naming it
     errors: list[RTServeError | None] = []
-    dp.infer_nowait(req, lambda r, m, resp, err: errors.append(err), mv)
+    submit(dp, req, lambda r, m, resp, err: errors.append(err))
     assert len(errors) == 1 and isinstance(errors[0], InvalidInput)
     # A real bug inside the path (a non-RTServeError) becomes a 500 naming only its type.
     mv.inputs = None  # type: ignore[assignment]
     errors.clear()
-    dp.infer_nowait(
-        request(np.ones((1, 4), np.float32)), lambda r, m, resp, err: errors.append(err)
-    )
+    submit(dp, request(np.ones((1, 4), np.float32)), lambda r, m, resp, err: errors.append(err))
     assert isinstance(errors[0], InferenceFailed) and "AttributeError" in errors[0].message
 
 
@@ -162,9 +188,9 @@ async def test_drain_refuses_requests_received_after_it_began() -> None:
     dp.begin_drain()
     after = request(np.ones((1, 4), np.float32))
     after.timings = Timings(received=dp.drain_started_ns + 1)
-    assert (await dp.infer(before)).outputs
+    assert (await ask(dp, before)).outputs
     with pytest.raises(ShuttingDown):
-        await dp.infer(after)
+        await ask(dp, after)
     assert not dp.ready()
 
 

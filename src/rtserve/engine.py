@@ -30,9 +30,9 @@ from rtserve.config import ServerConfig, load_server_config
 from rtserve.core.control import ModelControl
 from rtserve.core.dataplane import DataPlane, statistics_of
 from rtserve.core.info import ModelConfigInfo, ModelInfo
-from rtserve.core.model import BuildContext
+from rtserve.core.model import BuildContext, ModelVersion
 from rtserve.core.registry import ModelRegistry
-from rtserve.errors import ClientClosed, InvalidInput, as_error
+from rtserve.errors import InvalidInput
 from rtserve.observability.metrics import Metrics
 from rtserve.observability.tracing import Tracer
 from rtserve.observability.workers import WorkerView
@@ -208,16 +208,12 @@ class Engine:
         lists, strings for BYTES) with the batch dimension when the model batches;
         ``parameters``: the V2 request parameters (``timeout`` in µs, ``priority``, ...).
         Raises ``ModelNotFound``, ``InvalidInput`` (naming the field), ``Overloaded``..."""
-        timings = Timings(received=_now())
-        request = InferRequest(model, version, [], timings=timings)
-        mv = None
-        dp = self.dataplane
-        try:
-            if not isinstance(inputs, Mapping) or not inputs:
-                raise InvalidInput("inputs: expected a mapping of input names to arrays")
-            mv = dp.resolve(model, version, timings)
+        if not isinstance(inputs, Mapping) or not inputs:
+            raise InvalidInput("inputs: expected a mapping of input names to arrays")
+
+        def decode(mv: ModelVersion) -> InferRequest:
             specs = mv.inputs
-            request = InferRequest(
+            return InferRequest(
                 model,
                 version,
                 [
@@ -227,20 +223,10 @@ class Engine:
                 None if outputs is None else [RequestedOutput(str(o)) for o in outputs],
                 request_id,
                 dict(parameters or {}),
-                timings,
             )
-            response = await dp.infer(request, mv)
-        except asyncio.CancelledError:  # the caller went away: its queued work was dropped
-            dp.observe(request, mv, ClientClosed("the caller cancelled"), _now())
-            raise
-        except Exception as exc:
-            error = as_error(exc, "inference request")
-            dp.observe(request, mv, error, _now())
-            try:
-                raise error from None
-            finally:
-                del error  # not held by this frame, which its traceback holds (a cycle)
-        dp.observe(request, mv, None, _now())
+
+        timings = Timings(received=_now())
+        response = await self.dataplane.infer(model, version, timings, decode)
         return {t.name: t.data for t in response.outputs}
 
     # ------------------------------------------------------------------ what is served

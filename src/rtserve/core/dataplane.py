@@ -1,10 +1,11 @@
 """The dataplane: the single entry for health, metadata and inference.
 
-Both frontends decode into an ``InferRequest`` and call ``infer_nowait`` (or ``infer``); it
-finds the model, checks the inputs against the model's precomputed signature, applies the
-deadline and the response cache, submits to the model's scheduler and hands back an
-``InferResponse`` or an ``RTServeError``. After sending, the frontend calls ``observe``:
-metrics are recorded there and nowhere else.
+Every frontend (HTTP, gRPC, the in-process ``Engine``) hands an inference request to
+``submit`` with a decoder and a sink: the dataplane finds the model, refuses early under
+overload before anything is decoded, decodes with the model's limits, checks the inputs
+against the model's precomputed signature, applies the deadline and the response cache,
+submits to the model's scheduler, gives the answer (an ``InferResponse`` or an
+``RTServeError``) to the sink, then records the metrics (``observe``: nowhere else).
 
 Without a cache the path runs with no task and no coroutine: the request is checked and
 queued synchronously and the batch future's callback produces the answer.
@@ -13,6 +14,7 @@ queued synchronously and the batch future's callback produces the answer.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 from collections.abc import Callable, Iterable
@@ -55,10 +57,36 @@ EXTENSIONS = (
 )
 _now = time.perf_counter_ns
 
-# done(request, model version or None, response or None, error or None)
-Done = Callable[
-    [InferRequest, ModelVersion | None, InferResponse | None, RTServeError | None], None
+# Where a request's answer goes: sink(request, model version or None, response or None, error
+# or None), called exactly once per request; it returns the error the frontend met delivering
+# the answer (encoding it, say) or None. The dataplane records the metrics after it returns.
+Sink = Callable[
+    [InferRequest, ModelVersion | None, InferResponse | None, RTServeError | None],
+    RTServeError | None,
 ]
+# A frontend's decoder: the request decoded with the model's limits (``mv.decode_limits``), or
+# None when the frontend finishes decoding later (a body decompressed on a thread) and then
+# calls ``submit`` again.
+Decode = Callable[[ModelVersion], InferRequest | None]
+
+
+def _settle(
+    answer: asyncio.Future[InferResponse],
+    _: InferRequest,
+    __: ModelVersion | None,
+    response: InferResponse | None,
+    error: RTServeError | None,
+) -> None:
+    """The sink of ``DataPlane.infer``: the answer into its future."""
+    if answer.done():  # the caller was cancelled first
+        return None
+    if error is not None:
+        # A copy, without the traceback: refusals under overload are one shared object, and
+        # a traceback would hold the frames (and the request) that raised it.
+        answer.set_exception(copy.copy(error))
+    else:
+        answer.set_result(response)  # type: ignore[arg-type]
+    return None
 
 
 def statistics_of(versions: Iterable[ModelVersion]) -> list[VersionStatistics]:
@@ -260,16 +288,84 @@ class DataPlane:
             raise ShuttingDown("server is shutting down; not accepting new requests")
         return self.registry.get(name, version)
 
-    def infer_nowait(
-        self, request: InferRequest, done: Done, mv: ModelVersion | None = None
+    def submit(
+        self, model: str, version: str, timings: Timings, decode: Decode, sink: Sink
     ) -> Callable[[], object] | None:
-        """Run one inference; ``done`` is called exactly once, maybe before this returns.
+        """The one lifecycle of an inference request, for every frontend: find the model,
+        refuse early under overload (before decoding anything), decode with the model's
+        limits, check the inputs, answer from the cache or schedule; the answer goes to
+        ``sink`` exactly once (maybe before this returns), then the metrics are recorded.
 
         Returns what to call if the client goes away first (the request is then dropped
-        from its queue, never computed, and ``done`` gets a ``ClientClosed``), or None."""
+        from its queue, never computed, and ``sink`` gets a ``ClientClosed``), or None."""
+        mv = None
         try:
-            if mv is None:
-                mv = self.resolve(request.model_name, request.model_version, request.timings)
+            mv = self.resolve(model, version, timings)
+            refusal = mv.early_refusal(timings.received)
+            if refusal is None:
+                request = decode(mv)
+                if request is None:
+                    return None
+                request.timings = timings
+                return self._schedule(request, sink, mv)
+        except Exception as exc:
+            # No local may hold the error: its traceback holds this frame, and the cycle would
+            # keep the request (its body) alive until the rare cyclic collection.
+            self.refuse(sink, timings, as_error(exc, "inference request"), model, version, mv)
+            return None
+        self.refuse(sink, timings, refusal, model, version, mv)
+        return None
+
+    def refuse(
+        self,
+        sink: Sink,
+        timings: Timings,
+        error: RTServeError,
+        model: str = "",
+        version: str = "",
+        mv: ModelVersion | None = None,
+    ) -> None:
+        """Answer a request that failed before it was decoded (a bad route, an overload
+        refusal, a body that does not decode) through ``sink``, and record it."""
+        self._deliver(sink, InferRequest(model, version, [], timings=timings), mv, None, error)
+
+    async def infer(
+        self, model: str, version: str, timings: Timings, decode: Decode
+    ) -> InferResponse:
+        """``submit`` for callers that want one answer: returns the response or raises the
+        request's ``RTServeError``; cancelling the caller drops the request."""
+        answer: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
+        sink = partial(_settle, answer)
+        cancel = self.submit(model, version, timings, decode, sink)
+        try:
+            return await answer
+        except asyncio.CancelledError:  # the caller went away (a cancelled gRPC call)
+            if cancel is not None:
+                cancel()
+            raise
+        finally:
+            # The future keeps the error raised here, whose traceback holds this frame: a
+            # cycle that would keep the request (its body, through ``decode``) alive until
+            # the rare cyclic collection.
+            del answer, sink, cancel
+
+    def _deliver(
+        self,
+        sink: Sink,
+        request: InferRequest,
+        mv: ModelVersion | None,
+        response: InferResponse | None,
+        error: RTServeError | None,
+    ) -> None:
+        failed = sink(request, mv, response, error)
+        self.observe(request, mv, failed or error, _now())
+
+    def _schedule(
+        self, request: InferRequest, sink: Sink, mv: ModelVersion
+    ) -> Callable[[], object] | None:
+        """Check a decoded request, then answer it from the cache or submit it to the model's
+        scheduler; the answer goes to ``sink``. Returns the cancel of ``submit``."""
+        try:
             feeds, rows = self._check_inputs(request, mv)
             wanted = self._check_outputs(request, mv)
             timeout_s = _timeout_s(request, mv)
@@ -280,11 +376,12 @@ class DataPlane:
                 if outputs is not None:
                     request.timings.cache = "memory"
                     request.timings.done = _now()
-                    done(request, mv, InferResponse(mv.name, mv.version, outputs, request.id), None)
+                    response = InferResponse(mv.name, mv.version, outputs, request.id)
+                    self._deliver(sink, request, mv, response, None)
                     return None
                 if key is not None:
                     task = asyncio.get_running_loop().create_task(
-                        self._fill(request, mv, feeds, rows, wanted, timeout_s, key, done)
+                        self._fill(request, mv, feeds, rows, wanted, timeout_s, key, sink)
                     )
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
@@ -296,37 +393,12 @@ class DataPlane:
                 request.timings,
                 timeout_s,
                 request.parameters.get("priority"),
-                partial(self._complete, request, mv, wanted, done),
+                partial(self._complete, request, mv, wanted, sink),
             )
         except Exception as exc:
-            done(request, mv, None, as_error(exc, "inference request"))
+            self._deliver(sink, request, mv, None, as_error(exc, "inference request"))
             return None
         return future.cancel
-
-    async def infer(self, request: InferRequest, mv: ModelVersion | None = None) -> InferResponse:
-        """``infer_nowait`` as a coroutine; raises the request's ``RTServeError``."""
-        answer: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
-
-        def done(
-            _: InferRequest,
-            __: ModelVersion | None,
-            response: InferResponse | None,
-            error: RTServeError | None,
-        ) -> None:
-            if answer.done():  # the caller was cancelled first
-                return
-            if error is not None:
-                answer.set_exception(error)
-            else:
-                answer.set_result(response)  # type: ignore[arg-type]
-
-        cancel = self.infer_nowait(request, done, mv)
-        try:
-            return await answer
-        except asyncio.CancelledError:  # the caller went away (a cancelled gRPC call)
-            if cancel is not None:
-                cancel()
-            raise
 
     def observe(
         self,
@@ -380,19 +452,21 @@ class DataPlane:
         request: InferRequest,
         mv: ModelVersion,
         wanted: list[Wanted],
-        done: Done,
+        sink: Sink,
         future: asyncio.Future[dict[str, np.ndarray]],
     ) -> None:
         if future.cancelled():
-            done(request, mv, None, ClientClosed("the client went away before the answer"))
+            closed = ClientClosed("the client went away before the answer")
+            self._deliver(sink, request, mv, None, closed)
             return
         try:
             outputs = self._select(mv, future.result(), wanted)
         except BaseException as exc:
-            done(request, mv, None, as_error(exc, "inference request"))
+            self._deliver(sink, request, mv, None, as_error(exc, "inference request"))
             return
         request.timings.done = _now()
-        done(request, mv, InferResponse(mv.name, mv.version, outputs, request.id), None)
+        response = InferResponse(mv.name, mv.version, outputs, request.id)
+        self._deliver(sink, request, mv, response, None)
 
     async def _fill(
         self,
@@ -403,7 +477,7 @@ class DataPlane:
         wanted: list[Wanted],
         timeout_s: float,
         key: bytes,
-        done: Done,
+        sink: Sink,
     ) -> None:
         """After an L1 miss: single-flight, then Redis, then the model."""
 
@@ -417,11 +491,12 @@ class DataPlane:
         try:
             outputs, tier = await mv.cache.fill(key, request, run, timeout_s)
         except BaseException as exc:
-            done(request, mv, None, as_error(exc, "inference request"))
+            self._deliver(sink, request, mv, None, as_error(exc, "inference request"))
             return
         request.timings.cache = tier or "miss"
         request.timings.done = _now()
-        done(request, mv, InferResponse(mv.name, mv.version, outputs, request.id), None)
+        response = InferResponse(mv.name, mv.version, outputs, request.id)
+        self._deliver(sink, request, mv, response, None)
 
     @staticmethod
     def _select(

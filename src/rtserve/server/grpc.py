@@ -18,7 +18,7 @@ import grpc
 
 from rtserve.core.control import ModelControl
 from rtserve.core.dataplane import DataPlane
-from rtserve.errors import ClientClosed, InvalidInput, RTServeError, as_error
+from rtserve.errors import InvalidInput, RTServeError, as_error
 from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
 from rtserve.protocol import grpc_service_pb2 as pb
@@ -31,6 +31,13 @@ from rtserve.server.security import Guard
 from rtserve.server.stats import inference_stats
 
 _now = time.perf_counter_ns
+
+
+def _unsent(*_: object) -> None:
+    """The sink of a call refused before the dataplane: the frontend raises its error."""
+    return None
+
+
 log = logging.getLogger(__name__)
 
 
@@ -203,44 +210,46 @@ class GrpcFrontend:
 
     # ------------------------------------------------------------------ inference
     async def _infer(self, message: Any, context: Any) -> Any:
-        """Decode, infer, encode; records metrics once; raises ``RTServeError``."""
+        """Check the call, hand it to the dataplane (which decodes it once the model is
+        known, then records it), encode the answer; raises ``RTServeError``."""
         timings = Timings(received=_now())
         self.last_request_s = time.monotonic()
         dp = self.dataplane
-        mv = None
-        request = InferRequest("", "", [], timings=timings)
+        remaining = None
         try:
             message = _check(message)
             if self.guard is not None and context is not None:
                 self.guard.grpc("ModelInfer", message, context)
-            mv = dp.resolve(message.model_name, message.model_version, timings)
-            mv.check_early(timings.received)  # overloaded: refused without decoding the tensors
-            request = decode_model_infer(message, mv.decode_limits)
-            request.timings = timings
             if context is not None:
                 for key, value in context.invocation_metadata() or ():
                     if key == "x-request-id":
                         timings.request_id = checked_request_id(str(value))
                     elif key == "traceparent":
                         timings.traceparent = str(value)[:128]
-            remaining = context.time_remaining() if context is not None else None
-            if remaining is not None and "timeout" not in request.parameters:
-                request.parameters["timeout"] = max(1.0, remaining * 1e6)
-            response = await dp.infer(request, mv)
-            answer = encode_model_infer(response)
-        except asyncio.CancelledError:  # the client cancelled: its queued work was dropped
-            dp.observe(request, mv, ClientClosed("the client cancelled the call"), _now())
-            log.debug("gRPC request cancelled by its client (model %.100s)", request.model_name)
-            raise
-        except BaseException as exc:
+                remaining = context.time_remaining()
+        except Exception as exc:
             error = as_error(exc, "inference request")
-            dp.observe(request, mv, error, _now())
+            dp.refuse(_unsent, timings, error)
             try:
                 raise error from None
             finally:
                 del error  # not held by this frame, which its traceback holds (a cycle)
-        dp.observe(request, mv, None, _now())
-        return answer, timings
+
+        def decode(mv: Any) -> InferRequest:
+            request = decode_model_infer(message, mv.decode_limits)
+            if remaining is not None and "timeout" not in request.parameters:
+                request.parameters["timeout"] = max(1.0, remaining * 1e6)
+            return request
+
+        try:
+            response = await dp.infer(message.model_name, message.model_version, timings, decode)
+        except asyncio.CancelledError:  # the client cancelled: its queued work was dropped
+            log.debug("gRPC request cancelled by its client (model %.100s)", message.model_name)
+            raise
+        try:
+            return encode_model_infer(response), timings
+        except Exception as exc:
+            raise as_error(exc, "inference response") from None
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         self.in_flight += 1

@@ -182,72 +182,56 @@ class HttpFrontend:
 
     # ------------------------------------------------------------------ infer (hot path)
     def _infer(self, conn: Connection, raw: Request, body: bytes | None = None) -> None:
-        """Decode, then hand to the dataplane. ``body``: the already decompressed body."""
+        """Read the route and the request's headers, then hand it to the dataplane, which
+        decodes it with ``_decode`` once the model is known. ``body``: the already
+        decompressed body."""
         timings = Timings(received=raw.received_ns)
-        mv: ModelVersion | None = None
         headers = raw.headers
+        sink = partial(self.answer, conn)
         try:
             request_id = headers.get(b"x-request-id")
             if request_id is not None:
                 timings.request_id = checked_request_id(request_id.decode("latin-1"))
+            traceparent = headers.get(b"traceparent")
+            if traceparent is not None:
+                timings.traceparent = traceparent[:128].decode("latin-1")
             name, version = _infer_target(raw.path)
-            mv = self.dataplane.resolve(name, version, timings)
-            refusal = mv.early_refusal(timings.received)
-            if refusal is not None:  # overloaded: answered without decoding the body
-                self._refuse_early(conn, raw, mv, refusal, timings)
-                return
-            if body is None:
-                body = raw.body
-                encoding = headers.get(b"content-encoding")
-                if encoding is not None and encoding.lower() != b"identity":
-                    # Decompression (up to max_decompressed_bytes) runs on a thread: a
-                    # compression bomb must not stall every other client on the loop.
-                    self._start_decompress(conn, raw, encoding.lower())
-                    return
-            header_length = headers.get(b"inference-header-content-length")
-            request = decode_infer_request(
-                body,
-                None
-                if header_length is None
-                else _int_header(header_length, "Inference-Header-Content-Length"),
-                name,
-                version,
-                mv.decode_limits,
-            )
         except Exception as exc:
-            # No local may hold the error: its traceback holds this frame, and the cycle would
-            # keep the request (its body) alive until the rare cyclic collection.
-            empty = InferRequest("", "", [], timings=timings)
-            self.answer(conn, empty, mv, None, as_error(exc, "inference request"))
+            self.dataplane.refuse(sink, timings, as_error(exc, "inference request"))
             return
-        request.timings = timings
-        traceparent = headers.get(b"traceparent")
-        if traceparent is not None:
-            timings.traceparent = traceparent[:128].decode("latin-1")
-        conn.on_lost = self.dataplane.infer_nowait(request, partial(self.answer, conn), mv)
+        decode = partial(self._decode, conn, raw, body, name, version)
+        conn.on_lost = self.dataplane.submit(name, version, timings, decode, sink)
 
-    def _refuse_early(
+    def _decode(
         self,
         conn: Connection,
         raw: Request,
+        body: bytes | None,
+        name: str,
+        version: str,
         mv: ModelVersion,
-        refusal: RTServeError,
-        timings: Timings,
-    ) -> None:
-        """Answer a refusal under overload. They come by the thousand, and the scheduler
-        gives those back to back the same refusal: its answer is encoded once."""
-        cached = self._refusal
-        if cached is None or cached[0] is not refusal:
-            status, body, headers = http_error(refusal)
-            encoded = response_bytes(status, body, headers, True, False)
-            cached = self._refusal = (refusal, status, body, headers, encoded)
-        _, status, body, headers, encoded = cached
-        if not timings.request_id:
-            conn.respond(status, body, headers, encoded)
-        else:
-            request_id = timings.request_id.encode("ascii")
-            conn.respond(status, body, [*headers, (b"x-request-id", request_id)])
-        self.dataplane.observe(InferRequest("", "", [], timings=timings), mv, refusal, _now())
+    ) -> InferRequest | None:
+        """The V2 request in ``raw`` (JSON or binary tensors), within the model's limits;
+        None while a compressed body is decompressed on a thread."""
+        headers = raw.headers
+        if body is None:
+            body = raw.body
+            encoding = headers.get(b"content-encoding")
+            if encoding is not None and encoding.lower() != b"identity":
+                # Decompression (up to max_decompressed_bytes) runs on a thread: a
+                # compression bomb must not stall every other client on the loop.
+                self._start_decompress(conn, raw, encoding.lower())
+                return None
+        header_length = headers.get(b"inference-header-content-length")
+        return decode_infer_request(
+            body,
+            None
+            if header_length is None
+            else _int_header(header_length, "Inference-Header-Content-Length"),
+            name,
+            version,
+            mv.decode_limits,
+        )
 
     def _start_decompress(self, conn: Connection, raw: Request, encoding: bytes) -> None:
         loop = asyncio.get_running_loop()
@@ -258,9 +242,7 @@ class HttpFrontend:
         error = future.exception()
         if error is not None:
             timings = Timings(received=raw.received_ns)
-            self.answer(
-                conn, InferRequest("", "", [], timings=timings), None, None, as_error(error)
-            )
+            self.dataplane.refuse(partial(self.answer, conn), timings, as_error(error))
             return
         self._infer(conn, raw, future.result())
 
@@ -271,8 +253,9 @@ class HttpFrontend:
         mv: ModelVersion | None,
         response: InferResponse | None,
         error: RTServeError | None,
-    ) -> None:
-        """The dataplane's ``done``: encode, send, then record the metrics once."""
+    ) -> RTServeError | None:
+        """The request's sink: encode and send its answer; returns the error met encoding
+        a response (the dataplane then records the request as failed)."""
         timings = request.timings
         if response is not None:
             try:
@@ -280,8 +263,7 @@ class HttpFrontend:
             except (TypeError, ValueError) as exc:
                 error = InvalidInput(f"could not encode the response: {exc}")
             else:
-                end = _now()
-                timing = (b"server-timing", server_timing(timings, end).encode())
+                timing = (b"server-timing", server_timing(timings, _now()).encode())
                 if json_length is None:
                     headers = [JSON_TYPE, timing]
                 else:
@@ -295,14 +277,30 @@ class HttpFrontend:
                 if timings.request_id:
                     headers.append((b"x-request-id", timings.request_id.encode("latin-1")))
                 conn.respond(200, body, headers)
-                self.dataplane.observe(request, mv, None, end)
-                return
+                return None
+            self._respond_error(conn, timings, error)
+            return error
         assert error is not None
-        status, body, headers = http_error(error)
-        if timings.request_id:
-            headers.append((b"x-request-id", timings.request_id.encode("latin-1")))
-        conn.respond(status, body, headers)
-        self.dataplane.observe(request, mv, error, _now())
+        self._respond_error(conn, timings, error)
+        return None
+
+    def _respond_error(self, conn: Connection, timings: Timings, error: RTServeError) -> None:
+        """Send an error. Refusals under overload come by the thousand, and the scheduler
+        gives those back to back the same object (never raised: no traceback to hold): its
+        answer is encoded once."""
+        cached = self._refusal
+        if cached is not None and cached[0] is error:
+            _, status, body, headers, encoded = cached
+        else:
+            status, body, headers = http_error(error)
+            encoded = response_bytes(status, body, headers, True, False)
+            if error.__traceback__ is None:
+                self._refusal = (error, status, body, headers, encoded)
+        if not timings.request_id:
+            conn.respond(status, body, headers, encoded)
+        else:
+            request_id = timings.request_id.encode("latin-1")
+            conn.respond(status, body, [*headers, (b"x-request-id", request_id)])
 
     def _decompress(self, body: bytes, encoding: bytes) -> bytes:
         if encoding not in (b"gzip", b"deflate"):
