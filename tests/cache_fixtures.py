@@ -124,3 +124,12 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def redis(redis_server: RedisServer) -> Iterator[RedisServer]:
+    """The module's redis-server, running (started again if a test killed it) and empty."""
+    if redis_server.proc is None or redis_server.proc.poll() is not None:
+        redis_server.start()
+    assert redis_server.command(b"FLUSHALL") == b"+OK"
+    yield redis_server

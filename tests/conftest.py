@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cache_fixtures import redis_server  # noqa: F401  (a shared fixture)
+from tests.cache_fixtures import redis, redis_server  # noqa: F401  (shared fixtures)
 from tests.models import build_test_repository
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,6 +99,14 @@ def start_server(
         proc.kill()  # never leave a server behind
         proc.wait(10)
         raise
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` in MiB (from /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
 
 
 @pytest.fixture(scope="session")

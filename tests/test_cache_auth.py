@@ -27,21 +27,13 @@ from rtserve.cache.redis_tier import TAG_BYTES, sign
 from rtserve.config import TensorSpec
 from rtserve.errors import ConfigError
 from rtserve.protocol.types import InferRequest, Tensor
-from tests.cache_fixtures import RedisServer, redis_server  # noqa: F401  (fixture)
+from tests.cache_fixtures import RedisServer
 from tests.conftest import RunningServer, start_server
 from tests.models import build_scale
 
 MODEL = "m"
 KEY = "k" * 32
 SIGNATURE = (TensorSpec("y", "FP32", (4,)), TensorSpec("n", "INT64", ()))
-
-
-@pytest.fixture
-def redis(redis_server: RedisServer) -> Iterator[RedisServer]:  # noqa: F811
-    if redis_server.proc is None or redis_server.proc.poll() is not None:
-        redis_server.start()
-    assert redis_server.command(b"FLUSHALL") == b"+OK"
-    yield redis_server
 
 
 def request(seed: float, rows: int = 1) -> InferRequest:
@@ -306,7 +298,7 @@ def test_hmac_key_config_errors_name_the_field_and_never_show_the_key(
 @pytest.fixture(scope="module")
 def signed_server(
     tmp_path_factory: pytest.TempPathFactory,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> Iterator[RunningServer]:
     if redis_server.proc is None or redis_server.proc.poll() is not None:
         redis_server.start()
@@ -329,7 +321,7 @@ def signed_server(
 
 def test_poisoned_values_under_a_running_servers_keys_are_never_served(
     signed_server: RunningServer,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     url = f"{signed_server.base}/v2/models/l2only/infer"
     values = [[float(i), 1.0, 2.0, 3.0] for i in range(5)]

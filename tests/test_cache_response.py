@@ -10,7 +10,7 @@ import os
 import pickle
 import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +23,9 @@ from rtserve.cache.codec import encode
 from rtserve.cache.keys import cache_key
 from rtserve.errors import InvalidInput
 from rtserve.protocol.types import InferRequest, RequestedOutput, Tensor
-from tests.cache_fixtures import RedisServer, redis_server  # noqa: F401  (fixture)
+from tests.cache_fixtures import RedisServer
 
 MODEL = "mlp"
-
-
-@pytest.fixture
-def redis(redis_server: RedisServer) -> Iterator[RedisServer]:  # noqa: F811
-    """The module's server, running and empty."""
-    if redis_server.proc is None or redis_server.proc.poll() is not None:
-        redis_server.start()
-    assert redis_server.command(b"FLUSHALL") == b"+OK"
-    yield redis_server
 
 
 def async_test(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:

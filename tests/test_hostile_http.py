@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests import rawhttp
-from tests.conftest import RELAXED, RunningServer, start_server
+from tests.conftest import RELAXED, RunningServer, rss_mb, start_server
 
 BODY = json.dumps(
     {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
@@ -46,18 +46,7 @@ LIMITS = (
 # ---------------------------------------------------------------------------- raw HTTP helpers
 connect = rawhttp.connect
 read_response = rawhttp.read_response
-
-
-def read_all(sock: socket.socket, limit_s: float = 10.0) -> bytes:
-    """Everything the server sends until it closes (a reset counts as a close)."""
-    sock.settimeout(limit_s)
-    out = bytearray()
-    try:
-        while chunk := sock.recv(65536):
-            out += chunk
-    except ConnectionResetError:
-        pass
-    return bytes(out)
+read_all = rawhttp.read_all
 
 
 def statuses(data: bytes) -> list[int]:
@@ -85,13 +74,6 @@ def infer_once(port: int, timeout: float = 10.0) -> float:
 def assert_still_serves(port: int, bound_s: float = 2.0) -> None:
     latency = infer_once(port)
     assert latency < bound_s, f"a valid inference took {latency:.2f} s"
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def cpu_s(pid: int) -> float:

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -19,6 +18,7 @@ from rtserve.server.security import grpc_address
 from tests.conftest import RunningServer, start_server
 from tests.models import build_scale
 from tests.rawhttp import connect, read_response
+from tests.v2 import x_input
 
 KEYS = {
     "admin": "admin-key-0123456789",
@@ -187,12 +187,6 @@ def test_grpc_peer_addresses_match_http_peer_addresses() -> None:
     assert grpc_address("ipv4:127.0.0.1:5555") == "127.0.0.1"
     assert grpc_address("ipv6:[::1]:5555") == "::1"
     assert grpc_address("unix:/tmp/s") == "unix:/tmp/s"
-
-
-def x_input(module: object) -> object:
-    x = module.InferInput("x", [1, 4], "FP32")  # type: ignore[attr-defined]
-    x.set_data_from_numpy(np.ones((1, 4), np.float32))
-    return x
 
 
 def test_http_and_grpc_share_one_rate_limit_bucket_per_address(tmp_path: Path) -> None:

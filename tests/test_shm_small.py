@@ -23,6 +23,7 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import ROOT, RunningServer, start_server
+from tests.models import write_python_model
 
 MiB = 1 << 20
 SHM = "64m"
@@ -56,9 +57,6 @@ needs_private_shm = pytest.mark.skipif(
 
 
 def write_echo(repo: Path, name: str) -> None:
-    model_dir = repo / name
-    (model_dir / "1").mkdir(parents=True)
-    (model_dir / "1" / "model.py").write_text(ECHO_PY)
     config = {
         "backend": "python",
         "max_batch_size": 0,
@@ -69,7 +67,7 @@ def write_echo(repo: Path, name: str) -> None:
         ],
         "python": {"isolation": "process"},
     }
-    (model_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    write_python_model(repo, name, config, ECHO_PY)
 
 
 @pytest.fixture(scope="module")
