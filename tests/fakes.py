@@ -63,3 +63,54 @@ def run_async(fn):  # type: ignore[no-untyped-def]
         return asyncio.run(fn(*args, **kwargs))
 
     return wrapper
+
+
+class FakeEngine:
+    """What a scheduling policy sees of its batcher (``scheduling.base.EngineView``), for
+    testing a policy alone: a clock tests move, free instances tests set, and a record of
+    the requests dropped and the batches run from the policy (``run_now``)."""
+
+    def __init__(self, clock: FakeClock, inline: bool = True, instances: int = 1) -> None:
+        import asyncio
+
+        from rtserve.observability.metrics import SchedulerStats
+
+        self.name = "m:1"
+        self.inline = inline
+        self.instance_count = instances
+        self.free = list(range(instances))
+        self.closing = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stats = SchedulerStats()
+        self.clock = clock
+        self.dropped_requests: list = []
+        self.ran: list[list] = []
+
+    def dropped(self, request) -> None:  # type: ignore[no-untyped-def]
+        self.dropped_requests.append(request)
+
+    def run_now(self, batch) -> None:  # type: ignore[no-untyped-def]
+        self.ran.append(batch)
+        for request in batch:
+            request.future.set_result({"rows": request.rows})
+
+
+def add_request(  # type: ignore[no-untyped-def]
+    policy,
+    rows: int = 1,
+    timings=None,
+    timeout_s: float = 0.0,
+    priority: object = None,
+    shape_key: object = None,
+):
+    """What ``Batcher.submit`` does around a policy: make the request, have the policy
+    admit it (or raise), then give it its future (a running event loop is needed)."""
+    import asyncio
+
+    from rtserve.protocol.types import Timings
+    from rtserve.scheduling.base import Request
+
+    request = Request({}, rows, timings if timings is not None else Timings(), shape_key)
+    policy.add(request, timeout_s, priority)
+    request.future = asyncio.get_running_loop().create_future()
+    return request
