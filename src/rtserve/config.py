@@ -421,7 +421,7 @@ class ServerConfig:
     response_cache: dict[str, Any] | bool | None = None  # server-wide default for every model
     config_file: str = ""
     log_level: str = "info"
-    # HTTP/1.1 transport limits (rtserve.server.httpserver.HttpLimits), named in refusals.
+    # HTTP/1.1 transport limits (rtserve.server.http1.HttpLimits), named in refusals.
     http_max_url_bytes: int = 8 * 1024
     http_max_headers: int = 100
     http_max_header_bytes: int = 16 * 1024

@@ -31,8 +31,8 @@ from rtserve.engine import Engine
 from rtserve.errors import ConfigError
 from rtserve.observability.logs import configure_logging
 from rtserve.server.grpc import GrpcFrontend, start_grpc_server
-from rtserve.server.http import HttpFrontend
-from rtserve.server.httpserver import HttpLimits, HttpServer
+from rtserve.server.http1 import HttpLimits, HttpServer
+from rtserve.server.rest import HttpFrontend
 from rtserve.server.security import (
     Auth,
     Guard,

@@ -1,4 +1,4 @@
-"""The V2 HTTP/REST frontend on the lean HTTP server (``server/httpserver.py``).
+"""The V2 HTTP/REST frontend on the lean HTTP server (``server/http1.py``).
 
 Thin: route, decode into an ``InferRequest``, call the dataplane, encode its answer. The
 inference route runs with no task and no coroutine (see ``core/dataplane.py``); other
@@ -27,7 +27,7 @@ from rtserve.protocol.http_codec import decode_infer_request, encode_infer_respo
 from rtserve.protocol.load_request import MAX_LOAD_BODY_BYTES, config_from_body
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.errors import JSON_TYPE, http_error
-from rtserve.server.httpserver import Connection, Request, response_bytes
+from rtserve.server.http1 import Connection, Request, response_bytes
 from rtserve.server.security import Guard
 from rtserve.server.stats import statistics_json
 
