@@ -22,19 +22,11 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from rtserve.protocol import grpc_service_pb2 as pb
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, rss_mb, start_server
 from tests.models import _save, build_scale, build_slow_repository
 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 MIB = 1 << 20
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def build_echo(path: Path) -> Path:
