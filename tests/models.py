@@ -145,27 +145,33 @@ def double_py(sleep: float = 0.0) -> str:
     return DOUBLE_PY.replace("SLEEP", repr(sleep))
 
 
-def write_python_model(root: Path, name: str, config: dict[str, Any] | str, model_py: str) -> Path:
-    """``root/name`` with version 1's ``model.py`` and a ``config.yaml`` (a dict is written
-    as YAML, a string as it is)."""
+def write_config(root: Path, name: str, config: dict[str, Any] | str) -> Path:
+    """``root/name`` with an empty version 1 and a ``config.yaml`` (a dict is written as
+    YAML, a string as it is): an ensemble, or a model whose files come next."""
     model_dir = root / name
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
-    (model_dir / "1" / "model.py").write_text(model_py)
     text = config if isinstance(config, str) else yaml.safe_dump(config)
     (model_dir / "config.yaml").write_text(text)
+    return model_dir
+
+
+def write_python_model(root: Path, name: str, config: dict[str, Any] | str, model_py: str) -> Path:
+    """``root/name`` with version 1's ``model.py`` and a ``config.yaml`` (see ``write_config``)."""
+    model_dir = write_config(root, name, config)
+    (model_dir / "1" / "model.py").write_text(model_py)
     return model_dir
 
 
 def write_double_chain(root: Path) -> Path:
     """``chain``: an ensemble (max batch 8) of one step, the model ``double``, that takes
     ``X`` and answers ``Y``."""
-    (root / "chain" / "1").mkdir(parents=True, exist_ok=True)
-    (root / "chain" / "config.yaml").write_text(
+    return write_config(
+        root,
+        "chain",
         "backend: ensemble\nmax_batch_size: 8\n"
         + XY_ROWS.replace("x,", "X,").replace("y,", "Y,")
-        + "steps:\n  - {model: double, inputs: {x: X}, outputs: {y: Y}}\n"
+        + "steps:\n  - {model: double, inputs: {x: X}, outputs: {y: Y}}\n",
     )
-    return root / "chain"
 
 
 def config_of(model_dir: Path) -> ModelConfig:

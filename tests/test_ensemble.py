@@ -16,7 +16,6 @@ import onnxruntime as ort
 import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
-import yaml
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
@@ -26,7 +25,7 @@ from rtserve.errors import ModelNotReady
 from rtserve.observability.metrics import Metrics
 from rtserve.repository import read_model, scan
 from tests.conftest import RunningServer, start_server
-from tests.models import build_scale
+from tests.models import build_scale, write_config
 
 
 def _save(graph: onnx.GraphProto, path: Path) -> None:
@@ -141,11 +140,6 @@ TEXT = _ensemble(
 )
 
 
-def _write(root: Path, name: str, config: dict) -> None:
-    (root / name / "1").mkdir(parents=True, exist_ok=True)
-    (root / name / "config.yaml").write_text(yaml.safe_dump(config))
-
-
 def build_ensemble_repository(root: Path) -> Path:
     # A fixed gathering window: the adaptive delay would skip it for models this fast.
     batching = (
@@ -159,15 +153,15 @@ def build_ensemble_repository(root: Path) -> Path:
     (root / "add" / "config.yaml").write_text(batching)
     build_int_scale(root / "int_scale" / "1" / "model.onnx")
     (root / "int_scale" / "config.yaml").write_text(batching)
-    _write(root, "features", FEATURES_CONFIG)
+    write_config(root, "features", FEATURES_CONFIG)
     (root / "features" / "1" / "model.py").write_text(FEATURES_PY)
-    _write(root, "chain", CHAIN)
-    _write(root, "diamond", DIAMOND)
-    _write(root, "text", TEXT)
+    write_config(root, "chain", CHAIN)
+    write_config(root, "diamond", DIAMOND)
+    write_config(root, "text", TEXT)
     for name in ("sleepy_a", "sleepy_b"):
-        _write(root, name, SLEEPY_CONFIG)
+        write_config(root, name, SLEEPY_CONFIG)
         (root / name / "1" / "model.py").write_text(SLEEPY_PY)
-    _write(
+    write_config(
         root,
         "parallel",
         _ensemble(
@@ -188,7 +182,7 @@ def build_ensemble_repository(root: Path) -> Path:
     (root / "ranked_double" / "config.yaml").write_text(
         "max_batch_size: 16\nslo: {p99_ms: 1000}\npriority_levels: 2\n"
     )
-    _write(
+    write_config(
         root,
         "ranked_chain",
         _ensemble(
@@ -200,7 +194,7 @@ def build_ensemble_repository(root: Path) -> Path:
             ],
         ),
     )
-    _write(
+    write_config(
         root,
         "cached_chain",
         {**CHAIN, "response_cache": {"memory": {"max_bytes": 1_000_000, "ttl_s": 60}}},
@@ -221,7 +215,7 @@ async def _load_error(repo: Path, tmp: Path, config: dict) -> str:
         await registry.load_all(
             [s for s in scan(repo) if s.name in ("double", "triple", "add", "int_scale")]
         )
-        _write(tmp, "bad", config)
+        write_config(tmp, "bad", config)
         entry = await registry.load(read_model(tmp / "bad"))
         return entry.error
     finally:

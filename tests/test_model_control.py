@@ -7,6 +7,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import start_server
-from tests.models import build_scale
+from tests.models import build_scale, write_python_model
 
 
 def scale_repo(root: Path, factors: dict[str, float]) -> Path:
@@ -114,36 +116,46 @@ def _load_loop(base: str, model: str, stop: threading.Event, answers: list, erro
         time.sleep(0.005)
 
 
-def test_a_new_version_swaps_in_under_load_with_no_failed_request(tmp_path: Path) -> None:
-    repo = scale_repo(tmp_path / "repo", {"a": 2.0})
-    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit", "--load-model", "a")
+@contextmanager
+def _under_load(
+    base: str, model: str, clients: int
+) -> Iterator[tuple[list[tuple[float, float]], list[str]]]:
+    """``clients`` threads inferring on ``model`` until the block ends (they are joined
+    then); yields the (time, answer) pairs and the errors they collect."""
     stop = threading.Event()
     answers: list[tuple[float, float]] = []
     errors: list[str] = []
     threads = [
-        threading.Thread(target=_load_loop, args=(s.base, "a", stop, answers, errors))
-        for _ in range(2)
+        threading.Thread(target=_load_loop, args=(base, model, stop, answers, errors))
+        for _ in range(clients)
     ]
+    for t in threads:
+        t.start()
     try:
-        for t in threads:
-            t.start()
-        time.sleep(1.0)
-        build_scale(repo / "a" / "2" / "model.onnx", 7.0)
-        status, doc = post(s.base, "/v2/repository/models/a/load")
-        assert status == 200, doc
-        swapped = time.monotonic()
-        time.sleep(1.0)
-        # A broken version 3: the load fails, version 2 keeps serving, the index says why.
-        (repo / "a" / "3").mkdir()
-        (repo / "a" / "3" / "model.onnx").write_bytes(b"not a model")
-        status, doc = post(s.base, "/v2/repository/models/a/load")
-        assert status == 400 and "failed to load 'a'" in doc["error"]
-        time.sleep(0.5)
+        yield answers, errors
     finally:
         stop.set()
         for t in threads:
             t.join()
+
+
+def test_a_new_version_swaps_in_under_load_with_no_failed_request(tmp_path: Path) -> None:
+    repo = scale_repo(tmp_path / "repo", {"a": 2.0})
+    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit", "--load-model", "a")
     try:
+        with _under_load(s.base, "a", 2) as (answers, errors):
+            time.sleep(1.0)
+            build_scale(repo / "a" / "2" / "model.onnx", 7.0)
+            status, doc = post(s.base, "/v2/repository/models/a/load")
+            assert status == 200, doc
+            swapped = time.monotonic()
+            time.sleep(1.0)
+            # A broken version 3: the load fails, version 2 keeps serving, the index says why.
+            (repo / "a" / "3").mkdir()
+            (repo / "a" / "3" / "model.onnx").write_bytes(b"not a model")
+            status, doc = post(s.base, "/v2/repository/models/a/load")
+            assert status == 400 and "failed to load 'a'" in doc["error"]
+            time.sleep(0.5)
         assert errors == []
         assert len(answers) > 100
         assert {v for t, v in answers if t > swapped} == {7.0}
@@ -191,24 +203,13 @@ def _requests_total(text: str, model: str) -> float:
 def test_workers_give_one_monotonic_view_of_metrics_and_statistics(tmp_path: Path) -> None:
     repo = scale_repo(tmp_path / "repo", {"a": 2.0})
     s = start_server(repo, tmp_path / "s", "--workers", "4", timeout=180)
-    stop = threading.Event()
-    answers: list[tuple[float, float]] = []
-    errors: list[str] = []
-    threads = [
-        threading.Thread(target=_load_loop, args=(s.base, "a", stop, answers, errors))
-        for _ in range(3)
-    ]
     try:
-        for t in threads:
-            t.start()
-        seen = []
-        for _ in range(20):
-            with urllib.request.urlopen(f"{s.base}/metrics", timeout=10) as r:
-                seen.append(_requests_total(r.read().decode(), "a"))
-            time.sleep(0.05)
-        stop.set()
-        for t in threads:
-            t.join()
+        with _under_load(s.base, "a", 3) as (answers, errors):
+            seen = []
+            for _ in range(20):
+                with urllib.request.urlopen(f"{s.base}/metrics", timeout=10) as r:
+                    seen.append(_requests_total(r.read().decode(), "a"))
+                time.sleep(0.05)
         assert errors == []
         assert all(b >= a for a, b in zip(seen, seen[1:], strict=False)), seen
         time.sleep(1.0)  # every worker has published its last counts
@@ -218,7 +219,6 @@ def test_workers_give_one_monotonic_view_of_metrics_and_statistics(tmp_path: Pat
             stats = json.loads(r.read())["model_stats"][0]
         assert stats["inference_stats"]["success"]["count"] == len(answers)
     finally:
-        stop.set()
         s.stop()
 
 
@@ -266,13 +266,12 @@ class Model:
 def python_model(root: Path, name: str) -> None:
     """A Python backend model (y = x * 5): its config.yaml holds what a partial load config
     must not lose (the backend, the tensors, the batching window)."""
-    (root / name / "1").mkdir(parents=True)
-    (root / name / "1" / "model.py").write_text(PY_MODEL)
-    (root / name / "config.yaml").write_text(
+    config = (
         "backend: python\nmax_batch_size: 4\ndynamic_batching: {max_queue_delay_us: 700}\n"
         "inputs: [{name: x, datatype: FP32, shape: [4]}]\n"
         "outputs: [{name: y, datatype: FP32, shape: [4]}]\n"
     )
+    write_python_model(root, name, config, PY_MODEL)
 
 
 def test_a_partial_config_is_merged_over_config_yaml(tmp_path: Path) -> None:

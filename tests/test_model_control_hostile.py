@@ -12,10 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.conftest import RunningServer, start_server
-from tests.models import build_scale
+from tests.models import build_scale, write_config
 from tests.test_model_control import infer, post
 
 LOAD = "/v2/repository/models/{}/load"
@@ -32,22 +31,17 @@ def _ensemble(step: str) -> dict:
     }
 
 
-def _write(root: Path, name: str, config: dict) -> None:
-    (root / name / "1").mkdir(parents=True, exist_ok=True)
-    (root / name / "config.yaml").write_text(yaml.safe_dump(config))
-
-
 def build_repo(root: Path) -> Path:
     for name in ("a", "b"):
         build_scale(root / name / "1" / "model.onnx", 2.0)
-        _write(root, name, {"max_batch_size": 4})
+        write_config(root, name, {"max_batch_size": 4})
     build_scale(root / "auto" / "1" / "model.onnx", 2.0)  # max_batch_size from the model: 32
     (root / "auto" / "config.yaml").write_text("")
     build_scale(root / "eb" / "1" / "model.onnx", 3.0)
-    _write(root, "eb", {"max_batch_size": 4})
-    _write(root, "ea", _ensemble("eb"))
-    _write(root, "ca", _ensemble("cb"))  # a cycle on disk: ca -> cb -> ca
-    _write(root, "cb", _ensemble("ca"))
+    write_config(root, "eb", {"max_batch_size": 4})
+    write_config(root, "ea", _ensemble("eb"))
+    write_config(root, "ca", _ensemble("cb"))  # a cycle on disk: ca -> cb -> ca
+    write_config(root, "cb", _ensemble("ca"))
     (root / "bigvalue").mkdir()
     (root / "bigvalue" / "config.yaml").write_text(f"max_batch_size: {'x' * 500_000}\n")
     return root
@@ -226,7 +220,7 @@ def test_an_ensemble_cycle_is_refused_at_load_naming_it(server: RunningServer) -
     assert infer(server.base, "ea") == 3.0
     # eb becomes an ensemble that calls ea: ea -> eb -> ea once live.
     root = _repo_of(server)
-    _write(root, "eb", _ensemble("ea"))
+    write_config(root, "eb", _ensemble("ea"))
     status, doc = post(server.base, LOAD.format("eb"))
     assert status == 400, doc
     assert "cycle: eb -> ea -> eb" in doc["error"], doc
