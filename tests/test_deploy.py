@@ -24,7 +24,7 @@ from examples.build_repository import MLP_CONFIG
 from tests.cache_fixtures import free_port
 from tests.conftest import ROOT, start_server
 from tests.metrics_load import sample_names
-from tests.models import build_scale
+from tests.models import build_scale, write_config, write_python_model
 
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
@@ -235,19 +235,13 @@ class Model:
 def test_readiness_follows_model_state_and_scaling_metrics_exist(tmp_path: Path) -> None:
     """The probe's route answers 503 while the model loads, 200 once it serves; the series
     the autoscalers read are on /metrics."""
-    model = tmp_path / "repo" / "slowload"
-    (model / "1").mkdir(parents=True)
-    (model / "1" / "model.py").write_text(SLOW_LOAD_MODEL)
-    (model / "config.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "backend": "python",
-                "max_batch_size": 4,
-                "inputs": [{"name": "x", "datatype": "FP32", "shape": [2]}],
-                "outputs": [{"name": "y", "datatype": "FP32", "shape": [2]}],
-            }
-        )
-    )
+    config = {
+        "backend": "python",
+        "max_batch_size": 4,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [2]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [2]}],
+    }
+    write_python_model(tmp_path / "repo", "slowload", config, SLOW_LOAD_MODEL)
     port = free_port()
     log = (tmp_path / "server.log").open("wb")
     proc = subprocess.Popen(
@@ -446,21 +440,17 @@ def test_requests_per_second_counts_a_pipeline_request_once(tmp_path: Path) -> N
     for name, factor in (("double", 2.0), ("triple", 3.0)):
         build_scale(repo / name / "1" / "model.onnx", factor)
         (repo / name / "config.yaml").write_text("max_batch_size: 4\n")
-    (repo / "pipeline" / "1").mkdir(parents=True)
-    (repo / "pipeline" / "config.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "backend": "ensemble",
-                "max_batch_size": 4,
-                "inputs": [{"name": "X", "datatype": "FP32", "shape": [4]}],
-                "outputs": [{"name": "Y", "datatype": "FP32", "shape": [4]}],
-                "steps": [
-                    {"model": "double", "inputs": {"x": "X"}, "outputs": {"y": "X2"}},
-                    {"model": "triple", "inputs": {"x": "X2"}, "outputs": {"y": "Y"}},
-                ],
-            }
-        )
-    )
+    pipeline = {
+        "backend": "ensemble",
+        "max_batch_size": 4,
+        "inputs": [{"name": "X", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "Y", "datatype": "FP32", "shape": [4]}],
+        "steps": [
+            {"model": "double", "inputs": {"x": "X"}, "outputs": {"y": "X2"}},
+            {"model": "triple", "inputs": {"x": "X2"}, "outputs": {"y": "Y"}},
+        ],
+    }
+    write_config(repo, "pipeline", pipeline)
     (series,) = _scaling_series()
     names = {series, "rtserve_requests_total"}
     s = start_server(repo, tmp_path / "s")
