@@ -114,7 +114,7 @@ def test_an_unread_stream_of_long_ids_is_refused_and_holds_bounded_memory(server
 
 
 @pytest.mark.parametrize(
-    ("count", "elements", "bound_mb"), [(800, 64 << 10, 64), (40, 1 << 20, 96)]
+    ("count", "elements", "bound_mb"), [(800, 64 << 10, 64), (40, 1 << 20, 128)]
 )
 def test_an_unread_stream_stops_being_read_and_answers_everything_once_read(
     server, count: int, elements: int, bound_mb: int
