@@ -42,6 +42,12 @@ def _boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _cold_start(args: argparse.Namespace) -> int:
+    from rtserve.coldstart import run_cli
+
+    return run_cli(args.repository, args.model, args.runs, args.json)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from rtserve.config import load_server_config
     from rtserve.server.app import serve
@@ -170,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--ports-file", type=Path, help="write the bound ports as JSON once ready")
     s.set_defaults(func=_serve)
+
+    c = sub.add_parser(
+        "cold-start",
+        help="time a fresh process: import, model load, warmup, first answer (ms)",
+    )
+    c.add_argument("repository", type=Path, help="model repository")
+    c.add_argument("--model", action="append", default=[], help="a model (repeatable; default all)")
+    c.add_argument("--runs", type=int, default=3, help="fresh processes per model (median)")
+    c.add_argument("--json", action="store_true", help="JSON instead of a Markdown table")
+    c.set_defaults(func=_cold_start)
 
     try:
         from rtserve.optimize.cli import register

@@ -304,6 +304,10 @@ class SyncEngine:
     def infer(self, model: str, inputs: Mapping[str, Any], **options: Any) -> dict[str, np.ndarray]:
         return self._call(self.engine.infer(model, inputs, **options))
 
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` on the engine's loop (adapters such as the serverless handler)."""
+        return self._call(coro)
+
     def models(self) -> list[ModelStatus]:
         return self.engine.models()
 

@@ -198,6 +198,11 @@ class RedisTier:
         with contextlib.suppress(Exception):
             await self._client.aclose()
 
+    async def disconnect(self) -> None:
+        """Close the open connections; the next command opens new ones (before a VM
+        snapshot is taken: no connection may be restored in several copies)."""
+        await self._client.connection_pool.disconnect()
+
     def _usable(self) -> bool:
         breaker = self.breaker
         if breaker.state is BreakerState.CLOSED:

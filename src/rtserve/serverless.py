@@ -1,0 +1,336 @@
+"""rtserve as an AWS Lambda function: the V2 routes behind API Gateway (REST API, payload
+1.0; HTTP API, payload 2.0) and Lambda function URLs.
+
+    ENV RTSERVE_MODEL_REPOSITORY=/var/task/models
+    CMD ["rtserve.serverless.handler"]
+
+The models are loaded and warmed once per process, at import (Lambda's init phase, which
+SnapStart snapshots) when ``RTSERVE_MODEL_REPOSITORY`` is set, else at the first call. The
+engine runs on an event-loop thread this module owns, so concurrent and successive
+invocations share its batcher and response cache; an invocation pays only for inference.
+Requests take the server's path: the same canonical paths, size limits, decoding, errors
+(V2 shape ``{"error": ...}`` with the status the server answers) and routes. Binary tensor
+bodies (the binary data extension) come and go base64-encoded. ``RTSERVE_CONFIG`` may name
+a server config file (limits, response cache). Needs no ``awslambdaric``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import base64
+import binascii
+import os
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rtserve.config import load_server_config
+from rtserve.core.model import ModelVersion
+from rtserve.engine import Engine, SyncEngine
+from rtserve.errors import (
+    ConfigError,
+    HeaderTooLarge,
+    InvalidInput,
+    PayloadTooLarge,
+    RouteNotFound,
+    RTServeError,
+    UriTooLong,
+)
+from rtserve.observability.logs import checked_request_id
+from rtserve.observability.metrics import server_timing
+from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
+from rtserve.protocol.types import InferRequest, InferResponse, Timings
+from rtserve.server.errors import http_error
+from rtserve.server.http1 import Request
+from rtserve.server.paths import canonical_path
+from rtserve.server.rest import HttpFrontend, _infer_target, _int_header
+
+__all__ = ["ENV_CONFIG", "ENV_REPOSITORY", "engine", "handler", "shutdown"]
+
+ENV_REPOSITORY = "RTSERVE_MODEL_REPOSITORY"
+ENV_CONFIG = "RTSERVE_CONFIG"
+_now = time.perf_counter_ns
+
+# (status, headers, body bytes): one answer before it is shaped as a Lambda response.
+Answer = tuple[int, dict[str, str], bytes]
+
+
+@dataclass(frozen=True)
+class HttpEvent:
+    """The HTTP request an API Gateway or function URL event carries."""
+
+    method: bytes
+    path: str  # canonical (rtserve.server.paths)
+    headers: dict[bytes, bytes]  # names in lower case
+    body: bytes
+
+
+class _Runtime:
+    """The engine on its loop thread and the V2 routes over its dataplane."""
+
+    def __init__(self, repository: str, config_file: str | None) -> None:
+        config = load_server_config(
+            Path(config_file) if config_file else None, model_repository=Path(repository)
+        )
+        self.config = config
+        self.engine = Engine(config).sync().start()
+        self.frontend = HttpFrontend(
+            self.engine.engine.dataplane,
+            config.max_request_bytes,
+            max_decompressed_bytes=config.max_decompressed_bytes,
+        )
+
+
+_lock = threading.Lock()
+_runtime: _Runtime | None = None
+
+
+def _started() -> _Runtime:
+    """The process's runtime, started on first use (models loaded and warmed once)."""
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            repository = os.environ.get(ENV_REPOSITORY)
+            if not repository:
+                raise ConfigError(f"{ENV_REPOSITORY}: not set (expected a model repository path)")
+            _runtime = _Runtime(repository, os.environ.get(ENV_CONFIG))
+        return _runtime
+
+
+def engine() -> SyncEngine:
+    """The engine this process serves from (started on first use)."""
+    return _started().engine
+
+
+def shutdown() -> None:
+    """Answer what was accepted, release the models and the loop thread (at exit; tests).
+    The next call starts afresh."""
+    global _runtime
+    with _lock:
+        rt, _runtime = _runtime, None
+    if rt is not None:
+        rt.engine.stop()
+
+
+# ---------------------------------------------------------------------- events
+def _header_map(event: dict[str, Any]) -> dict[bytes, bytes]:
+    headers: dict[bytes, bytes] = {}
+    for name, values in (event.get("multiValueHeaders") or {}).items():
+        if isinstance(values, list) and values:
+            headers[str(name).lower().encode("latin-1")] = ",".join(map(str, values)).encode()
+    for name, value in (event.get("headers") or {}).items():
+        headers[str(name).lower().encode("latin-1")] = str(value).encode()
+    return headers
+
+
+def _method_and_path(event: dict[str, Any]) -> tuple[str, str]:
+    """(method, path) of a payload 2.0 event (HTTP API, function URL) or a 1.0 one (REST API);
+    a named stage's prefix is dropped from an HTTP API's ``rawPath``."""
+    if event.get("version") == "2.0":
+        context = event.get("requestContext") or {}
+        method = (context.get("http") or {}).get("method")
+        path = event.get("rawPath")
+        stage = context.get("stage")
+        if isinstance(path, str) and stage and stage != "$default":
+            prefix = f"/{stage}"
+            if path == prefix or path.startswith(prefix + "/"):
+                path = path[len(prefix) :] or "/"
+    else:
+        method, path = event.get("httpMethod"), event.get("path")
+    if not isinstance(method, str) or not isinstance(path, str):
+        raise InvalidInput(
+            "event: expected an API Gateway (payload 1.0 or 2.0) or function URL event "
+            "with an HTTP method and path"
+        )
+    return method.upper(), path
+
+
+def _body(event: dict[str, Any], limit: int) -> bytes:
+    body = event.get("body")
+    if body is None:
+        return b""
+    if not isinstance(body, str):
+        raise InvalidInput("event.body: expected a string")
+    if len(body) > limit * 4 // 3 + 4:  # a base64 body this long decodes to more than limit
+        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    if event.get("isBase64Encoded"):
+        try:
+            raw = base64.b64decode(body, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidInput("event.body: isBase64Encoded is true but it is not base64") from None
+    else:
+        raw = body.encode()
+    if len(raw) > limit:
+        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    return raw
+
+
+def parse_event(event: Any, rt: _Runtime) -> HttpEvent:
+    """The request in ``event``, checked against the server's URL, header and body limits."""
+    if not isinstance(event, dict):
+        raise InvalidInput("event: expected a JSON object")
+    method, path = _method_and_path(event)
+    config = rt.config
+    if len(path) > config.http_max_url_bytes:
+        raise UriTooLong(f"request URL exceeds the limit of {config.http_max_url_bytes} bytes")
+    headers = _header_map(event)
+    if len(headers) > config.http_max_headers:
+        raise HeaderTooLarge(f"more than {config.http_max_headers} request headers")
+    return HttpEvent(
+        method.encode("latin-1"),
+        canonical_path(path.encode()),
+        headers,
+        _body(event, config.max_request_bytes),
+    )
+
+
+# ---------------------------------------------------------------------- answers
+def _decode(rt: _Runtime, ev: HttpEvent, name: str, version: str, mv: ModelVersion) -> InferRequest:
+    body = ev.body
+    encoding = ev.headers.get(b"content-encoding")
+    if encoding is not None and encoding.lower() != b"identity":
+        body = rt.frontend._decompress(body, encoding.lower())
+    header_length = ev.headers.get(b"inference-header-content-length")
+    length = None
+    if header_length is not None:
+        length = _int_header(header_length, "Inference-Header-Content-Length")
+    return decode_infer_request(body, length, name, version, mv.decode_limits)
+
+
+def _encoded(request: InferRequest, response: InferResponse) -> Answer:
+    body, json_length = encode_infer_response(response, request)
+    timings = request.timings
+    headers = {"server-timing": server_timing(timings, _now())}
+    if json_length is None:
+        headers["content-type"] = "application/json"
+    else:
+        headers["content-type"] = "application/octet-stream"
+        headers["inference-header-content-length"] = str(json_length)
+    if timings.cache:
+        headers["x-rtserve-cache"] = timings.cache
+    return 200, headers, body
+
+
+def _error(exc: BaseException) -> Answer:
+    status, body, headers = http_error(exc)
+    return status, {k.decode(): v.decode() for k, v in headers}, body
+
+
+async def _infer(rt: _Runtime, ev: HttpEvent, name: str, version: str) -> Answer:
+    """One inference through the dataplane's single lifecycle (batcher, cache, metrics)."""
+    answer: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+    timings = Timings(received=_now())
+    request_id = ev.headers.get(b"x-request-id")
+    if request_id is not None:
+        timings.request_id = checked_request_id(request_id.decode("latin-1"))
+
+    def sink(
+        request: InferRequest,
+        mv: ModelVersion | None,
+        response: InferResponse | None,
+        error: RTServeError | None,
+    ) -> RTServeError | None:
+        failed = None
+        if response is not None:
+            try:
+                answer.set_result(_encoded(request, response))
+                return None
+            except (TypeError, ValueError) as exc:
+                error = failed = InvalidInput(f"could not encode the response: {exc}")
+        assert error is not None
+        answer.set_result(_error(error))
+        return failed
+
+    rt.engine.engine.dataplane.submit(
+        name, version, timings, partial(_decode, rt, ev, name, version), sink
+    )
+    status, headers, body = await answer
+    if timings.request_id:
+        headers["x-request-id"] = timings.request_id
+    return status, headers, body
+
+
+async def _answer(rt: _Runtime, ev: HttpEvent) -> Answer:
+    """Route one request as the HTTP server does; runs on the engine's loop."""
+    try:
+        if ev.method == b"POST":
+            if ev.path.endswith("/infer"):
+                return await _infer(rt, ev, *_infer_target(ev.path))
+            if ev.path.startswith("/v2/repository/models/"):
+                raise RouteNotFound(
+                    f"no route for POST {ev.path[:200]}: model control is not offered by the "
+                    "serverless handler (deploy a new function version instead)"
+                )
+        request = Request(ev.method, ev.path, "", ev.headers, ev.body, True, _now())
+        status, body, headers = rt.frontend._route(request)
+        return status, {k.decode(): v.decode() for k, v in headers}, body
+    except Exception as exc:
+        return _error(exc)
+
+
+def _lambda_response(answer: Answer) -> dict[str, Any]:
+    status, headers, body = answer
+    if headers.get("content-type", "").startswith("application/octet-stream"):
+        text, encoded = base64.b64encode(body).decode("ascii"), True
+    else:
+        text, encoded = body.decode("utf-8", "replace"), False
+    return {"statusCode": status, "headers": headers, "body": text, "isBase64Encoded": encoded}
+
+
+def handler(event: Any, context: Any) -> dict[str, Any]:
+    """The Lambda entry point: an API Gateway / function URL event in, its HTTP answer out.
+    Never raises: every failure is an HTTP status with a V2 error body."""
+    try:
+        rt = _started()
+        ev = parse_event(event, rt)
+        return _lambda_response(rt.engine.run(_answer(rt, ev)))
+    except Exception as exc:
+        return _lambda_response(_error(exc))
+
+
+# ---------------------------------------------------------------------- SnapStart
+def _before_snapshot() -> None:
+    """Load and warm the models into the snapshot; close connections (Redis) that a
+    restored copy must not share."""
+    rt = _started()
+
+    async def disconnect() -> None:
+        for mv in rt.engine.engine.registry.loaded_versions():
+            redis = mv.cache.redis if mv.cache is not None else None
+            if redis is not None:
+                await redis.disconnect()
+
+    rt.engine.run(disconnect())
+
+
+def _after_restore() -> None:
+    """Fresh random state in each restored copy (a snapshot would otherwise replay it)."""
+    random.seed()
+    np.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
+
+
+def _register_snapshot_hooks() -> bool:
+    try:
+        from snapshot_restore_py import register_after_restore, register_before_snapshot
+    except ImportError:
+        return False
+    register_before_snapshot(_before_snapshot)
+    register_after_restore(_after_restore)
+    return True
+
+
+_register_snapshot_hooks()
+atexit.register(shutdown)
+if os.environ.get(ENV_REPOSITORY):
+    _started()
