@@ -13,6 +13,7 @@ import tritonclient.grpc as tgrpc
 from tests.cache_fixtures import RedisServer
 from tests.conftest import RELAXED, RunningServer, start_server
 from tests.models import build_scale
+from tests.v2 import http_infer, infer_body
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +43,7 @@ def cached_server(
 def _post(
     server: RunningServer, model: str, values: list[float], **params: object
 ) -> httpx.Response:
-    body: dict = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": values}]}
-    if params:
-        body["parameters"] = params
-    return httpx.post(f"{server.base}/v2/models/{model}/infer", json=body)
+    return http_infer(server, model, infer_body("x", values, [1, 4], **params), timeout=5)
 
 
 def test_http_header_reports_miss_then_memory_hit(cached_server: RunningServer) -> None:
