@@ -1,0 +1,261 @@
+"""rtserve on Ray Serve: a model repository as one Serve deployment.
+
+Each replica owns an ``rtserve.Engine`` (its models, batcher, cache and metrics) and answers
+the V2 HTTP routes itself: Ray's proxy hands the request straight to the replica, which
+decodes it, calls ``DataPlane.infer`` (batching happens there, not in ``@serve.batch``) and
+encodes the answer, as ``rtserve serve`` does.
+
+```python
+from ray import serve
+import rtserve.ray
+
+serve.run(rtserve.ray.app("examples/repository", num_replicas=2), route_prefix="/")
+```
+
+or ``serve run rtserve.ray:build repository=examples/repository num_replicas=2``, or a
+Serve config file (``deploy/ray/serve.yaml``) for ``serve deploy``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve.deployment import Application
+from starlette.requests import Request
+from starlette.responses import Response
+
+from rtserve.config import load_server_config
+from rtserve.engine import Engine
+from rtserve.errors import ConfigError, NotSupported, PayloadTooLarge
+from rtserve.observability.logs import checked_request_id
+from rtserve.observability.metrics import server_timing
+from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
+from rtserve.protocol.types import InferRequest, Timings
+from rtserve.server import http1
+from rtserve.server.errors import http_error
+from rtserve.server.paths import canonical_path
+from rtserve.server.rest import HttpFrontend, _infer_target, _int_header
+
+__all__ = ["RTServeDeployment", "app", "build"]
+
+REPLICA_HEADER = "x-rtserve-replica"
+_now = time.perf_counter_ns
+
+
+def _headers(pairs: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in pairs}
+
+
+class RTServeDeployment:
+    """One Serve replica: an Engine over the repository answering the V2 HTTP routes.
+
+    Model control (load / unload) is refused: each replica owns its models, so a load on
+    one would leave the others different; redeploy the application instead."""
+
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
+        self,
+        repository: str,
+        settings: Mapping[str, Any] | None = None,
+        config_file: str | None = None,
+    ) -> None:
+        """``settings``: ``ServerConfig`` fields; ``config_file``: an rtserve server YAML.
+        The models load and warm up here, on the loop that then runs every request."""
+        config = load_server_config(
+            Path(config_file) if config_file else None,
+            model_repository=Path(repository),
+            **dict(settings or {}),
+        )
+        self._last_request = 0.0
+        self.engine = Engine(config, more_expected=self._more_expected)
+        await self.engine.start()
+        self._frontend = HttpFrontend(self.engine.dataplane, config.max_request_bytes)
+        self._max_body = config.max_request_bytes
+        self._replica = serve.get_replica_context().replica_id.to_full_id_str()
+
+    def _more_expected(self) -> bool:
+        """Whether a request may arrive soon: one arrived in the last second (the proxy's
+        connections are not visible here, as with gRPC in ``rtserve serve``)."""
+        return time.monotonic() - self._last_request < 1.0
+
+    async def __call__(self, request: Request) -> Response:
+        received = _now()
+        self._last_request = time.monotonic()
+        try:
+            path = self._path(request)
+            if request.method == "POST" and path.endswith("/infer"):
+                return await self._infer(request, path, Timings(received=received))
+            if request.method == "POST" and path.startswith("/v2/repository/models/"):
+                raise NotSupported(
+                    "model control is not offered through Ray Serve: each replica owns its "
+                    "models; change the repository and redeploy the application"
+                )
+            body = await self._body(request) if request.method == "POST" else b""
+            raw = http1.Request(
+                request.method.encode(), path, "", {}, body, True, received, checked=True
+            )
+            status, out, headers = self._frontend._route(raw)
+        except Exception as exc:
+            status, out, headers = http_error(exc)
+        return self._response(status, out, headers)
+
+    def _path(self, request: Request) -> str:
+        """The canonical path below the application's route prefix."""
+        scope = request.scope
+        path = canonical_path(scope.get("raw_path") or scope["path"].encode())
+        root = scope.get("root_path", "").rstrip("/")
+        if root and path.startswith(root + "/"):
+            path = path[len(root) :]
+        return path
+
+    async def _body(self, request: Request) -> bytes:
+        body = await request.body()
+        if len(body) > self._max_body:
+            raise PayloadTooLarge(
+                f"request body of {len(body)} bytes exceeds max_request_bytes ({self._max_body})"
+            )
+        return body
+
+    async def _infer(self, request: Request, path: str, timings: Timings) -> Response:
+        headers = request.headers  # x-request-id: Ray's proxy echoes it (or makes one)
+        try:
+            request_id = headers.get("x-request-id")
+            if request_id is not None:
+                timings.request_id = checked_request_id(request_id)
+            traceparent = headers.get("traceparent")
+            if traceparent is not None:
+                timings.traceparent = traceparent[:128]
+            name, version = _infer_target(path)
+            body = await self._body(request)
+            encoding = headers.get("content-encoding", "identity").lower()
+            if encoding != "identity":
+                body = await asyncio.to_thread(
+                    self._frontend._decompress, body, encoding.encode("latin-1")
+                )
+            length = headers.get("inference-header-content-length")
+            header_length = (
+                None
+                if length is None
+                else _int_header(length.encode("latin-1"), "Inference-Header-Content-Length")
+            )
+            decoded: list[InferRequest] = []
+
+            def decode(mv: Any) -> InferRequest:
+                req = decode_infer_request(body, header_length, name, version, mv.decode_limits)
+                decoded.append(req)
+                return req
+
+            response = await self.engine.dataplane.infer(name, version, timings, decode)
+            out, json_length = encode_infer_response(response, decoded[0])
+        except Exception as exc:
+            return self._response(*http_error(exc))
+        pairs = [(b"server-timing", server_timing(timings, _now()).encode())]
+        if json_length is None:
+            pairs.append((b"content-type", b"application/json"))
+        else:
+            pairs.append((b"content-type", b"application/octet-stream"))
+            pairs.append((b"inference-header-content-length", b"%d" % json_length))
+        if timings.cache:
+            pairs.append((b"x-rtserve-cache", timings.cache.encode()))
+        return self._response(200, out, pairs)
+
+    def _response(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> Response:
+        out = _headers(headers)
+        out[REPLICA_HEADER] = self._replica
+        return Response(body, status, out)
+
+    def check_health(self) -> None:
+        """Ray's replica health check: failing models make the replica unhealthy."""
+        if not self.engine.ready():
+            raise RuntimeError("rtserve engine is not ready (a model failed or it is stopping)")
+
+    async def __del__(self) -> None:
+        """Answer what was accepted, then release the models (Ray calls this at shutdown)."""
+        if self.engine.started:
+            await self.engine.stop()
+
+
+def app(
+    repository: str | os.PathLike[str],
+    *,
+    num_replicas: int = 1,
+    autoscaling_config: Mapping[str, Any] | None = None,
+    max_ongoing_requests: int = 64,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+    settings: Mapping[str, Any] | None = None,
+    config_file: str | None = None,
+    name: str = "rtserve",
+    access_log: bool = False,
+) -> Application:
+    """The repository as a bound Serve application (pass it to ``serve.run``).
+
+    ``autoscaling_config``: Ray's fields (``min_replicas``, ``max_replicas``,
+    ``target_ongoing_requests``, ...); when given it replaces ``num_replicas``.
+    ``max_ongoing_requests``: requests the proxy sends one replica at once; the batcher
+    needs several in flight to batch, so keep it above the model's ``max_batch_size``.
+    ``num_cpus`` / ``num_gpus``: each replica's ``ray_actor_options``. ``access_log``: Ray's
+    per-request log line (off, as rtserve's own access log is by default)."""
+    options: dict[str, Any] = {
+        "name": name,
+        "max_ongoing_requests": max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
+        "logging_config": {"enable_access_log": access_log},
+    }
+    if autoscaling_config is not None:
+        options["autoscaling_config"] = dict(autoscaling_config)
+    else:
+        options["num_replicas"] = num_replicas
+    deployment = serve.deployment(RTServeDeployment).options(**options)
+    return deployment.bind(str(Path(repository).resolve()), dict(settings or {}), config_file)
+
+
+_ARGS: dict[str, type] = {
+    "repository": str,
+    "num_replicas": int,
+    "autoscaling_config": dict,
+    "max_ongoing_requests": int,
+    "num_cpus": float,
+    "num_gpus": float,
+    "settings": dict,
+    "config_file": str,
+    "name": str,
+    "access_log": bool,
+}
+
+
+def _arg(key: str, value: Any) -> Any:
+    """One builder argument as ``app`` takes it (``serve run``'s ``key=value`` are strings)."""
+    kind = _ARGS.get(key)
+    if kind is None:
+        raise ConfigError(
+            f"rtserve.ray:build: unknown argument {key!r} (expected {', '.join(_ARGS)})"
+        )
+    if kind is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"rtserve.ray:build: {key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if kind is bool:
+        if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+            return value if isinstance(value, bool) else str(value).lower() == "true"
+        raise ConfigError(f"rtserve.ray:build: {key}: expected true or false, got {value!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"rtserve.ray:build: {key}: expected {kind.__name__}, got {value!r}"
+        ) from None
+
+
+def build(args: dict[str, Any]) -> Application:
+    """The application builder for ``serve run rtserve.ray:build repository=...`` and the
+    ``args`` of a Serve config file; the arguments are ``app``'s."""
+    if "repository" not in args:
+        raise ConfigError("rtserve.ray:build: the argument 'repository' is required")
+    parsed = {key: _arg(key, value) for key, value in args.items()}
+    return app(parsed.pop("repository"), **parsed)
