@@ -4,6 +4,7 @@ goes on."""
 
 from __future__ import annotations
 
+import gzip
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 import tritonclient.http as httpclient
 import yaml
@@ -140,6 +142,22 @@ def test_routes_answer_as_the_plain_server(ray_app: RayApp, plain: RunningServer
         assert ours == theirs, path
     statuses = {_post(plain.base, p, r.read())[0] for p, r in POSTS}
     assert statuses == {200, 400, 404}
+
+
+def test_compressed_and_oversized_bodies_as_the_plain_server(
+    ray_app: RayApp, plain: RunningServer
+) -> None:
+    body = gzip.compress(orjson.dumps(infer_body("input", MLP_ROW, [1, 256])))
+    for encoding in ("gzip", "br"):
+        headers = {"content-encoding": encoding}
+        ours, theirs = (
+            httpx.post(f"{base}/v2/models/mlp/infer", content=body, headers=headers, timeout=30)
+            for base in (ray_app.base, plain.base)
+        )
+        assert _answer(ours) == _answer(theirs), encoding
+    assert ours.status_code == 400 and b"br" in ours.content
+    big = httpx.post(f"{ray_app.base}/v2/models/mlp/infer", content=b" " * (65 << 20), timeout=60)
+    assert big.status_code == 413 and b"max_request_bytes" in big.content
 
 
 def test_binary_tensors_through_tritonclient(ray_app: RayApp, plain: RunningServer) -> None:

@@ -32,7 +32,7 @@ from starlette.responses import Response
 
 from rtserve.config import load_server_config
 from rtserve.engine import Engine
-from rtserve.errors import ConfigError, NotSupported, PayloadTooLarge
+from rtserve.errors import ConfigError, InvalidInput, NotSupported, PayloadTooLarge
 from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
 from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
@@ -151,7 +151,10 @@ class RTServeDeployment:
                 return req
 
             response = await self.engine.dataplane.infer(name, version, timings, decode)
-            out, json_length = encode_infer_response(response, decoded[0])
+            try:
+                out, json_length = encode_infer_response(response, decoded[0])
+            except (TypeError, ValueError) as exc:
+                raise InvalidInput(f"could not encode the response: {exc}") from None
         except Exception as exc:
             return self._response(*http_error(exc))
         pairs = [(b"server-timing", server_timing(timings, _now()).encode())]
