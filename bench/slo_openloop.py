@@ -9,6 +9,10 @@ each request's scheduled send time) and the p99 of admitted (answered 200) reque
     python -m bench.slo_openloop --out bench/results/slo/mlp.md   # + .json, .png beside it
     python -m bench.slo_openloop --loads 0.5,2 --windows 0,1000 --seconds 2   # a quick look
 
+``--workload mlp4096`` is a compute-heavy MLP (256->4096->4096->10, built here, seeded) whose
+16-row batch takes several ms; with ``--max-batch 16`` it is the setting of issue 24.
+``--src`` serves from another source tree (a worktree of an older commit) for an A/B.
+
 ``--server-cpus``/``--client-cpus`` pin the processes with taskset (on a machine with spare
 cores, so that the clients do not take the server's).
 """
@@ -33,13 +37,45 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {
     "mlp": ROOT / "examples" / "repository" / "mlp" / "1" / "model.onnx",
+    "mlp4096": ROOT / "bench" / ".work" / "models" / "mlp4096" / "model.onnx",
     "minilm": ROOT / "examples" / "repository" / "minilm-int8" / "1" / "model.onnx",
 }
 
 
+def _wide_mlp(path: Path, seed: int = 0) -> Path:
+    """The 256->4096->4096->10 FP32 MLP (He-initialised, seeded), built once: the benchmark
+    MLP's input and output, ~36 MFLOP per row, so its batches cost milliseconds."""
+    if path.exists():
+        return path
+    from examples.build_repository import _dense_graph
+
+    rng = np.random.default_rng(seed)
+    sizes = [256, 4096, 4096, 10]
+    weights = [
+        (
+            rng.normal(0.0, np.sqrt(2.0 / a), size=(a, b)).astype(np.float32),
+            rng.normal(0.0, 0.01, size=b).astype(np.float32),
+        )
+        for a, b in zip(sizes[:-1], sizes[1:], strict=True)
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}")
+    import onnx
+
+    onnx.save(_dense_graph("mlp4096", weights, "input", "output"), str(tmp))
+    tmp.replace(path)
+    return path
+
+
+def _model_file(workload: str, given: Path | None) -> Path:
+    if given is not None:
+        return given
+    return _wide_mlp(MODELS[workload]) if workload == "mlp4096" else MODELS[workload]
+
+
 def _request_body(workload: str, seq: int) -> bytes:
     rng = np.random.default_rng(0)
-    if workload == "mlp":
+    if workload.startswith("mlp"):
         x = rng.normal(size=(1, 256)).astype(np.float32)
         inputs = [
             {"name": "input", "shape": [1, 256], "datatype": "FP32", "data": x.ravel().tolist()}
@@ -104,12 +140,14 @@ def _client_main(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------- server
-def _repository(root: Path, model: Path, objective_ms: float, windows: list[int]) -> list[str]:
+def _repository(
+    root: Path, model: Path, objective_ms: float, windows: list[int], max_batch: int = 32
+) -> list[str]:
     base = {
-        "max_batch_size": 32,
+        "max_batch_size": max_batch,
         "instance_count": 1,
         "onnxruntime": {"intra_op_threads": 1, "inter_op_threads": 1},
-        "warmup": {"batch_sizes": [1, 8, 32], "iterations": 3},
+        "warmup": {"batch_sizes": sorted({1, max(1, max_batch // 4), max_batch}), "iterations": 3},
     }
     configs = {"slo": {**base, "slo": {"p99_ms": objective_ms}}}
     for w in windows:
@@ -117,7 +155,7 @@ def _repository(root: Path, model: Path, objective_ms: float, windows: list[int]
             **base,
             "dynamic_batching": {
                 "max_queue_delay_us": w,
-                "preferred_batch_sizes": [32],
+                "preferred_batch_sizes": [max_batch],
                 "max_queue_size": 2048,
             },
         }
@@ -137,7 +175,7 @@ def _pytriton(
     from bench.peers.common import TensorSpec
     from bench.workloads import WORK, Workload
 
-    if workload == "mlp":
+    if workload.startswith("mlp"):
         inputs = (TensorSpec("input", "FP32", (256,)),)
         outputs = (TensorSpec("output", "FP32", (10,)),)
     else:
@@ -313,6 +351,26 @@ def _post_once(url: str, body: bytes, timeout_s: float) -> tuple[int, float]:
         conn.close()
 
 
+def _closed_loop(url: str, body: bytes, conns: int, seconds: float, cpus: str, work: Path) -> float:
+    """Answers (2xx) per second under ``conns`` closed-loop connections (wrk, one thread):
+    the model's capacity as a client that waits for each answer sees it."""
+    import re
+
+    from bench.clients.wrk import lua_script
+
+    script = work / "closed.lua"
+    script.write_text(lua_script(body))
+    cmd = [*_taskset(cpus), "wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s",
+           "--timeout", "10s", "-s", str(script), url]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60).stdout
+    found = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
+    if not found:
+        raise RuntimeError(f"wrk: no request count in {out!r}")
+    refused = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    took = float(found.group(2)) / (1000 if found.group(3) == "ms" else 1)
+    return (int(found.group(1)) - (int(refused.group(1)) if refused else 0)) / took
+
+
 def _idle_latency(url: str, body: bytes, count: int = 7) -> float:
     """The median time one request takes with nothing else running (seconds)."""
     return float(np.median([_post_once(url, body, 30.0)[1] for _ in range(count)]))
@@ -361,6 +419,11 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(MODELS), default="mlp")
     parser.add_argument("--model", type=Path, default=None, help="the workload's ONNX file")
     parser.add_argument("--seq", type=int, default=32, help="MiniLM tokens per request")
+    parser.add_argument("--max-batch", type=int, default=32, help="max_batch_size of each config")
+    parser.add_argument(
+        "--src", type=Path, default=ROOT / "src",
+        help="the source tree rtserve is served from (an older commit's, for an A/B)",
+    )  # fmt: skip
     parser.add_argument("--objective-ms", type=float, default=10.0)
     parser.add_argument("--loads", default="0.2,0.5,1,1.5,2,3")
     parser.add_argument("--windows", default="0,200,1000,5000", help="fixed windows, µs")
@@ -370,6 +433,16 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--probe-rate", type=float, default=60_000, help="offered to find capacity")
+    parser.add_argument(
+        "--capacity", type=float, default=0.0,
+        help="answers/s that loads are multiples of, measured earlier (the same offered "
+        "load in every round of an A/B on a shared machine); 0: measure it first",
+    )  # fmt: skip
+    parser.add_argument(
+        "--closed-loop", type=int, default=0,
+        help="measure capacity closed-loop with this many wrk connections instead (a model "
+        "whose refusals cost little next to its batches answers few under a 60k/s probe)",
+    )  # fmt: skip
     parser.add_argument("--clients", type=int, default=2, help="client processes")
     parser.add_argument(
         "--loadgen", choices=("python", "c"), default="python",
@@ -413,15 +486,16 @@ def main() -> None:
     loads = [float(x) for x in args.loads.split(",")]
     work = Path(tempfile.mkdtemp(prefix="slo-bench-"))
     repo = work / "repo"
-    models = _repository(repo, args.model or MODELS[args.workload], objective, windows)
+    model_file = _model_file(args.workload, args.model)
+    models = _repository(repo, model_file, objective, windows, args.max_batch)
     body = work / "body.json"
     body.write_bytes(_request_body(args.workload, args.seq))
-    server, port = _start(repo, work, args.server_cpus)
+    server, port = _start(repo, work, args.server_cpus, args.src)
     urls = {m: f"http://127.0.0.1:{port}/v2/models/{m}/infer" for m in models}
     triton: dict[str, tuple[str, object]] = {}
     try:
         tw = [int(w) for w in args.triton_windows.split(",") if w]
-        triton = _pytriton(args.workload, args.model or MODELS[args.workload], args.seq, tw, work)
+        triton = _pytriton(args.workload, model_file, args.seq, tw, work)
         urls.update({label: url for label, (url, _) in triton.items()})
         models = list(urls)
         # Drained: one request answered within half the objective, or within twice the time
@@ -430,9 +504,10 @@ def main() -> None:
         for m in models:
             _only(m, triton)
             settled[m] = max(objective / 2e3, 2 * _idle_latency(urls[m], body.read_bytes()))
-        # Capacity: the most answers per second any configuration gives under heavy overload.
+        # Capacity: the most answers per second any configuration gives under heavy overload
+        # (open loop), or to --closed-loop connections that each wait for their answer.
         probe = []
-        for m in models:
+        for m in models if not (args.closed_loop or args.capacity) else []:
             _only(m, triton)
             probe.append(
                 _point(
@@ -450,7 +525,12 @@ def main() -> None:
                 )  # fmt: skip
             )
             _quiesce(urls[m], body.read_bytes(), settled[m])
-        capacity = max(p["ok"] / p["elapsed"] for p in probe)
+        closed = [
+            _closed_loop(urls[m], body.read_bytes(), args.closed_loop, 3, args.client_cpus, work)
+            for m in models
+            if args.closed_loop and not args.capacity
+        ]
+        capacity = args.capacity or max([p["ok"] / p["elapsed"] for p in probe] + closed)
         print(f"capacity ~{capacity:.0f} answers/s", flush=True)
         rows = []
         for i, load in enumerate(loads):
@@ -587,8 +667,15 @@ def _write(args, rows, models, capacity, objective, took) -> None:  # type: igno
         "",
         f"Command: `python -m bench.slo_openloop {' '.join(sys.argv[1:])}`",
         "",
-        f"Machine: {_machine()}. Took {took:.0f} s. Capacity measured first: ~{capacity:.0f} "
-        "answers/s (the best configuration under heavy overload). Latency is measured at the "
+        f"Machine: {_machine()}. Took {took:.0f} s. Capacity: ~{capacity:.0f} answers/s ("
+        + (
+            "given"
+            if args.capacity
+            else f"measured first, closed loop, wrk -c{args.closed_loop}"
+            if args.closed_loop
+            else "measured first, the best configuration under heavy overload"
+        )
+        + "). Latency is measured at the "
         f"client from each request's scheduled send time; {args.clients} client process(es) "
         f"({'C' if args.loadgen == 'c' else 'Python'}"
         f"{', pinned to CPUs ' + args.client_cpus if args.client_cpus else ''}"

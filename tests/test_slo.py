@@ -333,6 +333,18 @@ def test_admission_counts_in_flight_and_queued_work() -> None:
     assert admit(1, 1, 0, 0, 150 * 32, 0.0, m, 32, OBJ, instances=2).admitted
 
 
+def test_each_full_batch_ahead_adds_the_turnaround_between_batches() -> None:
+    m = fitted(curve(100, 10))  # a full batch of 32: 420 µs
+    base = admit(1, 1, 0, 0, 32 * 3, 0.0, m, 32, OBJ)
+    more = admit(1, 1, 0, 0, 32 * 3, 0.0, m, 32, OBJ, turnaround_ns=100 * US)
+    assert more.predicted_ns == base.predicted_ns + 3 * 100 * US
+    two = admit(1, 1, 0, 0, 32 * 3, 0.0, m, 32, OBJ, instances=2, turnaround_ns=100 * US)
+    assert two.predicted_ns - admit(1, 1, 0, 0, 32 * 3, 0.0, m, 32, OBJ, 2).predicted_ns == 200 * US
+    # 94 full batches fit the 40 ms budget at 420 µs each, not at 520 µs.
+    assert admit(1, 1, 0, 0, 90 * 32, 0.0, m, 32, OBJ).admitted
+    assert not admit(1, 1, 0, 0, 90 * 32, 0.0, m, 32, OBJ, turnaround_ns=100 * US).admitted
+
+
 def test_time_spent_before_the_queue_counts_against_the_objective() -> None:
     m = fitted(curve(100, 10))
     state = dict(rows_ahead=32 * 60, busy_ns=0.0, model=m, max_rows=32, objective=OBJ)
@@ -439,6 +451,25 @@ def test_feedback_closes_a_window_on_time_when_requests_are_few() -> None:
     for i in range(25):  # 25 requests over a second, all late: the window closes at 0.5 s
         fb.observe(20 * MS, 10 * MS, i * 40 * MS)
     assert fb.factor < 1.0
+
+
+def test_feedback_gives_back_only_over_enough_batches_but_cuts_at_once() -> None:
+    """Issue 24: lateness comes a whole batch at a time. With 16-row batches, 100 requests
+    on time are 6 batches, too few to give back after; one late batch still cuts."""
+    fb = LatencyFeedback(min_batches=100)
+    fb.factor = 0.8
+    for _ in range(20):  # 320 requests on time, in 20 batches
+        fb.batch()
+        _window(fb, [0.9] * 16)
+    assert fb.factor == 0.8
+    for _ in range(80):  # 100 batches: the window closes, and gives back
+        fb.batch()
+        _window(fb, [0.9] * 16)
+    assert fb.factor == pytest.approx(0.82)
+    for ratios in ([0.9] * 16,) * 5 + ([1.2] * 16,):  # a late batch among 6
+        fb.batch()
+        _window(fb, ratios)
+    assert fb.factor == pytest.approx(0.82 / 1.2)  # by how late the worst was
 
 
 # ---------------------------------------------------------------------------- priorities

@@ -172,3 +172,53 @@ async def test_inline_work_queued_too_long_runs_from_the_next_admission() -> Non
     second = add_request(policy)
     assert engine.ran == [[first]] and engine.stats.overdue_batches == 1
     assert not second.future.done() and policy.queue_depth == 1
+
+
+def _dispatch_full_batch(policy: SLOPolicy, engine: FakeEngine, clock: FakeClock) -> list:
+    """Eight queued rows dispatched as one batch on instance 0, which is then busy."""
+    batch = [add_request(policy) for _ in range(8)]
+    step = policy.next(clock.ns, 0)
+    assert step is not None and step.batch == batch
+    engine.free.clear()
+    return batch
+
+
+@run_async
+async def test_a_batch_past_its_predicted_end_still_counts_as_work_ahead() -> None:
+    """Issue 24: a batch that overruns its prediction (the core was taken) is not counted
+    as ending now; it is taken to need as long again as it has overrun, so a request that
+    would wait for it is refused rather than admitted to be late."""
+    clock = FakeClock()
+    policy, engine = slo_policy(clock, p99_ms=100)  # budget 85 ms; a batch of 8: 9 ms
+    assert policy.controller.limit == 8
+    _dispatch_full_batch(policy, engine, clock)
+    queued = [add_request(policy) for _ in range(8)]  # 9 ms in flight + 9 ms ahead: admitted
+    assert queued[-1].predicted_ns <= clock.ns + 18 * MS + 1
+    clock.advance_ms(9 + 80)  # 80 ms past the batch's predicted end, still running
+    with pytest.raises(ObjectiveRefused) as refused:
+        add_request(policy)  # 80 ms more + 9 ms ahead + its own batch: past 85 ms
+    assert refused.value.retry_after_s > 0
+    assert engine.stats.shed[("objective", 1)] == 1
+
+
+@run_async
+async def test_the_turnaround_between_batches_is_timed_and_counted_as_work_ahead() -> None:
+    """From a threaded batch's completion reaching the loop to the next queued batch's
+    dispatch (its answers written, a loop round): each batch ahead of a request adds it."""
+    clock = FakeClock()
+    policy, engine = slo_policy(clock, p99_ms=100)
+    controller = policy.controller
+    first = _dispatch_full_batch(policy, engine, clock)
+    second = [add_request(policy) for _ in range(8)]  # a full batch queued behind it
+    clock.advance_ms(9)
+    engine.free.append(0)
+    policy.finished(first, 8, 0, clock.ns - 9 * MS, clock.ns)
+    assert controller.turnaround_ns == 0  # nothing timed yet
+    clock.advance_ms(2)  # the answers written, a loop round: then the next dispatch
+    step = policy.next(clock.ns, 0)
+    assert step is not None and step.batch == second
+    assert controller.turnaround_ns == pytest.approx(0.1 * 2 * MS)  # its running mean
+    engine.free.clear()
+    busy = add_request(policy)  # behind the batch in flight (9 ms), then a turnaround
+    expected = clock.ns + 9 * MS + int(controller.turnaround_ns)
+    assert busy.predicted_ns == expected + int(controller.model.predict(engine.stats.target))

@@ -233,12 +233,15 @@ def admit(
     rate: float = 0.0,
     factor: float = 1.0,
     received_ns: int = 0,
+    turnaround_ns: float = 0.0,
 ) -> Admission:
     """Admit or refuse a request of ``rows`` rows.
 
     ``rows_ahead``: queued rows that will run before it (its priority and higher);
-    ``busy_ns``: the in-flight batch's remaining time; ``timeout_deadline_ns``: its own
-    deadline (0: none). Requests arriving after this one fill its batch until it starts, so
+    ``busy_ns``: until an instance is free for the queue (the in-flight batch's remaining
+    time and the turnaround after it); ``turnaround_ns``: from one batch's end to the next
+    queued batch's dispatch, which each full batch queued ahead adds; ``timeout_deadline_ns``:
+    its own deadline (0: none). Requests arriving after this one fill its batch until it starts, so
     its own batch is predicted with the rows ``rate`` brings meanwhile, and at least
     ``batch_rows`` (the controller's current target). ``factor``: the share of the budget the
     controller currently plans with (``LatencyFeedback``: below 1 after admitted requests
@@ -250,6 +253,8 @@ def admit(
     queued = rows_ahead + rows
     full = queued - queued % max_rows if queued % max_rows else queued - max_rows
     full_ns = model.drain_ns(full, max_rows, instances)
+    if full and turnaround_ns:
+        full_ns += turnaround_ns * math.ceil(full // max_rows / max(1, instances))
     last = min(max_rows, max(queued - full + int(rate * (busy_ns + full_ns)), batch_rows))
     drain = full_ns + model.predict(last)
     predicted = now_ns + int(busy_ns + drain)
