@@ -346,7 +346,7 @@ def test_ensemble_is_ready_only_while_its_steps_are(repo: Path) -> None:
             x = np.arange(8, dtype=np.float32).reshape(2, 4)
             from rtserve.protocol.types import Timings
 
-            out = await chain.submit({"X": x}, 2, Timings())
+            out = await chain.scheduler.submit({"X": x}, 2, Timings())
             np.testing.assert_allclose(out["Y"], x * 6)
         finally:
             await registry.stop()

@@ -387,7 +387,7 @@ class DataPlane:
                     task.add_done_callback(self._tasks.discard)
                     return None
                 request.timings.cache = "bypass"
-            future = mv.submit(
+            future = mv.scheduler.submit(
                 feeds,
                 rows,
                 request.timings,
@@ -482,7 +482,7 @@ class DataPlane:
         """After an L1 miss: single-flight, then Redis, then the model."""
 
         async def run() -> list[Tensor]:
-            results = await mv.submit(
+            results = await mv.scheduler.submit(
                 feeds, rows, request.timings, timeout_s, request.parameters.get("priority")
             )
             return self._select(mv, results, wanted)

@@ -496,7 +496,7 @@ class EnsembleScheduler:
         t = Timings(received=_now())
         feeds = {name: tensors[tensor] for name, tensor in step.inputs.items()}
         try:
-            outputs = await mv.submit(feeds, rows, t, timeout_s, priority)
+            outputs = await mv.scheduler.submit(feeds, rows, t, timeout_s, priority)
         except BaseException as exc:
             if isinstance(exc, Exception):
                 mv.metrics.observe_failure(outcome_of(exc), t, _now())

@@ -95,17 +95,6 @@ class ModelVersion:
     # Class labels per output, in index order (the config's labels files, a ZipMap's classes).
     labels: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
-    def submit(
-        self,
-        feeds: dict[str, np.ndarray],
-        rows: int,
-        timings: Timings,
-        timeout_s: float = 0.0,
-        priority: object = None,
-        on_done: Callable[[asyncio.Future[Outputs]], object] | None = None,
-    ) -> asyncio.Future[Outputs]:
-        return self.scheduler.submit(feeds, rows, timings, timeout_s, priority, on_done)
-
     def early_refusal(self, received_ns: int) -> RTServeError | None:
         """The scheduler's refusal before decoding (``Scheduler.refuse_early``), or None;
         never with a response cache, whose hits are answered whatever the queue."""

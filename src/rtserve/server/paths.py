@@ -25,11 +25,29 @@ _ESCAPE = re.compile(rb"%([0-9A-Fa-f]{2})")
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
+# Canonical forms of recent paths: clients repeat the same few, and a lookup costs less than
+# the checks. Bounded: cleared when full.
+_SEEN: dict[bytes, str] = {}
+_SEEN_MAX = 1024
+
+
 def canonical_path(raw: bytes) -> str:
     """The canonical form of ``raw``, a request target's path (no query string).
 
     Raises ``InvalidInput`` (400) naming what is wrong; the message never echoes more than
     100 characters of the path."""
+    seen = _SEEN.get(raw)
+    if seen is not None:
+        return seen
+    path = _canonical(raw)
+    if len(raw) <= 256:  # at most 1024 x 256 bytes, whatever clients send
+        if len(_SEEN) >= _SEEN_MAX:
+            _SEEN.clear()
+        _SEEN[raw] = path
+    return path
+
+
+def _canonical(raw: bytes) -> str:
     if not raw.startswith(b"/"):
         raise InvalidInput(
             f"request path {_shown(raw)}: expected an absolute path starting with '/'"
