@@ -90,11 +90,28 @@ async def test_submit_calls_the_sink_exactly_once_then_records_the_request() -> 
     dp, _, mv = plane()
     calls: list[tuple[object, object]] = []
     submit(
-        dp, request(np.ones((1, 4), np.float32)), lambda r, m, resp, err: calls.append((resp, err))
+        dp,
+        request(np.ones((1, 4), np.float32)),
+        lambda r, m, resp, err, final: calls.append((resp, err)),
     )
     await mv.drain()
     await asyncio.sleep(0)
     assert len(calls) == 1 and calls[0][1] is None
+    assert mv.metrics.outcomes["success"] == 1
+
+
+@run_async
+async def test_partial_answers_are_delivered_and_only_the_final_one_is_recorded() -> None:
+    dp, _, mv = plane()
+    req = request(np.ones((1, 4), np.float32))
+    calls: list[bool] = []
+
+    def sink(*args: object) -> None:
+        calls.append(bool(args[4]))
+
+    for final in (False, False, True):
+        dp._deliver(sink, req, mv, None, None, final)
+    assert calls == [False, False, True]
     assert mv.metrics.outcomes["success"] == 1
 
 
@@ -112,7 +129,9 @@ async def test_the_decoder_runs_only_after_the_model_is_found() -> None:
     dp, _, _ = plane()
     decoded: list[object] = []
     errors: list[object] = []
-    dp.submit("missing", "", Timings(), decoded.append, lambda r, m, resp, err: errors.append(err))
+    dp.submit(
+        "missing", "", Timings(), decoded.append, lambda r, m, resp, err, final: errors.append(err)
+    )
     assert decoded == [] and isinstance(errors[0], ModelNotFound)
     assert dp.metrics.unrouted.labels("not_found")._value.get() == 1
 
@@ -171,12 +190,14 @@ async def test_an_unexpected_exception_still_answers_a_500() -> None:
     req = request(np.ones((1, 4), np.float32))
     req.parameters = {"timeout": object()}  # a bad parameter: a 400 naming it
     errors: list[RTServeError | None] = []
-    submit(dp, req, lambda r, m, resp, err: errors.append(err))
+    submit(dp, req, lambda r, m, resp, err, final: errors.append(err))
     assert len(errors) == 1 and isinstance(errors[0], InvalidInput)
     # A real bug inside the path (a non-RTServeError) becomes a 500 naming only its type.
     mv.inputs = None  # type: ignore[assignment]
     errors.clear()
-    submit(dp, request(np.ones((1, 4), np.float32)), lambda r, m, resp, err: errors.append(err))
+    submit(
+        dp, request(np.ones((1, 4), np.float32)), lambda r, m, resp, err, final: errors.append(err)
+    )
     assert isinstance(errors[0], InferenceFailed) and "AttributeError" in errors[0].message
 
 

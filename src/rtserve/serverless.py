@@ -237,6 +237,7 @@ async def _infer(rt: _Runtime, ev: HttpEvent, name: str, version: str) -> Answer
         mv: ModelVersion | None,
         response: InferResponse | None,
         error: RTServeError | None,
+        final: bool = True,
     ) -> RTServeError | None:
         failed = None
         if response is not None:

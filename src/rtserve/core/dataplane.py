@@ -57,11 +57,13 @@ EXTENSIONS = (
 )
 _now = time.perf_counter_ns
 
-# Where a request's answer goes: sink(request, model version or None, response or None, error
-# or None), called exactly once per request; it returns the error the frontend met delivering
-# the answer (encoding it, say) or None. The dataplane records the metrics after it returns.
+# Where a request's answers go: sink(request, model version or None, response or None, error
+# or None, final). A tensor model's request gets one call, final; a streaming (generative)
+# request may get partial answers first (final False), then exactly one final call. The sink
+# returns the error the frontend met delivering the answer (encoding it, say) or None; the
+# dataplane records the request's metrics once, after the final call returns.
 Sink = Callable[
-    [InferRequest, ModelVersion | None, InferResponse | None, RTServeError | None],
+    [InferRequest, ModelVersion | None, InferResponse | None, RTServeError | None, bool],
     RTServeError | None,
 ]
 # A frontend's decoder: the request decoded with the model's limits (``mv.decode_limits``), or
@@ -76,9 +78,10 @@ def _settle(
     __: ModelVersion | None,
     response: InferResponse | None,
     error: RTServeError | None,
+    final: bool,
 ) -> None:
-    """The sink of ``DataPlane.infer``: the answer into its future."""
-    if answer.done():  # the caller was cancelled first
+    """The sink of ``DataPlane.infer`` (one answer): the final answer into its future."""
+    if answer.done() or not final:  # the caller was cancelled first
         return None
     if error is not None:
         # A copy, without the traceback: refusals under overload are one shared object, and
@@ -356,9 +359,12 @@ class DataPlane:
         mv: ModelVersion | None,
         response: InferResponse | None,
         error: RTServeError | None,
+        final: bool = True,
     ) -> None:
-        failed = sink(request, mv, response, error)
-        self.observe(request, mv, failed or error, _now())
+        """Give ``sink`` an answer; after the final one, record the request."""
+        failed = sink(request, mv, response, error, final)
+        if final:
+            self.observe(request, mv, failed or error, _now())
 
     def _schedule(
         self, request: InferRequest, sink: Sink, mv: ModelVersion

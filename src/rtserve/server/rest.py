@@ -253,9 +253,11 @@ class HttpFrontend:
         mv: ModelVersion | None,
         response: InferResponse | None,
         error: RTServeError | None,
+        final: bool = True,
     ) -> RTServeError | None:
-        """The request's sink: encode and send its answer; returns the error met encoding
-        a response (the dataplane then records the request as failed)."""
+        """The request's sink: encode and send its answer (V2 inference answers once, final);
+        returns the error met encoding a response (the dataplane then records the request
+        as failed)."""
         timings = request.timings
         if response is not None:
             try:
