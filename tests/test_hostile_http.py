@@ -362,18 +362,27 @@ def test_100_continue_never_overtakes_an_earlier_answer(hostile: Hostile) -> Non
 
 
 def _flood_unread(port: int, seconds: float) -> tuple[socket.socket, int, bool]:
-    """Pipelined GETs whose answers are never read, sent while the server takes them:
-    (socket, bytes sent, whether the server cut the client off)."""
+    """Pipelined GETs whose answers are never read, sent for at least ``seconds`` and until
+    the server stops taking them (sends block for 0.3 s: its answers fill every buffer, so it
+    paused): (socket, bytes sent, whether the server cut the client off). On a loaded machine
+    a fixed time could end before the answers outgrow the kernel's buffers, and a client
+    whose answers all fit there is not one the server needs to cut off."""
     sock = connect(port)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     block = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n" * 2000
     sock.setblocking(False)
     sent = 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    blocked_since = None
+    while time.monotonic() - start < seconds + 10:
         try:
             sent += sock.send(block)
+            blocked_since = None
         except BlockingIOError:
+            now = time.monotonic()
+            blocked_since = blocked_since or now
+            if now - start >= seconds and now - blocked_since >= 0.3:
+                break
             time.sleep(0.05)
         except (BrokenPipeError, ConnectionResetError):
             return sock, sent, True
