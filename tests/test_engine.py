@@ -135,3 +135,14 @@ def test_sync_from_a_plain_script_opens_no_listening_socket(repo: Path, tmp_path
     assert "ANSWER [[2.0, 2.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0]]" in proc.stdout
     assert "READY True" in proc.stdout
     assert "LISTENING 0" in proc.stdout
+
+
+def test_frontends_hint_that_more_requests_are_coming(repo: Path) -> None:
+    """Without frontends the engine never waits for more rows; a registered hint is asked."""
+    engine = Engine.from_repository(repo)
+    assert engine.more_expected() is False
+    hints = [False]
+    engine.add_activity(lambda: hints[0])
+    assert engine.more_expected() is False
+    hints[0] = True
+    assert engine.more_expected() is True

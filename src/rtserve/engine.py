@@ -105,19 +105,15 @@ def _tensor(name: str, value: Any, datatype: str | None) -> Tensor:
 class Engine:
     """The serving core in one process, without transports."""
 
-    def __init__(
-        self,
-        config: ServerConfig,
-        more_expected: Callable[[], bool] | None = None,
-    ) -> None:
-        """``more_expected``: whether another request may arrive soon (the transports know;
-        without them, never)."""
+    def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.metrics = Metrics()
+        # Frontends' hints that another request may arrive soon (``add_activity``).
+        self._activity: list[Callable[[], bool]] = []
         self.registry = ModelRegistry(
             BuildContext(
                 self.metrics,
-                more_expected=more_expected or (lambda: False),
+                more_expected=self.more_expected,
                 cache_default=_cache_default(config),
                 decode_limits=DecodeLimits(
                     max_elements=config.max_tensor_elements,
@@ -157,6 +153,16 @@ class Engine:
             journal=shared / "model-control.jsonl" if shared is not None else None,
         )
         self.started = False
+
+    def add_activity(self, source: Callable[[], bool]) -> None:
+        """Register a frontend's hint that another request may arrive soon (an idle
+        keep-alive connection, calls a moment ago): while one says so, a batching policy
+        may wait a little for more rows instead of running a small batch at once."""
+        self._activity.append(source)
+
+    def more_expected(self) -> bool:
+        """Whether any frontend expects another request soon (never without frontends)."""
+        return any(source() for source in self._activity)
 
     @classmethod
     def from_repository(cls, path: str | Path, **settings: Any) -> Engine:

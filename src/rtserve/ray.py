@@ -72,7 +72,8 @@ class RTServeDeployment:
             **dict(settings or {}),
         )
         self._last_request = 0.0
-        self.engine = Engine(config, more_expected=self._more_expected)
+        self.engine = Engine(config)
+        self.engine.add_activity(self._more_expected)
         await self.engine.start()
         self._frontend = HttpFrontend(self.engine.dataplane, config.max_request_bytes)
         self._max_body = config.max_request_bytes

@@ -63,7 +63,7 @@ class Server:
         self.on_ready = on_ready
         self.http_server: HttpServer | None = None
         # The core, shared by both frontends; the transports feed its idleness hint.
-        self.engine = engine = Engine(config, more_expected=self._more_expected)
+        self.engine = engine = Engine(config)
         self.metrics = engine.metrics
         self.registry = engine.registry
         self.workers = engine.workers
@@ -84,15 +84,19 @@ class Server:
             control=self.control,
             guard=guard,
         )
+        engine.add_activity(self._http_idle_clients)
+        engine.add_activity(self._grpc_recent)
         self._stop = asyncio.Event()
         self.http_port = 0
         self.grpc_port = 0
 
-    def _more_expected(self) -> bool:
-        """Whether a request may arrive soon: an idle HTTP client connection exists, or gRPC
-        (whose clients multiplex one connection, so idleness is unknown) was used lately."""
-        if self.http_server is not None and self.http_server.idle_connections > 0:
-            return True
+    def _http_idle_clients(self) -> bool:
+        """An HTTP client holds an idle keep-alive connection: it may send again soon."""
+        return self.http_server is not None and self.http_server.idle_connections > 0
+
+    def _grpc_recent(self) -> bool:
+        """gRPC clients multiplex one connection, so idleness is unknown: calls a moment ago
+        stand for more to come."""
         return time.monotonic() - self.grpc.last_request_s < 1.0
 
     def request_stop(self) -> None:
