@@ -262,19 +262,26 @@ async def test_an_early_refusal_leaves_no_reference_cycle() -> None:
         for _ in range(64):  # the queue grows until admission refuses
             queued.append(batcher.submit(feeds, 1, Timings()))
 
-    def refuse_one() -> None:
+    registry = ModelRegistry(BuildContext(metrics, more_expected=lambda: False))
+    registry.models["slow"] = ModelEntry("slow", {"1": mv}, latest="1")
+    dp = DataPlane(registry, metrics)
+    dp.started = True
+    body = request(np.ones((1, 4), np.float32), model="slow")
+
+    async def refuse_one() -> None:
         try:
-            mv.check_early(clock.ns)
+            await dp.infer("slow", "", Timings(received=clock.ns), lambda _: body)
         except ObjectiveRefused as exc:
             assert "latency objective" in exc.message
         else:
             raise AssertionError("not refused")
 
+    await refuse_one()  # the first builds what later refusals reuse
     gc.collect()
     gc.disable()
     try:
         for _ in range(100):
-            refuse_one()
+            await refuse_one()
         assert gc.collect() == 0  # nothing was left for the cyclic collector
     finally:
         gc.enable()

@@ -9,7 +9,6 @@ wires a runtime backend's version (load, labels, warmup, SLO calibration, batche
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
@@ -101,20 +100,6 @@ class ModelVersion:
         if self.cache is not None:
             return None
         return self.scheduler.refuse_early(received_ns)
-
-    def check_early(self, received_ns: int) -> None:
-        """``early_refusal``, raised: a copy, as the scheduler gives requests refused back to
-        back the same object, and a raised exception keeps its traceback."""
-        error = self.early_refusal(received_ns)
-        if error is not None:
-            error = copy.copy(error)
-            try:
-                raise error
-            finally:
-                # Not held by this frame, which the traceback holds: that cycle would keep
-                # the frame (and the caller's, with the request body) until a cyclic
-                # collection, and refusals come by the thousand under overload.
-                del error
 
     async def drain(self) -> None:
         """Wait until every admitted request has been answered."""
