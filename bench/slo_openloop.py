@@ -47,22 +47,10 @@ def _wide_mlp(path: Path, seed: int = 0) -> Path:
     MLP's input and output, ~36 MFLOP per row, so its batches cost milliseconds."""
     if path.exists():
         return path
-    from examples.build_repository import _dense_graph
+    from examples.build_repository import build_mlp
 
-    rng = np.random.default_rng(seed)
-    sizes = [256, 4096, 4096, 10]
-    weights = [
-        (
-            rng.normal(0.0, np.sqrt(2.0 / a), size=(a, b)).astype(np.float32),
-            rng.normal(0.0, 0.01, size=b).astype(np.float32),
-        )
-        for a, b in zip(sizes[:-1], sizes[1:], strict=True)
-    ]
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}")
-    import onnx
-
-    onnx.save(_dense_graph("mlp4096", weights, "input", "output"), str(tmp))
+    build_mlp(tmp, seed, sizes=(256, 4096, 4096, 10), name="mlp4096")
     tmp.replace(path)
     return path
 

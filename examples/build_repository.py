@@ -91,10 +91,11 @@ def _dense_graph(
     return model
 
 
-def build_mlp(path: Path, seed: int = 0) -> Path:
-    """The benchmark MLP: 256->512->512->10, He-initialised with a fixed seed."""
+def build_mlp(
+    path: Path, seed: int = 0, sizes: tuple[int, ...] = (256, 512, 512, 10), name: str = "mlp"
+) -> Path:
+    """The benchmark MLP (by default 256->512->512->10), He-initialised with a fixed seed."""
     rng = np.random.default_rng(seed)
-    sizes = [256, 512, 512, 10]
     weights = [
         (
             rng.normal(0.0, np.sqrt(2.0 / a), size=(a, b)).astype(np.float32),
@@ -103,7 +104,7 @@ def build_mlp(path: Path, seed: int = 0) -> Path:
         for a, b in zip(sizes[:-1], sizes[1:], strict=True)
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(_dense_graph("mlp", weights, "input", "output"), str(path))
+    onnx.save(_dense_graph(name, weights, "input", "output"), str(path))
     return path
 
 
