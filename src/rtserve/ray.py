@@ -35,12 +35,16 @@ from rtserve.engine import Engine
 from rtserve.errors import ConfigError, InvalidInput, NotSupported, PayloadTooLarge
 from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
-from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
+from rtserve.protocol.http_codec import (
+    decode_infer_request,
+    encode_infer_response,
+    json_header_length,
+)
 from rtserve.protocol.types import InferRequest, Timings
 from rtserve.server import http1
 from rtserve.server.errors import http_error
 from rtserve.server.paths import canonical_path
-from rtserve.server.rest import HttpFrontend, _infer_target, _int_header
+from rtserve.server.rest import HttpFrontend, _infer_target
 
 __all__ = ["RTServeDeployment", "app", "build"]
 
@@ -139,11 +143,7 @@ class RTServeDeployment:
                     self._frontend._decompress, body, encoding.encode("latin-1")
                 )
             length = headers.get("inference-header-content-length")
-            header_length = (
-                None
-                if length is None
-                else _int_header(length.encode("latin-1"), "Inference-Header-Content-Length")
-            )
+            header_length = json_header_length(None if length is None else length.encode("latin-1"))
             decoded: list[InferRequest] = []
 
             def decode(mv: Any) -> InferRequest:

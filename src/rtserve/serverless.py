@@ -46,12 +46,16 @@ from rtserve.errors import (
 )
 from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
-from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
+from rtserve.protocol.http_codec import (
+    decode_infer_request,
+    encode_infer_response,
+    json_header_length,
+)
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.errors import http_error
 from rtserve.server.http1 import Request
 from rtserve.server.paths import canonical_path
-from rtserve.server.rest import HttpFrontend, _infer_target, _int_header
+from rtserve.server.rest import HttpFrontend, _infer_target
 
 __all__ = ["ENV_CONFIG", "ENV_REPOSITORY", "engine", "handler", "shutdown"]
 
@@ -198,10 +202,7 @@ def _decode(rt: _Runtime, ev: HttpEvent, name: str, version: str, mv: ModelVersi
     encoding = ev.headers.get(b"content-encoding")
     if encoding is not None and encoding.lower() != b"identity":
         body = rt.frontend._decompress(body, encoding.lower())
-    header_length = ev.headers.get(b"inference-header-content-length")
-    length = None
-    if header_length is not None:
-        length = _int_header(header_length, "Inference-Header-Content-Length")
+    length = json_header_length(ev.headers.get(b"inference-header-content-length"))
     return decode_infer_request(body, length, name, version, mv.decode_limits)
 
 

@@ -367,6 +367,19 @@ def _fast_inputs(
     return inputs
 
 
+def json_header_length(value: bytes | None) -> int | None:
+    """The ``Inference-Header-Content-Length`` header (binary tensor extension): the JSON
+    part's length, or None when the header is absent (the body is all JSON)."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidInput(
+            f"Inference-Header-Content-Length: expected an integer, got {value[:40]!r}"
+        ) from None
+
+
 def decode_infer_request(
     body: bytes,
     header_length: int | None,

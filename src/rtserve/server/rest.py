@@ -23,7 +23,11 @@ from rtserve.core.model import ModelVersion
 from rtserve.errors import InvalidInput, PayloadTooLarge, RouteNotFound, RTServeError, as_error
 from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
-from rtserve.protocol.http_codec import decode_infer_request, encode_infer_response
+from rtserve.protocol.http_codec import (
+    decode_infer_request,
+    encode_infer_response,
+    json_header_length,
+)
 from rtserve.protocol.load_request import MAX_LOAD_BODY_BYTES, config_from_body
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.errors import JSON_TYPE, http_error
@@ -38,13 +42,6 @@ _now = time.perf_counter_ns
 
 def _json(status: int, doc: Any) -> tuple[int, bytes, Headers]:
     return status, orjson.dumps(doc), [JSON_TYPE]
-
-
-def _int_header(value: bytes, name: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise InvalidInput(f"{name}: expected an integer, got {value[:40]!r}") from None
 
 
 def _infer_target(path: str) -> tuple[str, str]:
@@ -222,12 +219,9 @@ class HttpFrontend:
                 # compression bomb must not stall every other client on the loop.
                 self._start_decompress(conn, raw, encoding.lower())
                 return None
-        header_length = headers.get(b"inference-header-content-length")
         return decode_infer_request(
             body,
-            None
-            if header_length is None
-            else _int_header(header_length, "Inference-Header-Content-Length"),
+            json_header_length(headers.get(b"inference-header-content-length")),
             name,
             version,
             mv.decode_limits,
