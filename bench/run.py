@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from pathlib import Path
 from bench import baseline, envs, limits, machine, plots, servers
 from bench.clients import perf_analyzer, wrk
 from bench.procs import http_post
-from bench.report import RunRecord, load_record, render, save_record
+from bench.report import RunRecord, load_record, render, render_details, save_record
 from bench.results import Measurement, save, short_error
 from bench.stats import combine_rounds, saturated
 from bench.workloads import ROOT, WORKLOADS, Workload
@@ -572,11 +573,18 @@ def draw_plots(record: RunRecord) -> list[tuple[str, str]]:
     return drawn
 
 
+# The full run's evidence (every load point), beside the raw results rather than in docs/.
+DETAILS = ROOT / "bench" / "results" / "benchmarks-detail.md"
+
+
 def publish(record: RunRecord, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    quick = record.mode.startswith("quick")
-    out.write_text(render(record, "Benchmarks (quick): the core serving comparison" if quick
-                          else "Benchmarks"))  # fmt: skip
+    if record.mode.startswith("quick"):
+        out.write_text(render(record, "Benchmarks (quick): the core serving comparison"))
+        return
+    DETAILS.write_text(render_details(record, "Benchmarks"))
+    link = Path(os.path.relpath(DETAILS, out.parent)).as_posix()
+    out.write_text(render(record, "Benchmarks", details=link))
 
 
 if __name__ == "__main__":

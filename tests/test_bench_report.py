@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.report import RunRecord, fmt_ms, fmt_rps, headline_goals, render
+from bench.report import RunRecord, fmt_ms, fmt_rps, headline_goals, render, render_details
 from bench.results import Measurement
 
 
@@ -217,3 +217,14 @@ def test_slo_plots_are_embedded_when_present(tmp_path: Path) -> None:
     lines = slo_section(tmp_path)
     assert "![minilm-seq32](../bench/results/slo/minilm-seq32.png)" in lines
     assert any("benchmarks-slo.md" in line for line in lines)
+
+
+def test_a_full_report_links_its_load_points_instead_of_holding_them() -> None:
+    record = _record(matrix=[_point("rtserve", 5000, 4.0)])
+    record.plots = [("mlp: closed loop", "img/bench-mlp-closed.png")]
+    page = render(record, "Benchmarks", details="../bench/results/benchmarks-detail.md")
+    details = render_details(record, "Benchmarks")
+    assert "## Workload: mlp" not in page and "## Workload: mlp" in details
+    assert "(../bench/results/benchmarks-detail.md)" in page
+    assert "](../../docs/img/bench-mlp-closed.png)" in details
+    assert "## Workload: mlp" in render(record, "Benchmarks")  # one page without ``details``
