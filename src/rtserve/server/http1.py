@@ -4,7 +4,10 @@ Why not a general ASGI server: on a 2-core machine the HTTP layer is most of a s
 model's budget. ASGI costs a task, several message dicts and two socket writes per
 request; here a request is parsed in place, handed to a plain callback, and its response
 goes out in one write. Keep-alive, pipelining (answers in order), chunked request bodies,
-``Expect: 100-continue``, HTTP/1.0 and HEAD are handled.
+``Expect: 100-continue``, HTTP/1.0 and HEAD are handled. A route may answer with a body
+that arrives in pieces (``respond_stream``: server-sent events of generated tokens), sent
+with chunked transfer encoding as the transport's buffer drains; if the client goes away,
+the body's iterator is closed at once (its generation stops).
 
 A client is bounded by ``HttpLimits``: URL, header count, header and head sizes, body size,
 idle / header / body timeouts and a cap on open connections; each refusal names the limit.
@@ -24,7 +27,7 @@ import resource
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -219,6 +222,7 @@ class Connection(asyncio.Protocol):
         "_checked",
         "_limit",
         "_chunk_cost",
+        "_drained",
     )
 
     def __init__(self, server: HttpServer) -> None:
@@ -261,6 +265,7 @@ class Connection(asyncio.Protocol):
         self._checked = False
         self._limit = self.server.max_body  # this request's body limit (a route may lower it)
         self._chunk_cost = 0
+        self._drained: asyncio.Future[None] | None = None  # a stream waits for the peer to read
 
     # ------------------------------------------------------------------ transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -300,6 +305,11 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        drained = self._drained
+        if drained is not None:
+            self._drained = None
+            if not drained.done():
+                drained.set_result(None)
         if self.current is None and self.pipeline and not self._dispatching:
             self._run(self.pipeline.popleft())
         self._maybe_resume_reading()
@@ -550,6 +560,10 @@ class Connection(asyncio.Protocol):
                 body = b""
             encoded = response_bytes(status, body, headers, keep_alive, request.http10)
         transport.write(encoded)
+        self._answered(transport, keep_alive)
+
+    def _answered(self, transport: asyncio.Transport, keep_alive: bool) -> None:
+        """After an answer went out: close, or start the next pipelined request."""
         self.last_active = self.server.clock
         if not keep_alive:
             transport.close()
@@ -564,6 +578,68 @@ class Connection(asyncio.Protocol):
             transport.close()
         if self._held:
             self._maybe_resume_reading()
+
+    def respond_stream(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: AsyncIterator[bytes]
+    ) -> None:
+        """Answer the current request with a body that arrives in pieces: each is sent as it
+        comes (chunked; without keep-alive, or to HTTP/1.0, delimited by the close), no
+        faster than the peer reads. If the client goes away the iterator is closed
+        (``aclose``), so whatever produces it stops; later pipelined requests wait."""
+        request = self.current
+        transport = self.transport
+        loop = asyncio.get_running_loop()
+        if request is None or transport is None or transport.is_closing():
+            closing = loop.create_task(_close_quietly(body))
+            _CLOSING.add(closing)
+            closing.add_done_callback(_CLOSING.discard)
+            return
+        keep_alive = request.keep_alive and not self.server.draining and not request.http10
+        head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
+        head.extend(b"%s: %s\r\n" % (name, value) for name, value in headers)
+        head.append(
+            b"transfer-encoding: chunked\r\n\r\n" if keep_alive else b"connection: close\r\n\r\n"
+        )
+        transport.write(b"".join(head))
+        self.last_active = self.server.clock
+        task = loop.create_task(self._pump(request, body, keep_alive))
+        self.on_lost = task.cancel
+
+    async def _pump(self, request: Request, body: AsyncIterator[bytes], chunked: bool) -> None:
+        """Send ``body``'s pieces while the connection lives (cancelled when it is lost)."""
+        ok = False
+        try:
+            if request.method != b"HEAD":
+                async for piece in body:
+                    transport = self.transport
+                    if transport is None or transport.is_closing():
+                        return
+                    if piece:
+                        transport.write(b"%x\r\n%b\r\n" % (len(piece), piece) if chunked else piece)
+                        self.last_active = self.server.clock
+                    if self.write_paused:
+                        self._drained = asyncio.get_running_loop().create_future()
+                        await self._drained
+            ok = True
+        except Exception as exc:  # the body failed after its head went out: cut it short
+            log.error("error streaming %r %s", request.method, request.path, exc_info=exc)
+        finally:
+            await _close_quietly(body)
+        self._end_stream(request, chunked, ok)
+
+    def _end_stream(self, request: Request, chunked: bool, ok: bool) -> None:
+        transport = self.transport
+        if self.current is not request or transport is None:
+            return  # the connection was lost
+        self.current = None
+        self.on_lost = None
+        self.server.busy_connections -= 1
+        if not ok:  # the client must not take a cut body for a whole one
+            transport.abort()
+            return
+        if chunked and request.method != b"HEAD":
+            transport.write(b"0\r\n\r\n")
+        self._answered(transport, chunked and not self.server.draining)
 
     def refuse(self, exc: RTServeError) -> None:
         """Answer a request the parser or a limit refused (after the answers to the requests
@@ -722,6 +798,21 @@ class Connection(asyncio.Protocol):
     def stuck(self) -> bool:
         """Answers wait on a peer that does not read them: no progress is possible."""
         return self.write_paused
+
+
+_CLOSING: set[asyncio.Task[None]] = set()  # bodies being closed, held until they are
+
+
+async def _close_quietly(body: AsyncIterator[bytes]) -> None:
+    """Close a streamed body's iterator (an async generator's ``aclose``); a failure while
+    it cleans up is logged, never raised into the transport."""
+    aclose = getattr(body, "aclose", None)
+    if aclose is None:
+        return
+    try:
+        await aclose()
+    except Exception as exc:
+        log.error("error closing a streamed body", exc_info=exc)
 
 
 class HttpServer:
