@@ -305,13 +305,20 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
             value = f.get(key)
             if value is not None:
                 raise f.fail(key, f"{what} on an ensemble (set {key} on its step models)", value)
-    slo, priority_levels, default_priority = _slo_section(f)
+    token_slo = None
+    if backend == "llm":  # token objectives (ttft/itl), validated by rtserve.llm.options
+        slo, priority_levels, default_priority = None, 0, 0
+        token_slo = f.get("slo")
+    else:
+        slo, priority_levels, default_priority = _slo_section(f)
     options: dict[str, Any] = {}
     if backend not in ("onnxruntime", "ensemble"):  # those two have sections of their own
         section = f.get(backend, {})
         if not isinstance(section, dict):
             raise f.fail(backend, "a mapping of backend options", section)
         options = dict(section)
+        if token_slo is not None:
+            options["slo"] = token_slo
     labels = f.get("labels", {})
     if not isinstance(labels, dict) or any(
         not isinstance(k, str) or not isinstance(v, str) or not v or Path(v).is_absolute()

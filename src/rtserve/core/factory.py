@@ -14,6 +14,7 @@ from rtserve.config import ModelConfig, shown_value
 from rtserve.core.ensemble import build_ensemble_version
 from rtserve.core.model import BuildContext, Builder, ModelVersion, build_runtime_version
 from rtserve.errors import ConfigError
+from rtserve.llm.version import build_llm_version
 from rtserve.runtime.base import load_runtime
 
 
@@ -30,7 +31,9 @@ BACKENDS: dict[str, Builder] = {
     "onnxruntime": runtime_backend("rtserve.runtime.onnx"),
     "python": runtime_backend("rtserve.runtime.python", may_inline=False),
     "torch": runtime_backend("rtserve.runtime.torch", may_inline=False),
+    "litert": runtime_backend("rtserve.runtime.litert"),
     "ensemble": build_ensemble_version,
+    "llm": build_llm_version,
 }
 
 

@@ -34,6 +34,7 @@ from rtserve.scheduling.window import WindowPolicy
 
 if TYPE_CHECKING:
     from rtserve.cache import CacheConfig, CacheMetrics, ResponseCache
+    from rtserve.llm.engine import LlmEngine
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class ModelVersion:
     decode_limits: DecodeLimits = DEFAULT_LIMITS
     # Class labels per output, in index order (the config's labels files, a ZipMap's classes).
     labels: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # The generation engine of a generative (``backend: llm``) version, else None.
+    llm: LlmEngine | None = None
 
     def early_refusal(self, received_ns: int) -> RTServeError | None:
         """The scheduler's refusal before decoding (``Scheduler.refuse_early``), or None;

@@ -295,6 +295,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self._models: dict[tuple[str, str], ModelMetrics] = {}
         self.registry.register(_ModelCollector(self))
+        # Collectors other parts register once (by name), e.g. generative models' metrics.
+        self.collectors: dict[str, Collector] = {}
         self.unrouted = Counter(
             "rtserve_unrouted_requests",
             "Inference requests rejected before reaching a model (unknown model, bad body)",
@@ -311,6 +313,14 @@ class Metrics:
 
     def models(self) -> Iterator[ModelMetrics]:
         return iter(list(self._models.values()))
+
+    def collector(self, name: str, make: Callable[[], Collector]) -> Collector:
+        """The collector registered under ``name``, made and registered on first use."""
+        found = self.collectors.get(name)
+        if found is None:
+            found = self.collectors[name] = make()
+            self.registry.register(found)
+        return found
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,110 @@
+"""Paged attention for a packed step, plugged into transformers' attention interface.
+
+One step runs every scheduled sequence's new tokens as one packed row (no padding in the
+projections and MLPs): first the single-token items (decodes), then the prompt chunks. The
+architecture's own attention module computes q/k/v and the rotary or absolute positions;
+this function stores the new keys and values in the block pool at their slots and attends
+each item to its sequence's cached context.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "rtserve_paged"
+_local = threading.local()
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A prompt chunk of ``n`` tokens at packed offset ``start``; its sequence holds
+    ``context`` tokens after this step; ``gather``: their slots (None when the chunk is the
+    whole context: it attends to itself only)."""
+
+    start: int
+    n: int
+    context: int
+    gather: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What the attention of every layer needs for the current step."""
+
+    k_cache: list[torch.Tensor]  # per layer: [slots, kv_heads, head_dim]
+    v_cache: list[torch.Tensor]
+    slots: torch.Tensor  # [T]: where each packed token's key/value goes
+    decodes: int  # the first ``decodes`` packed tokens are single-token items
+    decode_gather: torch.Tensor | None  # [decodes, L]: their context's slots (padded)
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, L] (None: no padding)
+    chunks: list[Chunk]
+
+
+def set_step(ctx: StepContext | None) -> None:
+    _local.step = ctx
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """``query`` [1, H, T, D], ``key``/``value`` [1, KVH, T, D] for the packed step; returns
+    [1, T, H, D] as transformers' attention functions do."""
+    ctx: StepContext = _local.step
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
+    k_cache.index_copy_(0, ctx.slots, k_new)
+    v_cache.index_copy_(0, ctx.slots, v_new)
+    heads, tokens, dim = query.shape[1], query.shape[2], query.shape[3]
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    out = query.new_empty(tokens, heads, dim)
+    q = query[0]  # [H, T, D]
+    nd = ctx.decodes
+    if nd:
+        gather = ctx.decode_gather
+        assert gather is not None
+        keys = k_cache[gather].permute(0, 2, 1, 3)  # [nd, KVH, L, D]
+        values = v_cache[gather].permute(0, 2, 1, 3)
+        # Every head group of a kv head attends at the same position: one query row each.
+        qd = q[:, :nd].reshape(kv_heads, groups, nd, dim).permute(2, 0, 1, 3)
+        od = F.scaled_dot_product_attention(
+            qd, keys, values, attn_mask=ctx.decode_mask, scale=scaling
+        )  # [nd, KVH, groups, D]
+        out[:nd] = od.reshape(nd, heads, dim)
+    for c in ctx.chunks:
+        qc = q[:, c.start : c.start + c.n].unsqueeze(0)  # [1, H, n, D]
+        if c.gather is None:
+            kc = key[:, :, c.start : c.start + c.n]
+            vc = value[:, :, c.start : c.start + c.n]
+            oc = F.scaled_dot_product_attention(
+                qc, kc, vc, is_causal=True, scale=scaling, enable_gqa=groups > 1
+            )
+        else:
+            kc = k_cache[c.gather].permute(1, 0, 2).unsqueeze(0)  # [1, KVH, L, D]
+            vc = v_cache[c.gather].permute(1, 0, 2).unsqueeze(0)
+            oc = F.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=c.mask, scale=scaling, enable_gqa=groups > 1
+            )
+        out[c.start : c.start + c.n] = oc[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    """Make ``ATTN_NAME`` an attention implementation transformers models can select (no
+    mask is built for it: this function knows each item's context)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, paged_attention)

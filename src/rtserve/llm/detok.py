@@ -1,0 +1,55 @@
+"""Incremental detokenization with stop strings.
+
+Text is emitted as tokens arrive, except what cannot be final yet: a partial UTF-8
+character (the decoder yields U+FFFD until the rest arrives) and a tail that could be the
+start of a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Detokenizer:
+    __slots__ = ("_tok", "_ids", "_prefix", "_read", "text", "emitted", "_stops", "_hold")
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # decode window start (earlier text is final)
+        self._read = 0  # tokens already turned into text
+        self.text = ""  # all text so far (up to a stop string, once one is seen)
+        self.emitted = 0  # characters of ``text`` handed out
+        self._stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+
+    def add(self, token: int) -> bool:
+        """Append a token; True when a stop string ended the text."""
+        self._ids.append(token)
+        decode = self._tok.decode
+        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
+        now = decode(self._ids[self._prefix :], skip_special_tokens=True)
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return False
+        start = len(self.text)
+        self.text += now[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        if not self._stops:
+            return False
+        search_from = max(0, start - self._hold)
+        cut = -1
+        for s in self._stops:
+            i = self.text.find(s, search_from)
+            if i != -1 and (cut == -1 or i < cut):
+                cut = i
+        if cut == -1:
+            return False
+        self.text = self.text[:cut]
+        return True
+
+    def delta(self, final: bool) -> str:
+        """The text not yet handed out that can be (all of it when ``final``)."""
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self._hold)
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out

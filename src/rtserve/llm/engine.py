@@ -1,0 +1,461 @@
+"""One generative model version: the step loop in its own thread, and ``generate``.
+
+The loop runs while there is work: take new requests and aborts, schedule a step (decodes
+first, then prompt chunks, within the token budget and the token objective's limit), run
+it, sample, and hand each request its new text through the event loop it came from (one
+``call_soon_threadsafe`` per loop per step). A consumer that stops iterating (a client
+that disconnected) aborts its sequence before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections import defaultdict
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rtserve.errors import InferenceFailed, InvalidInput, ObjectiveRefused, Overloaded, ShuttingDown
+from rtserve.llm.detok import Detokenizer
+from rtserve.llm.kv import BlockPool
+from rtserve.llm.metrics import LlmMetrics
+from rtserve.llm.options import LlmOptions
+from rtserve.llm.params import GenerationEvent, SamplingParams
+from rtserve.llm.runner import ModelRunner
+from rtserve.llm.sampler import logprobs_of, new_generator, sample
+from rtserve.llm.scheduler import FINISHED, Scheduler, Sequence, Step
+
+log = logging.getLogger(__name__)
+_now = time.perf_counter_ns
+MAX_MESSAGES = 1024
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class StepModel:
+    """Step time ~ a + b * decodes + c * prompt tokens, fitted by least squares over
+    recent steps; it sizes prompt chunks for the inter-token objective and predicts the
+    first token's wait for the first-token objective."""
+
+    def __init__(self, size: int = 256) -> None:
+        self._rows: list[tuple[float, float, float]] = []
+        self._size = size
+        self.coef = (0.005, 0.0005, 0.0002)
+
+    def add(self, decodes: int, prefill: int, seconds: float) -> None:
+        self._rows.append((decodes, prefill, seconds))
+        if len(self._rows) > self._size:
+            del self._rows[: len(self._rows) - self._size]
+        if len(self._rows) >= 8 and len(self._rows) % 8 == 0:
+            self._fit()
+
+    def _fit(self) -> None:
+        data = np.array(self._rows, dtype=np.float64)
+        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+        coef, *_ = np.linalg.lstsq(x, data[:, 2], rcond=None)
+        a, b, c = (max(float(v), 1e-7) for v in coef)
+        self.coef = (a, b, c)
+
+    def time(self, decodes: int, prefill: int) -> float:
+        a, b, c = self.coef
+        return a + b * decodes + c * prefill
+
+    def prefill_for(self, decodes: int, seconds: float) -> int:
+        a, b, c = self.coef
+        return int((seconds - a - b * decodes) / c)
+
+
+class LlmEngine:
+    def __init__(self, name: str, version: str, version_dir: Path, options: LlmOptions) -> None:
+        self.name = name
+        self.version = version
+        self.options = options
+        self.runner = ModelRunner(version_dir, options)
+        self.tokenizer = self.runner.tokenizer
+        self.max_model_len = self.runner.max_model_len
+        self.pool = BlockPool(self.runner.num_blocks, options.block_size, options.prefix_caching)
+        self.scheduler = Scheduler(self.pool, options.max_num_seqs, options.max_num_batched_tokens)
+        self.metrics = LlmMetrics(name, version)
+        self.metrics.gauges = self._gauges
+        self.metrics.prefix = lambda: (self.pool.queries, self.pool.hits)
+        self.step_model = StepModel()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._incoming: list[Sequence] = []
+        self._aborts: list[Sequence] = []
+        self._stopping = False
+        self._failed: BaseException | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # ---------------------------------------------------------------- requests
+    def encode_text(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidInput(f"prompt: expected a string, got {type(text).__name__}")
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True)
+        if not ids:
+            raise InvalidInput("prompt: expected at least one token, got an empty prompt")
+        return ids
+
+    def encode_messages(self, messages: Any) -> list[int]:
+        """The chat template applied to OpenAI-style messages (checked first: a list of
+        ``{role, content}`` with string content or a list of text parts)."""
+        conversation = check_messages(messages)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation)
+            return self.encode_text(text + "assistant:")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True
+            )
+        except Exception as exc:
+            raise InvalidInput(f"messages: the chat template refused them: {exc}") from exc
+        if isinstance(ids, dict):  # (transformers returns a BatchEncoding in some versions)
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def check_prompt(self, n_prompt: int, params: SamplingParams) -> None:
+        """Refuse what can never run (too long) or would miss the first-token objective."""
+        limit = self.max_model_len
+        if n_prompt >= limit:
+            raise InvalidInput(
+                f"prompt: {n_prompt} tokens, expected fewer than max_model_len ({limit}) "
+                "to leave room for an answer"
+            )
+        if params.max_tokens is not None and n_prompt + params.max_tokens > limit:
+            raise InvalidInput(
+                f"max_tokens: {params.max_tokens} with a {n_prompt}-token prompt exceeds "
+                f"max_model_len ({limit}); expected at most {limit - n_prompt}"
+            )
+        total = n_prompt + (params.max_tokens or limit - n_prompt)
+        if self.pool.blocks_for(total) > self.pool.num_blocks:
+            raise InvalidInput(
+                f"max_tokens: prompt + answer ({total} tokens) exceeds the KV pool "
+                f"({self.pool.num_blocks * self.pool.block_size} tokens); ask for fewer tokens"
+            )
+        sched = self.scheduler
+        if len(sched.waiting) >= self.options.max_waiting:
+            self.metrics.refused += 1
+            raise Overloaded(f"model {self.name}: {len(sched.waiting)} requests waiting", 1.0)
+        slo = self.options.slo
+        if slo is not None and slo.ttft_p99_ms > 0:
+            wait = self.first_token_wait(n_prompt)
+            if wait * 1000 > slo.ttft_p99_ms:
+                self.metrics.refused += 1
+                raise ObjectiveRefused(
+                    f"model {self.name}: the first token would come in ~{wait * 1000:.0f} ms, "
+                    f"over the objective ttft_p99_ms={slo.ttft_p99_ms:g}",
+                    retry_after_s=max(1.0, wait - slo.ttft_p99_ms / 1000),
+                )
+
+    def first_token_wait(self, n_prompt: int) -> float:
+        """The predicted time until a new request's first token (read from the loop
+        thread without the lock: an estimate)."""
+        sched = self.scheduler
+        running = list(sched.running)
+        waiting = list(sched.waiting)
+        pending = n_prompt + sum(s.len_to_compute for s in waiting)
+        pending += sum(s.len_to_compute for s in running if s.prefilling)
+        decodes = sum(1 for s in running if not s.prefilling)
+        per_step = self.prefill_budget(decodes) or sched.max_num_batched_tokens - decodes
+        per_step = max(per_step, self.pool.block_size)
+        steps = math.ceil(pending / per_step)
+        wait = steps * self.step_model.time(decodes, min(per_step, pending))
+        over = len(running) + len(waiting) + 1 - sched.max_num_seqs
+        if over > 0:  # it also waits for running sequences to finish
+            left = sorted((s.max_len - len(s.tokens)) for s in running if not s.prefilling)
+            if left:
+                wait += left[min(over, len(left)) - 1] * self.step_model.time(decodes, 0)
+        return wait
+
+    def prefill_budget(self, decodes: int) -> int | None:
+        """Prompt tokens a step may run so that decoding sequences keep the inter-token
+        objective (None: no objective)."""
+        slo = self.options.slo
+        if slo is None or slo.itl_p99_ms <= 0:
+            return None
+        return self.step_model.prefill_for(decodes, 0.8 * slo.itl_p99_ms / 1000)
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str = "",
+        priority: int = 0,
+    ) -> AsyncGenerator[GenerationEvent, None]:
+        """The events of one generation, on the caller's event loop. Leaving the loop
+        early (``aclose``, cancellation) aborts the sequence."""
+        self.check_prompt(len(prompt_ids), params)
+        if self._stopping:
+            raise ShuttingDown(f"model {self.name} is stopping")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[GenerationEvent | BaseException] = asyncio.Queue()
+        max_new = params.max_tokens or self.max_model_len - len(prompt_ids)
+        seq = Sequence(
+            tokens=list(prompt_ids),
+            num_prompt=len(prompt_ids),
+            params=params,
+            max_len=min(len(prompt_ids) + max_new, self.max_model_len),
+            detok=Detokenizer(self.tokenizer, params.stop),
+            priority=priority,
+            arrival_ns=_now(),
+            request_id=request_id,
+            generator=new_generator(params, self.runner.device),
+            sink=(loop, queue),
+        )
+        self._submit(seq)
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item.finished:
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self.abort(seq)
+
+    def _submit(self, seq: Sequence) -> None:
+        with self._lock:
+            if self._failed is not None:
+                raise InferenceFailed(f"model {self.name} failed: {self._failed}")
+            self._incoming.append(seq)
+            self._idle.clear()
+        self._wake.set()
+
+    def abort(self, seq: Sequence) -> None:
+        with self._lock:
+            self._aborts.append(seq)
+        self._wake.set()
+
+    # ---------------------------------------------------------------- the loop
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"llm-{self.name}", daemon=True)
+        self._thread.start()
+
+    def warmup(self, prompt_len: int = 64, new_tokens: int = 8, seqs: int = 4) -> None:
+        """Run a few generations on this thread before serving: first-call costs, and the
+        first samples of the step-time model."""
+        rng = np.random.default_rng(0)
+        vocab = int(self.runner.model.config.vocab_size)
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        for i in range(seqs):
+            tokens = rng.integers(0, vocab, size=prompt_len * (i + 1) // seqs + 2).tolist()
+            seq = Sequence(
+                tokens=tokens,
+                num_prompt=len(tokens),
+                params=params,
+                max_len=len(tokens) + new_tokens,
+                detok=Detokenizer(self.tokenizer, ()),
+            )
+            self.scheduler.add(seq)
+        while self.scheduler.has_work():
+            self._step()
+        self.pool.queries = self.pool.hits = 0
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._take_requests()
+                if self._stopping and not self.scheduler.has_work():
+                    break
+                if not self.scheduler.has_work():
+                    self._idle.set()
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self._step()
+        except BaseException as exc:  # a failed step fails every sequence it holds
+            log.exception("llm %s: the step loop failed", self.name)
+            with self._lock:
+                self._failed = exc
+            self._fail_all(InferenceFailed(f"model {self.name}: {type(exc).__name__}: {exc}"))
+        finally:
+            self._idle.set()
+
+    def _take_requests(self) -> None:
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+            aborts, self._aborts = self._aborts, []
+        for seq in incoming:
+            self.scheduler.add(seq)
+        for seq in aborts:
+            if seq.status != FINISHED:
+                self._finish(seq, "abort")
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        decodes = sum(1 for s in sched.running if not s.prefilling)
+        step = sched.schedule(self.prefill_budget(decodes))
+        if not step.items:
+            time.sleep(0.001)
+            return
+        now = _now()
+        for seq, _ in step.items:
+            if not seq.scheduled_ns:
+                seq.scheduled_ns = now
+                if seq.sink is not None:
+                    self.metrics.observe("queue", (now - seq.arrival_ns) / 1e9)
+        rows = [i for i, (seq, n) in enumerate(step.items) if seq.computed + n == len(seq.tokens)]
+        started = time.perf_counter()
+        logits = self.runner.forward(step, rows)
+        sampling = [step.items[r][0] for r in rows]
+        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        sched.after_step(step)
+        elapsed = time.perf_counter() - started
+        self.step_model.add(step.decodes, step.prefill_tokens, elapsed)
+        self.steps += 1
+        end = _now()
+        for row, (seq, token) in enumerate(zip(sampling, tokens, strict=True)):
+            self._append(seq, token, end)
+            if seq.params.logprobs is not None:
+                seq.new_logprobs.append(
+                    logprobs_of(logits[row], token, seq.params.logprobs, self.tokenizer)
+                )
+        self._emit(sampling, step)
+
+    def _append(self, seq: Sequence, token: int, now: int) -> None:
+        seq.tokens.append(token)
+        seq.new_tokens.append(token)
+        if seq.first_token_ns == 0:
+            seq.first_token_ns = now
+            if seq.sink is not None:
+                self.metrics.observe("ttft", (now - seq.arrival_ns) / 1e9)
+        elif seq.sink is not None:
+            self.metrics.observe("itl", (now - seq.last_token_ns) / 1e9)
+        seq.last_token_ns = now
+        p = seq.params
+        if token in self.runner.eos_ids and not p.ignore_eos:
+            seq.finish_reason = "stop"
+            return
+        if seq.detok.add(token):
+            seq.finish_reason = "stop"
+        elif len(seq.tokens) >= seq.max_len:
+            seq.finish_reason = "length"
+
+    def _emit(self, sampled: list[Sequence], step: Step) -> None:
+        by_loop: dict[Any, list[tuple[asyncio.Queue[Any], GenerationEvent]]] = defaultdict(list)
+        for seq in sampled:
+            reason = seq.finish_reason
+            if reason is not None:
+                self._finish(seq, reason)
+            if seq.sink is None:
+                continue
+            text = seq.detok.delta(final=reason is not None)
+            event = GenerationEvent(
+                text=text,
+                token_ids=seq.new_tokens,
+                prompt_tokens=seq.num_prompt,
+                completion_tokens=seq.generated,
+                finish_reason=reason,
+                logprobs=seq.new_logprobs or None,
+                cached_tokens=seq.cached_tokens,
+            )
+            seq.new_tokens = []
+            seq.new_logprobs = []
+            loop, queue = seq.sink
+            by_loop[loop].append((queue, event))
+        for loop, events in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                loop.call_soon_threadsafe(_deliver, events)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq)
+        seq.finish_reason = reason
+        if seq.sink is None:
+            return
+        m = self.metrics
+        m.finished[reason] += 1
+        m.prompt_tokens += seq.num_prompt
+        m.generated_tokens += seq.generated
+        m.observe("prompt", seq.num_prompt)
+        m.observe("generated", seq.generated)
+        m.observe("e2e", (_now() - seq.arrival_ns) / 1e9)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            pending = self._incoming + list(self.scheduler.waiting) + self.scheduler.running
+            self._incoming = []
+        for seq in pending:
+            if seq.sink is not None:
+                loop, queue = seq.sink
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(queue.put_nowait, error)
+
+    def _gauges(self) -> dict[str, float]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_total": self.pool.num_blocks,
+        }
+
+    @property
+    def busy(self) -> bool:
+        return not self._idle.is_set()
+
+    async def drain(self) -> None:
+        while self.busy:
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Finish admitted sequences, then end the loop."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+
+def _deliver(events: list[tuple[asyncio.Queue[Any], GenerationEvent]]) -> None:
+    for queue, event in events:
+        queue.put_nowait(event)
+
+
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    """OpenAI chat messages as the chat template takes them; errors name the field."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInput("messages: expected a non-empty list of {role, content} objects")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidInput(f"messages: expected at most {MAX_MESSAGES} messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise InvalidInput(f"{where}: expected an object with role and content")
+        role = m.get("role")
+        if role not in ROLES:
+            raise InvalidInput(
+                f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}"[:200]
+            )
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise InvalidInput(
+                        f"{where}.content[{j}]: expected a text part {{type: text, text: ...}}"
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise InvalidInput(f"{where}.content: expected a string or a list of text parts")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out

@@ -1,0 +1,106 @@
+"""The ``llm:`` section of a model's config (and its token latency objective)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rtserve.errors import ConfigError
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSLO:
+    """Objectives for tokens: first token (p99) and the gap between tokens (p99), in ms."""
+
+    ttft_p99_ms: float = 0.0  # 0: not set
+    itl_p99_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LlmOptions:
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    dtype: str = "float32"
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    kv_cache_bytes: int = 1 << 30
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    prefix_caching: bool = True
+    threads: int = 0  # torch intra-op threads (0: torch's default)
+    default_max_tokens: int = 256
+    max_waiting: int = 1024  # requests queued beyond the running batch; more get a 503
+    slo: TokenSLO | None = None
+
+    @classmethod
+    def parse(cls, data: dict[str, Any], where: str) -> LlmOptions:
+        """The ``llm:`` mapping (with the model's ``slo:`` under ``slo``, as config.py
+        hands it over); errors name the file and field."""
+        data = dict(data)
+        slo = data.pop("slo", None)
+        known = {f for f in cls.__dataclass_fields__ if f != "slo"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"{where}: llm.{unknown[0]}: unknown field (known fields: {', '.join(sorted(known))})"
+            )
+
+        def integer(key: str, lo: int, hi: int) -> int:
+            value = data.get(key, cls.__dataclass_fields__[key].default)
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ConfigError(
+                    f"{where}: llm.{key}: expected an integer in [{lo}, {hi}], got {value!r}"
+                )
+            return int(value)
+
+        device = data.get("device", "auto")
+        if not isinstance(device, str) or not (
+            device in ("auto", "cpu", "cuda") or device.startswith("cuda:")
+        ):
+            raise ConfigError(
+                f"{where}: llm.device: expected auto, cpu or cuda[:N], got {device!r}"
+            )
+        dtype = data.get("dtype", "float32")
+        if dtype not in DTYPES:
+            raise ConfigError(
+                f"{where}: llm.dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}"
+            )
+        prefix = data.get("prefix_caching", True)
+        if not isinstance(prefix, bool):
+            raise ConfigError(
+                f"{where}: llm.prefix_caching: expected true or false, got {prefix!r}"
+            )
+        block_size = integer("block_size", 1, 1024)
+        options = cls(
+            device=device,
+            dtype=dtype,
+            max_num_seqs=integer("max_num_seqs", 1, 4096),
+            max_model_len=integer("max_model_len", 2, 1 << 20),
+            kv_cache_bytes=integer("kv_cache_bytes", 1 << 16, 1 << 40),
+            block_size=block_size,
+            max_num_batched_tokens=integer("max_num_batched_tokens", block_size, 1 << 20),
+            prefix_caching=prefix,
+            threads=integer("threads", 0, 1024),
+            default_max_tokens=integer("default_max_tokens", 1, 1 << 20),
+            max_waiting=integer("max_waiting", 0, 1 << 20),
+            slo=_token_slo(slo, where),
+        )
+        return options
+
+
+def _token_slo(value: Any, where: str) -> TokenSLO | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not value or set(value) - {"ttft_p99_ms", "itl_p99_ms"}:
+        raise ConfigError(
+            f"{where}: slo: expected a mapping with ttft_p99_ms and/or itl_p99_ms "
+            f"(milliseconds) for an llm model, got {value!r}"
+        )
+    out = {}
+    for key in ("ttft_p99_ms", "itl_p99_ms"):
+        v = value.get(key, 0.0)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 3_600_000:
+            raise ConfigError(f"{where}: slo.{key}: expected milliseconds > 0, got {v!r}")
+        out[key] = float(v)
+    return TokenSLO(**out)

@@ -1,0 +1,158 @@
+"""The model side of a step: a transformers causal LM with its attention swapped for
+``attention.paged_attention``, the key/value pool, and one packed forward per step."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rtserve.errors import ConfigError
+from rtserve.llm import attention
+from rtserve.llm.attention import Chunk, StepContext
+from rtserve.llm.options import LlmOptions
+from rtserve.llm.scheduler import Step
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"llm.device: {name} asked for, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, version_dir: Path, options: LlmOptions) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        attention.register()
+        if options.threads:
+            torch.set_num_threads(options.threads)
+        self.device = resolve_device(options.device)
+        self.dtype = _DTYPES[options.dtype]
+        self.tokenizer = AutoTokenizer.from_pretrained(version_dir)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            version_dir, dtype=self.dtype, attn_implementation=attention.ATTN_NAME
+        )
+        self.model = model.to(self.device).eval()
+        config = self.model.config
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        layers = config.num_hidden_layers
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        positions: Any = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+        self.max_model_len = min(options.max_model_len, int(positions or options.max_model_len))
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        per_token = 2 * layers * kv_heads * head_dim * element
+        self.block_size = options.block_size
+        self.num_blocks = options.kv_cache_bytes // (per_token * self.block_size)
+        if self.num_blocks < 1:
+            raise ConfigError(
+                f"llm.kv_cache_bytes: {options.kv_cache_bytes} bytes hold no block of "
+                f"{self.block_size} tokens ({per_token} bytes per token for this model)"
+            )
+        slots = self.num_blocks * self.block_size
+        self.k_cache = [
+            torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device)
+            for _ in range(layers)
+        ]
+        self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
+        self.bytes_per_token = per_token
+        log.info(
+            "llm %s: %d layers, %d KV blocks of %d tokens (%d MiB) on %s, %s",
+            version_dir, layers, self.num_blocks, self.block_size,
+            per_token * slots >> 20, self.device, options.dtype,
+        )  # fmt: skip
+
+    def _context(self, step: Step) -> tuple[StepContext, list[int], list[int], list[int]]:
+        """The attention context, the packed token ids and positions, and the packed
+        index of each item's last token."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last: list[int] = []
+        chunks: list[Chunk] = []
+        decode_rows: list[list[int]] = []
+        dev = self.device
+        for seq, n in step.items:
+            start = len(ids)
+            first = seq.computed
+            ids.extend(seq.tokens[first : first + n])
+            blocks = seq.blocks
+            pos = range(first, first + n)
+            positions.extend(pos)
+            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+            last.append(start + n - 1)
+            context = first + n
+            if n == 1:
+                decode_rows.append([blocks[p // bs] * bs + p % bs for p in range(context)])
+            elif first == 0:
+                chunks.append(Chunk(start, n, context, None, None))
+            else:
+                gather = torch.tensor(
+                    [blocks[p // bs] * bs + p % bs for p in range(context)], device=dev
+                )
+                rows = torch.arange(n, device=dev)[:, None] + first
+                mask = torch.arange(context, device=dev)[None, :] <= rows
+                chunks.append(Chunk(start, n, context, gather, mask))
+        decode_gather = decode_mask = None
+        if decode_rows:
+            longest = max(len(r) for r in decode_rows)
+            lengths = torch.tensor([len(r) for r in decode_rows], device=dev)
+            padded = [r + [r[0]] * (longest - len(r)) for r in decode_rows]
+            decode_gather = torch.tensor(padded, device=dev)
+            if int(lengths.min()) != longest:
+                decode_mask = (torch.arange(longest, device=dev)[None, :] < lengths[:, None])[
+                    :, None, None, :
+                ]
+        ctx = StepContext(
+            self.k_cache,
+            self.v_cache,
+            torch.tensor(slots, device=dev),
+            len(decode_rows),
+            decode_gather,
+            decode_mask,
+            chunks,
+        )
+        return ctx, ids, positions, last
+
+    @torch.inference_mode()
+    def forward(self, step: Step, rows: list[int]) -> torch.Tensor:
+        """Run the step; the logits [len(rows), vocab] at the last token of the items
+        numbered ``rows`` (those that sample a token)."""
+        ctx, ids, positions, last = self._context(step)
+        keep = torch.tensor([last[r] for r in rows], device=self.device)
+        attention.set_step(ctx)
+        try:
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device),
+                position_ids=torch.tensor([positions], device=self.device),
+                use_cache=False,
+                logits_to_keep=keep,
+            )
+        finally:
+            attention.set_step(None)
+        return out.logits[0]
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The end-of-sequence ids ``generate`` stops on: the generation config's, else the
+    model config's, else the tokenizer's."""
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            return frozenset((value,))
+        if isinstance(value, list | tuple) and value:
+            return frozenset(int(v) for v in value)
+    return frozenset()

@@ -1,0 +1,90 @@
+"""Small generative models for tests: random weights from a transformers config, with a
+byte-level BPE tokenizer trained in-process on the example sentences and a chat template.
+Built in well under a second; saved as a Hugging Face directory (``backend: llm``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+SENTENCES = Path(__file__).resolve().parents[1] / "examples" / "data" / "sentences.txt"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(vocab_size: int = 400):  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    lines = SENTENCES.read_text().splitlines() * 2
+    tok.train_from_iterator(lines, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_llm(
+    root: Path,
+    name: str = "tiny",
+    arch: str = "llama",
+    llm: dict | None = None,
+    slo: dict | None = None,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 64,
+) -> Path:
+    """``root/name/1/`` with a random ``arch`` (llama | qwen2 | gpt2) model, its tokenizer
+    and ``root/name/config.yaml``; returns the version directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    common = dict(vocab_size=vocab, bos_token_id=bos, eos_token_id=eos)
+    if arch == "gpt2":
+        config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, n_positions=1024, **common)
+    else:
+        cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+        config = cls(
+            num_hidden_layers=layers,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            **common,
+        )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger logits: fewer near-ties between batched and single runs
+        model.get_output_embeddings().weight.mul_(8.0)
+    version_dir = root / name / "1"
+    model.save_pretrained(version_dir)
+    tokenizer.save_pretrained(version_dir)
+    section = {"device": "cpu", "kv_cache_bytes": 8 << 20, "max_model_len": 512, "threads": 1}
+    section.update(llm or {})
+    cfg: dict = {"backend": "llm", "llm": section}
+    if slo:
+        cfg["slo"] = slo
+    (root / name / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return version_dir
