@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +118,7 @@ class LlmEngine:
             )
         except Exception as exc:
             raise InvalidInput(f"messages: the chat template refused them: {exc}") from exc
-        if isinstance(ids, dict):  # (transformers returns a BatchEncoding in some versions)
+        if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a Mapping)
             ids = ids["input_ids"]
         return list(ids)
 
