@@ -94,4 +94,7 @@ def access_line(
         "trace_id": trace_id or "-",
         "request_id": t.request_id or "-",
     }
+    if t.prompt_tokens or t.completion_tokens:  # a generation
+        fields["prompt_tokens"] = t.prompt_tokens
+        fields["completion_tokens"] = t.completion_tokens
     ACCESS.info(" ".join(f"{k}={_field(v)}" for k, v in fields.items()), extra=fields)

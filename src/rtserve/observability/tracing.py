@@ -96,6 +96,14 @@ class Tracer:
                 {"rtserve.batch_size": t.batch_size},
                 links,
             )
+        if t.prompt_tokens or t.completion_tokens:  # a generation: its tokens, named as
+            span.set_attributes(  # OpenTelemetry's GenAI conventions name them
+                {
+                    "gen_ai.usage.input_tokens": t.prompt_tokens,
+                    "gen_ai.usage.output_tokens": t.completion_tokens,
+                }
+            )
+            self._child("generate", ctx, first, ready)
         self._child("encode", ctx, ready, end_ns)
         if error:
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))

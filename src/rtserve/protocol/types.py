@@ -76,6 +76,8 @@ class Timings:
     cache: str = ""  # "", "memory", "redis"
     request_id: str = ""  # the client's x-request-id, echoed back
     traceparent: str = ""  # the client's W3C trace context
+    prompt_tokens: int = 0  # a generation's prompt, in tokens (0: not a generation)
+    completion_tokens: int = 0  # the tokens it generated
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ from rtserve.protocol.http_codec import (
 from rtserve.protocol.load_request import MAX_LOAD_BODY_BYTES, config_from_body
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.errors import JSON_TYPE, http_error
+from rtserve.server.generative import GenerativeRoutes, is_generative_route
 from rtserve.server.http1 import Connection, Request, response_bytes
 from rtserve.server.security import Guard
 from rtserve.server.stats import statistics_json
@@ -129,6 +130,7 @@ class HttpFrontend:
         self.max_request_bytes = max_request_bytes
         self.max_decompressed_bytes = max_decompressed_bytes
         self.control = control
+        self.generative = GenerativeRoutes(dataplane, guard)
         self._tasks: set[asyncio.Task[None]] = set()
         # The last early refusal and its answer: (refusal, status, body, headers, and all of
         # it encoded for a keep-alive HTTP/1.1 request).
@@ -151,6 +153,8 @@ class HttpFrontend:
             return None
         if path.startswith("/v2/repository/models/"):
             return MAX_LOAD_BODY_BYTES  # a load body has a config file's size limit
+        if is_generative_route(path):
+            return None
         if not path.startswith("/v2/repository/"):
             raise RouteNotFound(f"no route for POST {path[:200]}")
         return None
@@ -165,6 +169,9 @@ class HttpFrontend:
                 return
         if request.method == b"POST" and request.path.endswith("/infer"):
             self._infer(conn, request)
+            return
+        if is_generative_route(request.path):
+            self.generative.handle(conn, request)
             return
         if request.method == b"POST" and request.path.startswith("/v2/repository/models/"):
             task = asyncio.get_running_loop().create_task(self._model_control(conn, request))

@@ -209,8 +209,7 @@ class Guard:
         auth = self.auth
         if auth is None:
             return
-        raw = headers.get(b"authorization") or headers.get(b"x-api-key")
-        credential = raw.decode("latin-1") if raw is not None else None
+        credential = http_credential(headers)
         if parts == ["dashboard"]:
             return  # a static page without data: it sends a key for /metrics itself
         if parts == ["metrics"]:
@@ -222,6 +221,20 @@ class Guard:
             auth.check_model(credential, parts[2])
         else:
             auth.check_any(credential)
+
+    def http_model(self, headers: dict[bytes, bytes], model: str) -> None:
+        """A request that names its model in its body (the OpenAI API): after the route's
+        own check, the key must also allow that model."""
+        if self.auth is not None:
+            self.auth.check_model(http_credential(headers), model)
+
+    def may_use(self, headers: dict[bytes, bytes], model: str) -> bool:
+        """Whether the request's key may use ``model`` (what a model listing shows it)."""
+        try:
+            self.http_model(headers, model)
+        except RTServeError:
+            return False
+        return True
 
     def grpc(self, method: str, request: object, context: object) -> None:
         if method in _OPEN_GRPC:
@@ -241,6 +254,12 @@ class Guard:
         else:
             name = getattr(request, "name", "") or getattr(request, "model_name", "")
             auth.check_model(credential, str(name))
+
+
+def http_credential(headers: dict[bytes, bytes]) -> str | None:
+    """The request's ``Authorization`` header, else its ``x-api-key``."""
+    raw = headers.get(b"authorization") or headers.get(b"x-api-key")
+    return raw.decode("latin-1") if raw is not None else None
 
 
 def grpc_address(peer: str) -> str:

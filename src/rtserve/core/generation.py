@@ -1,0 +1,130 @@
+"""The lifecycle of one generation request, for every API over a generative model (OpenAI,
+Triton generate, gRPC streaming, ``Engine.generate``).
+
+``prepare`` does everything that can refuse a request before its answer starts (find the
+model, encode the prompt, check its length and the first-token objective), so a refusal is
+a plain error status; ``events`` then runs it, keeps the token counts in the request's
+``Timings``, and records the request once (metrics, access log, trace) however it ends:
+finished, failed, or closed by its consumer (a client that went away).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rtserve.core.dataplane import DataPlane
+from rtserve.core.model import ModelVersion
+from rtserve.errors import ClientClosed, InvalidInput, RTServeError, as_error
+from rtserve.llm.params import GenerationEvent, SamplingParams
+from rtserve.protocol.types import InferRequest, Timings
+
+if TYPE_CHECKING:
+    from rtserve.llm.engine import LlmEngine
+
+_now = time.perf_counter_ns
+
+
+@dataclass(slots=True)
+class Generation:
+    """One generation request, checked and encoded, ready to run."""
+
+    mv: ModelVersion
+    llm: LlmEngine
+    prompt_ids: list[int]
+    params: SamplingParams
+    timings: Timings
+    request_id: str = ""
+    priority: int = 0
+
+
+def generative(mv: ModelVersion) -> LlmEngine:
+    """The version's generation engine; a tensor model is refused, naming the model."""
+    if mv.llm is None:
+        raise InvalidInput(
+            f"model: '{mv.name}' is not a generative model (backend: llm); "
+            "use /v2/models/{name}/infer"
+        )
+    return mv.llm
+
+
+def prepare(
+    dataplane: DataPlane,
+    model: str,
+    timings: Timings,
+    params: SamplingParams,
+    *,
+    prompt: str | list[int] | None = None,
+    messages: Any = None,
+    version: str = "",
+    request_id: str = "",
+    priority: int = 0,
+) -> Generation:
+    """Resolve, encode and check a request (``prompt``: text or token ids; ``messages``: a
+    chat); raises the ``RTServeError`` it is refused with (the caller records it with
+    ``refused``)."""
+    mv = dataplane.resolve(model, version, timings)
+    llm = generative(mv)
+    if messages is not None:
+        ids = llm.encode_messages(messages)
+    elif isinstance(prompt, str):
+        ids = llm.encode_text(prompt)
+    elif isinstance(prompt, list) and prompt:
+        ids = _token_ids(prompt, len(llm.tokenizer))
+    else:
+        raise InvalidInput("prompt: expected a string or a non-empty list of token ids")
+    llm.check_prompt(len(ids), params)
+    timings.prompt_tokens = len(ids)
+    return Generation(mv, llm, ids, params, timings, request_id, priority)
+
+
+def _token_ids(ids: list[Any], vocab: int) -> list[int]:
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise InvalidInput(f"prompt[{i}]: expected a token id in [0, {vocab}), got {t!r:.40}")
+    return ids
+
+
+def refused(
+    dataplane: DataPlane,
+    timings: Timings,
+    error: BaseException,
+    model: str = "",
+    mv: ModelVersion | None = None,
+) -> RTServeError:
+    """Record a request refused before its generation started; returns its error."""
+    err = as_error(error, "generation request")
+    request = InferRequest(mv.name if mv else model[:100], mv.version if mv else "", [])
+    request.timings = timings
+    dataplane.observe(request, mv, err, _now())
+    return err
+
+
+async def events(dataplane: DataPlane, gen: Generation) -> AsyncGenerator[GenerationEvent, None]:
+    """The generation's events. Closing this iterator early (``aclose``, or cancelling the
+    task that awaits it) aborts the sequence; the request is recorded once at the end."""
+    timings = gen.timings
+    timings.enqueued = _now()
+    error: RTServeError | None = ClientClosed("the client went away before the answer ended")
+    stream = gen.llm.generate(
+        gen.prompt_ids, gen.params, request_id=gen.request_id, priority=gen.priority
+    )
+    try:
+        async for event in stream:
+            timings.completion_tokens = event.completion_tokens
+            if event.prompt_tokens:
+                timings.prompt_tokens = event.prompt_tokens
+            if event.finished:
+                error = None
+                timings.done = _now()
+            yield event
+    except Exception as exc:
+        error = as_error(exc, "generation request")
+        raise
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]  # an async generator
+        request = InferRequest(gen.mv.name, gen.mv.version, [], id=gen.request_id)
+        request.timings = timings
+        dataplane.observe(request, gen.mv, error, _now())

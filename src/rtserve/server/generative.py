@@ -1,0 +1,256 @@
+"""The generative routes on the HTTP server: the OpenAI-compatible API (``/v1/...``, see
+``server/openai.py``) and Triton's generate extension (``/v2/models/{m}/generate`` and
+``generate_stream``).
+
+Each request is parsed and checked first (``core/generation.prepare``: model, prompt,
+length, the first-token objective), so a refusal is a plain error answer; then the
+answer is streamed as server-sent events (``Connection.respond_stream``) or gathered and
+sent whole. A client that goes away stops its sequence: the stream's iterator is closed, or
+the task gathering the answer is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
+
+import orjson
+
+from rtserve.core import generation
+from rtserve.core.dataplane import DataPlane
+from rtserve.errors import InvalidInput, RouteNotFound
+from rtserve.llm.params import GenerationEvent, SamplingParams
+from rtserve.observability.logs import checked_request_id
+from rtserve.protocol.types import Timings
+from rtserve.server import openai
+from rtserve.server.errors import JSON_TYPE, http_error
+from rtserve.server.http1 import Connection, Request
+from rtserve.server.security import Guard
+
+Headers = list[tuple[bytes, bytes]]
+Answer = tuple[int, bytes, Headers]
+_GENERATE = ("generate", "generate_stream")
+# Triton generate: request keys that are not sampling parameters.
+_TRITON_KEYS = ("text_input", "parameters", "id", "stream")
+
+
+def is_generative_route(path: str) -> bool:
+    """Whether ``path`` (canonical) is one of these routes (checked after ``/infer``)."""
+    return path.startswith("/v1/") or path.endswith(("/generate", "/generate_stream"))
+
+
+def _generate_target(path: str) -> tuple[str, str, bool]:
+    """(model, version, streamed) of ``/v2/models/{m}[/versions/{v}]/generate[_stream]``."""
+    parts = path.split("/")
+    n = len(parts)
+    if n == 5 and parts[1:3] == ["v2", "models"] and parts[4] in _GENERATE:
+        return parts[3], "", parts[4] == "generate_stream"
+    if (
+        n == 7
+        and parts[1:3] == ["v2", "models"]
+        and parts[4] == "versions"
+        and parts[6] in _GENERATE
+    ):
+        return parts[3], parts[5], parts[6] == "generate_stream"
+    raise RouteNotFound(f"no route for POST {path[:200]}")
+
+
+def _timings(request: Request) -> Timings:
+    timings = Timings(received=request.received_ns)
+    request_id = request.headers.get(b"x-request-id")
+    if request_id is not None:
+        timings.request_id = checked_request_id(request_id.decode("latin-1"))
+    traceparent = request.headers.get(b"traceparent")
+    if traceparent is not None:
+        timings.traceparent = traceparent[:128].decode("latin-1")
+    return timings
+
+
+def _with_id(headers: Headers, timings: Timings) -> Headers:
+    if timings.request_id:
+        return [*headers, (b"x-request-id", timings.request_id.encode("latin-1"))]
+    return headers
+
+
+class GenerativeRoutes:
+    def __init__(self, dataplane: DataPlane, guard: Guard | None = None) -> None:
+        self.dataplane = dataplane
+        self.guard = guard
+        self.started = int(time.time())
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def handle(self, conn: Connection, request: Request) -> None:
+        """Answer one request on these routes (the guard's route check has passed)."""
+        path = request.path
+        method = b"GET" if request.method == b"HEAD" else request.method
+        if path in ("/v1/chat/completions", "/v1/completions") and method == b"POST":
+            self._openai(conn, request, openai.CHAT if "chat" in path else openai.TEXT)
+        elif path == "/v1/models" and method == b"GET":
+            conn.respond(200, orjson.dumps(self._models(request)), [JSON_TYPE])
+        elif path.startswith("/v1/models/") and method == b"GET":
+            self._model(conn, request, path[len("/v1/models/") :])
+        elif path.startswith("/v1/"):
+            error = RouteNotFound(f"no route for {method.decode()} {path[:200]}")
+            conn.respond(*openai.error_answer(error))
+        else:
+            self._triton(conn, request)
+
+    # ------------------------------------------------------------------ OpenAI
+    def _openai(self, conn: Connection, raw: Request, kind: str) -> None:
+        dp = self.dataplane
+        timings = Timings(received=raw.received_ns)
+        model = ""
+        try:
+            timings = _timings(raw)
+            request = openai.parse_request(raw.body, kind)
+            model = request.model
+            if self.guard is not None:
+                self.guard.http_model(raw.headers, model)
+            gen = generation.prepare(
+                dp,
+                model,
+                timings,
+                request.params,
+                prompt=request.prompt,
+                messages=request.messages,
+                request_id=timings.request_id,
+                priority=request.priority,
+            )
+        except Exception as exc:
+            error = generation.refused(dp, timings, exc, model)
+            status, body, headers = openai.error_answer(error, kind)
+            conn.respond(status, body, _with_id(headers, timings))
+            return
+        prompt_text = request.prompt if request.echo and isinstance(request.prompt, str) else ""
+        events = generation.events(dp, gen)
+        if request.stream:
+            chunks = openai.stream(request, events, prompt_text)
+            conn.respond_stream(200, _with_id(openai.SSE_HEADERS, timings), chunks)
+            return
+
+        async def answer() -> Answer:
+            try:
+                doc = await openai.complete(request, events, prompt_text)
+            except Exception as exc:
+                return openai.error_answer(exc, kind)
+            return 200, orjson.dumps(doc), [JSON_TYPE]
+
+        self._answer_later(conn, timings, answer)
+
+    def _models(self, raw: Request) -> dict[str, Any]:
+        guard = self.guard
+        entries: dict[str, tuple[str, int, int]] = {}
+        for mv in self.dataplane.registry.loaded_versions():
+            llm = mv.llm
+            if llm is None or not mv.ready or (guard and not guard.may_use(raw.headers, mv.name)):
+                continue
+            entries.setdefault(mv.name, (mv.name, self.started, llm.max_model_len))
+        return openai.models_document(sorted(entries.values()))
+
+    def _model(self, conn: Connection, raw: Request, name: str) -> None:
+        try:
+            if self.guard is not None:
+                self.guard.http_model(raw.headers, name)
+            llm = generation.generative(self.dataplane.registry.get(name))
+        except Exception as exc:
+            conn.respond(*openai.error_answer(exc))
+            return
+        doc = openai.models_document([(name, self.started, llm.max_model_len)])["data"][0]
+        conn.respond(200, orjson.dumps(doc), [JSON_TYPE])
+
+    # ------------------------------------------------------------------ Triton generate
+    def _triton(self, conn: Connection, raw: Request) -> None:
+        dp = self.dataplane
+        timings = Timings(received=raw.received_ns)
+        model = ""
+        try:
+            if raw.method != b"POST":
+                raise RouteNotFound(f"no route for {raw.method.decode()} {raw.path[:200]}")
+            timings = _timings(raw)
+            model, version, streamed = _generate_target(raw.path)
+            text, params = parse_triton(raw.body)
+            gen = generation.prepare(
+                dp, model, timings, params, prompt=text, version=version,
+                request_id=timings.request_id,
+            )  # fmt: skip
+        except Exception as exc:
+            status, body, headers = http_error(generation.refused(dp, timings, exc, model))
+            conn.respond(status, body, _with_id(headers, timings))
+            return
+        head = {"model_name": gen.mv.name, "model_version": gen.mv.version}
+        events = generation.events(dp, gen)
+        if streamed:
+            chunks = triton_stream(head, events)
+            conn.respond_stream(200, _with_id(openai.SSE_HEADERS, timings), chunks)
+            return
+
+        async def answer() -> Answer:
+            try:
+                text = await collect_text(events)
+            except Exception as exc:
+                return http_error(exc)
+            return 200, orjson.dumps({**head, "text_output": text}), [JSON_TYPE]
+
+        self._answer_later(conn, timings, answer)
+
+    # ------------------------------------------------------------------ plumbing
+    def _answer_later(
+        self, conn: Connection, timings: Timings, answer: Callable[[], Awaitable[Answer]]
+    ) -> None:
+        """Send ``answer()`` when it is ready; the client going away first cancels it
+        (and with it the generation)."""
+
+        async def run() -> None:
+            status, body, headers = await answer()
+            conn.respond(status, body, _with_id(headers, timings))
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        conn.on_lost = task.cancel
+
+
+def parse_triton(body: bytes) -> tuple[str, SamplingParams]:
+    """A generate request: ``{"text_input": str, "parameters": {...}}``; sampling
+    parameters may also be top-level keys (as Triton maps JSON keys to inputs)."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise InvalidInput("request body: not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput("request body: expected a JSON object with text_input")
+    text = doc.get("text_input")
+    if isinstance(text, list) and len(text) == 1:
+        text = text[0]
+    if not isinstance(text, str) or not text:
+        raise InvalidInput(f"text_input: expected a non-empty string, got {repr(text)[:60]}")
+    parameters = doc.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise InvalidInput("parameters: expected an object of sampling parameters")
+    merged = {k: v for k, v in doc.items() if k not in _TRITON_KEYS}
+    merged.update(parameters)
+    return text, SamplingParams.from_mapping(merged)
+
+
+async def collect_text(events: AsyncGenerator[GenerationEvent, None]) -> str:
+    """The whole text of a generation."""
+    async with aclosing(events):
+        return "".join([event.text async for event in events])
+
+
+async def triton_stream(
+    head: dict[str, str], events: AsyncGenerator[GenerationEvent, None]
+) -> AsyncGenerator[bytes, None]:
+    """generate_stream's events: one ``data: {model_name, model_version, text_output}`` per
+    piece of text; a failure after the stream began is an ``{"error": ...}`` event."""
+    async with aclosing(events):
+        try:
+            async for event in events:
+                if event.text or event.finished:
+                    yield openai.sse({**head, "text_output": event.text})
+        except Exception as exc:
+            _, body, _ = http_error(exc)
+            yield b"data: " + body + b"\n\n"

@@ -1,0 +1,363 @@
+"""The OpenAI-compatible API over a generative model, without a transport: request parsing
+(``parse_request``), answers (``complete``), server-sent events (``stream``) and errors in
+OpenAI's shape (``error_answer``). The HTTP server, the Ray deployment and the serverless
+handler share it, so that the official ``openai`` client works against each unchanged.
+
+What is served: ``/v1/chat/completions`` and ``/v1/completions`` (one choice, ``n`` 1),
+streamed (``data: {...}`` events, then ``data: [DONE]``; ``stream_options.include_usage``
+adds a last chunk with the token counts) or not (with ``usage``), with ``logprobs``;
+``/v1/models``. A request field rtserve cannot honour (tools, penalties, a logit bias, ...)
+is refused naming it, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import AsyncGenerator, Iterable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from rtserve.errors import InvalidInput, ModelNotFound, Overloaded, as_error
+from rtserve.llm.params import GenerationEvent, SamplingParams, TokenLogprob
+from rtserve.server.errors import http_error
+
+Headers = list[tuple[bytes, bytes]]
+CHAT, TEXT = "chat", "text"
+SSE_HEADERS: Headers = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # proxies (nginx) must not hold events back
+]
+DONE = b"data: [DONE]\n\n"
+# A field the engine cannot honour, and the value that means "not used".
+_UNUSED: dict[str, Any] = {
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "logit_bias": None,
+    "suffix": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "best_of": 1,
+    "audio": None,
+    "prediction": None,
+}
+_FIELD = re.compile(r"([A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*(?:\[\d+\])?)*): ")
+
+
+@dataclass(slots=True)
+class OpenAIRequest:
+    """A checked chat (``messages``) or completions (``prompt``) request."""
+
+    kind: str
+    model: str
+    params: SamplingParams
+    messages: list[Any] | None = None
+    prompt: str | list[int] | None = None
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    priority: int = 0
+
+
+def _fail(field: str, expected: str, value: Any) -> InvalidInput:
+    return InvalidInput(f"{field}: expected {expected}, got {repr(value)[:60]}")
+
+
+def parse_request(body: bytes, kind: str) -> OpenAIRequest:
+    """The request in ``body`` (``kind``: CHAT or TEXT); raises ``InvalidInput`` naming
+    the field and what was expected. Messages are checked when encoded (the chat template)."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise InvalidInput("request body: not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput("request body: expected a JSON object")
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise _fail("model", "the name of a served model (a string)", model)
+    _check_unused(doc)
+    n = doc.get("n")
+    if n is not None and n != 1:
+        raise _fail("n", "1 (rtserve answers one choice per request)", n)
+    stream = _flag(doc, "stream")
+    options = doc.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _fail("stream_options", "an object such as {include_usage: true}", options)
+    include_usage = (
+        stream and options is not None and _flag(options, "include_usage", "stream_options.")
+    )
+    priority = doc.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise _fail("priority", "an integer", priority)
+    request = OpenAIRequest(
+        kind,
+        model,
+        # Chat answers run to the model's length by default (OpenAI's); completions 16 tokens.
+        SamplingParams.from_mapping(doc, default_max_tokens=None if kind == CHAT else 16),
+        stream=stream,
+        include_usage=include_usage,
+        priority=priority,
+    )
+    if kind == CHAT:
+        if "messages" not in doc:
+            raise InvalidInput("messages: expected a non-empty list of {role, content} objects")
+        request.messages = doc["messages"]
+        _check_response_format(doc.get("response_format"))
+    else:
+        request.prompt = _prompt(doc.get("prompt"))
+        request.echo = _flag(doc, "echo")
+    return request
+
+
+def _flag(doc: dict[str, Any], key: str, where: str = "") -> bool:
+    value = doc.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _fail(where + key, "true or false", value)
+    return value
+
+
+def _check_unused(doc: dict[str, Any]) -> None:
+    for key, unused in _UNUSED.items():
+        value = doc.get(key)
+        if value is not None and value != unused and value != [] and value != {}:
+            shown = "absent" if unused is None else f"{unused} or absent"
+            raise _fail(key, f"{shown} (not supported by rtserve)", value)
+
+
+def _check_response_format(value: Any) -> None:
+    if value is not None and (not isinstance(value, dict) or value.get("type") != "text"):
+        raise _fail(
+            "response_format", '{"type": "text"} or absent (JSON modes are not supported)', value
+        )
+
+
+def _prompt(value: Any) -> str | list[int]:
+    """A completions prompt: text, token ids, or a list holding exactly one of those."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(type(t) is int for t in value):
+        return value
+    raise _fail(
+        "prompt", "one non-empty string or list of token ids (one prompt per request)", value
+    )
+
+
+# ---------------------------------------------------------------------- answers
+class Shaper:
+    """Builds one request's answer documents (ids, timestamps and field names as OpenAI's)."""
+
+    def __init__(self, request: OpenAIRequest) -> None:
+        self.request = request
+        chat = request.kind == CHAT
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.offset = 0  # characters of completion text so far (completions' text_offset)
+
+    def _doc(self, chunk: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.request.kind == CHAT:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.request.model,
+            "choices": choices,
+        }
+
+    def chunk(
+        self, text: str, logprobs: list[TokenLogprob] | None, finish: str | None, role: bool = False
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.request.kind == CHAT:
+            choice["delta"] = {"role": "assistant", "content": text} if role else {"content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(logprobs)
+        choice["finish_reason"] = finish
+        doc = self._doc(True, [choice])
+        if self.request.include_usage:
+            doc["usage"] = None
+        return doc
+
+    def usage_chunk(self, last: GenerationEvent | None) -> dict[str, Any]:
+        doc = self._doc(True, [])
+        doc["usage"] = usage(last)
+        return doc
+
+    def response(
+        self, text: str, logprobs: list[TokenLogprob] | None, last: GenerationEvent | None
+    ) -> dict[str, Any]:
+        finish = _finish_reason(last)
+        choice: dict[str, Any] = {"index": 0}
+        if self.request.kind == CHAT:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(logprobs)
+        choice["finish_reason"] = finish
+        doc = self._doc(False, [choice])
+        doc["usage"] = usage(last)
+        return doc
+
+    def _logprobs(self, items: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if items is None or self.request.params.logprobs is None:
+            return None
+        if self.request.kind == CHAT:
+            return {"content": [_chat_logprob(t) for t in items]}
+        offsets = []
+        for t in items:
+            offsets.append(self.offset)
+            self.offset += len(t.token)
+        return {
+            "tokens": [t.token for t in items],
+            "token_logprobs": [t.logprob for t in items],
+            "top_logprobs": [dict(t.top) for t in items],
+            "text_offset": offsets,
+        }
+
+
+def _chat_logprob(t: TokenLogprob) -> dict[str, Any]:
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    entry = one(t.token, t.logprob)
+    entry["top_logprobs"] = [one(tok, lp) for tok, lp in t.top]
+    return entry
+
+
+def _finish_reason(last: GenerationEvent | None) -> str:
+    return "stop" if last is None or last.finish_reason is None else last.finish_reason
+
+
+def usage(last: GenerationEvent | None) -> dict[str, Any]:
+    prompt = last.prompt_tokens if last is not None else 0
+    completion = last.completion_tokens if last is not None else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": last.cached_tokens if last else 0},
+    }
+
+
+async def complete(
+    request: OpenAIRequest, events: AsyncGenerator[GenerationEvent, None], prompt_text: str = ""
+) -> dict[str, Any]:
+    """The whole answer (``chat.completion`` / ``text_completion``) once generation ends;
+    ``prompt_text``: what ``echo`` puts before the completion."""
+    shaper = Shaper(request)
+    texts = [prompt_text] if request.echo else []
+    logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
+    last = None
+    async with aclosing(events):
+        async for event in events:
+            texts.append(event.text)
+            if logprobs is not None and event.logprobs:
+                logprobs.extend(event.logprobs)
+            last = event
+    return shaper.response("".join(texts), logprobs, last)
+
+
+def sse(doc: Any) -> bytes:
+    """One server-sent event carrying ``doc`` as JSON."""
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+async def stream(
+    request: OpenAIRequest, events: AsyncGenerator[GenerationEvent, None], prompt_text: str = ""
+) -> AsyncGenerator[bytes, None]:
+    """The answer as server-sent events: chunks as tokens come, the usage chunk when asked
+    for, then ``[DONE]``. A failure after the stream began is sent as an error event (the
+    status line has gone out). Closing this iterator closes ``events`` (aborting them)."""
+    shaper = Shaper(request)
+    chat = request.kind == CHAT
+    last = None
+    async with aclosing(events):
+        try:
+            if chat:
+                yield sse(shaper.chunk("", None, None, role=True))
+            elif request.echo:
+                yield sse(shaper.chunk(prompt_text, None, None))
+            async for event in events:
+                last = event
+                if event.text or event.finished or event.logprobs:
+                    yield sse(shaper.chunk(event.text, event.logprobs, event.finish_reason))
+            if request.include_usage:
+                yield sse(shaper.usage_chunk(last))
+        except Exception as exc:
+            yield sse(error_document(exc, request.kind)[1])
+    yield DONE
+
+
+# ---------------------------------------------------------------------- errors
+def _error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error" if status != 503 else "service_unavailable_error"
+    return "invalid_request_error"
+
+
+def error_document(exc: BaseException, kind: str = TEXT) -> tuple[int, dict[str, Any]]:
+    """(status, ``{"error": {message, type, param, code}}``) of a failed request. ``param``
+    is the field the message names first (a prompt counts as ``messages`` in a chat)."""
+    err = as_error(exc, "generation request")
+    status = err.http_status
+    match = _FIELD.match(err.message)
+    param = match.group(1) if match else None
+    if kind == CHAT and param == "prompt":
+        param = "messages"
+    code: str | None = None
+    if isinstance(err, ModelNotFound):
+        param, code = "model", "model_not_found"
+    elif status == 429:
+        code = "rate_limit_exceeded"
+    elif isinstance(err, Overloaded):
+        code = "overloaded"
+    body = {"message": err.message, "type": _error_type(status), "param": param, "code": code}
+    return status, {"error": body}
+
+
+def error_answer(exc: BaseException, kind: str = TEXT) -> tuple[int, bytes, Headers]:
+    """(status, body, headers) of a failed request in OpenAI's shape; ``Retry-After`` with
+    a refusal under load (429 / 503), as every rtserve refusal carries it."""
+    status, doc = error_document(exc, kind)
+    _, _, headers = http_error(as_error(exc, "generation request"))
+    return status, orjson.dumps(doc), headers
+
+
+# ---------------------------------------------------------------------- models
+def models_document(models: Iterable[tuple[str, int, int]]) -> dict[str, Any]:
+    """``/v1/models`` of (name, created unix time, max_model_len) entries."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "rtserve",
+                "max_model_len": max_len,
+            }
+            for name, created, max_len in models
+        ],
+    }
