@@ -6,6 +6,9 @@ async with Engine.from_repository("examples/repository") as engine:
     out = await engine.infer("mlp", {"input": np.random.rand(4, 256).astype(np.float32)})
 with Engine.from_repository("examples/repository").sync() as engine:
     out = engine.infer("digits", {...})
+async with Engine.from_repository("examples/llm-repository") as engine:
+    async for event in engine.generate("smollm2", messages=[{"role": "user", "content": "Hi"}]):
+        print(event.text, end="")
 ```
 
 ``infer`` goes through the same path as an HTTP or gRPC request (input checks, response
@@ -18,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -27,12 +31,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from rtserve.config import ServerConfig, load_server_config
+from rtserve.core import generation
 from rtserve.core.control import ModelControl
 from rtserve.core.dataplane import DataPlane, statistics_of
 from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.core.model import BuildContext, ModelVersion
 from rtserve.core.registry import ModelRegistry
 from rtserve.errors import InvalidInput
+from rtserve.llm.params import GenerationEvent, SamplingParams
 from rtserve.observability.metrics import Metrics
 from rtserve.observability.tracing import Tracer
 from rtserve.observability.workers import WorkerView
@@ -235,6 +241,47 @@ class Engine:
         response = await self.dataplane.infer(model, version, timings, decode)
         return {t.name: t.data for t in response.outputs}
 
+    async def generate(
+        self,
+        model: str,
+        prompt: str | list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        *,
+        version: str = "",
+        request_id: str = "",
+        priority: int = 0,
+        **params: Any,
+    ) -> AsyncGenerator[GenerationEvent, None]:
+        """Generate from a ``backend: llm`` model: the events as tokens come (``text`` each,
+        ``finish_reason`` and the token counts on the last). Give ``prompt`` (text or token
+        ids) or chat ``messages`` (the model's chat template applies); ``params``: sampling,
+        as the OpenAI API names it (``max_tokens`` (16 for a prompt; a chat runs to the
+        model's length), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
+        ``logprobs``, ...). Leaving the loop early stops the generation. Raises
+        ``InvalidInput`` (naming the field), ``ModelNotFound``, ``ObjectiveRefused``..."""
+        timings = Timings(received=_now())
+        dp = self.dataplane
+        try:
+            if (prompt is None) == (messages is None):
+                raise InvalidInput("prompt, messages: expected exactly one of them")
+            default = 16 if messages is None else None
+            gen = generation.prepare(
+                dp,
+                model,
+                timings,
+                SamplingParams.from_mapping(params, default_max_tokens=default),
+                prompt=prompt,
+                messages=messages,
+                version=version,
+                request_id=request_id,
+                priority=priority,
+            )
+        except Exception as exc:
+            raise generation.refused(dp, timings, exc, model) from None
+        async with aclosing(generation.events(dp, gen)) as events:
+            async for event in events:
+                yield event
+
     # ------------------------------------------------------------------ what is served
     def models(self) -> list[ModelStatus]:
         """Every model version the engine knows, with its state (the repository index)."""
@@ -310,6 +357,21 @@ class SyncEngine:
     def infer(self, model: str, inputs: Mapping[str, Any], **options: Any) -> dict[str, np.ndarray]:
         return self._call(self.engine.infer(model, inputs, **options))
 
+    def generate(self, model: str, *args: Any, **options: Any) -> Iterator[GenerationEvent]:
+        """``Engine.generate`` as a plain iterator (each event comes from the engine's loop
+        thread); leaving the loop early stops the generation."""
+        events = self.engine.generate(model, *args, **options)
+        try:
+            while True:
+                try:
+                    event = self._call(_next(events))
+                except StopAsyncIteration:
+                    return
+                yield event
+        finally:
+            if self._loop is not None:
+                self._call(events.aclose())
+
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` on the engine's loop (adapters such as the serverless handler)."""
         return self._call(coro)
@@ -325,3 +387,7 @@ class SyncEngine:
 
     def unload(self, model: str) -> None:
         self._call(self.engine.unload(model))
+
+
+async def _next(events: AsyncGenerator[GenerationEvent, None]) -> GenerationEvent:
+    return await events.__anext__()

@@ -3,6 +3,14 @@
 Thin: decode into an ``InferRequest``, call the dataplane, encode. Every handler runs
 inside ``_unary``, the one place where exceptions become a gRPC status (through
 ``server.errors.grpc_error``); stream requests always get an answer on the stream.
+
+A generative (``backend: llm``, decoupled) model on ``ModelStreamInfer`` answers as Triton's
+decoupled models do for tritonclient's streaming client: input ``text_input`` (BYTES),
+sampling parameters as request parameters or scalar inputs (``max_tokens``,
+``temperature``, ...); one response per piece of text (output ``text_output``), each with
+the parameter ``triton_final_response``; the last is flagged true, or, when the request
+asks for it (``triton_enable_empty_final_response``), an empty response flagged true
+follows. Cancelling the call stops the generation.
 """
 
 from __future__ import annotations
@@ -12,17 +20,27 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any
 
 import grpc
+import numpy as np
 
+from rtserve.core import generation
 from rtserve.core.control import ModelControl
 from rtserve.core.dataplane import DataPlane
+from rtserve.core.model import ModelVersion
 from rtserve.errors import InvalidInput, RTServeError, as_error
+from rtserve.llm.params import SamplingParams
 from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
 from rtserve.protocol import grpc_service_pb2 as pb
-from rtserve.protocol.grpc_codec import decode_model_infer, encode_model_infer
+from rtserve.protocol.bytes_codec import encode_bytes_elements
+from rtserve.protocol.grpc_codec import (
+    decode_model_infer,
+    encode_model_infer,
+    parameters_to_dict,
+)
 from rtserve.protocol.limits import MAX_ID_CHARS
 from rtserve.protocol.load_request import config_from_grpc
 from rtserve.protocol.types import InferRequest, Timings
@@ -274,7 +292,7 @@ class GrpcFrontend:
         its result or an error message. While the stream's window is full (answers the
         client has not read) no further request is read: HTTP/2 flow control holds it."""
         window = _Window(STREAM_WINDOW, STREAM_WINDOW_BYTES)
-        answers: asyncio.Queue[tuple[Any, int] | None] = asyncio.Queue()
+        answers: Answers = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()
         reader = asyncio.get_running_loop().create_task(
             self._read_stream(request_iterator, context, window, answers, pending)
@@ -282,7 +300,7 @@ class GrpcFrontend:
         try:
             while (item := await answers.get()) is not None:
                 yield item[0]
-                window.release(item[1])
+                window.release(item[1], item[2])
             await reader  # the reader's own failure, if any, ends the call
         finally:
             reader.cancel()
@@ -294,7 +312,7 @@ class GrpcFrontend:
         requests: Any,
         context: Any,
         window: _Window,
-        answers: asyncio.Queue[tuple[Any, int] | None],
+        answers: Answers,
         pending: set[asyncio.Task[None]],
     ) -> None:
         """Start a task per request, up to the window; ends the answers with None once the
@@ -326,8 +344,12 @@ class GrpcFrontend:
         cost: int,
         context: Any,
         window: _Window,
-        answers: asyncio.Queue[tuple[Any, int] | None],
+        answers: Answers,
     ) -> None:
+        mv = self._generative(request)
+        if mv is not None:
+            await self._stream_generation(request, mv, cost, context, window, answers)
+            return
         try:
             if self.guard is not None:
                 self.guard.grpc("ModelStreamInfer", _check(request), context)
@@ -339,7 +361,109 @@ class GrpcFrontend:
             reply = _stream_error(request, exc)
         size = reply.ByteSize()
         window.take_answer(size)
-        answers.put_nowait((reply, cost + size))
+        answers.put_nowait((reply, cost + size, True))
+
+    def _generative(self, request: Any) -> ModelVersion | None:
+        """The generative model a stream request names, else None (answered as V2)."""
+        if isinstance(request, _Malformed):
+            return None
+        entry = self.dataplane.registry.models.get(request.model_name)
+        if entry is None or not entry.versions:
+            return None
+        mv = entry.versions.get(request.model_version or entry.latest)
+        return mv if mv is not None and mv.llm is not None else None
+
+    async def _stream_generation(
+        self,
+        request: Any,
+        mv: ModelVersion,
+        cost: int,
+        context: Any,
+        window: _Window,
+        answers: Answers,
+    ) -> None:
+        """A decoupled answer: a response per piece of text as it is generated."""
+        dp = self.dataplane
+        timings = Timings(received=_now())
+
+        def put(reply: Any, last: bool = False) -> None:
+            size = reply.ByteSize()
+            window.take_answer(size)
+            answers.put_nowait((reply, size + (cost if last else 0), last))
+
+        try:
+            if self.guard is not None:
+                self.guard.grpc("ModelStreamInfer", request, context)
+            text, params, empty_final = _generation_request(request, mv)
+            gen = generation.prepare(
+                dp, request.model_name, timings, params, prompt=text,
+                version=request.model_version, request_id=request.id[:MAX_ID_CHARS],
+            )  # fmt: skip
+        except Exception as exc:
+            put(
+                _stream_error(request, generation.refused(dp, timings, exc, request.model_name)),
+                True,
+            )
+            return
+        try:
+            async with aclosing(generation.events(dp, gen)) as events:
+                async for event in events:
+                    if not event.finished:
+                        if event.text:
+                            put(_text_response(request, mv, event.text, False))
+                    elif empty_final:
+                        if event.text:
+                            put(_text_response(request, mv, event.text, False))
+                        put(_text_response(request, mv, None, True), True)
+                    else:
+                        put(_text_response(request, mv, event.text, True), True)
+        except Exception as exc:
+            put(_stream_error(request, exc), True)
+
+
+_NOT_SAMPLING = frozenset({"text_input", "stream", "exclude_input_in_output"})
+
+
+def _generation_request(request: Any, mv: ModelVersion) -> tuple[str, SamplingParams, bool]:
+    """(prompt, sampling, whether an empty final response was asked for) of a stream
+    request to a generative model."""
+    decoded = decode_model_infer(request, mv.decode_limits)
+    settings = parameters_to_dict(request.parameters)
+    text = None
+    for t in decoded.inputs:
+        values = t.data.reshape(-1)
+        if t.name == "text_input":
+            if t.datatype != "BYTES" or values.size != 1:
+                raise InvalidInput("input 'text_input': expected one BYTES element (the prompt)")
+            try:
+                text = bytes(values[0]).decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidInput("input 'text_input': expected UTF-8 text") from None
+        elif t.name not in _NOT_SAMPLING and values.size == 1:
+            value = values[0]
+            settings[t.name] = (
+                value.decode("utf-8", "replace")
+                if isinstance(value, bytes)
+                else (value.item() if isinstance(value, np.generic) else value)
+            )
+    if text is None:
+        raise InvalidInput("inputs: expected 'text_input' (BYTES, the prompt)")
+    empty_final = settings.pop("triton_enable_empty_final_response", False) is True
+    return text, SamplingParams.from_mapping(settings, where="parameters."), empty_final
+
+
+def _text_response(request: Any, mv: ModelVersion, text: str | None, final: bool) -> Any:
+    """One decoupled response: ``text_output`` (none in an empty final response) and the
+    ``triton_final_response`` flag."""
+    reply = pb.ModelInferResponse(
+        model_name=mv.name, model_version=mv.version, id=request.id[:MAX_ID_CHARS]
+    )
+    reply.parameters["triton_final_response"].bool_param = final
+    if text is not None:
+        reply.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+        data = np.array([text.encode()], dtype=object)
+        reply.raw_output_contents.append(encode_bytes_elements(data))
+    return pb.ModelStreamInferResponse(infer_response=reply)
 
 
 def _stream_error(request: Any, exc: Exception) -> Any:
@@ -354,6 +478,9 @@ def _stream_error(request: Any, exc: Exception) -> Any:
         ),
     )
 
+
+# A stream's answers waiting to be sent: (message, bytes to release, its request's last?).
+Answers = asyncio.Queue[tuple[Any, int, bool] | None]
 
 # Per stream: requests read and not yet answered on the wire, and their request and answer
 # bytes. At either bound the stream is not read until the client reads answers.
@@ -378,8 +505,9 @@ class _Window:
         self.nbytes += nbytes
         self._update()
 
-    def release(self, nbytes: int) -> None:
-        self.count -= 1
+    def release(self, nbytes: int, last: bool = True) -> None:
+        """An answer was sent; ``last``: its request's last (a generation sends many)."""
+        self.count -= last
         self.nbytes -= nbytes
         self._update()
 

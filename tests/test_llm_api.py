@@ -1,0 +1,452 @@
+"""Every API over a generative model, end to end: a real server on 127.0.0.1 serving a tiny
+random-weight Llama (``backend: llm``), driven by the official ``openai`` client, raw
+sockets (SSE framing), Triton's generate extension, tritonclient's gRPC streaming client
+and the in-process ``Engine.generate``. Greedy decoding makes every API's text comparable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+
+from tests.conftest import RunningServer, start_server
+from tests.llm_models import build_llm
+from tests.rawhttp import connect, read_response
+
+MODEL = "tiny"
+CHAT = [{"role": "user", "content": "Write a short story about a cat."}]
+
+
+@pytest.fixture(scope="module")
+def llm_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("llm-repo")
+    build_llm(root, MODEL)
+    return root
+
+
+@pytest.fixture(scope="module")
+def llm_server(llm_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    s = start_server(llm_repo, tmp_path_factory.mktemp("llm-server"), "--access-log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(llm_server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{llm_server.base}/v1", api_key="unused", max_retries=0)
+
+
+def _post(server: RunningServer, path: str, doc: Any) -> tuple[int, dict[str, str], bytes]:
+    sock = connect(server.http_port)
+    try:
+        body = json.dumps(doc).encode()
+        sock.sendall(
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
+        )
+        return read_response(sock, bytearray())
+    finally:
+        sock.close()
+
+
+def _metric(server: RunningServer, name: str, **labels: str) -> float:
+    """The sum of a metric's samples (matching ``labels``) in /metrics."""
+    with urllib.request.urlopen(f"{server.base}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _wait_idle(server: RunningServer, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if _metric(server, "rtserve_llm_running_sequences") == 0 and (
+            _metric(server, "rtserve_llm_waiting_sequences") == 0
+        ):
+            return
+        time.sleep(0.05)
+    raise AssertionError("sequences still running after the client went away")
+
+
+# ---------------------------------------------------------------------- the openai client
+def test_chat_non_streaming_and_streaming_agree(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=12,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    choice = whole.choices[0]
+    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("length", "stop")
+    assert whole.usage is not None and whole.usage.prompt_tokens > 5
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,  # type: ignore[arg-type]
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content  # greedy: the same text streamed or not
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == choice.finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_with_logprobs_and_echo(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model=MODEL, prompt="the cat sat", max_tokens=6, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = out.choices[0]
+    assert out.object == "text_completion" and choice.finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 6
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and len(lp.tokens) == 6
+    assert "".join(lp.tokens) == choice.text
+    assert lp.top_logprobs is not None and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.token_logprobs is not None and all(v <= 0 for v in lp.token_logprobs)
+
+    streamed = client.completions.create(
+        model=MODEL, prompt="the cat sat", max_tokens=6, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    echoed = client.completions.create(
+        model=MODEL, prompt="the cat sat", max_tokens=6, temperature=0, echo=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert echoed.choices[0].text == "the cat sat" + choice.text
+
+
+def test_models_listing(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+# ---------------------------------------------------------------------- errors
+def _error_of(exc: openai.APIStatusError) -> dict[str, Any]:
+    body = exc.response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param", "fragment"),
+    [
+        ({"max_tokens": -1}, "max_tokens", "expected an integer"),
+        ({"n": 2}, "n", "expected 1"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "robot"),
+        ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content", "string"),
+        ({"messages": "hello"}, "messages", "non-empty list"),
+        ({"messages": [{"role": "user", "content": "cat " * 600}]}, "messages", "max_model_len"),
+        ({"temperature": 9}, "temperature", "[0, 2]"),
+        ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    client: openai.OpenAI, kwargs: dict[str, Any], param: str, fragment: str
+) -> None:
+    request: dict[str, Any] = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
+    request.update(kwargs)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**request)
+    error = _error_of(info.value)
+    assert info.value.status_code == 400
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert fragment in error["message"]
+    # The server keeps serving.
+    ok = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+    assert ok.choices[0].message.content is not None
+
+
+def test_unknown_model_is_404_in_openai_shape(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="nope", messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+    error = _error_of(info.value)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert "nope" in error["message"]
+
+
+def test_prompt_longer_than_max_model_len_completions(llm_server: RunningServer) -> None:
+    status, headers, body = _post(
+        llm_server, "/v1/completions", {"model": MODEL, "prompt": "cat " * 600}
+    )
+    assert status == 400 and headers["content-type"] == "application/json"
+    error = json.loads(body)["error"]
+    assert error["param"] == "prompt" and "max_model_len (512)" in error["message"]
+    status, _, body = _post(llm_server, "/v1/completions", {"model": MODEL, "prompt": [1] * 3})
+    assert status == 200, body
+
+
+def test_malformed_body_and_unknown_route(llm_server: RunningServer) -> None:
+    sock = connect(llm_server.http_port)
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 5\r\n\r\n{nope")
+        status, _, body = read_response(sock, bytearray())
+        assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}")
+        status, _, body = read_response(sock, bytearray())
+        assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
+    finally:
+        sock.close()
+
+
+# ---------------------------------------------------------------------- SSE on the wire
+def _read_chunked(sock: Any, buf: bytearray) -> tuple[str, bytes]:
+    """(head, de-chunked body) of one chunked response."""
+    while b"\r\n\r\n" not in buf:
+        buf += sock.recv(65536)
+    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+    data = bytearray(rest)
+    body = bytearray()
+    while True:
+        while b"\r\n" not in data:
+            data += sock.recv(65536)
+        size_line, _, data = bytes(data).partition(b"\r\n")
+        size = int(size_line, 16)
+        while len(data) < size + 2:
+            data += sock.recv(65536)
+        body += data[:size]
+        data = bytearray(data[size + 2 :])
+        if size == 0:
+            buf[:] = data
+            return head.decode("latin-1"), bytes(body)
+
+
+def test_sse_framing_then_keep_alive(llm_server: RunningServer) -> None:
+    sock = connect(llm_server.http_port)
+    try:
+        doc = json.dumps(
+            {"model": MODEL, "messages": CHAT, "max_tokens": 5, "stream": True}
+        ).encode()
+        request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+        sock.sendall(request % (len(doc), doc))
+        buf = bytearray()
+        head, body = _read_chunked(sock, buf)
+        assert head.startswith("HTTP/1.1 200")
+        assert "content-type: text/event-stream" in head and "transfer-encoding: chunked" in head
+        events = body.split(b"\n\n")
+        assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+        for event in events[:-2]:
+            assert event.startswith(b"data: {")
+            json.loads(event[6:])
+        # The same connection serves the next request.
+        sock.sendall(request % (len(doc), doc))
+        head, body = _read_chunked(sock, buf)
+        assert head.startswith("HTTP/1.1 200") and body.endswith(b"data: [DONE]\n\n")
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_gone_stops_the_sequence(llm_server: RunningServer, stream: bool) -> None:
+    """A client that disconnects mid-answer: its sequence is aborted at the next step (the
+    abort counter moves, the running gauge returns to 0) and the server keeps serving."""
+    aborted = _metric(llm_server, "rtserve_llm_requests_finished_total", reason="abort")
+    generated = _metric(llm_server, "rtserve_llm_generation_tokens_total")
+    sock = connect(llm_server.http_port)
+    doc = json.dumps(
+        {"model": MODEL, "prompt": "the cat", "max_tokens": 500, "ignore_eos": True,
+         "stream": stream},
+    ).encode()  # fmt: skip
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(doc), doc))
+    if stream:
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += sock.recv(65536)
+    else:
+        deadline = time.monotonic() + 10
+        while _metric(llm_server, "rtserve_llm_running_sequences") < 1:
+            assert time.monotonic() < deadline, "the sequence never started"
+    sock.close()
+    _wait_idle(llm_server)
+    assert _metric(llm_server, "rtserve_llm_requests_finished_total", reason="abort") == aborted + 1
+    assert _metric(llm_server, "rtserve_llm_generation_tokens_total") - generated < 500
+    status, _, _ = _post(llm_server, "/v1/completions", {"model": MODEL, "prompt": "a"})
+    assert status == 200
+
+
+def test_access_log_carries_token_counts(llm_server: RunningServer) -> None:
+    status, headers, _ = _post(
+        llm_server, "/v1/completions",
+        {"model": MODEL, "prompt": "the cat sat", "max_tokens": 3, "ignore_eos": True},
+    )  # fmt: skip
+    assert status == 200
+    deadline = time.monotonic() + 5
+    pattern = re.compile(r"rtserve\.access: model=tiny .*prompt_tokens=\d+ completion_tokens=3\b")
+    while not pattern.search(llm_server.log()):
+        assert time.monotonic() < deadline, llm_server.log()[-2000:]
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------- Triton generate
+def _greedy_text(server: RunningServer, prompt: str, tokens: int) -> str:
+    status, _, body = _post(
+        server, "/v1/completions",
+        {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+         "ignore_eos": True},
+    )  # fmt: skip
+    assert status == 200, body
+    return json.loads(body)["choices"][0]["text"]  # type: ignore[no-any-return]
+
+
+def test_triton_generate_and_generate_stream(llm_server: RunningServer) -> None:
+    expected = _greedy_text(llm_server, "the dog", 7)
+    request = {
+        "text_input": "the dog",
+        "parameters": {"max_tokens": 7, "temperature": 0, "ignore_eos": True},
+    }
+    status, _, body = _post(llm_server, f"/v2/models/{MODEL}/generate", request)
+    assert status == 200
+    assert json.loads(body) == {"model_name": MODEL, "model_version": "1", "text_output": expected}
+
+    url = f"{llm_server.base}/v2/models/{MODEL}/versions/1/generate_stream"
+    req = urllib.request.Request(url, json.dumps(request).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [e for e in r.read().split(b"\n\n") if e]
+    docs = [json.loads(e.removeprefix(b"data: ")) for e in events]
+    assert len(docs) >= 2 and all(d["model_name"] == MODEL for d in docs)
+    assert "".join(d["text_output"] for d in docs) == expected
+
+    status, _, body = _post(llm_server, f"/v2/models/{MODEL}/generate", {"text_input": 3})
+    assert status == 400 and "text_input" in json.loads(body)["error"]
+    status, _, body = _post(llm_server, "/v2/models/nope/generate", {"text_input": "a"})
+    assert status == 404
+
+
+# ---------------------------------------------------------------------- gRPC streaming
+def _stream_client(server: RunningServer) -> tuple[Any, queue.Queue[Any]]:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc)
+    answers: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    return client, answers
+
+
+def _text_input(text: str) -> Any:
+    import tritonclient.grpc as grpcclient
+
+    inp = grpcclient.InferInput("text_input", [1], "BYTES")
+    inp.set_data_from_numpy(np.array([text.encode()], dtype=object))
+    return inp
+
+
+def _collect(answers: queue.Queue[Any]) -> list[tuple[Any, bool]]:
+    out = []
+    while True:
+        result, error = answers.get(timeout=30)
+        assert error is None, error
+        final = result.get_response().parameters["triton_final_response"].bool_param
+        texts = result.as_numpy("text_output")
+        out.append((None if texts is None else texts[0].decode(), final))
+        if final:
+            return out
+
+
+def test_grpc_stream_infer_token_responses(llm_server: RunningServer) -> None:
+    expected = _greedy_text(llm_server, "the bird", 6)
+    client, answers = _stream_client(llm_server)
+    try:
+        params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        client.async_stream_infer(
+            MODEL, [_text_input("the bird")], parameters=params, request_id="a",
+            enable_empty_final_response=True,
+        )  # fmt: skip
+        got = _collect(answers)
+        assert got[-1] == (None, True)  # the empty final response
+        assert all(text and not final for text, final in got[:-1])
+        assert "".join(text for text, _ in got[:-1]) == expected
+
+        client.async_stream_infer(MODEL, [_text_input("the bird")], parameters=params)
+        got = _collect(answers)  # without an empty final: the last text is flagged final
+        assert got[-1][1] and got[-1][0] is not None
+        assert "".join(text or "" for text, _ in got) == expected
+
+        client.async_stream_infer(MODEL, [_text_input("the bird")], parameters={"max_tokens": -2})
+        result, error = answers.get(timeout=30)
+        assert result is None and "max_tokens" in str(error)
+        client.async_stream_infer(MODEL, [_text_input("the bird")], parameters=params)
+        assert "".join(text or "" for text, _ in _collect(answers)) == expected
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_grpc_cancel_stops_the_sequence(llm_server: RunningServer) -> None:
+    aborted = _metric(llm_server, "rtserve_llm_requests_finished_total", reason="abort")
+    client, answers = _stream_client(llm_server)
+    try:
+        params = {"max_tokens": 500, "ignore_eos": True}
+        client.async_stream_infer(MODEL, [_text_input("the cat")], parameters=params)
+        for _ in range(3):
+            result, error = answers.get(timeout=30)
+            assert error is None
+        client.stop_stream(cancel_requests=True)
+        _wait_idle(llm_server)
+        assert (
+            _metric(llm_server, "rtserve_llm_requests_finished_total", reason="abort")
+            == aborted + 1
+        )
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------------- in-process Engine
+def test_engine_generate(llm_repo: Path, llm_server: RunningServer) -> None:
+    from rtserve.engine import Engine
+    from rtserve.errors import InvalidInput
+
+    expected = _greedy_text(llm_server, "the cat sat", 5)
+    engine = Engine.from_repository(llm_repo)
+
+    async def main() -> str:
+        async with engine:
+            pieces = []
+            async for event in engine.generate(
+                MODEL, "the cat sat", max_tokens=5, temperature=0, ignore_eos=True
+            ):
+                pieces.append(event.text)
+            assert event.finish_reason == "length" and event.completion_tokens == 5
+            with pytest.raises(InvalidInput, match="max_tokens"):
+                async for _ in engine.generate(MODEL, "x", max_tokens=0):
+                    pass
+            return "".join(pieces)
+
+    assert asyncio.run(main()) == expected
+    with Engine.from_repository(llm_repo).sync() as sync_engine:
+        events = list(sync_engine.generate(MODEL, messages=CHAT, max_tokens=3, ignore_eos=True))
+        assert events[-1].finished and events[-1].completion_tokens == 3
