@@ -10,16 +10,28 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 export LD_LIBRARY_PATH := $(CURDIR)/$(VENV)/lib/python3.11/site-packages/nvidia/cuda_runtime/lib:$(LD_LIBRARY_PATH)
 
-.PHONY: setup system-deps examples run run-llm test test-modern test-fast lint format bench bench-quick bench-slo bench-generative optimize-report soak clean
+.PHONY: setup edge-converter system-deps examples run run-llm test test-modern test-fast lint format bench bench-quick bench-slo bench-generative optimize-report soak clean
+
+# litert-torch (PyTorch -> .tflite) in its own venv: its typing-extensions pin clashes with
+# the dev venv's packages. rtserve export-edge --format litert runs it as a subprocess.
+LITERT_VENV := bench/.peers/litert
+LITERT_STAMP := $(LITERT_VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e '.[dev,optimize,tracing,llm]'
+	$(BIN)/pip install -q -e '.[dev,optimize,tracing,llm,edge]'
 	$(BIN)/pip install -q --no-deps efficientnet-lite-pytorch
 	touch $@
 
-setup: $(STAMP) system-deps
+setup: $(STAMP) $(LITERT_STAMP) system-deps
+
+$(LITERT_STAMP):
+	test -x $(LITERT_VENV)/bin/python || $(PY) -m venv $(LITERT_VENV)
+	$(LITERT_VENV)/bin/pip install -q torch==2.13.0 litert-torch==0.10.0 ai-edge-litert==2.3.0
+	touch $@
+
+edge-converter: $(LITERT_STAMP)
 
 # redis-server (cache tests), wrk (benchmarks), libb64 (perf_analyzer), chromium (dashboard
 # test) come from Debian; promtool (alert-rule tests) is the one binary taken out of Debian's

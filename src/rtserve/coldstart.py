@@ -30,6 +30,7 @@ _BACKEND_MODULES = {
     "onnxruntime": "rtserve.runtime.onnx",
     "torch": "rtserve.runtime.torch",
     "python": "rtserve.runtime.python",
+    "litert": "rtserve.runtime.litert",
 }
 
 

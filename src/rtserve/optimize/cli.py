@@ -358,6 +358,10 @@ def register(subparsers: Any) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bars (default: shown)")
     o.set_defaults(func=_guard(cmd_optimize))
 
+    from rtserve.optimize.edge import register as register_edge
+
+    register_edge(subparsers)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rtserve")

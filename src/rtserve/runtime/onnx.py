@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 _OTHER_BACKENDS = (
     ("model.py", "for Python code set backend: python (model.py)"),
     ("model.pt", "for TorchScript or torch.export set backend: torch (model.pt or model.pt2)"),
+    ("model.tflite", "for LiteRT set backend: litert (model.tflite)"),
     ("", "for a pipeline of models set backend: ensemble (steps in config.yaml)"),
 )
 _LISTED_FILES = 10
@@ -163,9 +164,20 @@ def missing_model_message(version_dir: Path) -> str:
         _OTHER_BACKENDS, key=lambda h: not (h[0] and any(n.startswith(h[0]) for n in names))
     )
     return (
-        f"{version_dir}: model.onnx not found (backend: onnxruntime, the default); "
+        f"{version_dir}: model.onnx not found, nor model.ort (backend: onnxruntime, the "
+        "default); "
         f"the directory holds {found or 'no files'}; " + "; ".join(hint for _, hint in hints)
     )
+
+
+def model_path(version_dir: Path) -> Path:
+    """``model.onnx``, else ``model.ort`` (ONNX Runtime's format for edge and minimal builds,
+    made by ``rtserve export-edge --format ort``)."""
+    for name in ("model.onnx", "model.ort"):
+        path = version_dir / name
+        if path.exists():
+            return path
+    raise ConfigError(missing_model_message(version_dir))
 
 
 class OnnxRuntimeModel:
@@ -195,14 +207,14 @@ class OnnxRuntimeModel:
 
     @classmethod
     def load(cls, config: ModelConfig, version_dir: Path) -> OnnxRuntimeModel:
-        path = version_dir / "model.onnx"
-        if not path.exists():
-            raise ConfigError(missing_model_message(version_dir))
+        path = model_path(version_dir)
         opts = config.onnxruntime
         providers = available_providers(opts.execution_providers)
         sessions = cls._sessions_for(str(path), config, providers, 1)
         labels: dict[str, tuple[str, ...]] = {}
-        if any(o.type.startswith("seq(map(") for o in sessions[0].get_outputs()):
+        if path.suffix == ".onnx" and any(
+            o.type.startswith("seq(map(") for o in sessions[0].get_outputs()
+        ):
             try:
                 model_bytes, labels = _zipmap_free(path)
             except Exception as exc:  # a graph onnx cannot load or save: report the type below
@@ -238,7 +250,11 @@ class OnnxRuntimeModel:
                     )
         inputs = _reconcile(config.inputs, graph_inputs, "inputs", config.source)
         outputs = _reconcile(config.outputs, graph_outputs, "outputs", config.source)
-        if config.inputs is None and any(not i.shape for i in s0.get_inputs()):
+        if (
+            config.inputs is None
+            and path.suffix == ".onnx"
+            and any(not i.shape for i in s0.get_inputs())
+        ):
             _refuse_unknown_rank(path, config)
         return cls(sessions, inputs, outputs, providers, max_batch, labels)
 
