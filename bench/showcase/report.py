@@ -416,6 +416,36 @@ RUNNERS: dict[str, Callable[[Settings], Section]] = {
 }
 
 
+def _edge_section(settings: Settings) -> str:
+    from bench.showcase import edge
+
+    return edge.section(settings)
+
+
+# Sections with a module of their own, appended after the models' sections; each can run
+# alone: `python -m bench.showcase --only NAME[,NAME] --out /tmp/x.md`.
+SECTIONS: dict[str, Callable[[Settings], str]] = {
+    "edge": _edge_section,
+}
+
+
+def _run_only(
+    parser: argparse.ArgumentParser, names: list[str], settings: Settings, out: pathlib.Path
+) -> int:
+    """``--only``: the named sections alone, written to ``out``."""
+    unknown = set(names) - set(SECTIONS)
+    if unknown:
+        parser.error(
+            f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}"
+        )
+    start = time.perf_counter()
+    text = "".join(SECTIONS[name](settings) + "\n" for name in names)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out} in {(time.perf_counter() - start) / 60:.1f} min")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from rtserve.optimize.publish import publish
 
@@ -435,6 +465,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--models", default="minilm,efficientnet,digits",
         help="comma list of showcase models (default: %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--only",
+        help=f"comma list of sections ({', '.join(SECTIONS)}) to run alone, written to --out",
+    )
     parser.add_argument("--quick", action="store_true", help="small sets and few iterations")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -448,6 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         n_sentences=60 if quick else 300,
         progress=not args.no_progress,
     )
+    if args.only:
+        return _run_only(parser, args.only.split(","), settings, args.out)
     unknown = set(args.models.split(",")) - set(RUNNERS)
     if unknown:
         parser.error(
@@ -469,6 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             publish(repo, r.chosen, r.measurements, r.max_accuracy_drop)
         print(f"{name}: done in {section.seconds:.0f} s, chosen {chosen}")
     text = render(sections, img_dir, args.out, time.perf_counter() - start)
+    text += "".join("\n" + build(settings) for build in SECTIONS.values())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {args.out}")
