@@ -216,12 +216,7 @@ class GenerativeRoutes:
 def parse_triton(body: bytes) -> tuple[str, SamplingParams]:
     """A generate request: ``{"text_input": str, "parameters": {...}}``; sampling
     parameters may also be top-level keys (as Triton maps JSON keys to inputs)."""
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise InvalidInput("request body: not valid JSON") from None
-    if not isinstance(doc, dict):
-        raise InvalidInput("request body: expected a JSON object with text_input")
+    doc = openai.json_object(body, "a JSON object with text_input")
     text = doc.get("text_input")
     if isinstance(text, list) and len(text) == 1:
         text = text[0]

@@ -70,15 +70,21 @@ def _fail(field: str, expected: str, value: Any) -> InvalidInput:
     return InvalidInput(f"{field}: expected {expected}, got {repr(value)[:60]}")
 
 
-def parse_request(body: bytes, kind: str) -> OpenAIRequest:
-    """The request in ``body`` (``kind``: CHAT or TEXT); raises ``InvalidInput`` naming
-    the field and what was expected. Messages are checked when encoded (the chat template)."""
+def json_object(body: bytes, expected: str) -> dict[str, Any]:
+    """A request body that must be a JSON object (``expected``: what the error says)."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
         raise InvalidInput("request body: not valid JSON") from None
     if not isinstance(doc, dict):
-        raise InvalidInput("request body: expected a JSON object")
+        raise InvalidInput(f"request body: expected {expected}")
+    return doc
+
+
+def parse_request(body: bytes, kind: str) -> OpenAIRequest:
+    """The request in ``body`` (``kind``: CHAT or TEXT); raises ``InvalidInput`` naming
+    the field and what was expected. Messages are checked when encoded (the chat template)."""
+    doc = json_object(body, "a JSON object")
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise _fail("model", "the name of a served model (a string)", model)
