@@ -51,8 +51,9 @@ def test_keys_guard_the_models_they_name(secured: RunningServer) -> None:
     with pytest.raises(openai.PermissionDeniedError) as info:
         tiny.chat.completions.create(model="strict", messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
     assert info.value.response.json()["error"]["type"] == "permission_error"
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.AuthenticationError) as denied:
         _client(secured, "wrong-key-0123456789").models.list()
+    assert denied.value.response.json()["error"]["type"] == "authentication_error"
     assert [m.id for m in tiny.models.list().data] == ["tiny"]
     assert [m.id for m in _client(secured, ADMIN_KEY).models.list().data] == ["strict", "tiny"]
 

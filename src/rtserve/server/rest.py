@@ -33,6 +33,7 @@ from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.errors import JSON_TYPE, http_error
 from rtserve.server.generative import GenerativeRoutes, is_generative_route
 from rtserve.server.http1 import Connection, Request, response_bytes
+from rtserve.server.openai import error_answer
 from rtserve.server.security import Guard
 from rtserve.server.stats import statistics_json
 
@@ -164,7 +165,8 @@ class HttpFrontend:
             try:
                 self.guard.http(request.path, request.headers, _peer(conn))
             except Exception as exc:
-                status, body, headers = http_error(exc)
+                v1 = request.path.startswith("/v1/")  # the OpenAI API's own error shape
+                status, body, headers = error_answer(exc) if v1 else http_error(exc)
                 conn.respond(status, body, headers)
                 return
         if request.method == b"POST" and request.path.endswith("/infer"):
