@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import re
 import time
@@ -24,6 +25,7 @@ import pytest
 from tests.conftest import RunningServer, start_server
 from tests.llm_models import build_llm
 from tests.rawhttp import connect, read_response
+from tests.test_observability import OtlpReceiver
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Write a short story about a cat."}]
@@ -37,8 +39,22 @@ def llm_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def llm_server(llm_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    s = start_server(llm_repo, tmp_path_factory.mktemp("llm-server"), "--access-log")
+def otlp() -> Iterator[OtlpReceiver]:
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="module")
+def llm_server(
+    llm_repo: Path, otlp: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    work = tmp_path_factory.mktemp("llm-server")
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # spans exported within 0.1 s
+    try:
+        s = start_server(llm_repo, work, "--access-log", "--trace-endpoint", otlp.url)
+    finally:
+        del os.environ["OTEL_BSP_SCHEDULE_DELAY"]
     yield s
     s.stop()
 
@@ -309,6 +325,30 @@ def test_access_log_carries_token_counts(llm_server: RunningServer) -> None:
     while not pattern.search(llm_server.log()):
         assert time.monotonic() < deadline, llm_server.log()[-2000:]
         time.sleep(0.05)
+
+
+def test_trace_carries_token_counts(llm_server: RunningServer, otlp: OtlpReceiver) -> None:
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4737"
+    body = json.dumps(
+        {"model": MODEL, "prompt": "the cat", "max_tokens": 4, "ignore_eos": True}
+    ).encode()
+    headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+    request = urllib.request.Request(f"{llm_server.base}/v1/completions", body, headers)
+    with urllib.request.urlopen(request, timeout=30) as r:
+        usage = json.loads(r.read())["usage"]
+    deadline = time.monotonic() + 10
+    while True:
+        spans = [s for s in list(otlp.spans) if s.trace_id.hex() == trace_id]
+        names = {s.name: s for s in spans}
+        if "infer tiny" in names and "generate" in names:
+            break
+        assert time.monotonic() < deadline, [s.name for s in spans]
+        time.sleep(0.05)
+    root = names["infer tiny"]
+    attributes = {a.key: a.value.int_value for a in root.attributes}
+    assert attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert attributes["gen_ai.usage.output_tokens"] == 4
+    assert names["generate"].parent_span_id == root.span_id
 
 
 # ---------------------------------------------------------------------- Triton generate

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rtserve.errors import InvalidInput, ModelNotFound, ObjectiveRefused
+from rtserve.errors import InvalidInput, ModelNotFound, ObjectiveRefused, Overloaded
 from rtserve.llm.params import GenerationEvent, TokenLogprob
 from rtserve.server import openai as oa
 
@@ -81,6 +81,9 @@ def test_error_documents() -> None:
     status, body, headers = oa.error_answer(ObjectiveRefused("too slow", retry_after_s=2.4))
     assert status == 429 and (b"retry-after", b"2") in headers
     assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
+    status, body, headers = oa.error_answer(Overloaded("12 requests waiting", retry_after_s=1))
+    assert status == 503 and (b"retry-after", b"1") in headers
+    assert json.loads(body)["error"]["type"] == "service_unavailable_error"
     status, doc = oa.error_document(RuntimeError("boom"))
     assert status == 500 and doc["error"]["type"] == "server_error"
     assert "boom" not in doc["error"]["message"]  # a bug's details stay in the log
