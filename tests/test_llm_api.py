@@ -314,6 +314,36 @@ def test_client_gone_stops_the_sequence(llm_server: RunningServer, stream: bool)
     assert status == 200
 
 
+def test_many_streams_half_abandoned(llm_server: RunningServer) -> None:
+    """16 concurrent streams, 8 closed after their first events: the kept ones end with
+    [DONE] and the whole text, the closed ones are aborted, nothing keeps decoding."""
+    aborted = _metric(llm_server, "rtserve_llm_requests_finished_total", reason="abort")
+    generated = _metric(llm_server, "rtserve_llm_generation_tokens_total")
+    doc = json.dumps(
+        {"model": MODEL, "prompt": "the cat", "max_tokens": 300, "ignore_eos": True,
+         "stream": True, "stream_options": {"include_usage": True}},
+    ).encode()  # fmt: skip
+    request = b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(doc), doc)
+    socks = [connect(llm_server.http_port) for _ in range(16)]
+    for sock in socks:
+        sock.sendall(request)
+    for sock in socks[:8]:
+        got = b""
+        while got.count(b"data: ") < 2:
+            got += sock.recv(65536)
+        sock.close()
+    for sock in socks[8:]:
+        head, body = _read_chunked(sock, bytearray())
+        sock.close()
+        events = [json.loads(e[6:]) for e in body.split(b"\n\n") if e.startswith(b"data: {")]
+        assert body.endswith(b"data: [DONE]\n\n") and events[-2]["choices"][0]["finish_reason"]
+        assert events[-1]["usage"]["completion_tokens"] == 300
+    _wait_idle(llm_server)
+    closed = _metric(llm_server, "rtserve_llm_requests_finished_total", reason="abort") - aborted
+    assert closed >= 1  # the closed ones that had not finished yet
+    assert _metric(llm_server, "rtserve_llm_generation_tokens_total") - generated < 16 * 300
+
+
 def test_access_log_carries_token_counts(llm_server: RunningServer) -> None:
     status, headers, _ = _post(
         llm_server, "/v1/completions",
@@ -441,6 +471,22 @@ def test_grpc_stream_infer_token_responses(llm_server: RunningServer) -> None:
         assert result is None and "max_tokens" in str(error)
         client.async_stream_infer(MODEL, [_text_input("the bird")], parameters=params)
         assert "".join(text or "" for text, _ in _collect(answers)) == expected
+
+        # Two generations at once on one stream: responses interleave, told apart by id.
+        for rid in ("x", "y"):
+            client.async_stream_infer(
+                MODEL, [_text_input("the bird")], parameters=params, request_id=rid
+            )
+        texts = {"x": "", "y": ""}
+        finals = set()
+        while len(finals) < 2:
+            result, error = answers.get(timeout=30)
+            assert error is None, error
+            response = result.get_response()
+            texts[response.id] += result.as_numpy("text_output")[0].decode()
+            if response.parameters["triton_final_response"].bool_param:
+                finals.add(response.id)
+        assert texts == {"x": expected, "y": expected}
     finally:
         client.stop_stream()
         client.close()
