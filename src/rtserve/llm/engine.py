@@ -113,14 +113,13 @@ class LlmEngine:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation)
             return self.encode_text(text + "assistant:")
         try:
-            ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:
             raise InvalidInput(f"messages: the chat template refused them: {exc}") from exc
-        if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a Mapping)
-            ids = ids["input_ids"]
-        return list(ids)
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
 
     def check_prompt(self, n_prompt: int, params: SamplingParams) -> None:
         """Refuse what can never run (too long) or would miss the first-token objective."""
