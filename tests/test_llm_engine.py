@@ -61,7 +61,7 @@ async def run(
 
 
 def prompts_for(e: LlmEngine, n: int) -> list[list[int]]:
-    words = "the cat sat on a warm mat while rain fell outside".split()
+    words = ["the", "cat", "sat", "on", "a", "warm", "mat", "while", "rain", "fell", "outside"]
     return [e.encode_text(" ".join(words[: 1 + i % len(words)] * (1 + i % 5))) for i in range(n)]
 
 

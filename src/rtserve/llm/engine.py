@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
