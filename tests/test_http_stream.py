@@ -208,3 +208,23 @@ def test_failing_body_cuts_the_connection(fail_at: int) -> None:
             await server.close()
 
     uvloop.run(main())
+
+
+def test_drain_lets_a_stream_finish_then_closes() -> None:
+    async def main() -> None:
+        app = App()
+        app.next_body = {"pieces": 20, "delay": 0.01}
+        server, port = await _server(app)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /stream HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+            await _read_until(reader, b"0000001\n")
+            server.begin_drain()
+            rest = await asyncio.wait_for(reader.read(), 5)  # until the server closes
+            assert rest.endswith(b"0000019\n\r\n0\r\n\r\n")
+            assert app.bodies[0].finished
+            writer.close()
+        finally:
+            await server.close()
+
+    uvloop.run(main())

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"  # ends a chunked body
 # Parsed requests waiting behind the one being answered before reading pauses.
 MAX_PIPELINED = 32
 # Reads larger than this are parsed a slice at a time (reading can pause between slices).
@@ -560,10 +561,6 @@ class Connection(asyncio.Protocol):
                 body = b""
             encoded = response_bytes(status, body, headers, keep_alive, request.http10)
         transport.write(encoded)
-        self._answered(transport, keep_alive)
-
-    def _answered(self, transport: asyncio.Transport, keep_alive: bool) -> None:
-        """After an answer went out: close, or start the next pipelined request."""
         self.last_active = self.server.clock
         if not keep_alive:
             transport.close()
@@ -631,6 +628,10 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         if self.current is not request or transport is None:
             return  # the connection was lost
+        if ok and chunked and request.method != b"HEAD" and not self.server.draining:
+            # The last chunk, sent as a keep-alive answer is: the next pipelined request runs.
+            self.respond(200, b"", [], _LAST_CHUNK)
+            return
         self.current = None
         self.on_lost = None
         self.server.busy_connections -= 1
@@ -638,8 +639,8 @@ class Connection(asyncio.Protocol):
             transport.abort()
             return
         if chunked and request.method != b"HEAD":
-            transport.write(b"0\r\n\r\n")
-        self._answered(transport, chunked and not self.server.draining)
+            transport.write(_LAST_CHUNK)
+        transport.close()  # a body delimited by the close, or the server is draining
 
     def refuse(self, exc: RTServeError) -> None:
         """Answer a request the parser or a limit refused (after the answers to the requests
