@@ -46,6 +46,7 @@ from rtserve.observability.metrics import Metrics, VersionStatistics, outcome_of
 from rtserve.observability.tracing import Tracer
 from rtserve.observability.workers import WorkerView
 from rtserve.protocol.types import InferRequest, InferResponse, Tensor, Timings
+from rtserve.runtime.parameters import add_row_parameters
 
 EXTENSIONS = (
     "binary_tensor_data",
@@ -376,6 +377,8 @@ class DataPlane:
             wanted = self._check_outputs(request, mv)
             timeout_s = _timeout_s(request, mv)
             _check_priority(request, mv)
+            if mv.row_parameters:
+                feeds = add_row_parameters(mv.row_parameters, request, feeds, rows)
             cache = mv.cache
             if cache is not None:
                 outputs, key = cache.lookup_memory(request)

@@ -47,6 +47,7 @@ from rtserve.errors import (
 )
 from rtserve.observability.metrics import outcome_of
 from rtserve.protocol.types import Timings
+from rtserve.runtime.parameters import row_feeds
 
 _now = time.perf_counter_ns
 
@@ -495,6 +496,8 @@ class EnsembleScheduler:
         mv = self.step_model(step)
         t = Timings(received=_now())
         feeds = {name: tensors[tensor] for name, tensor in step.inputs.items()}
+        if mv.row_parameters:  # a step's row parameters take their defaults
+            feeds = row_feeds(mv.row_parameters, {}, feeds, rows)
         try:
             outputs = await mv.scheduler.submit(feeds, rows, t, timeout_s, priority)
         except BaseException as exc:

@@ -26,6 +26,7 @@ from rtserve.observability.metrics import Metrics, ModelMetrics
 from rtserve.protocol.limits import DEFAULT_LIMITS, DecodeLimits, limits_for_model
 from rtserve.protocol.types import Timings
 from rtserve.runtime.base import Runtime
+from rtserve.runtime.parameters import RowParameter
 from rtserve.scheduling.base import SchedulingPolicy
 from rtserve.scheduling.batcher import Batcher
 from rtserve.scheduling.policy import DynamicBatchPolicy
@@ -94,6 +95,8 @@ class ModelVersion:
     decode_limits: DecodeLimits = DEFAULT_LIMITS
     # Class labels per output, in index order (the config's labels files, a ZipMap's classes).
     labels: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # Request parameters the runtime reads per row (``runtime/parameters.py``); () for most.
+    row_parameters: tuple[RowParameter, ...] = ()
     # The generation engine of a generative (``backend: llm``) version, else None.
     llm: LlmEngine | None = None
 
@@ -234,6 +237,9 @@ async def build_runtime_version(
     )
     batcher.start()
     metrics.track_queue_depth(lambda: batcher.queue_depth)
+    exit_counts = getattr(runtime, "exit_counts", None)
+    if exit_counts is not None:
+        metrics.track_exits(exit_counts)
     mv = ModelVersion(
         name=config.name,
         version=version,
@@ -251,6 +257,7 @@ async def build_runtime_version(
             runtime.inputs, 4 * max(1, config.max_batch_size), ctx.decode_limits
         ),
         labels=labels,
+        row_parameters=tuple(getattr(runtime, "row_parameters", ())),
     )
     log.info(
         "loaded %s version %s (%s, %s, largest warmup batch %.3f ms)",

@@ -142,6 +142,8 @@ class ModelMetrics:
         self.compute = Accumulator(LATENCY_BUCKETS)
         self.batch_size = Accumulator(BATCH_BUCKETS)
         self.queue_depth: Callable[[], float] = lambda: 0.0
+        # An early-exit model's answers per exit depth, read when scraped (None: no exits).
+        self.exits: Callable[[], dict[int, int]] | None = None
         self.stats = ModelStats()
         self.scheduler = SchedulerStats()
 
@@ -183,6 +185,9 @@ class ModelMetrics:
     def track_queue_depth(self, depth: Callable[[], float]) -> None:
         self.queue_depth = depth
 
+    def track_exits(self, counts: Callable[[], dict[int, int]]) -> None:
+        self.exits = counts
+
 
 _HISTOGRAMS = (
     ("rtserve_request_duration_seconds", "e2e",
@@ -223,6 +228,7 @@ class _ModelCollector(Collector):
         yield requests
         yield clients
         yield depth
+        yield _exit_family(models)
         yield from _scheduler_families(models)
         for name, attr, doc in _HISTOGRAMS:
             family = HistogramMetricFamily(name, doc, labels=["model", "version"])
@@ -230,6 +236,19 @@ class _ModelCollector(Collector):
                 acc: Accumulator = getattr(mm, attr)
                 family.add_metric(list(mm.labels), acc.buckets(), acc.sum)
             yield family
+
+
+def _exit_family(models: list[ModelMetrics]) -> Metric:
+    exits = CounterMetricFamily(
+        "rtserve_early_exits",
+        "Rows answered by an early-exit model, by the backbone depth (layers) of the exit",
+        labels=["model", "version", "layer"],
+    )
+    for mm in models:
+        if mm.exits is not None:
+            for layer, count in mm.exits().items():
+                exits.add_metric([*mm.labels, str(layer)], count)
+    return exits
 
 
 def _scheduler_families(models: list[ModelMetrics]) -> Iterator[Metric]:

@@ -358,6 +358,10 @@ def register(subparsers: Any) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bars (default: shown)")
     o.set_defaults(func=_guard(cmd_optimize))
 
+    from rtserve.optimize.early_exit_cli import register as register_early_exit
+
+    register_early_exit(subparsers)
+
     from rtserve.optimize.edge import register as register_edge
 
     register_edge(subparsers)

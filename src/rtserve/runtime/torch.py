@@ -31,6 +31,8 @@ import torch
 from rtserve.config import AUTO_BATCH, DEFAULT_MAX_BATCH, ModelConfig, TensorSpec, _Fields
 from rtserve.errors import ConfigError, InferenceFailed
 from rtserve.protocol.types import DATATYPE_TO_NUMPY
+from rtserve.runtime.early_exit import MODES, THRESHOLD, ExitRunner, threshold_parameter
+from rtserve.runtime.parameters import RowParameter
 from rtserve.runtime.python import check_outputs, require_signature
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,16 @@ _FLOATS = ("FP16", "FP32", "FP64")
 
 
 @dataclasses.dataclass(frozen=True)
+class EarlyExitOptions:
+    """``torch.early_exit``: the default ``exit_threshold``, how a batch exits (``rows``
+    leave it or ``all`` answer first) and the output that says which exit answered."""
+
+    threshold: float = 0.9
+    batch: str = "rows"
+    output: str = "exit_layer"
+
+
+@dataclasses.dataclass(frozen=True)
 class TorchOptions:
     file: str = ""
     factory: str = ""
@@ -64,6 +76,23 @@ class TorchOptions:
     pin_memory: bool = True
     channels_last: bool = False
     warmup_iterations: int = 3
+    early_exit: EarlyExitOptions | None = None
+
+
+def _early_exit_options(f: _Fields) -> EarlyExitOptions | None:
+    if f.get("early_exit") is None:
+        return None
+    ef = f.sub("early_exit")
+    threshold = ef.number("threshold", EarlyExitOptions.threshold)
+    if threshold > 1:
+        raise ef.fail("threshold", "a number from 0 to 1 (a top-class probability)", threshold)
+    opts = EarlyExitOptions(
+        threshold=threshold,
+        batch=ef.string("batch", EarlyExitOptions.batch, MODES),
+        output=ef.string("output", EarlyExitOptions.output),
+    )
+    ef.check_unknown()
+    return opts
 
 
 def parse_options(config: ModelConfig) -> TorchOptions:
@@ -89,6 +118,7 @@ def parse_options(config: ModelConfig) -> TorchOptions:
         pin_memory=f.boolean("pin_memory", True),
         channels_last=f.boolean("channels_last", False),
         warmup_iterations=f.integer("warmup_iterations", 3, minimum=1),
+        early_exit=_early_exit_options(f),
     )
     if opts.weights and not opts.factory:
         raise f.fail("weights", "weights only together with factory", opts.weights)
@@ -137,6 +167,29 @@ def _import_factory(version_dir: Path, factory: str, unique: str) -> Any:
     if not callable(func):
         raise ConfigError(f"{path}: no function {func_name!r} (torch.factory {factory!r})")
     return func
+
+
+def _check_early_exit(config: ModelConfig, opts: TorchOptions, max_batch: int) -> str:
+    """The logits output of an early-exit model (the declared output that is not the exit's)."""
+    early = opts.early_exit
+    assert early is not None and config.inputs is not None and config.outputs is not None
+    where = config.source
+    if max_batch == 0:
+        raise ConfigError(f"{where}: torch.early_exit: needs batching (max_batch_size >= 1)")
+    if opts.compile != "none" or opts.batch_buckets:
+        raise ConfigError(
+            f"{where}: torch.early_exit: runs eager, without compile or batch_buckets"
+        )
+    if any(s.name == THRESHOLD for s in config.inputs):
+        raise ConfigError(f"{where}: inputs: {THRESHOLD!r} is the early exit's request parameter")
+    names = [s.name for s in config.outputs]
+    others = [n for n in names if n != early.output]
+    if early.output not in names or len(others) != 1:
+        raise ConfigError(
+            f"{where}: outputs: an early-exit model declares two outputs, its logits and "
+            f"{early.output!r} (INT32, shape []: the depth of the exit that answered); got {names}"
+        )
+    return others[0]
 
 
 def _load_module(config: ModelConfig, version_dir: Path, opts: TorchOptions) -> tuple[Any, str]:
@@ -198,7 +251,9 @@ class TorchModel:
         opts: TorchOptions,
         device: torch.device,
         kind: str,
+        logits: str = "",
     ) -> None:
+        """``logits``: an early-exit model's logits output (see ``torch.early_exit``)."""
         assert config.inputs is not None and config.outputs is not None
         self.name = config.name
         self.inputs: tuple[TensorSpec, ...] = config.inputs
@@ -218,6 +273,16 @@ class TorchModel:
         self._in_types = {s.name: _TORCH_TYPES[s.datatype] for s in self.inputs}
         self._out_types = {s.name: _TORCH_TYPES[s.datatype] for s in self.outputs}
         self._fixed = all(-1 not in s.shape for s in self.inputs)
+        early = opts.early_exit
+        self._exit: ExitRunner | None = None
+        self.row_parameters: tuple[RowParameter, ...] = ()
+        if early is not None:
+            self._exit = ExitRunner(
+                module, logits, early.output, early.batch, early.threshold,
+                self.instance_count, config.source,
+            )  # fmt: skip
+            self.row_parameters = (threshold_parameter(early.threshold),)
+            self.exit_counts = self._exit.counts
         # Per instance: pinned staging buffers keyed by (name, rows) / (name, shape).
         self._staging: list[dict[Any, torch.Tensor]] = [{} for _ in range(self.instance_count)]
         graphs = opts.compile in ("reduce-overhead", "max-autotune")
@@ -264,6 +329,7 @@ class TorchModel:
                 f"max_batch_size ({max_batch})"
             )
         config = dataclasses.replace(config, max_batch_size=max_batch)
+        logits = _check_early_exit(config, opts, max_batch) if opts.early_exit else ""
         device = _resolve_device(opts, where)
         module, kind = _load_module(config, version_dir, opts)
         if kind == "torchscript" and opts.compile != "none":
@@ -287,7 +353,7 @@ class TorchModel:
                     )
             mode = None if opts.compile == "default" else opts.compile
             module = torch.compile(module, mode=mode, dynamic=False if buckets else None)
-        model = cls(config, module, opts, device, kind)
+        model = cls(config, module, opts, device, kind, logits)
         try:
             start = time.perf_counter()
             model.warmup()
@@ -359,7 +425,16 @@ class TorchModel:
             args.append(tensor)
         try:
             with torch.inference_mode():
-                result = self._module(*args)
+                if self._exit is not None:
+                    thresholds = feeds.get(THRESHOLD)
+                    result = self._exit.run(
+                        self._module,
+                        args,
+                        None if thresholds is None else torch.from_numpy(thresholds),
+                        instance,
+                    )
+                else:
+                    result = self._module(*args)
                 outs = self._collect(result)
                 host_outs = self._to_host(outs, rows if batched else None, staging)
         except InferenceFailed:
