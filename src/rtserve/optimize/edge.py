@@ -79,6 +79,15 @@ class EdgeRequest:
     threads: tuple[int, ...] = (1, 2)
     iterations: int = 200
     rounds: int = 3
+    target_platform: str = field(default_factory=lambda: this_platform())
+
+
+def this_platform() -> str:
+    """The ORT converter's name for this machine: its platform-specific fusions (NCHWc on
+    amd64) are only baked into an ``.ort`` built for the platform that runs it."""
+    import platform
+
+    return "arm" if platform.machine().lower() in ("aarch64", "arm64") else "amd64"
 
 
 def open_runner(path: pathlib.Path, threads: int) -> Runner:
@@ -265,6 +274,7 @@ def export_ort(onnx_path: pathlib.Path, req: EdgeRequest) -> dict[str, pathlib.P
         quantize_static_int8(prepared, staging / "model-int8.onnx", req.calibration)
     cmd = [sys.executable, "-m", "onnxruntime.tools.convert_onnx_models_to_ort", str(staging)]
     cmd += ["--output_dir", str(req.out), "--optimization_style", "Fixed"]
+    cmd += ["--target_platform", req.target_platform]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
@@ -402,6 +412,7 @@ def cmd_export_edge(args: argparse.Namespace) -> int:
         converter_python=args.converter_python,
         threads=tuple(int(t) for t in args.threads.split(",")),
         iterations=args.iterations,
+        target_platform=args.target_platform or this_platform(),
     )
     results = export_edge(source, req)
     print(markdown(results, req.threads))
@@ -453,6 +464,12 @@ def register(subparsers: Any) -> None:
     )
     e.add_argument(
         "--iterations", type=int, default=200, help="timed runs per thread count (default: 200)"
+    )
+    e.add_argument(
+        "--target-platform",
+        choices=["arm", "amd64"],
+        help="--format ort: the platform whose fusions the .ort bakes in (default: this "
+        "machine's; arm for phones and ARM boards)",
     )
     e.add_argument(
         "--converter-python",
