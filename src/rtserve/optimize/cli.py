@@ -114,7 +114,12 @@ def _batch_only(
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     from rtserve.optimize.data import load_data, model_inputs
-    from rtserve.optimize.pipeline import OptimizeOptions, PruneSpec, TorchSources, run_optimize
+    from rtserve.optimize.pipeline import (
+        OptimizeOptions,
+        TorchSources,
+        parse_prune_spec,
+        run_optimize,
+    )
     from rtserve.optimize.publish import publish
     from rtserve.optimize.report import markdown_table, plot
 
@@ -126,15 +131,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         calibration, _ = load_data(pathlib.Path(args.calibration), specs, seq_len=args.seq_len)
     torch_sources = None
     if args.torch_model:
-        prune_specs = []
-        for spec in args.prune or []:
-            method, _, amount = spec.partition(":")
-            try:
-                prune_specs.append(PruneSpec(method, float(amount), args.fine_tune_epochs))
-            except ValueError:
-                raise OptimizeError(
-                    f"--prune {spec!r}: expected METHOD:AMOUNT, e.g. structured:0.5"
-                ) from None
+        prune_specs = [parse_prune_spec(p, args.fine_tune_epochs) for p in args.prune or []]
         train_inputs = train_labels = None
         if args.train:
             train_inputs, train_labels = load_data(
@@ -310,8 +307,10 @@ def register(subparsers: Any) -> None:
     o.add_argument(
         "--prune",
         action="append",
-        help="METHOD:AMOUNT, e.g. magnitude:0.3 or structured:0.5; repeat for several "
-        "(default: none)",
+        help="METHOD:AMOUNT, e.g. magnitude:0.3 or structured:0.5; for transformer "
+        "encoders structured-heads:HEADS[:FFN], the fractions of attention heads and FFN "
+        "neurons to cut (FFN default: HEADS), distilled from the unpruned model on --train "
+        "text for --fine-tune-epochs; repeat for several (default: none)",
     )
     o.add_argument(
         "--fine-tune-epochs",

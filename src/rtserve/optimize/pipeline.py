@@ -28,6 +28,7 @@ from rtserve.optimize.evaluate import (
     open_session,
     run_batched,
 )
+from rtserve.optimize.prune_transformer import STRUCTURED_HEADS
 from rtserve.optimize.report import choose
 
 if TYPE_CHECKING:
@@ -46,9 +47,42 @@ ALL_VARIANTS = (
 
 @dataclass
 class PruneSpec:
-    method: str  # magnitude | structured
-    amount: float
+    method: str  # magnitude | structured | structured-heads
+    amount: float  # structured-heads: the fraction of attention heads
     fine_tune_epochs: int = 0
+    ffn_amount: float | None = None  # structured-heads: FFN neurons (None: as ``amount``)
+
+    @property
+    def name(self) -> str:
+        if self.method == STRUCTURED_HEADS:
+            ffn = self.amount if self.ffn_amount is None else self.ffn_amount
+            return f"pruned-heads-{round(self.amount * 100)}-ffn-{round(ffn * 100)}"
+        return f"pruned-{self.method}-{int(self.amount * 100)}"
+
+
+PRUNE_USAGE = (
+    "expected magnitude:AMOUNT, structured:AMOUNT or structured-heads:HEADS[:FFN] "
+    "(fractions in [0, 1), e.g. structured:0.5 or structured-heads:0.5:0.5)"
+)
+
+
+def parse_prune_spec(text: str, fine_tune_epochs: int = 0) -> PruneSpec:
+    """``--prune`` text -> :class:`PruneSpec`; an error naming the flag and the grammar."""
+    method, *amounts = text.split(":")
+    if method not in ("magnitude", "structured", STRUCTURED_HEADS):
+        raise OptimizeError(f"--prune {text!r}: unknown method {method!r}; {PRUNE_USAGE}")
+    if not 1 <= len(amounts) <= (2 if method == STRUCTURED_HEADS else 1):
+        raise OptimizeError(f"--prune {text!r}: {PRUNE_USAGE}")
+    try:
+        values = [float(a) for a in amounts]
+    except ValueError:
+        raise OptimizeError(f"--prune {text!r}: amounts must be numbers; {PRUNE_USAGE}") from None
+    if any(not 0.0 <= v < 1.0 for v in values):
+        raise OptimizeError(f"--prune {text!r}: amounts must be within [0, 1); {PRUNE_USAGE}")
+    if method == STRUCTURED_HEADS and not any(values):
+        raise OptimizeError(f"--prune {text!r}: prunes nothing; {PRUNE_USAGE}")
+    ffn = values[1] if len(values) == 2 else None
+    return PruneSpec(method, values[0], fine_tune_epochs, ffn)
 
 
 @dataclass
@@ -395,6 +429,9 @@ def _pruned(run: _Run) -> list[Measurement]:
 
     out = []
     for spec in src.prune:
+        if spec.method == STRUCTURED_HEADS:
+            out.extend(_pruned_encoder(run, spec))
+            continue
         model = prune(src.model, spec.method, spec.amount)  # type: ignore[arg-type]
         notes = [f"{spec.method} {spec.amount:.0%}"]
         if spec.fine_tune_epochs and src.train_inputs is not None:
@@ -407,11 +444,49 @@ def _pruned(run: _Run) -> list[Measurement]:
             notes.append(f"fine-tuned {spec.fine_tune_epochs} epochs")
         if spec.method == "magnitude":
             notes.append("zeros only: dense kernels, no speed-up")
-        name = f"pruned-{spec.method}-{int(spec.amount * 100)}"
+        name = spec.name
         example = _torch_example(run.eval_data, run.input_names)
         dst = export_module(model, run.work / f"{name}.onnx", example, [run.output_name])
         out.append(run.measure(name, dst, notes))
     return out
+
+
+def _pruned_encoder(run: _Run, spec: PruneSpec) -> list[Measurement]:
+    """Heads and FFN neurons cut out of a transformer encoder, distilled, then also INT8.
+
+    Importance is measured on the first 64 rows of the training (else calibration) data;
+    with ``fine_tune_epochs`` the pruned model is distilled from the unpruned one on the
+    training data (no labels needed).
+    """
+    from rtserve.optimize.export import export_module
+    from rtserve.optimize.prune_transformer import distill_encoder, prune_encoder
+
+    src = run.torch_sources
+    assert src is not None and src.model is not None
+    data = src.train_inputs if src.train_inputs is not None else run.calibration
+    if data is None:
+        raise OptimizeError(
+            f"{spec.name}: head and neuron importance needs unlabelled inputs (--train or "
+            "--calibration)"
+        )
+    ffn = spec.amount if spec.ffn_amount is None else spec.ffn_amount
+    sample = {k: np.asarray(v)[:64] for k, v in data.items()}
+    model, summary = prune_encoder(src.model, sample, spec.amount, ffn)
+    notes = [summary.describe()]
+    if spec.fine_tune_epochs and src.train_inputs is not None:
+        model, seconds = distill_encoder(
+            model, src.model, src.train_inputs, epochs=spec.fine_tune_epochs
+        )
+        notes.append(f"distilled {spec.fine_tune_epochs} epoch(s), {seconds:.0f} s")
+    else:
+        notes.append("not fine-tuned")
+    example = _torch_example(run.eval_data, run.input_names)
+    dst = export_module(model, run.work / f"{spec.name}.onnx", example, [run.output_name])
+    int8 = quantize.quantize_dynamic_int8(dst, run.work / f"{spec.name}-int8.onnx")
+    return [
+        run.measure(spec.name, dst, notes),
+        run.measure(f"{spec.name}-int8", int8, [*notes, "then INT8 dynamic, per-channel"]),
+    ]
 
 
 def _distilled(run: _Run) -> list[Measurement]:

@@ -1,0 +1,528 @@
+"""Structured pruning of transformer encoders: remove attention heads and FFN neurons.
+
+Works on BERT-style encoder layers (``attention.self.{query,key,value}``,
+``attention.output.dense``, ``intermediate.dense``, ``output.dense``: BERT, MiniLM,
+RoBERTa, ELECTRA in transformers). The weights of a removed head or neuron are cut out of
+the matrices, so the exported ONNX model holds smaller dense matrices and runs faster.
+
+- Head importance: the loss in output cosine (against the unpruned model) when that head
+  alone is removed, on unlabelled inputs. Heads are ranked across all layers; every layer
+  keeps at least one.
+- Neuron importance: mean absolute activation on real tokens times the norm of the
+  neuron's outgoing weights (its average contribution to the layer output); the same
+  fraction is removed in every layer, so all FFNs stay one size.
+- Recovery: :func:`distill_encoder` trains the pruned model on the unpruned model's
+  outputs and per-layer hidden states (no labels).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rtserve.optimize.errors import OptimizeError
+
+if TYPE_CHECKING:
+    import torch
+
+STRUCTURED_HEADS = "structured-heads"
+
+
+@dataclass(frozen=True)
+class EncoderLayer:
+    """The parts of one encoder layer that head and neuron pruning rewrite."""
+
+    module: torch.nn.Module
+    attention: torch.nn.Module
+    query: torch.nn.Linear
+    key: torch.nn.Linear
+    value: torch.nn.Linear
+    attn_out: torch.nn.Linear
+    ffn_in: torch.nn.Linear
+    ffn_out: torch.nn.Linear
+    head_size: int
+
+    @property
+    def heads(self) -> int:
+        return self.query.out_features // self.head_size
+
+    @property
+    def neurons(self) -> int:
+        return self.ffn_in.out_features
+
+
+@dataclass
+class PruneSummary:
+    """What :func:`prune_encoder` removed: heads kept per layer, FFN size, parameters."""
+
+    heads_before: list[int]
+    heads_after: list[int]
+    ffn_before: int
+    ffn_after: list[int]
+    params_before: int
+    params_after: int
+    seconds: float = 0.0
+    fine_tune_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        heads = f"heads {sum(self.heads_before)} -> {sum(self.heads_after)}"
+        per_layer = "/".join(str(h) for h in self.heads_after)
+        ffn = f"FFN {self.ffn_before} -> {max(self.ffn_after)}"
+        params = f"params {self.params_before / 1e6:.1f}M -> {self.params_after / 1e6:.1f}M"
+        return f"{heads} ({per_layer}), {ffn}, {params}"
+
+
+def _linear(obj: Any, path: str) -> torch.nn.Linear | None:
+    import torch
+
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, torch.nn.Linear) else None
+
+
+def _head_size(attention: torch.nn.Module, query: torch.nn.Linear) -> int:
+    size = getattr(attention, "attention_head_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    heads = getattr(attention, "num_attention_heads", None)
+    if isinstance(heads, int) and heads > 0:
+        return query.out_features // heads
+    raise OptimizeError(f"{type(attention).__name__}: cannot tell the attention head size")
+
+
+def encoder_layers(model: torch.nn.Module) -> list[EncoderLayer]:
+    """The BERT-style encoder layers of ``model``, in order; an error if there are none."""
+    layers = []
+    for module in model.modules():
+        parts = {
+            p: _linear(module, p)
+            for p in (
+                "attention.self.query",
+                "attention.self.key",
+                "attention.self.value",
+                "attention.output.dense",
+                "intermediate.dense",
+                "output.dense",
+            )
+        }
+        if any(v is None for v in parts.values()):
+            continue
+        attention = module.get_submodule("attention.self")
+        query = parts["attention.self.query"]
+        assert query is not None
+        layers.append(
+            EncoderLayer(
+                module, attention, query, parts["attention.self.key"],  # type: ignore[arg-type]
+                parts["attention.self.value"], parts["attention.output.dense"],  # type: ignore[arg-type]
+                parts["intermediate.dense"], parts["output.dense"],  # type: ignore[arg-type]
+                _head_size(attention, query),
+            )
+        )  # fmt: skip
+    if not layers:
+        raise OptimizeError(
+            f"{type(model).__name__} has no BERT-style encoder layer (attention.self.query/key/"
+            "value, attention.output.dense, intermediate.dense, output.dense) to prune"
+        )
+    return layers
+
+
+def _rows(linear: torch.nn.Linear, keep: torch.Tensor) -> torch.nn.Linear:
+    """A copy of ``linear`` with only the output features ``keep``."""
+    import torch
+
+    new = torch.nn.Linear(linear.in_features, len(keep), bias=linear.bias is not None)
+    new.weight.data.copy_(linear.weight.data[keep])
+    if linear.bias is not None and new.bias is not None:
+        new.bias.data.copy_(linear.bias.data[keep])
+    return new
+
+
+def _cols(linear: torch.nn.Linear, keep: torch.Tensor) -> torch.nn.Linear:
+    """A copy of ``linear`` with only the input features ``keep``."""
+    import torch
+
+    new = torch.nn.Linear(len(keep), linear.out_features, bias=linear.bias is not None)
+    new.weight.data.copy_(linear.weight.data[:, keep])
+    if linear.bias is not None and new.bias is not None:
+        new.bias.data.copy_(linear.bias.data)
+    return new
+
+
+def _set(root: torch.nn.Module, path: str, value: torch.nn.Module) -> None:
+    owner_path, _, name = path.rpartition(".")
+    owner = root.get_submodule(owner_path) if owner_path else root
+    setattr(owner, name, value)
+
+
+def keep_heads(layer: EncoderLayer, heads: list[int]) -> EncoderLayer:
+    """Cut every head but ``heads`` out of ``layer``; returns the rewritten layer."""
+    import torch
+
+    if not heads:
+        raise OptimizeError("an encoder layer must keep at least one attention head")
+    idx = torch.cat(
+        [torch.arange(h * layer.head_size, (h + 1) * layer.head_size) for h in sorted(heads)]
+    )
+    m = layer.module
+    for path in ("attention.self.query", "attention.self.key", "attention.self.value"):
+        _set(m, path, _rows(m.get_submodule(path), idx))  # type: ignore[arg-type]
+    _set(m, "attention.output.dense", _cols(layer.attn_out, idx))
+    setattr(layer.attention, "num_attention_heads", len(heads))  # noqa: B010
+    setattr(layer.attention, "all_head_size", len(heads) * layer.head_size)  # noqa: B010
+    return encoder_layers(m)[0]
+
+
+def keep_neurons(layer: EncoderLayer, neurons: list[int]) -> EncoderLayer:
+    """Cut every FFN neuron but ``neurons`` out of ``layer``; returns the rewritten layer."""
+    import torch
+
+    if not neurons:
+        raise OptimizeError("an encoder layer must keep at least one FFN neuron")
+    idx = torch.tensor(sorted(neurons), dtype=torch.long)
+    _set(layer.module, "intermediate.dense", _rows(layer.ffn_in, idx))
+    _set(layer.module, "output.dense", _cols(layer.ffn_out, idx))
+    return encoder_layers(layer.module)[0]
+
+
+def _as_tensors(inputs: Mapping[str, np.ndarray]) -> list[torch.Tensor]:
+    import torch
+
+    return [torch.from_numpy(np.ascontiguousarray(v)) for v in inputs.values()]
+
+
+def _forward(model: torch.nn.Module, tensors: list[torch.Tensor], batch: int) -> torch.Tensor:
+    import torch
+
+    with torch.no_grad():
+        outs = [
+            model(*(t[i : i + batch] for t in tensors)) for i in range(0, len(tensors[0]), batch)
+        ]
+    return torch.cat(outs)
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    import torch.nn.functional as F
+
+    return float(F.cosine_similarity(a.flatten(1), b.flatten(1), dim=1).mean())
+
+
+def head_importance(
+    model: torch.nn.Module, inputs: Mapping[str, np.ndarray], batch: int = 32
+) -> np.ndarray:
+    """[layers, heads]: 1 - mean output cosine to the intact model with that head removed.
+
+    A head is removed by zeroing its value rows (weights and bias): its context vector
+    becomes zero, which is what cutting it out does.
+    """
+    import torch
+
+    tensors = _as_tensors(inputs)
+    model.eval()
+    reference = _forward(model, tensors, batch)
+    layers = encoder_layers(model)
+    scores = np.zeros((len(layers), max(la.heads for la in layers)), dtype=np.float64)
+    for i, layer in enumerate(layers):
+        value = layer.value
+        for h in range(layer.heads):
+            rows = slice(h * layer.head_size, (h + 1) * layer.head_size)
+            saved_w = value.weight.data[rows].clone()
+            saved_b = value.bias.data[rows].clone() if value.bias is not None else None
+            with torch.no_grad():
+                value.weight.data[rows] = 0
+                if value.bias is not None:
+                    value.bias.data[rows] = 0
+                scores[i, h] = 1.0 - _cosine(_forward(model, tensors, batch), reference)
+                value.weight.data[rows] = saved_w
+                if value.bias is not None and saved_b is not None:
+                    value.bias.data[rows] = saved_b
+    return scores
+
+
+def head_norms(
+    model: torch.nn.Module, inputs: Mapping[str, np.ndarray], batch: int = 32
+) -> np.ndarray:
+    """[layers, heads]: mean norm, on real tokens, of each head's contribution to the output.
+
+    A head's contribution is its context vector times its slice of the attention output
+    matrix; one forward pass measures all heads (ablation takes one per head).
+    """
+    import torch
+
+    layers = encoder_layers(model)
+
+    def per_head(i: int, act: torch.Tensor) -> torch.Tensor:
+        la = layers[i]
+        w = la.attn_out.weight.data.reshape(la.attn_out.out_features, la.heads, la.head_size)
+        ctx = act.reshape(act.shape[0], la.heads, la.head_size)
+        return torch.einsum("thd,ohd->tho", ctx, w).norm(dim=-1).sum(0)
+
+    sums = _collect(model, inputs, [la.attn_out for la in layers], per_head, batch)
+    return np.stack([s / n for s, n in sums])
+
+
+def _collect(
+    model: torch.nn.Module,
+    inputs: Mapping[str, np.ndarray],
+    modules: list[torch.nn.Module],
+    reduce: Callable[[int, torch.Tensor], torch.Tensor],
+    batch: int,
+) -> list[tuple[np.ndarray, int]]:
+    """Per module: the sum of ``reduce(i, input rows)`` over real tokens, and the token count."""
+    import torch
+
+    sums: list[Any] = [0.0] * len(modules)
+    counts = [0] * len(modules)
+    mask_all = _token_mask(inputs)
+    current: dict[str, torch.Tensor | None] = {"mask": None}
+
+    def hook(i: int) -> Callable[..., None]:
+        def record(_m: Any, args: tuple[torch.Tensor, ...]) -> None:
+            act = args[0].detach()
+            mask = current["mask"]
+            act = act[mask] if mask is not None and act.dim() == 3 else act
+            act = act.reshape(-1, act.shape[-1])
+            sums[i] = sums[i] + reduce(i, act).double()
+            counts[i] += act.shape[0]
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(i)) for i, m in enumerate(modules)]
+    tensors = _as_tensors(inputs)
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(tensors[0]), batch):
+                if mask_all is not None:
+                    current["mask"] = torch.from_numpy(mask_all[start : start + batch])
+                model(*(t[start : start + batch] for t in tensors))
+    finally:
+        for h in handles:
+            h.remove()
+    return [(np.asarray(s.numpy()), max(c, 1)) for s, c in zip(sums, counts, strict=True)]
+
+
+def _token_mask(inputs: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    mask = inputs.get("attention_mask")
+    return None if mask is None else np.asarray(mask, dtype=bool)
+
+
+def neuron_importance(
+    model: torch.nn.Module, inputs: Mapping[str, np.ndarray], batch: int = 32
+) -> list[np.ndarray]:
+    """Per layer, per FFN neuron: mean |activation| on real tokens x norm of its out-weights."""
+    layers = encoder_layers(model)
+    sums = _collect(
+        model, inputs, [la.ffn_out for la in layers], lambda _i, act: act.abs().sum(0), batch
+    )
+    return [
+        s / n * la.ffn_out.weight.data.norm(dim=0).double().numpy()
+        for (s, n), la in zip(sums, layers, strict=True)
+    ]
+
+
+def _heads_to_keep(scores: np.ndarray, counts: list[int], fraction: float) -> list[list[int]]:
+    """Drop the ``fraction`` least important heads across layers; each layer keeps one."""
+    total = sum(counts)
+    n_drop = int(round(total * fraction))
+    order = sorted(
+        ((scores[i, h], i, h) for i, c in enumerate(counts) for h in range(c)),
+        key=lambda t: t[0],
+    )
+    keep = [set(range(c)) for c in counts]
+    dropped = 0
+    for _, i, h in order:
+        if dropped >= n_drop:
+            break
+        if len(keep[i]) > 1:
+            keep[i].discard(h)
+            dropped += 1
+    return [sorted(k) for k in keep]
+
+
+def _params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def prune_encoder(
+    model: torch.nn.Module,
+    inputs: Mapping[str, np.ndarray],
+    heads: float,
+    ffn: float,
+    batch: int = 32,
+    importance: str = "norm",
+) -> tuple[torch.nn.Module, PruneSummary]:
+    """A copy of ``model`` with the ``heads`` fraction of heads and ``ffn`` of FFN neurons cut.
+
+    ``inputs`` are unlabelled model inputs (e.g. token ids and attention mask of some
+    sentences) on which importance is measured; a few dozen rows suffice. Heads are ranked
+    by ``importance``: ``norm`` (:func:`head_norms`, one pass) or ``ablation``
+    (:func:`head_importance`, one pass per head).
+    """
+    if importance not in HEAD_IMPORTANCE:
+        raise OptimizeError(
+            f"head importance {importance!r} unknown; choose from {', '.join(HEAD_IMPORTANCE)}"
+        )
+    check_fraction("heads", heads)
+    check_fraction("ffn", ffn)
+    start = time.perf_counter()
+    model = copy.deepcopy(model).eval()
+    layers = encoder_layers(model)
+    head_counts = [la.heads for la in layers]
+    summary = PruneSummary(
+        heads_before=head_counts, heads_after=list(head_counts),
+        ffn_before=max(la.neurons for la in layers), ffn_after=[la.neurons for la in layers],
+        params_before=_params(model), params_after=0,
+    )  # fmt: skip
+    if heads > 0:
+        scores = HEAD_IMPORTANCE[importance](model, inputs, batch)
+        keep = _heads_to_keep(scores, head_counts, heads)
+        layers = [keep_heads(la, k) for la, k in zip(layers, keep, strict=True)]
+    if ffn > 0:
+        layers = [
+            keep_neurons(la, _top(s, max(1, int(round(la.neurons * (1.0 - ffn))))))
+            for la, s in zip(layers, neuron_importance(model, inputs, batch), strict=True)
+        ]
+    summary.heads_after = [la.heads for la in layers]
+    summary.ffn_after = [la.neurons for la in layers]
+    summary.params_after = _params(model)
+    summary.seconds = time.perf_counter() - start
+    return model, summary
+
+
+HEAD_IMPORTANCE: dict[
+    str, Callable[[torch.nn.Module, Mapping[str, np.ndarray], int], np.ndarray]
+] = {
+    "norm": head_norms,
+    "ablation": head_importance,
+}
+
+
+def _top(scores: np.ndarray, n: int) -> list[int]:
+    return sorted(int(i) for i in np.argsort(-scores, kind="stable")[:n])
+
+
+def check_fraction(what: str, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise OptimizeError(f"{what} fraction to prune must be within [0, 1), got {value}")
+
+
+def _hidden_states(
+    layers: list[EncoderLayer], store: list[torch.Tensor]
+) -> list[torch.utils.hooks.RemovableHandle]:
+    def record(_m: Any, _args: Any, out: Any) -> None:
+        store.append(out[0] if isinstance(out, tuple) else out)
+
+    return [la.module.register_forward_hook(record) for la in layers]
+
+
+def distill_encoder(
+    student: torch.nn.Module,
+    teacher: torch.nn.Module,
+    inputs: Mapping[str, np.ndarray],
+    epochs: int = 3,
+    lr: float = 1e-4,
+    batch_size: int = 32,
+    hidden_weight: float = 1.0,
+    max_seconds: float | None = None,
+    freeze_embeddings: bool = True,
+    seed: int = 0,
+) -> tuple[torch.nn.Module, float]:
+    """Train the pruned ``student`` to reproduce ``teacher`` on unlabelled ``inputs``.
+
+    Loss: ``1 - cosine`` of the outputs plus ``hidden_weight`` times the MSE of every
+    encoder layer's hidden states (pruning keeps the hidden size, so they align layer by
+    layer), normalised by the teacher's hidden-state variance. Stops after ``epochs`` or
+    ``max_seconds``. Token embeddings (untouched by pruning, most of the parameters) stay
+    frozen unless ``freeze_embeddings`` is false. With an ``attention_mask`` input every
+    batch is cut to its longest row, so short sentences train fast. Returns the student in
+    eval mode and the seconds spent.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    s_layers, t_layers = encoder_layers(student), encoder_layers(teacher)
+    if len(s_layers) != len(t_layers):
+        raise OptimizeError(
+            f"student has {len(s_layers)} encoder layers, teacher {len(t_layers)}: they must match"
+        )
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    tensors = _as_tensors(inputs)
+    n = len(tensors[0])
+    mask_all = _token_mask(inputs)
+    teacher.eval()
+    params = [
+        p
+        for name, p in student.named_parameters()
+        if not (freeze_embeddings and "embeddings" in name)
+    ]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    steps_total = epochs * ((n + batch_size - 1) // batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, steps_total // 20)) * max(0.0, 1 - s / steps_total)
+    )
+    s_hidden: list[torch.Tensor] = []
+    t_hidden: list[torch.Tensor] = []
+    handles = _hidden_states(s_layers, s_hidden) + _hidden_states(t_layers, t_hidden)
+    start = time.perf_counter()
+    student.train()
+    try:
+        for _ in range(epochs):
+            for idx_np in np.array_split(rng.permutation(n), max(1, n // batch_size)):
+                idx = torch.from_numpy(idx_np)
+                width = _width(mask_all, idx_np)
+                batch = [t[idx][:, :width] if t.dim() == 2 and width else t[idx] for t in tensors]
+                s_hidden.clear()
+                t_hidden.clear()
+                with torch.no_grad():
+                    target = teacher(*batch)
+                out = student(*batch)
+                loss = 1.0 - F.cosine_similarity(out.flatten(1), target.flatten(1), dim=1).mean()
+                if hidden_weight > 0:
+                    mask = (
+                        torch.from_numpy(mask_all[idx_np][:, :width])
+                        if mask_all is not None and width
+                        else None
+                    )
+                    loss = loss + hidden_weight * _hidden_loss(s_hidden, t_hidden, mask)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+                if max_seconds is not None and time.perf_counter() - start > max_seconds:
+                    break
+            else:
+                continue
+            break
+    finally:
+        for h in handles:
+            h.remove()
+    return student.eval(), time.perf_counter() - start
+
+
+def _width(mask: np.ndarray | None, rows: np.ndarray) -> int:
+    """The longest real length among ``rows`` (0 without a mask: do not cut)."""
+    if mask is None or mask.ndim != 2:
+        return 0
+    real = np.flatnonzero(mask[rows].any(axis=0))
+    return int(real[-1]) + 1 if len(real) else 0
+
+
+def _hidden_loss(
+    student: list[torch.Tensor], teacher: list[torch.Tensor], mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Mean over layers of the hidden-state MSE on real tokens, over the teacher's variance."""
+    total = student[0].new_zeros(())
+    for s, t in zip(student, teacher, strict=True):
+        if mask is not None and s.dim() == 3:
+            s, t = s[mask], t[mask]
+        total = total + ((s - t) ** 2).mean() / t.var().clamp(min=1e-6)
+    return total / max(1, len(student))
