@@ -422,10 +422,17 @@ def _edge_section(settings: Settings) -> str:
     return edge.section(settings)
 
 
+def _early_exit_section(settings: Settings) -> str:
+    from bench.showcase import early_exit
+
+    return early_exit.section(settings)
+
+
 # Sections with a module of their own, appended after the models' sections; each can run
 # alone: `python -m bench.showcase --only NAME[,NAME] --out /tmp/x.md`.
 SECTIONS: dict[str, Callable[[Settings], str]] = {
     "edge": _edge_section,
+    "early-exit": _early_exit_section,
 }
 
 
