@@ -245,6 +245,8 @@ def test_bad_input_is_refused_with_the_field_named(models: dict[str, Path]) -> N
             e.encode_messages([{"role": "user", "content": "hi"}, {"role": "user"}])
         with pytest.raises(InvalidInput, match="messages"):
             e.encode_messages("hello")
+        with pytest.raises(InvalidInput, match="token ids"):
+            asyncio.run(run(e, [1, 10**9]))
         assert asyncio.run(run(e, e.encode_text("still serving")))[0]
     finally:
         asyncio.run(e.stop())

@@ -22,8 +22,8 @@ _local = threading.local()
 @dataclass(slots=True)
 class Chunk:
     """A prompt chunk of ``n`` tokens at packed offset ``start``; its sequence holds
-    ``context`` tokens after this step; ``gather``: their slots (None when the chunk is the
-    whole context: it attends to itself only)."""
+    ``context`` tokens after this step; ``gather``: its block table (None when the chunk is
+    the whole context: it attends to itself only), ``mask`` [n, blocks * block_size]."""
 
     start: int
     n: int
@@ -36,12 +36,12 @@ class Chunk:
 class StepContext:
     """What the attention of every layer needs for the current step."""
 
-    k_cache: list[torch.Tensor]  # per layer: [slots, kv_heads, head_dim]
+    k_cache: list[torch.Tensor]  # per layer: [blocks, block_size, kv_heads, head_dim]
     v_cache: list[torch.Tensor]
     slots: torch.Tensor  # [T]: where each packed token's key/value goes
     decodes: int  # the first ``decodes`` packed tokens are single-token items
-    decode_gather: torch.Tensor | None  # [decodes, L]: their context's slots (padded)
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, L] (None: no padding)
+    decode_gather: torch.Tensor | None  # [decodes, B]: their block tables (padded)
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, B * block_size]
     chunks: list[Chunk]
 
 
@@ -64,24 +64,28 @@ def paged_attention(
     ctx: StepContext = _local.step
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
-    k_cache.index_copy_(0, ctx.slots, k_new)
-    v_cache.index_copy_(0, ctx.slots, v_new)
-    heads, tokens, dim = query.shape[1], query.shape[2], query.shape[3]
-    kv_heads = key.shape[1]
+    blocks, block_size, kv_heads, dim = k_cache.shape
+    k_cache.view(-1, kv_heads, dim).index_copy_(0, ctx.slots, key[0].transpose(0, 1))
+    v_cache.view(-1, kv_heads, dim).index_copy_(0, ctx.slots, value[0].transpose(0, 1))
+    heads, tokens = query.shape[1], query.shape[2]
     groups = heads // kv_heads
     out = query.new_empty(tokens, heads, dim)
     q = query[0]  # [H, T, D]
     nd = ctx.decodes
     if nd:
-        gather = ctx.decode_gather
-        assert gather is not None
-        keys = k_cache[gather].permute(0, 2, 1, 3)  # [nd, KVH, L, D]
-        values = v_cache[gather].permute(0, 2, 1, 3)
-        # Every head group of a kv head attends at the same position: one query row each.
+        table = ctx.decode_gather
+        assert table is not None
+        width = table.shape[1] * block_size
+        keys = k_cache.index_select(0, table.view(-1)).view(nd, width, kv_heads, dim)
+        values = v_cache.index_select(0, table.view(-1)).view(nd, width, kv_heads, dim)
+        # Every head of a kv head's group attends at the same position: one query row each.
         qd = q[:, :nd].reshape(kv_heads, groups, nd, dim).permute(2, 0, 1, 3)
         od = F.scaled_dot_product_attention(
-            qd, keys, values, attn_mask=ctx.decode_mask, scale=scaling
+            qd,
+            keys.permute(0, 2, 1, 3),
+            values.permute(0, 2, 1, 3),
+            attn_mask=ctx.decode_mask,
+            scale=scaling,
         )  # [nd, KVH, groups, D]
         out[:nd] = od.reshape(nd, heads, dim)
     for c in ctx.chunks:
@@ -93,8 +97,8 @@ def paged_attention(
                 qc, kc, vc, is_causal=True, scale=scaling, enable_gqa=groups > 1
             )
         else:
-            kc = k_cache[c.gather].permute(1, 0, 2).unsqueeze(0)  # [1, KVH, L, D]
-            vc = v_cache[c.gather].permute(1, 0, 2).unsqueeze(0)
+            kc = k_cache.index_select(0, c.gather).view(1, -1, kv_heads, dim).transpose(1, 2)
+            vc = v_cache.index_select(0, c.gather).view(1, -1, kv_heads, dim).transpose(1, 2)
             oc = F.scaled_dot_product_attention(
                 qc, kc, vc, attn_mask=c.mask, scale=scaling, enable_gqa=groups > 1
             )

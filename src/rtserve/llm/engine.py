@@ -194,6 +194,9 @@ class LlmEngine:
         """The events of one generation, on the caller's event loop. Leaving the loop
         early (``aclose``, cancellation) aborts the sequence."""
         self.check_prompt(len(prompt_ids), params)
+        vocab = self.runner.vocab_size
+        if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise InvalidInput(f"prompt: expected token ids in [0, {vocab}), at least one")
         if self._stopping:
             raise ShuttingDown(f"model {self.name} is stopping")
         loop = asyncio.get_running_loop()
@@ -252,8 +255,10 @@ class LlmEngine:
         rng = np.random.default_rng(0)
         vocab = int(self.runner.model.config.vocab_size)
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        room = self.pool.num_blocks * self.pool.block_size // 2 - new_tokens  # (small pools)
         for i in range(seqs):
-            tokens = rng.integers(0, vocab, size=prompt_len * (i + 1) // seqs + 2).tolist()
+            size = max(1, min(prompt_len * (i + 1) // seqs + 2, room))
+            tokens = rng.integers(0, vocab, size=size).tolist()
             seq = Sequence(
                 tokens=tokens,
                 num_prompt=len(tokens),
@@ -277,8 +282,14 @@ class LlmEngine:
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                self._step()
-        except BaseException as exc:  # a failed step fails every sequence it holds
+                try:
+                    self._step()
+                except Exception as exc:  # the sequences in flight fail; the model serves on
+                    log.exception("llm %s: a step failed", self.name)
+                    self._fail_scheduled(
+                        InferenceFailed(f"model {self.name}: {type(exc).__name__}: {exc}")
+                    )
+        except BaseException as exc:  # the loop itself ended: every sequence fails
             log.exception("llm %s: the step loop failed", self.name)
             with self._lock:
                 self._failed = exc
@@ -384,6 +395,15 @@ class LlmEngine:
         m.observe("prompt", seq.num_prompt)
         m.observe("generated", seq.generated)
         m.observe("e2e", (_now() - seq.arrival_ns) / 1e9)
+
+    def _fail_scheduled(self, error: BaseException) -> None:
+        """End every scheduled sequence with ``error`` and free its blocks."""
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._finish(seq, "abort")
+            if seq.sink is not None:
+                loop, queue = seq.sink
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(queue.put_nowait, error)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:

@@ -44,6 +44,7 @@ class ModelRunner:
         self.model = model.to(self.device).eval()
         config = self.model.config
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.vocab_size = int(config.vocab_size)
         layers = config.num_hidden_layers
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -62,9 +63,9 @@ class ModelRunner:
                 f"{self.block_size} tokens ({per_token} bytes per token for this model)"
             )
         slots = self.num_blocks * self.block_size
+        shape = (self.num_blocks, self.block_size, kv_heads, head_dim)
         self.k_cache = [
-            torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device)
-            for _ in range(layers)
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)
         ]
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
         self.bytes_per_token = per_token
@@ -83,7 +84,8 @@ class ModelRunner:
         slots: list[int] = []
         last: list[int] = []
         chunks: list[Chunk] = []
-        decode_rows: list[list[int]] = []
+        tables: list[list[int]] = []
+        lengths: list[int] = []
         dev = self.device
         for seq, n in step.items:
             start = len(ids)
@@ -95,32 +97,29 @@ class ModelRunner:
             slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
             last.append(start + n - 1)
             context = first + n
+            used = blocks[: -(-context // bs)]
             if n == 1:
-                decode_rows.append([blocks[p // bs] * bs + p % bs for p in range(context)])
+                tables.append(used)
+                lengths.append(context)
             elif first == 0:
                 chunks.append(Chunk(start, n, context, None, None))
             else:
-                gather = torch.tensor(
-                    [blocks[p // bs] * bs + p % bs for p in range(context)], device=dev
-                )
                 rows = torch.arange(n, device=dev)[:, None] + first
-                mask = torch.arange(context, device=dev)[None, :] <= rows
-                chunks.append(Chunk(start, n, context, gather, mask))
+                mask = torch.arange(len(used) * bs, device=dev)[None, :] <= rows
+                chunks.append(Chunk(start, n, context, torch.tensor(used, device=dev), mask))
         decode_gather = decode_mask = None
-        if decode_rows:
-            longest = max(len(r) for r in decode_rows)
-            lengths = torch.tensor([len(r) for r in decode_rows], device=dev)
-            padded = [r + [r[0]] * (longest - len(r)) for r in decode_rows]
-            decode_gather = torch.tensor(padded, device=dev)
-            if int(lengths.min()) != longest:
-                decode_mask = (torch.arange(longest, device=dev)[None, :] < lengths[:, None])[
-                    :, None, None, :
-                ]
+        if tables:
+            widest = max(len(t) for t in tables)
+            decode_gather = torch.tensor(
+                [t + [t[0]] * (widest - len(t)) for t in tables], device=dev
+            )
+            width = torch.arange(widest * bs, device=dev)[None, :]
+            decode_mask = (width < torch.tensor(lengths, device=dev)[:, None])[:, None, None, :]
         ctx = StepContext(
             self.k_cache,
             self.v_cache,
             torch.tensor(slots, device=dev),
-            len(decode_rows),
+            len(tables),
             decode_gather,
             decode_mask,
             chunks,
@@ -132,7 +131,7 @@ class ModelRunner:
         """Run the step; the logits [len(rows), vocab] at the last token of the items
         numbered ``rows`` (those that sample a token)."""
         ctx, ids, positions, last = self._context(step)
-        keep = torch.tensor([last[r] for r in rows], device=self.device)
+        keep = torch.tensor([last[r] for r in rows], dtype=torch.long, device=self.device)
         attention.set_step(ctx)
         try:
             out = self.model(

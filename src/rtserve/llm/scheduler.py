@@ -112,7 +112,17 @@ class Scheduler:
 
     def schedule(self, prefill_budget: int | None = None) -> Step:
         """The next step. ``prefill_budget``: the most prompt tokens to run alongside the
-        decodes (the token objective's limit); None: the token budget's remainder."""
+        decodes (the token objective's limit); None: the token budget's remainder.
+
+        When the sequences holding blocks cannot go on (half-computed prompts filled the
+        pool), the lowest-priority, latest is preempted until one can."""
+        while True:
+            step = self._schedule(prefill_budget)
+            if step.items or not self.running:
+                return step
+            self.preempt(max(self.running, key=lambda s: (s.priority, s.arrival_ns, s.id)))
+
+    def _schedule(self, prefill_budget: int | None) -> Step:
         decoding = [s for s in self.running if not s.prefilling]
         for seq in decoding:
             if seq.status == RUNNING and not self._reserve(seq, 1):
