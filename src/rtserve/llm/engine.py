@@ -113,12 +113,12 @@ class LlmEngine:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation)
             return self.encode_text(text + "assistant:")
         try:
-            text = self.tokenizer.apply_chat_template(
+            prompt: Any = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:
             raise InvalidInput(f"messages: the chat template refused them: {exc}") from exc
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False)
         return ids
 
     def check_prompt(self, n_prompt: int, params: SamplingParams) -> None:
