@@ -72,13 +72,18 @@ run-llm: setup examples
 	@echo "  curl -sN http://$(HOST):$(HTTP_PORT)/v1/chat/completions -H 'Content-Type: application/json' -d @$(LLM_REPO)/smollm2/example_request.json"
 	$(BIN)/rtserve serve --model-repository $(LLM_REPO) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT)
 
+# make run serves both example repositories as one: links to every model in a third directory.
+SERVE_REPO := examples/serve-repository
 run: setup examples
-	@echo "Serving $(REPO) (Ctrl-C drains and stops). Try, from another shell:"
+	@rm -rf $(SERVE_REPO) && mkdir -p $(SERVE_REPO) && for d in $(REPO)/*/ $(LLM_REPO)/*/; do \
+	  ln -s "$$(realpath $$d)" $(SERVE_REPO)/$$(basename $$d); done
+	@echo "Serving $(REPO) and $(LLM_REPO) (Ctrl-C drains and stops). Try, from another shell:"
+	@echo "  curl -sN http://$(HOST):$(HTTP_PORT)/v1/chat/completions -d @$(LLM_REPO)/smollm2/example_request.json   # a streamed chat answer"
 	@echo "  curl -s http://$(HOST):$(HTTP_PORT)/v2/models/digits/infer -d @$(REPO)/digits/example_request.json"
 	@echo "  curl -s http://$(HOST):$(HTTP_PORT)/v2/models/text-embedding/infer -d @$(REPO)/text-embedding/example_request.json   # sentences -> embeddings"
 	@echo "  curl -s http://$(HOST):$(HTTP_PORT)/v2/models/image-classifier/infer -H 'Inference-Header-Content-Length: 256' --data-binary @$(REPO)/image-classifier/example_request.bin   # cat.jpg -> top-5 labels"
 	@echo "  $(BIN)/python examples/client.py --url $(HOST):$(HTTP_PORT) --grpc-url $(HOST):$(GRPC_PORT)   # tritonclient, HTTP and gRPC"
-	$(BIN)/rtserve serve --model-repository $(REPO) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT)
+	$(BIN)/rtserve serve --model-repository $(SERVE_REPO) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT)
 
 test: setup examples test-modern
 	$(BIN)/python -m pytest -q
@@ -138,4 +143,4 @@ optimize-report: setup
 	$(BIN)/python -m bench.showcase --out docs/optimization.md
 
 clean:
-	rm -rf $(VENV) $(REPO) $(LLM_REPO) bench/.peers bench/.work optimize-out
+	rm -rf $(VENV) $(REPO) $(LLM_REPO) $(SERVE_REPO) bench/.peers bench/.work optimize-out
