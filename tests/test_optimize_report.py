@@ -55,3 +55,31 @@ def test_plot_writes_a_small_png(tmp_path: pathlib.Path) -> None:
     path = plot(VARIANTS, tmp_path / "p.png", "test", chosen="int8-dynamic")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size < 200_000
+
+
+def test_choose_keeps_the_baseline_when_the_gain_is_within_noise() -> None:
+    from rtserve.optimize.report import choice_note
+
+    variants = [_m("fp32", 10.0, 1.0), _m("fp16", 8.8, 1.0), _m("pruned-magnitude-50", 9.8, 1.0)]
+    assert (c := choose(variants, 1.0, 0.01, "fp32", 0.2)) is not None and c.name == "fp32"
+    note = choice_note(variants, 1.0, 0.01, "fp32", 0.2)
+    assert note.startswith("within noise: kept the baseline") and "`fp16`, ran 1.14x" in note
+    assert "+-20%" in note
+    table = markdown_table(variants, "fp32", 1.0, 0.01, chosen="fp32", noise=0.2)
+    fp16_row = next(line for line in table.splitlines() if "`fp16`" in line)
+    assert "within noise" in fp16_row
+    faster = [*variants, _m("int8-static", 7.0, 0.995)]  # 1.43x: beyond the band
+    assert (c := choose(faster, 1.0, 0.01, "fp32", 0.2)) is not None and c.name == "int8-static"
+    assert choice_note(faster, 1.0, 0.01, "fp32", 0.2) == ""
+    assert (c := choose(variants, 1.0, 0.01, "fp32", 0.1)) is not None and c.name == "fp16"
+
+
+def test_noise_band_widens_with_the_baseline_spread_between_rounds() -> None:
+    from rtserve.optimize.report import noise_band
+
+    base = _m("fp32", 10.0, 1.0)
+    assert noise_band(base, 0.2) == 0.2  # no rounds recorded: the floor
+    base.round_p50_ms = [10.0, 10.5, 11.0]
+    assert noise_band(base, 0.2) == 0.2
+    base.round_p50_ms = [10.0, 13.0, 14.0, 15.0]
+    assert math.isclose(noise_band(base, 0.2), 0.35)

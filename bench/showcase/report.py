@@ -335,8 +335,12 @@ def render(
         "float compute), `int8-static-*` (QDQ, per-channel, calibrated with MinMax / "
         "Percentile / Entropy, with the fallback loop keeping the most sensitive nodes in float "
         "until the budget holds), `pruned-*` (from the torch model, then exported), "
-        "`distilled` (a student trained on the teacher's logits). The chosen variant is the "
-        "fastest at batch 1 within the accuracy budget. Peak memory is the resident memory a "
+        "`distilled` (a student trained on the teacher's logits), `int8-qat` "
+        "(quantization-aware training, its own section). The chosen variant is the "
+        "fastest at batch 1 within the accuracy budget, unless its gain over `fp32` is "
+        "within the noise band (20%, or the baseline's own spread between rounds if wider): "
+        'then the baseline is kept and the table marks the variant "within noise". Peak '
+        "memory is the resident memory a "
         "fresh process adds to load the variant and run one batch of 32.",
         "",
         "To run the same on your own model:",
@@ -377,7 +381,8 @@ def render(
             s.description,
             "",
             f"Run time {s.seconds / 60:.1f} min. Chosen: **{chosen}**"
-            + (f" (written to `optimize-out/repository/{s.slug}`)." if r.chosen else "."),
+            + (f" (written to `optimize-out/repository/{s.slug}`)." if r.chosen else ".")
+            + (f" {r.choice_note[0].upper()}{r.choice_note[1:]}" if r.choice_note else ""),
             "",
             "### FP32 / FP16 / INT8 / INT8 + batching",
             "",
@@ -390,6 +395,7 @@ def render(
                 r.reference_score,
                 r.max_accuracy_drop,
                 r.chosen.name if r.chosen else None,
+                r.noise_band,
             ),
             f"![{s.slug}: accuracy against latency, Pareto front in red]({rel})",
             "",
@@ -422,6 +428,12 @@ def _edge_section(settings: Settings) -> str:
     return edge.section(settings)
 
 
+def _qat_section(settings: Settings) -> str:
+    from bench.showcase import qat
+
+    return qat.section(settings)
+
+
 def _early_exit_section(settings: Settings) -> str:
     from bench.showcase import early_exit
 
@@ -432,6 +444,7 @@ def _early_exit_section(settings: Settings) -> str:
 # alone: `python -m bench.showcase --only NAME[,NAME] --out /tmp/x.md`.
 SECTIONS: dict[str, Callable[[Settings], str]] = {
     "edge": _edge_section,
+    "qat": _qat_section,
     "early-exit": _early_exit_section,
 }
 

@@ -121,7 +121,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         run_optimize,
     )
     from rtserve.optimize.publish import publish
-    from rtserve.optimize.report import markdown_table, plot
+    from rtserve.optimize.report import plot
 
     model = pathlib.Path(args.model)
     specs = model_inputs(model)
@@ -146,6 +146,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             distill_temperature=args.temperature,
             distill_alpha=args.alpha,
             distill_epochs=args.distill_epochs,
+            qat=_qat_options(args),
         )
     options = OptimizeOptions(
         max_accuracy_drop=args.max_accuracy_drop,
@@ -157,14 +158,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         iterations=args.iterations,
         threads=args.threads,
         progress=not args.no_progress,
+        noise_band=args.noise_band,
     )
     out = pathlib.Path(args.out)
     work = pathlib.Path(args.work) if args.work else pathlib.Path("optimize-out") / out.name
     result = run_optimize(model, work, calibration, eval_data, labels, options, torch_sources)
     chosen = result.chosen.name if result.chosen else None
-    table = markdown_table(
-        result.measurements, result.baseline, result.reference_score, args.max_accuracy_drop, chosen
-    )
+    table = result.table()
     png = plot(
         result.measurements, work / "report.png", f"{model.name}: accuracy vs latency", chosen
     )
@@ -182,6 +182,17 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     )
     print(f"chose {result.chosen.name}: wrote {dst} and {out / 'config.yaml'}")
     return 0
+
+
+def _qat_options(args: argparse.Namespace) -> Any:
+    """QAT settings when ``--qat`` is given (it needs ``--train``), else None."""
+    if not args.qat:
+        return None
+    if not args.train:
+        raise OptimizeError("--qat fine-tunes on training data: give --train as well")
+    from rtserve.optimize.qat import QatOptions
+
+    return QatOptions(epochs=args.qat_epochs, lr=args.qat_lr)
 
 
 def register(subparsers: Any) -> None:
@@ -260,8 +271,8 @@ def register(subparsers: Any) -> None:
     o.add_argument("--work", help="folder for the variants (default: optimize-out/NAME)")
     o.add_argument(
         "--variants",
-        help="comma list of fp32-opt,fp16,int8-dynamic,int8-weight,int8-static,pruned,distilled "
-        "(default: all of them)",
+        help="comma list of fp32-opt,fp16,int8-dynamic,int8-weight,int8-static,pruned,distilled,"
+        "int8-qat (default: all of them)",
     )
     o.add_argument(
         "--calibration-methods",
@@ -335,6 +346,32 @@ def register(subparsers: Any) -> None:
         type=int,
         default=60,
         help="epochs of student training (default: %(default)s)",
+    )
+    o.add_argument(
+        "--qat",
+        action="store_true",
+        help="add the int8-qat variant: quantization-aware training of --torch-model on "
+        "--train against its own FP32 logits, exported as QDQ INT8 (default: off)",
+    )
+    o.add_argument(
+        "--qat-epochs",
+        type=int,
+        default=3,
+        help="epochs of quantization-aware training (default: %(default)s)",
+    )
+    o.add_argument(
+        "--qat-lr",
+        type=float,
+        default=1e-5,
+        help="learning rate (Adam) of quantization-aware training (default: %(default)s)",
+    )
+    o.add_argument(
+        "--noise-band",
+        type=float,
+        default=0.2,
+        help="a variant must be faster than the FP32 baseline at batch 1 by more than this "
+        "fraction (or the run's own round-to-round spread, if wider) to be chosen "
+        "(default: %(default)s)",
     )
     o.add_argument(
         "--iterations",

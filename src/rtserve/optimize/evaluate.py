@@ -37,6 +37,7 @@ class Measurement:
     score_name: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    round_p50_ms: list[float] = field(default_factory=list)  # batch-1 median of each round
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -315,6 +316,7 @@ def measure_latencies(
                 medians.setdefault((i, bs), []).append(float(np.median(got)))
     for i, m in enumerate(measurements):
         first = (i, batch_sizes[0])
-        m.p50_ms = min(medians[first]) * 1e3
+        m.round_p50_ms = [r * 1e3 for r in medians[first]]
+        m.p50_ms = min(m.round_p50_ms)
         m.p99_ms = max(float(np.percentile(times[first], 99) * 1e3), m.p50_ms)
         m.throughput = {bs: bs / min(medians[(i, bs)]) for bs in batch_sizes}

@@ -29,10 +29,12 @@ from rtserve.optimize.evaluate import (
     run_batched,
 )
 from rtserve.optimize.prune_transformer import STRUCTURED_HEADS
-from rtserve.optimize.report import choose
+from rtserve.optimize.report import NOISE_BAND, choice_note, choose, noise_band
 
 if TYPE_CHECKING:
     import torch
+
+    from rtserve.optimize.qat import QatOptions
 
 ALL_VARIANTS = (
     "fp32-opt",
@@ -42,6 +44,7 @@ ALL_VARIANTS = (
     "int8-static",
     "pruned",
     "distilled",
+    "int8-qat",
 )
 
 
@@ -97,6 +100,7 @@ class TorchSources:
     distill_temperature: float = 4.0
     distill_alpha: float = 0.7
     distill_epochs: int = 60
+    qat: QatOptions | None = None  # quantization-aware training (None: no int8-qat variant)
 
 
 @dataclass
@@ -116,9 +120,21 @@ class OptimizeResult:
     max_accuracy_drop: float
     fallback: dict[str, list[FallbackStep]] = field(default_factory=dict)
     excluded_nodes: dict[str, list[str]] = field(default_factory=dict)
+    noise_band: float = 0.0
+    choice_note: str = ""  # why the baseline was kept over a faster variant, if it was
 
     def get(self, name: str) -> Measurement | None:
         return next((m for m in self.measurements if m.name == name), None)
+
+    def table(self) -> str:
+        """The markdown table of every variant, then why the baseline was kept, if it was."""
+        from rtserve.optimize.report import markdown_table
+
+        text = markdown_table(
+            self.measurements, self.baseline, self.reference_score, self.max_accuracy_drop,
+            self.chosen.name if self.chosen else None, self.noise_band,
+        )  # fmt: skip
+        return text + (f"\n{self.choice_note}\n" if self.choice_note else "")
 
 
 @dataclass
@@ -137,6 +153,7 @@ class OptimizeOptions:
     hidden_size: int = 0
     threads: int = 2
     progress: bool = True
+    noise_band: float = NOISE_BAND  # speed-ups up to this fraction do not count
 
 
 def _progress(enabled: bool) -> Any:
@@ -510,6 +527,21 @@ def _distilled(run: _Run) -> list[Measurement]:
     return [run.measure("distilled", dst, notes)]
 
 
+def _int8_qat(run: _Run) -> list[Measurement]:
+    """Quantization-aware training from the torch model, exported as QDQ ONNX."""
+    src = run.torch_sources
+    if src is None or src.model is None or src.qat is None:
+        return []
+    if src.train_inputs is None:
+        raise OptimizeError("quantization-aware training needs training data (--train)")
+    from rtserve.optimize import qat
+
+    example = _torch_example(run.eval_data, run.input_names)
+    model, info = qat.train(src.model, src.train_inputs, src.train_labels, example, src.qat)
+    dst = qat.export_qdq(model, run.work / "int8-qat.onnx", example, [run.output_name])
+    return [run.measure("int8-qat", dst, [info.describe()])]
+
+
 BUILDERS: dict[str, Callable[[_Run], list[Measurement]]] = {
     "fp32-opt": _fp32_opt,
     "fp16": _fp16,
@@ -518,6 +550,7 @@ BUILDERS: dict[str, Callable[[_Run], list[Measurement]]] = {
     "int8-static": _int8_static,
     "pruned": _pruned,
     "distilled": _distilled,
+    "int8-qat": _int8_qat,
 }
 
 
@@ -598,7 +631,10 @@ def run_optimize(
             result.measurements, eval_data, opts.batch_sizes, opts.rounds,
             opts.iterations, opts.max_seconds, opts.threads,
         )  # fmt: skip
-    result.chosen = choose(result.measurements, result.reference_score, opts.max_accuracy_drop)
+    result.noise_band = noise_band(result.get(result.baseline), opts.noise_band)
+    args = (result.measurements, result.reference_score, opts.max_accuracy_drop)
+    result.chosen = choose(*args, result.baseline, result.noise_band)
+    result.choice_note = choice_note(*args, result.baseline, result.noise_band)
     return result
 
 

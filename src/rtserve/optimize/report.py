@@ -6,6 +6,8 @@ import math
 import pathlib
 from collections.abc import Sequence
 
+import numpy as np
+
 from rtserve.optimize.evaluate import Measurement
 
 
@@ -30,13 +32,66 @@ def within_budget(m: Measurement, reference_score: float, max_drop: float) -> bo
     return not math.isnan(m.score) and reference_score - m.score <= max_drop + 1e-12
 
 
+NOISE_BAND = 0.2
+
+
+def noise_band(baseline: Measurement | None, floor: float = NOISE_BAND) -> float:
+    """The run's noise band: ``floor``, or the baseline's own spread if that is wider.
+
+    The spread is how much the baseline's median round was slower than its best round
+    (p50 comes from the best round of each variant); a busy machine widens it.
+    """
+    rounds = [r for r in (baseline.round_p50_ms if baseline else []) if r > 0]
+    if not rounds:
+        return floor
+    return max(floor, float(np.median(rounds)) / min(rounds) - 1.0)
+
+
 def choose(
-    measurements: Sequence[Measurement], reference_score: float, max_drop: float
+    measurements: Sequence[Measurement],
+    reference_score: float,
+    max_drop: float,
+    baseline: str | None = None,
+    noise: float = 0.0,
 ) -> Measurement | None:
-    """The fastest variant at batch 1 (p50) whose score drop is within ``max_drop``."""
+    """The fastest variant at batch 1 (p50) whose score drop is within ``max_drop``.
+
+    A variant whose speed-up over ``baseline`` is within ``noise`` (0.2: up to 1.2x) is
+    not told apart from the baseline: the baseline is kept (see :func:`choice_note`).
+    """
     ok = [m for m in measurements if within_budget(m, reference_score, max_drop)]
     ok = [m for m in ok if not math.isnan(m.p50_ms)]
-    return min(ok, key=lambda m: (m.p50_ms, -m.score)) if ok else None
+    if not ok:
+        return None
+    best = min(ok, key=lambda m: (m.p50_ms, -m.score))
+    base = next((m for m in ok if m.name == baseline), None)
+    if base is not None and within_noise(base, best, noise):
+        return base
+    return best
+
+
+def within_noise(base: Measurement, m: Measurement, noise: float) -> bool:
+    """``m`` is no slower than ``base`` but not faster by more than the noise band."""
+    return m is not base and m.p50_ms <= base.p50_ms <= m.p50_ms * (1.0 + noise)
+
+
+def choice_note(
+    measurements: Sequence[Measurement],
+    reference_score: float,
+    max_drop: float,
+    baseline: str,
+    noise: float,
+) -> str:
+    """Why the baseline was kept when a faster variant in budget was within the noise."""
+    fastest = choose(measurements, reference_score, max_drop)
+    base = next((m for m in measurements if m.name == baseline), None)
+    if fastest is None or base is None or not within_noise(base, fastest, noise):
+        return ""
+    return (
+        f"within noise: kept the baseline. The fastest variant within the accuracy budget, "
+        f"`{fastest.name}`, ran {base.p50_ms / fastest.p50_ms:.2f}x the speed of `{baseline}` "
+        f"at batch 1, inside this run's noise band of +-{noise:.0%}."
+    )
 
 
 def _mb(n: int) -> str:
@@ -49,8 +104,13 @@ def markdown_table(
     reference_score: float,
     max_drop: float,
     chosen: str | None = None,
+    noise: float = 0.0,
 ) -> str:
-    """One row per variant with size, latency, throughput, memory, accuracy and ratios."""
+    """One row per variant with size, latency, throughput, memory, accuracy and ratios.
+
+    With ``noise`` > 0, variants faster than the baseline by no more than it are
+    flagged "within noise".
+    """
     base = next((m for m in measurements if m.name == baseline), None)
     front = set(pareto_front(measurements))
     batch_sizes = sorted({b for m in measurements for b in m.throughput})
@@ -71,6 +131,8 @@ def markdown_table(
             flags.append("**chosen**")
         if m.name in front:
             flags.append("Pareto")
+        if noise > 0 and base is not None and within_noise(base, m, noise):
+            flags.append("within noise")
         row = (
             [f"`{m.name}`", _mb(m.size_bytes), f"{m.p50_ms:.2f}", f"{m.p99_ms:.2f}"]
             + [f"{m.throughput.get(b, float('nan')):.0f}" for b in batch_sizes]

@@ -1,0 +1,163 @@
+"""Quantization-aware training: fake quantization, fine-tuning, QDQ export run by ORT in INT8.
+
+A small CNN on sklearn's 8x8 digits (real images, labelled) stands in for EfficientNet:
+it has the parts that matter there (a ``Conv2d`` subclass padding 'SAME' with a
+functional convolution, BatchNorm, ReLU6, a residual add, global pooling, a linear head).
+"""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+from rtserve.optimize import qat
+from rtserve.optimize.evaluate import open_session, run_batched
+from rtserve.optimize.pipeline import OptimizeOptions, TorchSources, run_optimize
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+class SamePadConv(torch.nn.Conv2d):
+    """TensorFlow-style 'SAME' padding in the forward, as EfficientNet-Lite's convolutions do."""
+
+    def __init__(self, cin: int, cout: int, k: int, stride: int = 1, groups: int = 1) -> None:
+        super().__init__(cin, cout, k, stride, groups=groups, bias=False)
+        total = k - stride
+        self.pad = torch.nn.ZeroPad2d((total // 2, total - total // 2) * 2)
+
+    def forward(self, x: Any) -> Any:
+        return F.conv2d(self.pad(x), self.weight, self.bias, self.stride, 0, 1, self.groups)
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = SamePadConv(1, 16, 3, stride=2)
+        self.bn0 = torch.nn.BatchNorm2d(16)
+        self.dw = SamePadConv(16, 16, 3, groups=16)
+        self.bn1 = torch.nn.BatchNorm2d(16)
+        self.project = torch.nn.Conv2d(16, 16, 1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(16)
+        self.act = torch.nn.ReLU6()
+        self.pool = torch.nn.AdaptiveAvgPool2d(1)
+        self.fc = torch.nn.Linear(16, 10)
+
+    def forward(self, x: Any) -> Any:
+        x = self.act(self.bn0(self.stem(x)))
+        y = self.act(self.bn1(self.dw(x)))
+        x = self.bn2(self.project(y)) + x
+        return self.fc(self.pool(x).view(x.size(0), -1))
+
+
+@pytest.fixture(scope="module")
+def digits() -> dict[str, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = ((d.data / 16.0 - 0.5) * 2).astype(np.float32).reshape(-1, 1, 8, 8)
+    return {"x": x, "y": d.target.astype(np.int64)}
+
+
+@pytest.fixture(scope="module")
+def trained(digits: dict[str, np.ndarray]) -> Any:
+    from rtserve.optimize.distill import train_supervised
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    train_supervised(model, digits["x"][:1200], digits["y"][:1200], epochs=4, lr=3e-3)
+    with torch.no_grad():  # BatchNorm statistics of the data, as a pretrained model has
+        model.train()
+        model(torch.from_numpy(digits["x"][:1200]))
+    return model.eval()
+
+
+def _agreement(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean(a.argmax(1) == b.argmax(1)))
+
+
+def test_fold_keeps_the_float_model_exact(trained: Any, digits: dict[str, np.ndarray]) -> None:
+    folded = qat.fold(trained)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in folded.modules())
+    x = {"x": digits["x"][1200:1400]}
+    np.testing.assert_allclose(
+        qat.torch_outputs(folded, x), qat.torch_outputs(trained, x), atol=1e-4
+    )
+
+
+def test_qat_export_runs_in_ort_int8_equal_to_torch_fake_quant(
+    trained: Any, digits: dict[str, np.ndarray], tmp_path: pathlib.Path
+) -> None:
+    train = {"x": digits["x"][:600]}
+    held = {"x": digits["x"][1200:]}
+    options = qat.QatOptions(epochs=2, lr=1e-4, batch_size=32)
+    model, summary = qat.train(trained, train, digits["y"][:600], {"x": held["x"][:2]}, options)
+    assert summary.int8_layers == 3 and summary.float_layers == ["fc"]
+    assert len(summary.losses) == 2 and all(np.isfinite(summary.losses))
+    assert summary.losses[-1] < summary.losses[0] * 1.5
+    path = qat.export_qdq(model, tmp_path / "qat.onnx", {"x": held["x"][:2]}, ["logits"])
+
+    expected = qat.torch_outputs(model, held)
+    got = run_batched(open_session(path), held, batch_size=64)
+    scale = float(np.abs(expected).max())
+    assert np.abs(got - expected).max() <= 0.05 * scale
+    assert np.abs(got - expected).mean() <= 0.005 * scale
+    assert _agreement(got, expected) >= 0.98
+    fp32 = qat.torch_outputs(trained, held)
+    assert _agreement(got, fp32) >= 0.9
+
+    optimized = tmp_path / "optimized.onnx"
+    open_session(path, optimized_model_path=optimized)
+    ops = collections.Counter(n.op_type for n in onnx.load(str(optimized)).graph.node)
+    assert ops["QLinearConv"] == 3 and ops["QLinearAdd"] == 1
+    assert not ops["Conv"] and not ops["Pad"] and not ops["Add"]
+
+
+def test_fake_quant_clamps_relu6_like_the_float_model(
+    trained: Any, digits: dict[str, np.ndarray]
+) -> None:
+    prepared = qat.prepare(trained, {"x": digits["x"][:2]})
+    assert not any(isinstance(m, torch.nn.ReLU6) for m in prepared.modules())
+    qat.calibrate(prepared, {"x": digits["x"][:256]})
+    held = {"x": digits["x"][1200:]}
+    assert _agreement(qat.torch_outputs(prepared, held), qat.torch_outputs(trained, held)) >= 0.9
+
+
+def test_untraceable_model_is_a_clear_error() -> None:
+    from rtserve.optimize.errors import OptimizeError
+
+    class Branchy(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            return x if x.sum() > 0 else -x
+
+    with pytest.raises(OptimizeError, match="torch.fx can trace.*Branchy"):
+        qat.prepare(Branchy(), {"x": np.zeros((2, 4), np.float32)})
+
+
+def test_optimize_builds_and_measures_the_int8_qat_variant(
+    trained: Any, digits: dict[str, np.ndarray], tmp_path: pathlib.Path
+) -> None:
+    from rtserve.optimize.export import export_module
+
+    held = {"x": digits["x"][1200:1500]}
+    source = export_module(trained, tmp_path / "model.onnx", {"x": held["x"][:2]}, ["logits"])
+    sources = TorchSources(
+        model=trained, train_inputs={"x": digits["x"][:400]}, train_labels=digits["y"][:400],
+        qat=qat.QatOptions(epochs=1, lr=1e-4, batch_size=32),
+    )  # fmt: skip
+    options = OptimizeOptions(
+        variants=("int8-qat",), iterations=6, max_seconds=0.2, rounds=2, progress=False,
+        batch_sizes=(1, 8), max_accuracy_drop=0.05,
+    )  # fmt: skip
+    result = run_optimize(
+        source, tmp_path / "work", None, held, digits["y"][1200:1500], options, sources
+    )
+    m = result.get("int8-qat")
+    assert m is not None and m.p50_ms > 0 and result.reference_score - m.score <= 0.05
+    assert "QAT (torch.ao FX): 1 epoch(s) on 400 rows" in m.notes[0]
+    assert run_batched(open_session(m.path), held).shape == (300, 10)
