@@ -29,6 +29,7 @@ class LlmOptions:
     max_num_batched_tokens: int = 512
     prefix_caching: bool = True
     threads: int = 0  # torch intra-op threads (0: torch's default)
+    cpu_linear: str = "onednn"  # onednn (prepacked weights) | torch (F.linear)
     default_max_tokens: int = 256
     max_waiting: int = 1024  # requests queued beyond the running batch; more get a 503
     slo: TokenSLO | None = None
@@ -66,6 +67,11 @@ class LlmOptions:
             raise ConfigError(
                 f"{where}: llm.dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}"
             )
+        cpu_linear = data.get("cpu_linear", "onednn")
+        if cpu_linear not in ("onednn", "torch"):
+            raise ConfigError(
+                f"{where}: llm.cpu_linear: expected onednn or torch, got {cpu_linear!r}"
+            )
         prefix = data.get("prefix_caching", True)
         if not isinstance(prefix, bool):
             raise ConfigError(
@@ -81,6 +87,7 @@ class LlmOptions:
             block_size=block_size,
             max_num_batched_tokens=integer("max_num_batched_tokens", block_size, 1 << 20),
             prefix_caching=prefix,
+            cpu_linear=cpu_linear,
             threads=integer("threads", 0, 1024),
             default_max_tokens=integer("default_max_tokens", 1, 1 << 20),
             max_waiting=integer("max_waiting", 0, 1 << 20),

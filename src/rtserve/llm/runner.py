@@ -42,6 +42,9 @@ class ModelRunner:
             version_dir, dtype=self.dtype, attn_implementation=attention.ATTN_NAME
         )
         self.model = model.to(self.device).eval()
+        if options.cpu_linear == "onednn" and self.device.type == "cpu":
+            packed = pack_linears(self.model, options.max_num_seqs)
+            log.info("llm %s: %d linear layers prepacked for oneDNN", version_dir, packed)
         config = self.model.config
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self.vocab_size = int(config.vocab_size)
@@ -143,6 +146,39 @@ class ModelRunner:
         finally:
             attention.set_step(None)
         return out.logits[0]
+
+
+class PackedLinear(torch.nn.Module):
+    """A linear layer whose weight is prepacked once into oneDNN's blocked layout: on CPU
+    it runs 1.3-2.3x faster than ``F.linear`` at the batch sizes of a decode step (the
+    output differs from MKL's in the last bits, as any change of GEMM kernel does)."""
+
+    def __init__(self, linear: torch.nn.Linear, batch_hint: int) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(  # type: ignore[no-any-return]
+            x.contiguous(), self.packed, self.bias, "none", [], ""
+        )
+
+
+def pack_linears(model: torch.nn.Module, batch_hint: int) -> int:
+    """Swap every ``nn.Linear`` of ``model`` for a ``PackedLinear``; how many were."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear
+    ]
+    for parent, name, child in swaps:
+        setattr(parent, name, PackedLinear(child, batch_hint))
+    return len(swaps)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
