@@ -291,7 +291,7 @@ def export_ort(onnx_path: pathlib.Path, req: EdgeRequest) -> dict[str, pathlib.P
 def markdown(results: Sequence[EdgeResult], threads: Sequence[int]) -> str:
     head = ["file", "format", "size", "load (ms)"]
     head += [f"p50 / p99 {t} thread{'s' if t > 1 else ''} (ms)" for t in threads]
-    head += ["accuracy vs FP32", "max abs diff"]
+    head += ["accuracy", "max abs diff vs FP32"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         cells = [f"`{pathlib.Path(r.path).name}`", r.format, _size(r.size_bytes)]
@@ -306,15 +306,20 @@ def _size(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.1f} KB"
 
 
-def write_report(results: Sequence[EdgeResult], req: EdgeRequest) -> pathlib.Path:
+def write_report(
+    results: Sequence[EdgeResult], req: EdgeRequest, reference: dict[str, Any]
+) -> pathlib.Path:
     (req.out / "report.json").write_text(
-        json.dumps({"results": [r.as_dict() for r in results]}, indent=2) + "\n"
+        json.dumps({"reference": reference, "results": [r.as_dict() for r in results]}, indent=2)
+        + "\n"
     )
     rows = len(next(iter(req.eval_data.values())))
     text = (
         f"# Edge export ({req.fmt})\n\n"
         f"{markdown(results, req.threads)}\n"
-        f"Accuracy on {rows} rows against the FP32 reference; latency at batch "
+        f"FP32 reference ({reference['runtime']}): {reference['score']:.4f} "
+        f"{reference['score_name']}. "
+        f"Accuracy on {rows} rows (agreement with the reference unless labels are given); batch "
         f"{len(next(iter(req.example.values())))}, {req.iterations} runs per thread count "
         f"in {req.rounds} alternating rounds (p50: least disturbed round).\n"
     )
@@ -343,8 +348,17 @@ def export_edge(source: torch.nn.Module | pathlib.Path, req: EdgeRequest) -> lis
     else:
         raise OptimizeError(f"--format: expected one of {', '.join(FORMATS)}, got {req.fmt!r}")
     results = measure(files, req, reference)
-    write_report(results, req)
+    write_report(results, req, _reference_info(req, reference))
     return results
+
+
+def _reference_info(req: EdgeRequest, reference: np.ndarray) -> dict[str, Any]:
+    from rtserve.optimize.evaluate import accuracy_metrics, infer_task
+
+    task = infer_task(reference, req.output_names[0], req.labels)
+    score, name, _ = accuracy_metrics(task, reference, reference, req.labels)
+    runtime = "torch" if req.fmt == "litert" else "onnxruntime, the source .onnx"
+    return {"runtime": runtime, "score": score, "score_name": name}
 
 
 def _to_onnx(model: torch.nn.Module, req: EdgeRequest) -> pathlib.Path:
