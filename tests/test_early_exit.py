@@ -9,6 +9,8 @@ bad values get 400 / INVALID_ARGUMENT naming ``exit_threshold``.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -32,7 +34,7 @@ from rtserve.optimize.early_exit_train import (
 )
 from rtserve.runtime.parameters import RowParameter
 from rtserve.runtime.torch import load
-from tests.conftest import RunningServer, start_server
+from tests.conftest import ROOT, RunningServer, start_server
 from tests.models import config_of
 
 try:
@@ -298,3 +300,38 @@ def test_triton_clients_http_and_grpc(served: tuple[RunningServer, ExitNet]) -> 
             assert "INVALID_ARGUMENT" in str(info.value.status())
         else:
             assert "400" in str(info.value.status())
+
+
+# ---------------------------------------------------------------------------- the command
+def test_cli_trains_and_writes_a_servable_model(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, "-m", "rtserve.cli", "early-exit", "digits-cnn", "--out", str(tmp_path),
+        "--channels", "8", "--blocks", "2", "--stage1-epochs", "3", "--epochs", "5",
+        "--threshold", "0.8", "--threads", "1",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "exit_threshold 0.8" in done.stdout and "mean layers 2.00 of 2" in done.stdout
+    directory = tmp_path / "digits_cnn"
+    config = config_of(directory)
+    assert config.backend_options["early_exit"]["threshold"] == 0.8
+    model = load(config, directory / "1")
+    try:
+        out = model.run(0, {"x": rows(4), "exit_threshold": np.ones(4, np.float32)})
+        np.testing.assert_array_equal(out["exit_layer"], [2, 2, 2, 2])
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["minilm", "--exits", "2,4"], "--exits"),
+        (["digits-cnn", "--threshold", "2"], "--threshold"),
+    ],
+)
+def test_cli_bad_arguments(tmp_path: Path, args: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "rtserve.cli", "early-exit", *args, "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2
+    assert message in done.stderr and "expected" in done.stderr

@@ -9,6 +9,32 @@ import argparse
 import pathlib
 from typing import Any
 
+MINILM_LAYERS = 6
+
+
+def _exits(text: str) -> list[int]:
+    """``--exits``: ascending MiniLM layers from 1 to 6, ending with 6."""
+    try:
+        layers = [int(v) for v in text.split(",")]
+    except ValueError:
+        layers = []
+    if not layers or layers != sorted(set(layers)) or layers[0] < 1 or layers[-1] != MINILM_LAYERS:
+        raise argparse.ArgumentTypeError(
+            f"expected ascending layers from 1 to {MINILM_LAYERS} ending with {MINILM_LAYERS}, "
+            f"e.g. 2,4,6; got {text!r}"
+        )
+    return layers
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
+    return value
+
 
 def cmd_early_exit(args: argparse.Namespace) -> int:
     import torch
@@ -22,11 +48,14 @@ def cmd_early_exit(args: argparse.Namespace) -> int:
     )
 
     torch.set_num_threads(args.threads)
+    epochs = {"epochs": args.epochs} if args.epochs else {}
     if args.model == "minilm":
-        layers = [int(v) for v in args.exits.split(",")] if args.exits else [1, 2, 3, 4, 5, 6]
-        trained = train_minilm(layers, seed=args.seed)
+        layers = args.exits or list(range(1, MINILM_LAYERS + 1))
+        trained = train_minilm(layers, seed=args.seed, **epochs)
     else:
-        trained = train_digits_cnn(seed=args.seed)
+        if args.stage1_epochs:
+            epochs["stage1_epochs"] = args.stage1_epochs
+        trained = train_digits_cnn(args.channels, args.blocks, seed=args.seed, **epochs)
     directory = pathlib.Path(args.out) / (args.name or args.model.replace("-", "_"))
     write_model(
         trained.net, directory, trained.build_args, trained.inputs, trained.data.classes,
@@ -56,10 +85,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("model", choices=("minilm", "digits-cnn"))
     p.add_argument("--out", required=True, help="model repository to write into (required)")
     p.add_argument("--name", help="model name (default: minilm / digits_cnn)")
-    p.add_argument("--exits", help="MiniLM layers with an exit, e.g. 2,4,6 (default: every layer)")
     p.add_argument(
-        "--threshold", type=float, default=0.9, help="default exit_threshold (default: 0.9)"
+        "--exits", type=_exits, help="MiniLM layers with an exit, e.g. 2,4,6 (default: every layer)"
     )
+    p.add_argument(
+        "--threshold", type=_probability, default=0.9, help="default exit_threshold (default: 0.9)"
+    )
+    p.add_argument("--channels", type=int, default=64, help="digits CNN width (default: 64)")
+    p.add_argument("--blocks", type=int, default=4, help="digits CNN blocks (default: 4)")
+    p.add_argument("--epochs", type=int, help="exit training epochs (default: 60)")
+    p.add_argument("--stage1-epochs", type=int, help="digits CNN end-to-end epochs (default: 8)")
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     p.set_defaults(func=cmd_early_exit)

@@ -315,7 +315,7 @@ def train_minilm(
 
 
 def train_digits_cnn(
-    channels: int = 64, blocks: int = 4, seed: int = 0, epochs: int = 60, stage1_epochs: int = 15
+    channels: int = 64, blocks: int = 4, seed: int = 0, epochs: int = 60, stage1_epochs: int = 8
 ) -> Trained:
     """The digits CNN trained end to end, then an exit after each block."""
     start = time.perf_counter()
