@@ -335,3 +335,16 @@ def test_cli_bad_arguments(tmp_path: Path, args: list[str], message: str) -> Non
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2
     assert message in done.stderr and "expected" in done.stderr
+
+
+def test_the_showcase_knee_is_the_fastest_within_one_point() -> None:
+    from bench.showcase.early_exit import Row, choose_knee
+    from rtserve.optimize.early_exit_train import ExitPoint
+
+    def row(threshold: float, accuracy: float, speedup: float) -> Row:
+        return Row(ExitPoint(threshold, accuracy, 1.0, ()), 1.0, speedup)
+
+    rows = [row(0.0, 0.90, 4.0), row(0.8, 0.952, 3.0), row(0.9, 0.96, 2.0), row(1.0, 0.96, 0.9)]
+    knee = choose_knee(rows, 0.96)
+    assert knee is not None and knee.point.threshold == 0.8
+    assert choose_knee(rows[:1], 0.96) is None
