@@ -283,3 +283,36 @@ def test_first_token_objective_refuses_at_once_when_overloaded(models: dict[str,
 
     asyncio.run(go())
     assert e.metrics.refused >= 1
+
+
+def test_inter_token_objective_limits_prompt_chunks_beside_decodes(
+    models: dict[str, Path],
+) -> None:
+    """With ``itl_p99_ms``, a long prompt joins running sequences in chunks small enough
+    for their pace; without it, in chunks as large as the token budget allows."""
+
+    def largest_chunk_beside_decodes(**options: object) -> int:
+        e = engine(models["llama"], max_num_batched_tokens=256, block_size=4, **options)
+        e.warmup()
+        decoding = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        long_prompt = e.encode_text("the cat sat on a warm mat " * 40)
+
+        async def go() -> None:
+            try:
+                start = e.steps
+                runners = [asyncio.create_task(run(e, p, decoding)) for p in prompts_for(e, 4)]
+                while e.steps < start + 8:
+                    await asyncio.sleep(0.001)
+                await run(e, long_prompt, GREEDY)
+                await asyncio.gather(*runners)
+            finally:
+                await e.stop()
+
+        e.step_model._rows.clear()
+        asyncio.run(go())
+        return max(p for d, p, _ in e.step_model._rows if d > 0)
+
+    free = largest_chunk_beside_decodes()
+    paced = largest_chunk_beside_decodes(slo={"itl_p99_ms": 1})
+    assert free > 100
+    assert paced < free / 4
