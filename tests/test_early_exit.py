@@ -171,12 +171,18 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSe
     net = make_net()
     repo = tmp_path_factory.mktemp("exit-repo")
     write(repo, net)
+    cached = write(repo, net, name="exits_cached")
+    config = yaml.safe_load((cached / "config.yaml").read_text())
+    config["response_cache"] = {"memory": {"max_bytes": 1_000_000, "ttl_s": 60}}
+    (cached / "config.yaml").write_text(yaml.safe_dump(config))
     server = start_server(repo, tmp_path_factory.mktemp("exit-server"))
     yield server, net
     server.stop()
 
 
-def post(server: RunningServer, x: np.ndarray, parameters: dict[str, Any]) -> tuple[int, Any]:
+def post(
+    server: RunningServer, x: np.ndarray, parameters: dict[str, Any], model: str = "exits"
+) -> tuple[int, Any]:
     body = {
         "inputs": [
             {"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}
@@ -184,7 +190,7 @@ def post(server: RunningServer, x: np.ndarray, parameters: dict[str, Any]) -> tu
         "parameters": parameters,
     }
     req = urllib.request.Request(
-        f"{server.base}/v2/models/exits/infer",
+        f"{server.base}/v2/models/{model}/infer",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
@@ -252,6 +258,17 @@ def test_http_bad_threshold_is_400_naming_it(
     )
     status, _ = post(server, rows(2), {"exit_threshold": 0.5})
     assert status == 200  # the server goes on serving
+
+
+def test_the_response_cache_keys_on_the_threshold(served: tuple[RunningServer, ExitNet]) -> None:
+    server, _ = served
+    x = rows(4, seed=9)
+    layers = []
+    for threshold in (0, 1, 0, 1):
+        status, answer = post(server, x, {"exit_threshold": threshold}, model="exits_cached")
+        assert status == 200, answer
+        layers.append(outputs_of(answer)[1].tolist())
+    assert layers == [[1] * 4, [3] * 4, [1] * 4, [3] * 4]
 
 
 def test_metrics_count_exits_per_layer(served: tuple[RunningServer, ExitNet]) -> None:
