@@ -4,9 +4,11 @@
 
 Each request is parsed and checked first (``core/generation.prepare``: model, prompt,
 length, the first-token objective), so a refusal is a plain error answer; then the
-answer is streamed as server-sent events (``Connection.respond_stream``) or gathered and
-sent whole. A client that goes away stops its sequence: the stream's iterator is closed, or
-the task gathering the answer is cancelled.
+answer is streamed as server-sent events or gathered and sent whole. ``GenerativeRoutes.reply``
+does all of that without a transport (the Ray deployment and the serverless handler send
+its ``Reply`` their own way); ``handle`` sends it on rtserve's HTTP/1.1 connection. A client
+that goes away stops its sequence: the stream's iterator is closed, or the task gathering
+the answer is cancelled.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -35,6 +38,41 @@ Answer = tuple[int, bytes, Headers]
 _GENERATE = ("generate", "generate_stream")
 # Triton generate: request keys that are not sampling parameters.
 _TRITON_KEYS = ("text_input", "parameters", "id", "stream")
+
+
+@dataclass(slots=True)
+class Streamed:
+    """A 200 answer of server-sent events, each sent as ``chunks`` yields it; closing
+    ``chunks`` (the client went away) aborts the generation."""
+
+    headers: Headers
+    chunks: AsyncGenerator[bytes, None]
+
+
+@dataclass(slots=True)
+class Pending:
+    """An answer sent whole once ``answer()`` returns; cancelling the task that awaits it
+    (the client went away) aborts the generation."""
+
+    answer: Callable[[], Awaitable[Answer]]
+
+
+Reply = Answer | Streamed | Pending
+
+
+async def settle(reply: Reply) -> Answer | Streamed:
+    """The reply with a pending answer awaited (for a transport that awaits in place)."""
+    return await reply.answer() if isinstance(reply, Pending) else reply
+
+
+async def gather(reply: Reply) -> Answer:
+    """The whole answer, a stream's events gathered into one body (for a transport that
+    cannot stream, such as API Gateway)."""
+    done = await settle(reply)
+    if isinstance(done, Streamed):
+        async with aclosing(done.chunks):
+            return 200, b"".join([chunk async for chunk in done.chunks]), done.headers
+    return done
 
 
 def is_generative_route(path: str) -> bool:
@@ -84,22 +122,32 @@ class GenerativeRoutes:
 
     def handle(self, conn: Connection, request: Request) -> None:
         """Answer one request on these routes (the guard's route check has passed)."""
+        reply = self.reply(request)
+        if isinstance(reply, Streamed):
+            conn.respond_stream(200, reply.headers, reply.chunks)
+        elif isinstance(reply, Pending):
+            self._answer_later(conn, reply)
+        else:
+            conn.respond(*reply)
+
+    def reply(self, request: Request) -> Reply:
+        """The reply to one request on these routes, for any transport."""
         path = request.path
         method = b"GET" if request.method == b"HEAD" else request.method
         if path in ("/v1/chat/completions", "/v1/completions") and method == b"POST":
-            self._openai(conn, request, openai.CHAT if "chat" in path else openai.TEXT)
-        elif path == "/v1/models" and method == b"GET":
-            conn.respond(200, orjson.dumps(self._models(request)), [JSON_TYPE])
-        elif path.startswith("/v1/models/") and method == b"GET":
-            self._model(conn, request, path[len("/v1/models/") :])
-        elif path.startswith("/v1/"):
-            error = RouteNotFound(f"no route for {method.decode()} {path[:200]}")
-            conn.respond(*openai.error_answer(error))
-        else:
-            self._triton(conn, request)
+            return self._openai(request, openai.CHAT if "chat" in path else openai.TEXT)
+        if path == "/v1/models" and method == b"GET":
+            return 200, orjson.dumps(self._models(request)), [JSON_TYPE]
+        if path.startswith("/v1/models/") and method == b"GET":
+            return self._model(request, path[len("/v1/models/") :])
+        if path.startswith("/v1/"):
+            return openai.error_answer(
+                RouteNotFound(f"no route for {method.decode()} {path[:200]}")
+            )
+        return self._triton(request)
 
     # ------------------------------------------------------------------ OpenAI
-    def _openai(self, conn: Connection, raw: Request, kind: str) -> None:
+    def _openai(self, raw: Request, kind: str) -> Reply:
         dp = self.dataplane
         timings = Timings(received=raw.received_ns)
         model = ""
@@ -122,14 +170,12 @@ class GenerativeRoutes:
         except Exception as exc:
             error = generation.refused(dp, timings, exc, model)
             status, body, headers = openai.error_answer(error, kind)
-            conn.respond(status, body, _with_id(headers, timings))
-            return
+            return status, body, _with_id(headers, timings)
         prompt_text = request.prompt if request.echo and isinstance(request.prompt, str) else ""
         events = generation.events(dp, gen)
         if request.stream:
             chunks = openai.stream(request, events, prompt_text)
-            conn.respond_stream(200, _with_id(openai.SSE_HEADERS, timings), chunks)
-            return
+            return Streamed(_with_id(openai.SSE_HEADERS, timings), chunks)
 
         async def answer() -> Answer:
             try:
@@ -138,7 +184,7 @@ class GenerativeRoutes:
                 return openai.error_answer(exc, kind)
             return 200, orjson.dumps(doc), [JSON_TYPE]
 
-        self._answer_later(conn, timings, answer)
+        return _later(timings, answer)
 
     def _models(self, raw: Request) -> dict[str, Any]:
         guard = self.guard
@@ -150,19 +196,18 @@ class GenerativeRoutes:
             entries.setdefault(mv.name, (mv.name, self.started, llm.max_model_len))
         return openai.models_document(sorted(entries.values()))
 
-    def _model(self, conn: Connection, raw: Request, name: str) -> None:
+    def _model(self, raw: Request, name: str) -> Answer:
         try:
             if self.guard is not None:
                 self.guard.http_model(raw.headers, name)
             llm = generation.generative(self.dataplane.registry.get(name))
         except Exception as exc:
-            conn.respond(*openai.error_answer(exc))
-            return
+            return openai.error_answer(exc)
         doc = openai.models_document([(name, self.started, llm.max_model_len)])["data"][0]
-        conn.respond(200, orjson.dumps(doc), [JSON_TYPE])
+        return 200, orjson.dumps(doc), [JSON_TYPE]
 
     # ------------------------------------------------------------------ Triton generate
-    def _triton(self, conn: Connection, raw: Request) -> None:
+    def _triton(self, raw: Request) -> Reply:
         dp = self.dataplane
         timings = Timings(received=raw.received_ns)
         model = ""
@@ -178,14 +223,12 @@ class GenerativeRoutes:
             )  # fmt: skip
         except Exception as exc:
             status, body, headers = http_error(generation.refused(dp, timings, exc, model))
-            conn.respond(status, body, _with_id(headers, timings))
-            return
+            return status, body, _with_id(headers, timings)
         head = {"model_name": gen.mv.name, "model_version": gen.mv.version}
         events = generation.events(dp, gen)
         if streamed:
             chunks = triton_stream(head, events)
-            conn.respond_stream(200, _with_id(openai.SSE_HEADERS, timings), chunks)
-            return
+            return Streamed(_with_id(openai.SSE_HEADERS, timings), chunks)
 
         async def answer() -> Answer:
             try:
@@ -194,23 +237,30 @@ class GenerativeRoutes:
                 return http_error(exc)
             return 200, orjson.dumps({**head, "text_output": text}), [JSON_TYPE]
 
-        self._answer_later(conn, timings, answer)
+        return _later(timings, answer)
 
     # ------------------------------------------------------------------ plumbing
-    def _answer_later(
-        self, conn: Connection, timings: Timings, answer: Callable[[], Awaitable[Answer]]
-    ) -> None:
-        """Send ``answer()`` when it is ready; the client going away first cancels it
+    def _answer_later(self, conn: Connection, pending: Pending) -> None:
+        """Send the answer when it is ready; the client going away first cancels it
         (and with it the generation)."""
 
         async def run() -> None:
-            status, body, headers = await answer()
-            conn.respond(status, body, _with_id(headers, timings))
+            conn.respond(*await pending.answer())
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         conn.on_lost = task.cancel
+
+
+def _later(timings: Timings, answer: Callable[[], Awaitable[Answer]]) -> Pending:
+    """``answer`` as a pending reply carrying the request's id."""
+
+    async def run() -> Answer:
+        status, body, headers = await answer()
+        return status, body, _with_id(headers, timings)
+
+    return Pending(run)
 
 
 def parse_triton(body: bytes) -> tuple[str, SamplingParams]:
