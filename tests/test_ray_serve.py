@@ -1,6 +1,9 @@
 """rtserve.ray on a local Ray instance started here: the V2 routes answer as the plain
 server does, two replicas both serve, and a replica Ray kills is replaced while traffic
-goes on."""
+goes on. A second application on the same instance serves a tiny random-weight language
+model: the openai client and Triton's generate routes get the plain server's (greedy)
+answers, streamed and not; errors keep OpenAI's shape; a client that disconnects stops
+its sequence."""
 
 from __future__ import annotations
 
@@ -10,9 +13,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
+import openai
 import orjson
 import pytest
 import tritonclient.http as httpclient
@@ -20,7 +25,9 @@ import yaml
 
 from tests.cache_fixtures import free_port
 from tests.conftest import ROOT, RunningServer, start_server
+from tests.llm_models import build_llm
 from tests.models import build_identity_all_types, build_mlp, build_scale
+from tests.rawhttp import connect
 from tests.v2 import infer_body
 
 ray = pytest.importorskip("ray")
@@ -187,7 +194,7 @@ def test_model_control_is_refused_with_a_reason(ray_app: RayApp) -> None:
 def _replica_actors() -> set[str]:
     """The names of the replica actors Ray runs now (what the replica header carries)."""
     actors = ray.util.list_named_actors(all_namespaces=True)
-    return {a["name"] for a in actors if a["name"].startswith("SERVE_REPLICA::")}
+    return {a["name"] for a in actors if a["name"].startswith("SERVE_REPLICA::rtserve#")}
 
 
 def _serving(base: str, want: set[str], limit_s: float = 20.0) -> tuple[set[str], int]:
@@ -278,3 +285,187 @@ def test_builder_arguments_are_checked(repo: Path) -> None:
         rtserve_ray.build({"num_replicas": "2"})
     deployment = rtserve_ray.build({"repository": str(repo), "access_log": "true"})
     assert deployment._bound_deployment.logging_config["enable_access_log"] is True
+
+
+# ---------------------------------------------------------------------- generative models
+LLM = "tiny"
+CHAT = [{"role": "user", "content": "Write a short story about a cat."}]
+GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+@dataclass
+class LlmApps:
+    """The plain server and the Ray application (under ``/llm``) over one llm repository."""
+
+    plain: RunningServer
+    ray_base: str
+    port: int
+
+    def clients(self) -> list[openai.OpenAI]:
+        return [
+            openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+            for base in (self.ray_base, self.plain.base)
+        ]
+
+
+@pytest.fixture(scope="module")
+def llm(ray_app: RayApp, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlmApps]:
+    root = tmp_path_factory.mktemp("ray-llm") / "repo"
+    build_llm(root, LLM)
+    plain = start_server(root, tmp_path_factory.mktemp("plain-llm"))
+    try:
+        application = rtserve_ray.app(root, num_cpus=0.5, name="rtserve-llm")
+        serve.run(application, name="llm", route_prefix="/llm")
+        yield LlmApps(plain, f"{ray_app.base}/llm", ray_app.port)
+        serve.delete("llm")
+    finally:
+        plain.stop()
+
+
+def test_openai_client_answers_as_the_plain_server(llm: LlmApps) -> None:
+    """Chat and completions through Ray's ingress, whole and streamed, equal the plain
+    server's greedy answers (text, finish reason, usage)."""
+    ours, theirs = llm.clients()
+
+    def chat(client: openai.OpenAI) -> tuple[str | None, str, Any]:
+        out = client.chat.completions.create(model=LLM, messages=CHAT, **GREEDY)  # type: ignore[call-overload]
+        return out.choices[0].message.content, out.choices[0].finish_reason, out.usage
+
+    def chat_stream(client: openai.OpenAI) -> tuple[str, str | None, Any]:
+        chunks = list(
+            client.chat.completions.create(  # type: ignore[call-overload]
+                model=LLM, messages=CHAT, stream=True,
+                stream_options={"include_usage": True}, **GREEDY,
+            )
+        )  # fmt: skip
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, [c for c in chunks if c.choices][-1].choices[0].finish_reason, chunks[-1].usage
+
+    def completion(client: openai.OpenAI, stream: bool) -> str:
+        out = client.completions.create(model=LLM, prompt="the cat sat", stream=stream, **GREEDY)  # type: ignore[call-overload]
+        return "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+
+    whole = chat(ours)
+    assert whole[0] and whole[1] == "length" and whole[2].completion_tokens == 12
+    assert whole == chat(theirs)
+    streamed = chat_stream(ours)
+    assert streamed == chat_stream(theirs)
+    assert streamed[:2] == whole[:2]
+    text = completion(ours, False)
+    assert text and text == completion(theirs, False) == completion(ours, True)
+
+
+def test_sse_framing_and_models_through_ray(llm: LlmApps) -> None:
+    doc = {"model": LLM, "prompt": "the dog", "stream": True, "max_tokens": 4}
+    with httpx.stream("POST", f"{llm.ray_base}/v1/completions", json=doc, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers[REPLICA].startswith("SERVE_REPLICA::llm#")
+        body = r.read()
+    events = body.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    assert all(
+        orjson.loads(e.removeprefix(b"data: "))["object"] == "text_completion" for e in events[:-2]
+    )
+
+    ours, theirs = llm.clients()
+    assert [m.id for m in ours.models.list().data] == [LLM]
+    assert (
+        ours.models.retrieve(LLM).max_model_len == theirs.models.retrieve(LLM).max_model_len == 512
+    )  # type: ignore[attr-defined]
+    with pytest.raises(openai.NotFoundError):
+        ours.models.retrieve("no-such-model")
+
+
+BAD_OPENAI = [
+    ("/v1/chat/completions", {"model": LLM, "messages": CHAT, "max_tokens": -1}),
+    ("/v1/chat/completions", {"model": LLM, "messages": [{"role": "robot", "content": "hi"}]}),
+    ("/v1/chat/completions", {"model": "nope", "messages": CHAT, "stream": True}),
+    ("/v1/completions", {"model": LLM, "prompt": "cat " * 600}),
+    ("/v1/completions", {"model": LLM, "prompt": "a", "presence_penalty": 0.5}),
+    ("/v1/embeddings", {"model": LLM, "input": "a"}),
+]
+
+
+def test_errors_in_openai_shape_as_the_plain_server(llm: LlmApps) -> None:
+    for path, doc in BAD_OPENAI:
+        ours = httpx.post(f"{llm.ray_base}{path}", json=doc, timeout=30)
+        theirs = httpx.post(f"{llm.plain.base}{path}", json=doc, timeout=30)
+        assert (ours.status_code, ours.json()) == (theirs.status_code, theirs.json()), doc
+        assert set(ours.json()["error"]) == {"message", "type", "param", "code"}
+    for content in (b"{nope", b"[1]"):
+        ours = httpx.post(f"{llm.ray_base}/v1/chat/completions", content=content, timeout=30)
+        assert ours.status_code == 400 and "request body" in ours.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as info:
+        llm.clients()[0].chat.completions.create(model="nope", messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+    assert info.value.code == "model_not_found"
+    # A tensor model's route on the llm application is still the V2 one.
+    assert httpx.get(f"{llm.ray_base}/v2/models/{LLM}/ready", timeout=30).status_code == 200
+
+
+def test_triton_generate_routes_as_the_plain_server(llm: LlmApps) -> None:
+    doc = {
+        "text_input": "the dog",
+        "parameters": {"max_tokens": 7, "temperature": 0, "ignore_eos": True},
+    }
+    answers = [
+        httpx.post(f"{base}/v2/models/{LLM}/generate", json=doc, timeout=30)
+        for base in (llm.ray_base, llm.plain.base)
+    ]
+    assert answers[0].status_code == 200
+    assert answers[0].json() == answers[1].json()
+    r = httpx.post(
+        f"{llm.ray_base}/v2/models/{LLM}/versions/1/generate_stream", json=doc, timeout=30
+    )
+    assert r.headers["content-type"].startswith("text/event-stream")
+    pieces = [orjson.loads(e.removeprefix(b"data: ")) for e in r.content.split(b"\n\n") if e]
+    assert len(pieces) >= 2
+    assert "".join(p["text_output"] for p in pieces) == answers[0].json()["text_output"]
+    bad = httpx.post(f"{llm.ray_base}/v2/models/{LLM}/generate", json={"text_input": 3}, timeout=30)
+    assert bad.status_code == 400 and "text_input" in bad.json()["error"]
+
+
+def _metric(base: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")) and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_gone_stops_the_sequence_through_ray(llm: LlmApps, stream: bool) -> None:
+    """Closing the connection to Ray's proxy mid-answer aborts the sequence in the replica
+    (the abort counter moves, nothing keeps decoding) and the application keeps serving."""
+    base = llm.ray_base
+    aborted = _metric(base, "rtserve_llm_requests_finished_total", reason="abort")
+    generated = _metric(base, "rtserve_llm_generation_tokens_total")
+    doc = orjson.dumps(
+        {"model": LLM, "prompt": "the cat", "max_tokens": 500, "ignore_eos": True, "stream": stream}
+    )
+    sock = connect(llm.port)
+    sock.sendall(
+        b"POST /llm/v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(doc), doc)
+    )
+    deadline = time.monotonic() + 20
+    if stream:
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += sock.recv(65536)
+    else:
+        while _metric(base, "rtserve_llm_running_sequences") < 1:
+            assert time.monotonic() < deadline, "the sequence never started"
+            time.sleep(0.02)
+    sock.close()
+    while _metric(base, "rtserve_llm_requests_finished_total", reason="abort") < aborted + 1:
+        assert time.monotonic() < deadline, "the sequence was not aborted"
+        time.sleep(0.05)
+    assert _metric(base, "rtserve_llm_running_sequences") == 0
+    assert _metric(base, "rtserve_llm_generation_tokens_total") - generated < 500
+    ok = httpx.post(f"{base}/v1/completions", json={"model": LLM, "prompt": "a"}, timeout=30)
+    assert ok.status_code == 200

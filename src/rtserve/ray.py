@@ -3,7 +3,11 @@
 Each replica owns an ``rtserve.Engine`` (its models, batcher, cache and metrics) and answers
 the V2 HTTP routes itself: Ray's proxy hands the request straight to the replica, which
 decodes it, calls ``DataPlane.infer`` (batching happens there, not in ``@serve.batch``) and
-encodes the answer, as ``rtserve serve`` does.
+encodes the answer, as ``rtserve serve`` does. Generative models (``backend: llm``) are
+served on the OpenAI-compatible routes (``/v1/...``) and Triton's ``generate`` /
+``generate_stream`` by the same code as ``rtserve serve`` (``server/generative.py``),
+streamed through Ray's ``StreamingResponse``; a client that disconnects (Ray cancels the
+request) aborts its sequence.
 
 ```python
 from ray import serve
@@ -28,7 +32,7 @@ from typing import Any
 from ray import serve
 from ray.serve.deployment import Application
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from rtserve.config import load_server_config
 from rtserve.engine import Engine
@@ -41,8 +45,9 @@ from rtserve.protocol.http_codec import (
     json_header_length,
 )
 from rtserve.protocol.types import InferRequest, Timings
-from rtserve.server import http1
+from rtserve.server import http1, openai
 from rtserve.server.errors import http_error
+from rtserve.server.generative import GenerativeRoutes, Streamed, is_generative_route, settle
 from rtserve.server.paths import canonical_path
 from rtserve.server.rest import HttpFrontend, _infer_target
 
@@ -80,6 +85,7 @@ class RTServeDeployment:
         self.engine.add_activity(self._more_expected)
         await self.engine.start()
         self._frontend = HttpFrontend(self.engine.dataplane, config.max_request_bytes)
+        self._generative = GenerativeRoutes(self.engine.dataplane)
         self._max_body = config.max_request_bytes
         self._replica = serve.get_replica_context().replica_id.to_full_id_str()
 
@@ -100,6 +106,8 @@ class RTServeDeployment:
                     "model control is not offered through Ray Serve: each replica owns its "
                     "models; change the repository and redeploy the application"
                 )
+            if is_generative_route(path):
+                return await self._generate(request, path, received)
             body = await self._body(request) if request.method == "POST" else b""
             raw = http1.Request(
                 request.method.encode(), path, "", {}, body, True, received, checked=True
@@ -167,6 +175,26 @@ class RTServeDeployment:
         if timings.cache:
             pairs.append((b"x-rtserve-cache", timings.cache.encode()))
         return self._response(200, out, pairs)
+
+    async def _generate(self, request: Request, path: str, received: int) -> Response:
+        """A generative route: the answer whole, or its events streamed as they come. Ray
+        cancels this task (or closes the stream) when the client disconnects, which aborts
+        the sequence."""
+        try:
+            body = await self._body(request) if request.method == "POST" else b""
+        except PayloadTooLarge as exc:
+            v1 = path.startswith("/v1/")  # the OpenAI API's own error shape
+            return self._response(*(openai.error_answer(exc) if v1 else http_error(exc)))
+        headers = dict(request.scope["headers"])
+        raw = http1.Request(
+            request.method.encode(), path, "", headers, body, True, received, checked=True
+        )
+        reply = await settle(self._generative.reply(raw))
+        if isinstance(reply, Streamed):
+            out = _headers(reply.headers)
+            out[REPLICA_HEADER] = self._replica
+            return StreamingResponse(reply.chunks, 200, out)
+        return self._response(*reply)
 
     def _response(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> Response:
         out = _headers(headers)
