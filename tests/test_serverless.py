@@ -1,6 +1,8 @@
 """The Lambda handler (``rtserve.serverless``) called with the events API Gateway (REST,
 payload 1.0; HTTP API, payload 2.0) and function URLs send, as Lambda's runtime calls it;
-then in fresh processes: one load per process, no ``awslambdaric``, SnapStart hooks."""
+a tiny generative model on the OpenAI routes through the official client (its requests as
+function URL events); then in fresh processes: one load per process, no ``awslambdaric``,
+SnapStart hooks."""
 
 from __future__ import annotations
 
@@ -17,12 +19,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import httpx
 import numpy as np
+import openai
 import pytest
 import tritonclient.http as thttp
 
 from tests.cache_fixtures import RedisServer
 from tests.conftest import ROOT
+from tests.llm_models import build_llm
 from tests.models import build_scale
 
 MAX_REQUEST_BYTES = 65536
@@ -139,6 +144,7 @@ def serverless(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleType]
     from the environment as Lambda sets them."""
     root = _repository(tmp_path_factory.mktemp("lambda-repo"))
     shutil.copytree(ROOT / "examples" / "repository" / "digits", root / "digits")
+    build_llm(root, LLM)
     config = tmp_path_factory.mktemp("lambda-config") / "server.yaml"
     config.write_text(f"max_request_bytes: {MAX_REQUEST_BYTES}\n")
     os.environ["RTSERVE_MODEL_REPOSITORY"] = str(root)
@@ -251,6 +257,71 @@ def test_health_metadata_and_config_routes(serverless: ModuleType) -> None:
     v1 = _event(REST_V1, httpMethod="GET", path="/v2/models/scale/ready")
     assert _call(serverless, v1)[:3:2] == (200, {"name": "scale", "ready": True})
     assert _call(serverless, _get("/v2/nothing"))[0] == 404
+
+
+# ---------------------------------------------------------------------- generative models
+LLM = "tiny"
+CHAT = [{"role": "user", "content": "Write a short story about a cat."}]
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 10, "extra_body": {"ignore_eos": True}}
+
+
+class FunctionUrl(httpx.BaseTransport):
+    """What a Lambda function URL does: each request to the handler as a payload 2.0
+    event, its answer back as the HTTP response."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        event = _event(FUNCTION_URL, request.read().decode() or None, rawPath=request.url.path)
+        event["requestContext"]["http"]["method"] = request.method
+        event["headers"] = dict(request.headers)
+        out = self.module.handler(event, None)
+        body = out["body"].encode()
+        content = base64.b64decode(body) if out["isBase64Encoded"] else body
+        return httpx.Response(out["statusCode"], headers=out["headers"], content=content)
+
+
+def _client(module: ModuleType) -> openai.OpenAI:
+    http = httpx.Client(transport=FunctionUrl(module))
+    return openai.OpenAI(
+        base_url="https://fn.lambda-url.example/v1", api_key="unused", http_client=http
+    )
+
+
+def test_openai_client_through_the_handler(serverless: ModuleType) -> None:
+    """Chat and completions, whole and streamed (the events arrive in one body), give the
+    same greedy text; a completion equals Triton's generate on the same prompt."""
+    client = _client(serverless)
+    whole = client.chat.completions.create(model=LLM, messages=CHAT, **GREEDY)
+    text = whole.choices[0].message.content
+    assert text and whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(model=LLM, messages=CHAT, stream=True, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    completion = client.completions.create(model=LLM, prompt="the cat sat", **GREEDY)
+    assert [m.id for m in client.models.list().data] == [LLM]
+    doc = {"text_input": "the cat sat", "parameters": {"max_tokens": 10, "temperature": 0,
+           "ignore_eos": True}}  # fmt: skip
+    event = _event(FUNCTION_URL, json.dumps(doc), rawPath=f"/v2/models/{LLM}/generate")
+    status, _, generated = _call(serverless, event)
+    assert status == 200 and generated["text_output"] == completion.choices[0].text
+
+
+def test_openai_errors_through_the_handler(serverless: ModuleType) -> None:
+    client = _client(serverless)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=LLM, messages=CHAT, max_tokens=-1)
+    assert bad.value.body["param"] == "max_tokens"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.completions.create(model="nope", prompt="a")
+    assert unknown.value.code == "model_not_found"
+    event = _event(FUNCTION_URL, "{nope", rawPath="/v1/chat/completions")
+    status, headers, doc = _call(serverless, event)
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert set(doc["error"]) == {"message", "type", "param", "code"}
+    assert doc["error"]["type"] == "invalid_request_error" and "JSON" in doc["error"]["message"]
 
 
 # ---------------------------------------------------------------------- fresh processes

@@ -12,6 +12,12 @@ Requests take the server's path: the same canonical paths, size limits, decoding
 (V2 shape ``{"error": ...}`` with the status the server answers) and routes. Binary tensor
 bodies (the binary data extension) come and go base64-encoded. ``RTSERVE_CONFIG`` may name
 a server config file (limits, response cache). Needs no ``awslambdaric``.
+
+Generative models (``backend: llm``) answer the OpenAI-compatible routes (``/v1/...``) and
+Triton's ``generate`` / ``generate_stream`` through the server's own code
+(``server/generative.py``). API Gateway cannot stream a response: a streamed request
+(``"stream": true``, ``generate_stream``) gets its server-sent events whole, in one body,
+once generation ends.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from rtserve.protocol.http_codec import (
 )
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.errors import http_error
+from rtserve.server.generative import GenerativeRoutes, gather, is_generative_route
 from rtserve.server.http1 import Request
 from rtserve.server.paths import canonical_path
 from rtserve.server.rest import HttpFrontend, _infer_target
@@ -91,6 +98,7 @@ class _Runtime:
             config.max_request_bytes,
             max_decompressed_bytes=config.max_decompressed_bytes,
         )
+        self.generative = GenerativeRoutes(self.engine.engine.dataplane)
 
 
 _lock = threading.Lock()
@@ -220,9 +228,13 @@ def _encoded(request: InferRequest, response: InferResponse) -> Answer:
     return 200, headers, body
 
 
+def _text_headers(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in headers}
+
+
 def _error(exc: BaseException) -> Answer:
     status, body, headers = http_error(exc)
-    return status, {k.decode(): v.decode() for k, v in headers}, body
+    return status, _text_headers(headers), body
 
 
 async def _infer(rt: _Runtime, ev: HttpEvent, name: str, version: str) -> Answer:
@@ -272,8 +284,11 @@ async def _answer(rt: _Runtime, ev: HttpEvent) -> Answer:
                     "serverless handler (deploy a new function version instead)"
                 )
         request = Request(ev.method, ev.path, "", ev.headers, ev.body, True, _now())
-        status, body, headers = rt.frontend._route(request)
-        return status, {k.decode(): v.decode() for k, v in headers}, body
+        if is_generative_route(ev.path):
+            status, body, headers = await gather(rt.generative.reply(request))
+        else:
+            status, body, headers = rt.frontend._route(request)
+        return status, _text_headers(headers), body
     except Exception as exc:
         return _error(exc)
 
@@ -289,7 +304,8 @@ def _lambda_response(answer: Answer) -> dict[str, Any]:
 
 def handler(event: Any, context: Any) -> dict[str, Any]:
     """The Lambda entry point: an API Gateway / function URL event in, its HTTP answer out.
-    Never raises: every failure is an HTTP status with a V2 error body."""
+    Never raises: every failure is an HTTP status with an error body (OpenAI's shape on
+    ``/v1``, else V2's)."""
     try:
         rt = _started()
         ev = parse_event(event, rt)
