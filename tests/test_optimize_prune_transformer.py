@@ -84,7 +84,7 @@ def test_pruning_cuts_heads_and_neurons_out_of_the_matrices() -> None:
 def test_pruned_model_equals_the_original_with_those_heads_and_neurons_zeroed() -> None:
     """Cutting a head out is exactly zeroing its value rows; a neuron, its input row."""
     model = Embedder()
-    pruned, _ = prune_encoder(model, tokens(16, 1), heads=0.5, ffn=0.5)
+    pruned, _ = prune_encoder(model, tokens(16, 1), heads=0.5, ffn=0.5, refit=False)
     masked = Embedder()
     for full, cut in zip(encoder_layers(masked), encoder_layers(pruned), strict=True):
         kept_rows = {tuple(r.tolist()) for r in cut.value.weight.data}
@@ -100,6 +100,21 @@ def test_pruned_model_equals_the_original_with_those_heads_and_neurons_zeroed() 
                 full.ffn_in.bias.data[j] = 0
     data = tokens(8, 3)
     np.testing.assert_allclose(_run(pruned, data), _run(masked, data), atol=1e-5)
+
+
+def _error(model: torch.nn.Module, teacher: torch.nn.Module, data: dict[str, np.ndarray]) -> float:
+    a, b = _run(model, data), _run(teacher, data)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_least_squares_refit_brings_the_pruned_model_closer_to_the_teacher() -> None:
+    teacher, sample, held_out = Embedder(), tokens(64, 1), tokens(32, 99)
+    plain, _ = prune_encoder(teacher, sample, heads=0.5, ffn=0.5, refit=False)
+    refitted, summary = prune_encoder(teacher, sample, heads=0.5, ffn=0.5)
+    assert "refitted" in " ".join(summary.notes)
+    assert _error(refitted, teacher, held_out) < 0.9 * _error(plain, teacher, held_out)
+    layers = encoder_layers(refitted)
+    assert [la.ffn_out.weight.shape for la in layers] == [(HIDDEN, FFN // 2)] * LAYERS
 
 
 def test_both_head_importances_rank_the_same_shape() -> None:
@@ -127,16 +142,11 @@ def test_exported_pruned_model_runs_in_onnx_runtime_like_torch(tmp_path: pathlib
 
 def test_distillation_brings_the_pruned_model_closer_to_the_teacher() -> None:
     teacher = Embedder()
-    pruned, _ = prune_encoder(teacher, tokens(16, 1), heads=0.5, ffn=0.5)
+    pruned, _ = prune_encoder(teacher, tokens(16, 1), heads=0.5, ffn=0.5, refit=False)
     held_out = tokens(32, 99)
-
-    def error(m: torch.nn.Module) -> float:
-        a, b = _run(m, held_out), _run(teacher, held_out)
-        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-    before = error(pruned)
-    student, seconds = distill_encoder(pruned, teacher, tokens(256, 5), epochs=4, lr=1e-3)
-    assert error(student) < 0.8 * before
+    before = _error(pruned, teacher, held_out)
+    student, seconds = distill_encoder(pruned, teacher, tokens(128, 5), epochs=4, lr=1e-3)
+    assert _error(student, teacher, held_out) < 0.8 * before
     assert seconds > 0 and not student.training
 
 

@@ -29,6 +29,7 @@ from rtserve.optimize.evaluate import (
     run_batched,
 )
 from rtserve.optimize.prune_transformer import STRUCTURED_HEADS
+from rtserve.optimize.prune_transformer import STRUCTURED_HEADS
 from rtserve.optimize.report import NOISE_BAND, choice_note, choose, noise_band
 
 if TYPE_CHECKING:
@@ -471,8 +472,8 @@ def _pruned(run: _Run) -> list[Measurement]:
 def _pruned_encoder(run: _Run, spec: PruneSpec) -> list[Measurement]:
     """Heads and FFN neurons cut out of a transformer encoder, distilled, then also INT8.
 
-    Importance is measured on the first 64 rows of the training (else calibration) data;
-    with ``fine_tune_epochs`` the pruned model is distilled from the unpruned one on the
+    Importance is measured, and the shrunk projections refitted, on the first 128 rows of
+    the training (else calibration) data; with ``fine_tune_epochs`` the pruned model is distilled from the unpruned one on the
     training data (no labels needed).
     """
     from rtserve.optimize.export import export_module
@@ -487,7 +488,7 @@ def _pruned_encoder(run: _Run, spec: PruneSpec) -> list[Measurement]:
             "--calibration)"
         )
     ffn = spec.amount if spec.ffn_amount is None else spec.ffn_amount
-    sample = {k: np.asarray(v)[:64] for k, v in data.items()}
+    sample = {k: np.asarray(v)[:128] for k, v in data.items()}
     model, summary = prune_encoder(src.model, sample, spec.amount, ffn)
     notes = [summary.describe()]
     if spec.fine_tune_epochs and src.train_inputs is not None:

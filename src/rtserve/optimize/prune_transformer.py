@@ -276,10 +276,22 @@ def _collect(
     batch: int,
 ) -> list[tuple[np.ndarray, int]]:
     """Per module: the sum of ``reduce(i, input rows)`` over real tokens, and the token count."""
+    return [
+        (reduce(i, x).double().numpy(), max(len(x), 1))
+        for i, x in enumerate(inputs_of(model, inputs, modules, batch))
+    ]
+
+
+def inputs_of(
+    model: torch.nn.Module,
+    inputs: Mapping[str, np.ndarray],
+    modules: list[torch.nn.Module],
+    batch: int = 32,
+) -> list[torch.Tensor]:
+    """Per module: its first input on every real token of ``inputs``, [tokens, features]."""
     import torch
 
-    sums: list[Any] = [0.0] * len(modules)
-    counts = [0] * len(modules)
+    seen: list[list[torch.Tensor]] = [[] for _ in modules]
     mask_all = _token_mask(inputs)
     current: dict[str, torch.Tensor | None] = {"mask": None}
 
@@ -288,9 +300,7 @@ def _collect(
             act = args[0].detach()
             mask = current["mask"]
             act = act[mask] if mask is not None and act.dim() == 3 else act
-            act = act.reshape(-1, act.shape[-1])
-            sums[i] = sums[i] + reduce(i, act).double()
-            counts[i] += act.shape[0]
+            seen[i].append(act.reshape(-1, act.shape[-1]))
 
         return record
 
@@ -306,7 +316,62 @@ def _collect(
     finally:
         for h in handles:
             h.remove()
-    return [(np.asarray(s.numpy()), max(c, 1)) for s, c in zip(sums, counts, strict=True)]
+    return [torch.cat(s) for s in seen]
+
+
+# The output projections that pruning shrinks, each with the LayerNorm that follows it.
+_PROJECTIONS = (
+    ("attention.output.dense", "attention.output.LayerNorm"),
+    ("output.dense", "output.LayerNorm"),
+)
+
+
+def refit_projections(
+    student: torch.nn.Module,
+    teacher: torch.nn.Module,
+    inputs: Mapping[str, np.ndarray],
+    batch: int = 32,
+    ridge: float = 1e-2,
+) -> bool:
+    """Re-solve the pruned output projections by least squares against the teacher.
+
+    Layer by layer, each shrunk projection (attention output, FFN output) is fitted so
+    that projection + residual, the LayerNorm's input, matches the teacher's LayerNorm
+    input on the same tokens: it makes up for the cut heads and neurons and for the error
+    that earlier layers pass on. A ridge term (``ridge`` x mean of the Gram diagonal)
+    keeps the solve stable. Returns False (nothing changed) for layers without these
+    LayerNorms.
+    """
+    s_layers, t_layers = encoder_layers(student), encoder_layers(teacher)
+    try:
+        t_norms = [la.module.get_submodule(ln) for la in t_layers for _, ln in _PROJECTIONS]
+        pairs = [
+            (la.module.get_submodule(lin), la.module.get_submodule(ln))
+            for la in s_layers
+            for lin, ln in _PROJECTIONS
+        ]
+    except AttributeError:
+        return False
+    targets = inputs_of(teacher, inputs, t_norms, batch)
+    for (linear, norm), target in zip(pairs, targets, strict=True):
+        x, pre_norm = inputs_of(student, inputs, [linear, norm], batch)
+        residual = pre_norm - linear(x)
+        _solve_into(linear, x, target - residual, ridge)  # type: ignore[arg-type]
+    return True
+
+
+def _solve_into(linear: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor, ridge: float) -> None:
+    """Set ``linear`` to the ridge least-squares fit of ``y`` from ``x`` (bias included)."""
+    import torch
+
+    x1 = torch.cat([x, torch.ones(len(x), 1)], dim=1).double()
+    gram = x1.T @ x1
+    gram += ridge * gram.diagonal().mean() * torch.eye(len(gram), dtype=gram.dtype)
+    w = torch.linalg.solve(gram, x1.T @ y.double())
+    with torch.no_grad():
+        linear.weight.copy_(w[:-1].T.float())
+        if linear.bias is not None:
+            linear.bias.copy_(w[-1].float())
 
 
 def _token_mask(inputs: Mapping[str, np.ndarray]) -> np.ndarray | None:
@@ -358,13 +423,15 @@ def prune_encoder(
     ffn: float,
     batch: int = 32,
     importance: str = "norm",
+    refit: bool = True,
 ) -> tuple[torch.nn.Module, PruneSummary]:
     """A copy of ``model`` with the ``heads`` fraction of heads and ``ffn`` of FFN neurons cut.
 
     ``inputs`` are unlabelled model inputs (e.g. token ids and attention mask of some
     sentences) on which importance is measured; a few dozen rows suffice. Heads are ranked
     by ``importance``: ``norm`` (:func:`head_norms`, one pass) or ``ablation``
-    (:func:`head_importance`, one pass per head).
+    (:func:`head_importance`, one pass per head). With ``refit`` the shrunk output
+    projections are then re-solved against the unpruned model (:func:`refit_projections`).
     """
     if importance not in HEAD_IMPORTANCE:
         raise OptimizeError(
@@ -373,7 +440,8 @@ def prune_encoder(
     check_fraction("heads", heads)
     check_fraction("ffn", ffn)
     start = time.perf_counter()
-    model = copy.deepcopy(model).eval()
+    teacher = model.eval()
+    model = copy.deepcopy(model)
     layers = encoder_layers(model)
     head_counts = [la.heads for la in layers]
     summary = PruneSummary(
@@ -390,6 +458,8 @@ def prune_encoder(
             keep_neurons(la, _top(s, max(1, int(round(la.neurons * (1.0 - ffn))))))
             for la, s in zip(layers, neuron_importance(model, inputs, batch), strict=True)
         ]
+    if refit and (heads > 0 or ffn > 0) and refit_projections(model, teacher, inputs, batch):
+        summary.notes.append("output projections refitted by least squares")
     summary.heads_after = [la.heads for la in layers]
     summary.ffn_after = [la.neurons for la in layers]
     summary.params_after = _params(model)
