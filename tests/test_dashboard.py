@@ -1,5 +1,7 @@
 """The live dashboard at /dashboard, in headless Chromium against a server under load: its
-figures appear, change from second to second, and agree with /metrics; and the Grafana
+figures appear, change from second to second, and agree with /metrics; its generative-models
+section shows a tiny ``backend: llm`` model served by two workers (and stays hidden without
+one), whose merged /metrics keeps every family once and adds the workers up; and the Grafana
 dashboard in deploy/ reads only metrics that a real server exposes.
 
 Chromium (Debian's ``chromium``, installed by ``make system-deps``) is driven over the
@@ -16,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +28,9 @@ import httpx
 import pytest
 from websockets.sync.client import ClientConnection, connect
 
+from rtserve.observability.workers import PUBLISH_PERIOD_S
+from tests.conftest import RunningServer, start_server
+from tests.llm_models import build_llm
 from tests.metrics_load import loaded_server, sample_names, sample_value, scrape
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,6 +192,7 @@ def test_dashboard_figures_appear_change_and_match_metrics(
             assert cells[("mlp", "objective")] == "250 ms"  # its config's slo.p99_ms
             assert cells[("scale", "objective")] == "–"
             assert 0 < _number(cells[("scale", "cache_hit_ratio")]) <= 100
+            assert not any(field.startswith("llm:") for _, field in cells)
             assert _number(cells[("mlp", "errors:client_error")]) > 0
         # Live: the totals grow from one read to the next.
         for model in ("mlp", "scale"):
@@ -222,6 +229,7 @@ def test_dashboard_figures_appear_change_and_match_metrics(
         assert _number(quiet[(model, "requests_total")]) == total
         assert _number(quiet[(model, "errors_total")]) == errors
         assert quiet[(model, "throughput")] == "0.0"
+    assert browser.evaluate("document.getElementById('llm').hidden") is True  # no llm model
     assert browser.errors() == []
 
 
@@ -238,23 +246,54 @@ def _grafana_exprs(doc: dict[str, Any]) -> list[str]:
     return exprs
 
 
-def test_grafana_dashboard_reads_only_metrics_a_server_exposes(tmp_path: Path) -> None:
+def test_grafana_dashboard_reads_only_metrics_a_server_exposes(
+    tmp_path: Path, llm_server: RunningServer
+) -> None:
     doc = json.loads(GRAFANA.read_text())
     assert doc["title"] and doc["uid"] and doc["panels"]
     exprs = _grafana_exprs(doc)
     assert len(exprs) >= 8
     titles = " ".join(p["title"].lower() for p in doc["panels"])
-    for topic in ("throughput", "latency", "batch", "queue", "cache", "error"):
+    for topic in ("throughput", "latency", "batch", "queue", "cache", "error", "generative"):
         assert topic in titles, f"no panel about {topic}"
     used = {name for e in exprs for name in re.findall(r"\brtserve_[a-z_]+\b", e)}
     assert {"rtserve_requests_total", "rtserve_request_duration_seconds_bucket"} <= used
+    assert {
+        "rtserve_llm_time_to_first_token_seconds_bucket",
+        "rtserve_llm_inter_token_latency_seconds_bucket",
+        "rtserve_llm_generation_tokens_total",
+        "rtserve_llm_kv_blocks_used",
+        "rtserve_llm_kv_blocks_capacity",
+        "rtserve_llm_prefix_cache_hits_total",
+        "rtserve_llm_requests_finished_total",
+    } <= used
 
     with loaded_server(tmp_path, threads=1) as (server, load):
         deadline = time.monotonic() + 20
         while load.sent() < 400 and time.monotonic() < deadline:
             time.sleep(0.1)
         exposed = sample_names(scrape(server))
+    exposed |= sample_names(scrape(llm_server))
     assert used <= exposed, f"the dashboard reads metrics no server exposes: {used - exposed}"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_grafana_queries_are_valid_promql(tmp_path: Path) -> None:
+    """Every panel's query parses (as a recording rule, Grafana's variables filled in)."""
+    doc = json.loads(GRAFANA.read_text())
+    filled = [
+        e.replace("$__rate_interval", "1m").replace("$model", ".*")
+        for e in _grafana_exprs(doc)
+        if not e.startswith("label_values(")
+    ]
+    rules = [{"record": f"grafana:query{i}", "expr": e} for i, e in enumerate(filled)]
+    path = tmp_path / "grafana-rules.yml"
+    path.write_text(json.dumps({"groups": [{"name": "grafana", "rules": rules}]}))
+    r = subprocess.run(
+        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in r.stdout
 
 
 ADMIN_KEY = "dashboard-admin-key-0123456789"
@@ -342,4 +381,137 @@ def test_dashboard_with_auth_sends_the_key_and_draws_every_model_from_the_first_
     ]
     assert sent and "Authorization" not in sent[0]  # before a key was typed
     assert sent[-1].get("Authorization") == f"Bearer {ADMIN_KEY}"
+    assert browser.errors() == []
+
+
+# ---------------------------------------------------------------------- generative models
+LLM = "tiny"
+TTFT_OBJECTIVE_MS = 5000  # loose: a shared 2-core machine must not refuse the test's load
+SYSTEM = "You answer in one short sentence about cats, dogs and the weather today. " * 3
+# One worker's pool: 8 MiB over (K and V, 2 layers, 2 KV heads of 16 floats, 16 tokens).
+POOL_BLOCKS = (8 << 20) // (2 * 2 * 2 * 16 * 4 * 16)
+
+
+def _chat(base: str, i: int, max_tokens: int = 12) -> None:
+    """One chat completion on a fresh connection (the kernel spreads them over workers)."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"cat {i}"}]
+    body = {"model": LLM, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def llm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A tiny random-weight Llama with a first-token objective, served by two workers."""
+    root = tmp_path_factory.mktemp("llm-repo")
+    build_llm(root, LLM, slo={"ttft_p99_ms": TTFT_OBJECTIVE_MS})
+    server = start_server(root, tmp_path_factory.mktemp("llm-server"), "--workers", "2")
+    try:
+        _chat(server.base, 0)
+        yield server
+    finally:
+        server.stop()
+
+
+class LlmLoad:
+    """Client threads sending chat completions until stopped."""
+
+    def __init__(self, base: str, threads: int = 3) -> None:
+        self.base = base
+        self.sent = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            _chat(self.base, self.sent)
+            self.sent += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+
+def _merged_scrape(server: RunningServer) -> str:
+    time.sleep(2 * PUBLISH_PERIOD_S)  # every worker has published what it answered
+    return scrape(server)
+
+
+def test_llm_metrics_merge_across_two_workers(llm_server: RunningServer) -> None:
+    """With --workers 2 every rtserve_llm_* family appears once, counters add up to the
+    requests sent, pool sizes add up and the objective is the model's, not doubled."""
+    before = _merged_scrape(llm_server)
+    sent = 10
+    for i in range(sent):
+        _chat(llm_server.base, i, max_tokens=6)
+    text = _merged_scrape(llm_server)
+
+    types = re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE)
+    assert len(types) == len({name for name, _ in types}), "a family declared twice"
+    declared = dict(types)
+    assert declared["rtserve_llm_prompt_tokens"] == "histogram"
+    assert declared["rtserve_llm_prompt_tokens_total"] == "counter"
+    if PROMTOOL := shutil.which("promtool"):
+        r = subprocess.run(
+            [PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+
+    def grew(name: str, **labels: str) -> float:
+        return sample_value(text, name, model=LLM, **labels) - sample_value(
+            before, name, model=LLM, **labels
+        )
+
+    assert grew("rtserve_llm_requests_finished_total", reason="length") == sent
+    assert grew("rtserve_llm_time_to_first_token_seconds_count") == sent
+    assert grew("rtserve_llm_generation_tokens_total") == 6 * sent
+    assert grew("rtserve_llm_prompt_tokens_total") == grew("rtserve_llm_prompt_tokens_sum") > 0
+    assert sample_value(text, "rtserve_llm_kv_blocks_capacity", model=LLM) == 2 * POOL_BLOCKS
+    assert sample_value(text, "rtserve_llm_kv_blocks_used", model=LLM) == 0
+    assert sample_value(
+        text, "rtserve_llm_objective_seconds", model=LLM, objective="ttft_p99"
+    ) == pytest.approx(TTFT_OBJECTIVE_MS / 1000)
+
+
+def test_dashboard_shows_generative_models(
+    tmp_path: Path, llm_server: RunningServer, browser: DevTools
+) -> None:
+    browser.call("Emulation.setDeviceMetricsOverride", width=1280, height=1000,
+                 deviceScaleFactor=1, mobile=False)  # fmt: skip
+    load = LlmLoad(llm_server.base)
+    try:
+        browser.call("Page.navigate", url=f"{llm_server.base}/dashboard?window=3")
+        cells = _wait_polls(browser, 4)
+        assert browser.evaluate("document.getElementById('llm').hidden") is False
+        assert _number(cells[(LLM, "llm:tokens_per_s")]) > 0, cells
+        assert _number(cells[(LLM, "llm:ttft_p50")]) <= _number(cells[(LLM, "llm:ttft_p99")])
+        assert _number(cells[(LLM, "llm:itl_p50")]) <= _number(cells[(LLM, "llm:itl_p99")])
+        assert cells[(LLM, "llm:ttft_objective")] == f"{TTFT_OBJECTIVE_MS} ms"
+        assert 0 < _number(cells[(LLM, "llm:prefix_hit")]) <= 100  # the shared system prompt
+        assert _number(cells[(LLM, "llm:finished:length")]) > 0
+        assert cells[(LLM, "llm:kv_blocks")].endswith(f" / {2 * POOL_BLOCKS:,}")
+        charts = json.loads(browser.evaluate("JSON.stringify(window.rtserveDashboard.charts)"))
+        assert charts["c-llm-tokens"]["points"] >= 2 and charts["c-llm-latency"]["series"] == 1
+        height = browser.evaluate("document.documentElement.scrollHeight")
+        browser.call("Emulation.setDeviceMetricsOverride", width=1280, height=height,
+                     deviceScaleFactor=1, mobile=False)  # fmt: skip
+        _wait_polls(browser, _figures(browser)[0] + 1)
+        shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
+        assert shot.startswith(b"\x89PNG")
+        target = os.environ.get("RTSERVE_LLM_DASHBOARD_SCREENSHOT")
+        Path(target or tmp_path / "dashboard-llm.png").write_bytes(shot)
+    finally:
+        load.stop()
+    quiet = _wait_polls(browser, _figures(browser)[0] + 5)  # the 3 s window has passed
+    text = _merged_scrape(llm_server)
+    # Idle: the page's totals and gauges are the merged /metrics, parsed in the browser.
+    for reason in ("stop", "length", "abort"):
+        total = sample_value(text, "rtserve_llm_requests_finished_total", reason=reason)
+        assert _number(quiet[(LLM, f"llm:finished:{reason}")]) == total
+    assert quiet[(LLM, "llm:tokens_per_s")] == "0.0"
+    assert quiet[(LLM, "llm:running")] == "0" and quiet[(LLM, "llm:waiting")] == "0"
+    assert quiet[(LLM, "llm:kv_blocks")] == f"0 / {2 * POOL_BLOCKS:,}"
     assert browser.errors() == []

@@ -25,7 +25,7 @@ import numpy as np
 from rtserve.errors import InferenceFailed, InvalidInput, ObjectiveRefused, Overloaded, ShuttingDown
 from rtserve.llm.detok import Detokenizer
 from rtserve.llm.kv import BlockPool
-from rtserve.llm.metrics import LlmMetrics
+from rtserve.llm.metrics import LlmMetrics, token_objectives
 from rtserve.llm.options import LlmOptions
 from rtserve.llm.params import GenerationEvent, SamplingParams
 from rtserve.llm.runner import ModelRunner
@@ -81,7 +81,7 @@ class LlmEngine:
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_blocks, options.block_size, options.prefix_caching)
         self.scheduler = Scheduler(self.pool, options.max_num_seqs, options.max_num_batched_tokens)
-        self.metrics = LlmMetrics(name, version)
+        self.metrics = LlmMetrics(name, version, objectives=token_objectives(options.slo))
         self.metrics.gauges = self._gauges
         self.metrics.prefix = lambda: (self.pool.queries, self.pool.hits)
         self.step_model = StepModel()

@@ -15,6 +15,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from rtserve.llm.options import TokenSLO
 from rtserve.observability.metrics import Accumulator
 
 TOKEN_LATENCY = (
@@ -24,6 +25,17 @@ TOKEN_LATENCY = (
 REQUEST_LATENCY = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_COUNTS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 REASONS = ("stop", "length", "abort")
+# The engine's gauge readings (keys) as exposed: name and help. The pool's size is
+# "_capacity", not "_total" (a suffix Prometheus keeps for counters).
+GAUGES = {
+    "running": ("rtserve_llm_running_sequences", "Sequences in the running batch"),
+    "waiting": ("rtserve_llm_waiting_sequences", "Sequences waiting to be scheduled"),
+    "kv_blocks_used": (
+        "rtserve_llm_kv_blocks_used",
+        "KV blocks held by sequences (cached free blocks not counted)",
+    ),
+    "kv_blocks_total": ("rtserve_llm_kv_blocks_capacity", "KV blocks in the pool"),
+}
 
 HISTOGRAMS = {
     "ttft": ("rtserve_llm_time_to_first_token_seconds", "Time to first token", TOKEN_LATENCY),
@@ -49,9 +61,18 @@ class LlmMetrics:
     generated_tokens: int = 0
     gauges: Callable[[], dict[str, float]] = lambda: {}
     prefix: Callable[[], tuple[int, int]] = lambda: (0, 0)
+    objectives: dict[str, float] = field(default_factory=dict)  # "ttft_p99" -> seconds
 
     def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)
+
+
+def token_objectives(slo: TokenSLO | None) -> dict[str, float]:
+    """The objectives a model's ``slo:`` sets, in seconds, as exported (unset ones left out)."""
+    if slo is None:
+        return {}
+    ms = {"ttft_p99": slo.ttft_p99_ms, "itl_p99": slo.itl_p99_ms}
+    return {k: v / 1000 for k, v in ms.items() if v > 0}
 
 
 class LlmCollector(Collector):
@@ -98,17 +119,14 @@ class LlmCollector(Collector):
                 "rtserve_llm_prefix_cache_hits", "Prefix-cache blocks found", labels=labels
             ),
         }
-        gauge_docs = {
-            "running": "Sequences in the running batch",
-            "waiting": "Sequences waiting to be scheduled",
-            "kv_blocks_used": "KV blocks held by sequences (cached free blocks not counted)",
-            "kv_blocks_total": "KV blocks in the pool",
-        }
         gauges = {
-            k: GaugeMetricFamily(f"rtserve_llm_{k}" if k.startswith("kv") else
-                                 f"rtserve_llm_{k}_sequences", doc, labels=labels)
-            for k, doc in gauge_docs.items()
-        }  # fmt: skip
+            k: GaugeMetricFamily(name, doc, labels=labels) for k, (name, doc) in GAUGES.items()
+        }
+        objectives = GaugeMetricFamily(
+            "rtserve_llm_objective_seconds",
+            "The model's token latency objectives (slo: ttft_p99_ms, itl_p99_ms)",
+            labels=[*labels, "objective"],
+        )
         for m in models:
             lv = [m.model, m.version]
             for reason, count in m.finished.items():
@@ -127,6 +145,9 @@ class LlmCollector(Collector):
             now = m.gauges()
             for k, g in gauges.items():
                 g.add_metric(lv, now.get(k, 0.0))
+            for objective, seconds in m.objectives.items():
+                objectives.add_metric([*lv, objective], seconds)
         yield finished
         yield from counters.values()
         yield from gauges.values()
+        yield objectives

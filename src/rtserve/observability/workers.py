@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import operator
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +35,7 @@ _MAX_GAUGES = (
     "rtserve_slo_objective_seconds",
     "rtserve_slo_window_seconds",
     "rtserve_slo_target_batch_rows",
+    "rtserve_llm_objective_seconds",
 )
 # Gauges whose merged value is the smallest (the most cautious worker's).
 _MIN_GAUGES = ("rtserve_slo_budget_factor",)
@@ -99,6 +101,16 @@ def merge_stats(parts: list[ModelStats]) -> ModelStats:
         for size, d in p.batch_sizes.items():
             _add(total.batch_sizes.setdefault(size, StatDuration()), d)
     return total
+
+
+def _combine(family: str) -> Callable[[float, float], float]:
+    """How two workers' values of one sample merge: a state's largest or smallest, else
+    the sum."""
+    if family in _MAX_GAUGES:
+        return max
+    if family in _MIN_GAUGES:
+        return min
+    return operator.add
 
 
 class _Merged:
@@ -169,36 +181,29 @@ class WorkerView:
 
     # ------------------------------------------------------------------ merged answers
     def exposition(self) -> tuple[bytes, str]:
-        order: list[str] = []
-        families: dict[str, dict[str, Any]] = {}
-        values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        # Keyed by name and type: a counter ``x_total`` and a histogram ``x`` share the
+        # family name ``x`` and must stay two families.
+        order: list[tuple[str, str]] = []
+        families: dict[tuple[str, str], dict[str, Any]] = {}
+        values: dict[tuple[str, str], dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
         for snap in self._snapshots():
             for fam in snap["families"]:
-                name = fam["name"]
-                if name not in families:
-                    families[name] = fam
-                    order.append(name)
-                    values[name] = {}
-                merged = values[name]
-                use_max = name in _MAX_GAUGES
-                use_min = name in _MIN_GAUGES
+                key = (fam["name"], fam["type"])
+                if key not in families:
+                    families[key] = fam
+                    order.append(key)
+                    values[key] = {}
+                merged = values[key]
+                combine = _combine(fam["name"])
                 for sample_name, labels, value in fam["samples"]:
-                    key = (sample_name, tuple(sorted(labels.items())))
-                    if key in merged:
-                        old = merged[key]
-                        if use_max:
-                            merged[key] = max(old, value)
-                        elif use_min:
-                            merged[key] = min(old, value)
-                        else:
-                            merged[key] = old + value
-                    else:
-                        merged[key] = value
+                    sample = (sample_name, tuple(sorted(labels.items())))
+                    old = merged.get(sample)
+                    merged[sample] = value if old is None else combine(old, value)
         out = []
-        for name in order:
-            fam = families[name]
-            metric = Metric(name, fam["help"], fam["type"])
-            for (sample_name, labels), value in values[name].items():
+        for key in order:
+            fam = families[key]
+            metric = Metric(fam["name"], fam["help"], fam["type"])
+            for (sample_name, labels), value in values[key].items():
                 metric.add_sample(sample_name, dict(labels), value)
             out.append(metric)
         return generate_latest(_Merged(out)), CONTENT_TYPE_LATEST  # type: ignore[arg-type]
