@@ -145,9 +145,17 @@ def test_distillation_brings_the_pruned_model_closer_to_the_teacher() -> None:
     pruned, _ = prune_encoder(teacher, tokens(16, 1), heads=0.5, ffn=0.5, refit=False)
     held_out = tokens(32, 99)
     before = _error(pruned, teacher, held_out)
-    student, seconds = distill_encoder(pruned, teacher, tokens(128, 5), epochs=4, lr=1e-3)
+    student, fit = distill_encoder(pruned, teacher, tokens(128, 5), epochs=4, lr=1e-3)
     assert _error(student, teacher, held_out) < 0.8 * before
-    assert seconds > 0 and not student.training
+    assert (fit.steps, fit.planned, fit.epochs) == (16, 16, 4.0)
+    assert fit.seconds > 0 and not student.training
+
+
+def test_distillation_stops_at_its_time_budget() -> None:
+    teacher = Embedder()
+    pruned, _ = prune_encoder(teacher, tokens(16, 1), heads=0.5, ffn=0.5, refit=False)
+    _, fit = distill_encoder(pruned, teacher, tokens(128, 5), epochs=50, max_seconds=0.0)
+    assert fit.steps == 0 and fit.planned == 200
 
 
 def test_encoder_layers_of_a_model_without_them_is_a_clear_error() -> None:

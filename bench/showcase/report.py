@@ -440,9 +440,16 @@ def _early_exit_section(settings: Settings) -> str:
     return early_exit.section(settings)
 
 
+def _prune_section(settings: Settings) -> str:
+    from bench.showcase import structured_prune
+
+    return structured_prune.section(settings)
+
+
 # Sections with a module of their own, appended after the models' sections; each can run
 # alone: `python -m bench.showcase --only NAME[,NAME] --out /tmp/x.md`.
 SECTIONS: dict[str, Callable[[Settings], str]] = {
+    "prune": _prune_section,
     "edge": _edge_section,
     "qat": _qat_section,
     "early-exit": _early_exit_section,

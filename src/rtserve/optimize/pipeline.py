@@ -29,7 +29,6 @@ from rtserve.optimize.evaluate import (
     run_batched,
 )
 from rtserve.optimize.prune_transformer import STRUCTURED_HEADS
-from rtserve.optimize.prune_transformer import STRUCTURED_HEADS
 from rtserve.optimize.report import NOISE_BAND, choice_note, choose, noise_band
 
 if TYPE_CHECKING:
@@ -55,6 +54,7 @@ class PruneSpec:
     amount: float  # structured-heads: the fraction of attention heads
     fine_tune_epochs: int = 0
     ffn_amount: float | None = None  # structured-heads: FFN neurons (None: as ``amount``)
+    fine_tune_seconds: float | None = None  # structured-heads: stop distilling after this
 
     @property
     def name(self) -> str:
@@ -492,10 +492,14 @@ def _pruned_encoder(run: _Run, spec: PruneSpec) -> list[Measurement]:
     model, summary = prune_encoder(src.model, sample, spec.amount, ffn)
     notes = [summary.describe()]
     if spec.fine_tune_epochs and src.train_inputs is not None:
-        model, seconds = distill_encoder(
-            model, src.model, src.train_inputs, epochs=spec.fine_tune_epochs
+        model, fit = distill_encoder(
+            model, src.model, src.train_inputs, epochs=spec.fine_tune_epochs,
+            max_seconds=spec.fine_tune_seconds,
+        )  # fmt: skip
+        notes.append(
+            f"distilled {fit.steps} steps of {fit.planned} ({fit.epochs:.1f} epochs), "
+            f"{fit.seconds:.0f} s"
         )
-        notes.append(f"distilled {spec.fine_tune_epochs} epoch(s), {seconds:.0f} s")
     else:
         notes.append("not fine-tuned")
     example = _torch_example(run.eval_data, run.input_names)

@@ -493,6 +493,20 @@ def _hidden_states(
     return [la.module.register_forward_hook(record) for la in layers]
 
 
+@dataclass
+class DistillRun:
+    """How far :func:`distill_encoder` got: optimizer steps taken and planned, seconds."""
+
+    steps: int
+    planned: int
+    steps_per_epoch: int
+    seconds: float
+
+    @property
+    def epochs(self) -> float:
+        return self.steps / self.steps_per_epoch
+
+
 def distill_encoder(
     student: torch.nn.Module,
     teacher: torch.nn.Module,
@@ -504,7 +518,7 @@ def distill_encoder(
     max_seconds: float | None = None,
     freeze_embeddings: bool = True,
     seed: int = 0,
-) -> tuple[torch.nn.Module, float]:
+) -> tuple[torch.nn.Module, DistillRun]:
     """Train the pruned ``student`` to reproduce ``teacher`` on unlabelled ``inputs``.
 
     Loss: ``1 - cosine`` of the outputs plus ``hidden_weight`` times the MSE of every
@@ -513,7 +527,7 @@ def distill_encoder(
     ``max_seconds``. Token embeddings (untouched by pruning, most of the parameters) stay
     frozen unless ``freeze_embeddings`` is false. With an ``attention_mask`` input every
     batch is cut to its longest row, so short sentences train fast. Returns the student in
-    eval mode and the seconds spent.
+    eval mode and how far training got.
     """
     import torch
     import torch.nn.functional as F
@@ -535,47 +549,50 @@ def distill_encoder(
         if not (freeze_embeddings and "embeddings" in name)
     ]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    steps_total = epochs * ((n + batch_size - 1) // batch_size)
+    per_epoch = max(1, n // batch_size)
+    planned = epochs * per_epoch
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, steps_total // 20)) * max(0.0, 1 - s / steps_total)
+        opt, lambda s: min(1.0, (s + 1) / max(1, planned // 20)) * max(0.0, 1 - s / planned)
     )
     s_hidden: list[torch.Tensor] = []
     t_hidden: list[torch.Tensor] = []
     handles = _hidden_states(s_layers, s_hidden) + _hidden_states(t_layers, t_hidden)
     start = time.perf_counter()
+    steps = 0
+    order: list[np.ndarray] = []
     student.train()
     try:
-        for _ in range(epochs):
-            for idx_np in np.array_split(rng.permutation(n), max(1, n // batch_size)):
-                idx = torch.from_numpy(idx_np)
-                width = _width(mask_all, idx_np)
-                batch = [t[idx][:, :width] if t.dim() == 2 and width else t[idx] for t in tensors]
-                s_hidden.clear()
-                t_hidden.clear()
-                with torch.no_grad():
-                    target = teacher(*batch)
-                out = student(*batch)
-                loss = 1.0 - F.cosine_similarity(out.flatten(1), target.flatten(1), dim=1).mean()
-                if hidden_weight > 0:
-                    mask = (
-                        torch.from_numpy(mask_all[idx_np][:, :width])
-                        if mask_all is not None and width
-                        else None
-                    )
-                    loss = loss + hidden_weight * _hidden_loss(s_hidden, t_hidden, mask)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                sched.step()
-                if max_seconds is not None and time.perf_counter() - start > max_seconds:
-                    break
-            else:
-                continue
-            break
+        while steps < planned:
+            if max_seconds is not None and time.perf_counter() - start > max_seconds:
+                break
+            if steps % per_epoch == 0:
+                order = np.array_split(rng.permutation(n), per_epoch)
+            rows = order[steps % per_epoch]
+            width = _width(mask_all, rows)
+            idx = torch.from_numpy(rows)
+            batch = [t[idx][:, :width] if t.dim() == 2 and width else t[idx] for t in tensors]
+            s_hidden.clear()
+            t_hidden.clear()
+            with torch.no_grad():
+                target = teacher(*batch)
+            out = student(*batch)
+            loss = 1.0 - F.cosine_similarity(out.flatten(1), target.flatten(1), dim=1).mean()
+            if hidden_weight > 0:
+                mask = (
+                    torch.from_numpy(mask_all[rows][:, :width])
+                    if mask_all is not None and width
+                    else None
+                )
+                loss = loss + hidden_weight * _hidden_loss(s_hidden, t_hidden, mask)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            steps += 1
     finally:
         for h in handles:
             h.remove()
-    return student.eval(), time.perf_counter() - start
+    return student.eval(), DistillRun(steps, planned, per_epoch, time.perf_counter() - start)
 
 
 def _width(mask: np.ndarray | None, rows: np.ndarray) -> int:
