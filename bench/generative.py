@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,7 +61,9 @@ class Plan:
     max_tokens: int = 128
     concurrency: tuple[int, ...] = (1, 8, 32)
     rates: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0)
-    poisson_seconds: float = 15.0
+    poisson_seconds: float = 12.0
+    closed_loop_seconds: float = 30.0  # no new request after this; bounds a slow server
+    saturated_ttft_s: float = 3.0  # a rate whose TTFT p50 passes this ends the sweep
     prefix_requests: int = 8
     prefix_max_tokens: int = 8
     rounds: int = 2
@@ -181,14 +184,19 @@ def measure_throughput(url: str, plan: Plan) -> dict[str, Any]:
     rows = {}
     for c in plan.concurrency:
         bodies = _bodies([story(i) for i in range(max(3, 2 * c))], plan.max_tokens)
-        rows[str(c)] = summarize(*asyncio.run(closed_loop(url, bodies, c)))
+        streams, wall = asyncio.run(closed_loop(url, bodies, c, plan.closed_loop_seconds))
+        rows[str(c)] = summarize(streams, wall)
         print(f"    {c:>3} streams: {rows[str(c)]['tok_s']} tok/s", flush=True)
     return rows
 
 
 def measure_poisson(url: str, plan: Plan) -> list[dict[str, Any]]:
-    rows = []
+    """One row per rate, in increasing order, up to the first saturated one."""
+    rows: list[dict[str, Any]] = []
     for rate in plan.rates:
+        if rows and (rows[-1].get("ttft_p50_ms") or 0) > plan.saturated_ttft_s * 1000:
+            rows.append({"rate": rate, "skipped": "saturated at a lower rate"})
+            continue
         n = max(8, round(rate * plan.poisson_seconds))
         bodies = _bodies([story(1000 + i) for i in range(n)], plan.max_tokens)
         row = {"rate": rate} | summarize(*asyncio.run(poisson(url, bodies, rate, seed=n)))
@@ -256,25 +264,31 @@ def measure_server(target: Target, work: Path, plan: Plan, system: str) -> dict[
             server.stop()
 
 
-def measure_hf(model_dir: Path, plan: Plan) -> dict[str, Any]:
-    """transformers' static ``generate`` in a subprocess at each batch size."""
+def measure_hf(model_dir: Path, work: Path, plan: Plan, timeout_s: float = 480) -> dict[str, Any]:
+    """transformers' static ``generate`` in a subprocess at each batch size; the batches done
+    before a failure or the time limit are kept."""
     argv = [
         sys.executable, "-m", "bench.hf_generate", str(model_dir),
         "--batches", ",".join(map(str, plan.concurrency)), "--max-tokens", str(plan.max_tokens),
     ]  # fmt: skip
-    with bench_lock():
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1][:500] if proc.stderr else "failed"}
+    out, log = work / "hf.jsonl", work / "hf.log"
+    error = None
+    with bench_lock(), out.open("wb") as stdout, log.open("wb") as stderr:
+        try:
+            proc = subprocess.run(argv, cwd=ROOT, stdout=stdout, stderr=stderr, timeout=timeout_s)
+            if proc.returncode != 0:
+                error = f"exit {proc.returncode}: {log.read_text().strip()[-300:]}"
+        except subprocess.TimeoutExpired:
+            error = f"not done after {timeout_s:.0f} s"
     rows = {}
-    for line in proc.stdout.splitlines():
+    for line in out.read_text().splitlines():
         row = orjson.loads(line)
         rows[str(row["batch"])] = {
             "tok_s": round(row["tok_s"], 1),
             "seconds": round(row["seconds"], 2),
         }
         print(f"    batch {row['batch']:>3}: {rows[str(row['batch'])]['tok_s']} tok/s", flush=True)
-    return {"throughput": rows}
+    return {"throughput": rows} | ({"error": error} if error else {})
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -314,14 +328,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         order = servers if r % 2 == 0 else list(reversed(servers))
         print(f"round {r + 1}/{plan.rounds}: {', '.join(t.name for t in order)}", flush=True)
         entry: dict[str, Any] = {}
+        result["rounds"].append(entry)
         for target in order:
             entry[target.name] = measure_server(target, work, plan, system)
+            if args.out:
+                save(args.out, result)
         if args.hf:
             print("  transformers generate:", flush=True)
-            entry["transformers"] = measure_hf(model_dir, plan)
-        result["rounds"].append(entry)
-        if args.out:
-            save(args.out, result)
+            entry["transformers"] = measure_hf(model_dir, work, plan)
+            if args.out:
+                save(args.out, result)
     return result
 
 
@@ -340,12 +356,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--rates", default="0.5,1,2,3", help="Poisson request rates (req/s)")
-    parser.add_argument("--poisson-seconds", type=float, default=15.0)
+    parser.add_argument("--poisson-seconds", type=float, default=12.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND or auto")
     parser.add_argument("--out", type=Path, help="JSON results (every round)")
     parser.add_argument("--doc", type=Path, help="markdown report")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server under test too
     result = run(args)
     if args.doc:
         from bench.generative_report import write

@@ -1,12 +1,14 @@
 """Render ``bench.generative``'s JSON as docs/benchmarks-generative.md: medians, then every round.
 
-python -m bench.generative_report bench/results/generative.json docs/benchmarks-generative.md
+python -m bench.generative_report --doc docs/benchmarks-generative.md RESULT.json
+# rounds of several runs (each alternates its order) in one file and one page:
+python -m bench.generative_report --merge-into bench/results/generative.json --doc D a.json b.json
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +105,9 @@ def poisson_table(result: dict[str, Any]) -> list[str]:
                 _fmt(_median(_values(result, who, "poisson", i, key)))
                 for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tok_s")
             ]
-            errors = sum(v or 0 for v in _values(result, who, "poisson", i, "errors"))
+            errors = str(sum(v or 0 for v in _values(result, who, "poisson", i, "errors")))
+            if all(_get(r, who, "poisson", i, "skipped") for r in result["rounds"]):
+                cells, errors = ["-"] * 5, "not run: saturated at a lower rate"
             lines.append(
                 f"| {rate:g} | {rate * plan['max_tokens']:.0f} | {LABELS[who]} | "
                 + " | ".join(cells)
@@ -227,5 +231,25 @@ def write(result: dict[str, Any], path: Path) -> None:
     path.write_text(render(result))
 
 
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result holding every run's rounds, in order; the first run's plan and machine."""
+    merged = dict(results[0])
+    merged["rounds"] = [r for result in results for r in result["rounds"]]
+    merged["command"] = " ; ".join(result["command"] for result in results)
+    return merged
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("results", type=Path, nargs="+")
+    parser.add_argument("--doc", type=Path, required=True)
+    parser.add_argument("--merge-into", type=Path, help="write the merged JSON here")
+    args = parser.parse_args()
+    result = merge([orjson.loads(p.read_bytes()) for p in args.results])
+    if args.merge_into:
+        args.merge_into.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
+    write(result, args.doc)
+
+
 if __name__ == "__main__":
-    write(orjson.loads(Path(sys.argv[1]).read_bytes()), Path(sys.argv[2]))
+    main()

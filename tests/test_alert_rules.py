@@ -1,5 +1,6 @@
 """The Prometheus rules in deploy/ are valid, their unit tests pass, and they read metrics
-that a real server exposes; the server's exposition passes ``promtool check metrics``.
+that a real server exposes (those of generative models: that rtserve's llm collector
+exposes); the server's exposition passes ``promtool check metrics``.
 
 promtool comes from Debian's ``prometheus`` package (``make system-deps`` installs only the
 binary); without it these tests skip.
@@ -15,7 +16,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
 
+from rtserve.llm.metrics import LlmCollector, LlmMetrics, token_objectives
+from rtserve.llm.options import TokenSLO
 from rtserve.observability.workers import PUBLISH_PERIOD_S
 from tests.metrics_load import loaded_server, sample_names, sample_value, scrape
 
@@ -33,6 +37,8 @@ ALERTS = {
     "RtserveQueueSaturated",
     "RtserveSheddingLoad",
     "RtserveCacheBreakerOpen",
+    "RtserveLlmTimeToFirstTokenAboveObjective",
+    "RtserveLlmKvCacheExhausted",
 }
 
 
@@ -46,6 +52,11 @@ def _promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProce
 def _rules() -> list[dict[str, object]]:
     doc = yaml.safe_load(RULES.read_text())
     return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def _read_by_rules() -> set[str]:
+    rule_text = " ".join(str(rule["expr"]) for rule in _rules())
+    return set(re.findall(r"\brtserve_[a-z_]+\b", rule_text))
 
 
 def test_promtool_check_rules_accepts_the_rules() -> None:
@@ -98,7 +109,20 @@ def test_scrape_under_load_passes_promtool_and_has_what_the_rules_read(
     assert sample_value(exposition, "rtserve_batch_size_count", model="mlp") > 0
 
     exposed = sample_names(exposition)
-    rule_text = " ".join(str(rule["expr"]) for rule in _rules())
-    read = set(re.findall(r"\brtserve_[a-z_]+\b", rule_text))
+    read = {name for name in _read_by_rules() if not name.startswith("rtserve_llm_")}
     assert read, "the rules read no rtserve metrics"
     assert read <= exposed, f"rules read metrics the server does not expose: {read - exposed}"
+
+
+def test_rules_read_llm_metrics_the_llm_collector_exposes() -> None:
+    """The generative models' metrics, from the collector a server registers for them."""
+    collector = LlmCollector()
+    collector.models = [
+        LlmMetrics("chat", "1", objectives=token_objectives(TokenSLO(ttft_p99_ms=500)))
+    ]
+    registry = CollectorRegistry()
+    registry.register(collector)
+    exposed = sample_names(generate_latest(registry).decode())
+    read = {name for name in _read_by_rules() if name.startswith("rtserve_llm_")}
+    assert {"rtserve_llm_objective_seconds", "rtserve_llm_kv_blocks_capacity"} <= read
+    assert read <= exposed, f"rules read metrics the collector does not expose: {read - exposed}"

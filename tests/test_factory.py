@@ -95,6 +95,6 @@ def test_an_unknown_backend_is_named_with_the_choices(tmp_path: Path) -> None:
     state, reason = models["typo"]
     assert state == "UNAVAILABLE"
     assert reason.endswith(
-        "typo/config.yaml: backend: expected one of onnxruntime, python, torch, ensemble, "
-        "got 'onnx'"
+        "typo/config.yaml: backend: expected one of onnxruntime, python, torch, litert, "
+        "ensemble, llm, got 'onnx'"
     ), reason
