@@ -109,18 +109,19 @@ def _session(limit: int) -> aiohttp.ClientSession:
 
 
 async def closed_loop(
-    url: str, bodies: Sequence[dict[str, Any]], concurrency: int
+    url: str, bodies: Sequence[dict[str, Any]], concurrency: int, max_seconds: float = 1e9
 ) -> tuple[list[Stream], float]:
-    """``concurrency`` streams in flight until every body is answered; (streams, wall s)."""
+    """``concurrency`` streams in flight until every body is answered, no new one sent after
+    ``max_seconds``; (streams, wall s)."""
     queue = list(reversed(bodies))
     streams: list[Stream] = []
     async with _session(concurrency) as session:
+        start = time.perf_counter()
 
         async def worker() -> None:
-            while queue:
+            while queue and time.perf_counter() - start < max_seconds:
                 streams.append(await stream_chat(session, url, queue.pop()))
 
-        start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return streams, time.perf_counter() - start
 
