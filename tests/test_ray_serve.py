@@ -358,8 +358,10 @@ def test_openai_client_answers_as_the_plain_server(llm: LlmApps) -> None:
 
 def test_sse_framing_and_models_through_ray(llm: LlmApps) -> None:
     doc = {"model": LLM, "prompt": "the dog", "stream": True, "max_tokens": 4}
-    with httpx.stream("POST", f"{llm.ray_base}/v1/completions", json=doc, timeout=30) as r:
+    url = f"{llm.ray_base}/v1/completions"
+    with httpx.stream("POST", url, json=doc, headers={"x-request-id": "r-9"}, timeout=30) as r:
         assert r.status_code == 200
+        assert r.headers.get_list("x-request-id") == ["r-9"]
         assert r.headers["content-type"].startswith("text/event-stream")
         assert r.headers[REPLICA].startswith("SERVE_REPLICA::llm#")
         body = r.read()
@@ -389,10 +391,12 @@ BAD_OPENAI = [
 
 
 def test_errors_in_openai_shape_as_the_plain_server(llm: LlmApps) -> None:
-    for path, doc in BAD_OPENAI:
-        ours = httpx.post(f"{llm.ray_base}{path}", json=doc, timeout=30)
+    for i, (path, doc) in enumerate(BAD_OPENAI):
+        request_id = {"x-request-id": f"bad-{i}"}
+        ours = httpx.post(f"{llm.ray_base}{path}", json=doc, headers=request_id, timeout=30)
         theirs = httpx.post(f"{llm.plain.base}{path}", json=doc, timeout=30)
         assert (ours.status_code, ours.json()) == (theirs.status_code, theirs.json()), doc
+        assert ours.headers.get_list("x-request-id") == [f"bad-{i}"]
         assert set(ours.json()["error"]) == {"message", "type", "param", "code"}
     for content in (b"{nope", b"[1]"):
         ours = httpx.post(f"{llm.ray_base}/v1/chat/completions", content=content, timeout=30)

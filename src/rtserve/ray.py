@@ -58,7 +58,8 @@ _now = time.perf_counter_ns
 
 
 def _headers(pairs: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    return {k.decode("latin-1"): v.decode("latin-1") for k, v in pairs}
+    """Response headers for Starlette, less ``x-request-id`` (Ray's proxy adds it)."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in pairs if k != b"x-request-id"}
 
 
 class RTServeDeployment:
