@@ -161,3 +161,20 @@ def test_optimize_builds_and_measures_the_int8_qat_variant(
     assert m is not None and m.p50_ms > 0 and result.reference_score - m.score <= 0.05
     assert "QAT (torch.ao FX): 1 epoch(s) on 400 rows" in m.notes[0]
     assert run_batched(open_session(m.path), held).shape == (300, 10)
+
+
+def test_cli_qat_without_training_data_is_refused(
+    trained: Any, digits: dict[str, np.ndarray], tmp_path: pathlib.Path, capsys: Any
+) -> None:
+    from rtserve.optimize.cli import main
+    from rtserve.optimize.export import export_module
+
+    x = {"x": digits["x"][:16]}
+    model = export_module(trained, tmp_path / "model.onnx", {"x": x["x"][:2]}, ["logits"])
+    scripted = tmp_path / "model.pt"
+    torch.jit.trace(trained, torch.from_numpy(x["x"][:2])).save(str(scripted))
+    np.savez(tmp_path / "eval.npz", **x)
+    argv = ["optimize", str(model), "--eval", str(tmp_path / "eval.npz"), "--out",
+            str(tmp_path / "repo" / "m"), "--torch-model", str(scripted), "--qat"]  # fmt: skip
+    assert main(argv) == 2
+    assert "--qat fine-tunes on training data: give --train" in capsys.readouterr().err

@@ -48,7 +48,7 @@ class QatOptions:
 
     epochs: int = 3
     lr: float = 1e-5
-    batch_size: int = 16
+    batch_size: int = 8
     temperature: float = 2.0
     alpha: float = 1.0  # weight of the teacher's soft targets against the labels
     observe_epochs: int = 1  # epochs that update activation ranges before they freeze
