@@ -28,7 +28,7 @@ class LlmOptions:
     block_size: int = 16
     max_num_batched_tokens: int = 512
     prefix_caching: bool = True
-    threads: int = 0  # torch intra-op threads (0: torch's default)
+    threads: int = 0  # torch intra-op threads (0: the CPUs this process may use)
     cpu_linear: str = "onednn"  # onednn (prepacked weights) | torch (F.linear)
     default_max_tokens: int = 256
     max_waiting: int = 1024  # requests queued beyond the running batch; more get a 503
