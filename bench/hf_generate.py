@@ -1,7 +1,7 @@
 """transformers' static-batch ``generate`` in-process: the no-server reference for tokens/s.
 
 Run as a subprocess by ``bench.generative`` (so its threads are gone before a server starts):
-``python -m bench.hf_generate MODEL_DIR --batches 1,8,32 --max-tokens 128`` prints one JSON
+``python -m bench.hf_generate MODEL_DIR --batches 1,8,32 --max-tokens 128 --threads 1`` prints one JSON
 line per batch: ``{"batch": b, "seconds": s, "tokens": n, "tok_s": n / s}``.
 """
 
@@ -12,8 +12,6 @@ import time
 
 import orjson
 
-THREADS = 2
-
 
 def prompts(n: int) -> list[list[dict[str, str]]]:
     """The benchmark's chat messages, the same the servers are sent."""
@@ -23,11 +21,11 @@ def prompts(n: int) -> list[list[dict[str, str]]]:
     ]
 
 
-def run(model_dir: str, batches: list[int], max_tokens: int, repeats: int) -> None:
+def run(model_dir: str, batches: list[int], max_tokens: int, repeats: int, threads: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
@@ -63,8 +61,10 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    run(args.model_dir, [int(b) for b in args.batches.split(",")], args.max_tokens, args.repeats)
+    batches = [int(b) for b in args.batches.split(",")]
+    run(args.model_dir, batches, args.max_tokens, args.repeats, args.threads)
 
 
 if __name__ == "__main__":
