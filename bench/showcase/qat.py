@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 GOAL_SPEEDUP = 1.4
 GOAL_AGREEMENT = 0.97
-TRAIN_IMAGES = 160
-OPTIONS = QatOptions(epochs=3, lr=5e-5, batch_size=16, temperature=2.0)
+TRAIN_IMAGES = 128
+OPTIONS = QatOptions(epochs=3, lr=1e-5, batch_size=8, temperature=2.0)
 
 
 def run(settings: Settings) -> tuple[OptimizeResult, int]:
@@ -33,7 +33,7 @@ def run(settings: Settings) -> tuple[OptimizeResult, int]:
     work = settings.work / "efficientnet-qat"
     model = zoo.export_efficientnet_lite0(work / "source.onnx")
     eval_data = {"image": zoo.efficientnet_preprocess(zoo.sample_images(settings.n_eval_images, 1))}
-    n_train = min(TRAIN_IMAGES, settings.n_calib_images)
+    n_train = min(TRAIN_IMAGES, settings.n_eval_images)
     train = {"image": zoo.efficientnet_preprocess(zoo.sample_images(n_train, seed=3))}
     sources = TorchSources(model=zoo.efficientnet_module(), train_inputs=train, qat=OPTIONS)
     opts = _options(settings, max_accuracy_drop=1 - GOAL_AGREEMENT, variants=("int8-qat",))
@@ -59,7 +59,8 @@ def section(settings: Settings) -> str:
         "then exports QDQ ONNX that ONNX Runtime runs as `QLinearConv` / `QLinearAdd`; only "
         "the classifier's Gemm stays float. "
         f"Training: {n_train} images (seed 3, none shared with the {settings.n_eval_images} "
-        f"evaluation images), {OPTIONS.epochs} epochs, Adam lr {OPTIONS.lr:g}, "
+        f"evaluation images), {OPTIONS.epochs} epochs, batch {OPTIONS.batch_size}, Adam lr "
+        f"{OPTIONS.lr:g}, "
         f"distillation T={OPTIONS.temperature:g}, ranges observed during the first epoch "
         "and then frozen. Static INT8 (the EfficientNet section) has to keep convolutions "
         "in float to hold the budget; QAT keeps every convolution INT8.",
