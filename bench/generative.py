@@ -65,7 +65,8 @@ class Plan:
     closed_loop_seconds: float = 30.0  # no new request after this; bounds a slow server
     saturated_ttft_s: float = 3.0  # a rate whose TTFT p50 passes this ends the sweep
     # transformers' torch threads. 1, like vLLM-CPU's default here: with 2, OpenMP collapses
-    # once anything else runs (2.3 vs 15.6 tok/s at batch 1, 11.5 vs 66 at 8, load ~4).
+    # once anything else runs (2.3 vs 15.6 tok/s at batch 1, 11.5 vs 66 at 8, load ~4); near
+    # quiet (load ~1) 2 threads win a little (17.7 / 84 / 172 vs 17.0 / 73 / 137 at 1 / 8 / 32).
     hf_threads: int = 1
     prefix_requests: int = 8
     prefix_max_tokens: int = 8
