@@ -160,7 +160,7 @@ class LlmEngine:
         thread without the lock: an estimate)."""
         sched = self.scheduler
         running = list(sched.running)
-        waiting = list(sched.waiting)
+        waiting = list(sched.waiting) + list(self._incoming)  # (not yet taken by the loop)
         pending = n_prompt + sum(s.len_to_compute for s in waiting)
         pending += sum(s.len_to_compute for s in running if s.prefilling)
         decodes = sum(1 for s in running if not s.prefilling)
