@@ -400,20 +400,14 @@ class LlmEngine:
         """End every scheduled sequence with ``error`` and free its blocks."""
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self._finish(seq, "abort")
-            if seq.sink is not None:
-                loop, queue = seq.sink
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(queue.put_nowait, error)
+            _send(seq, error)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
             pending = self._incoming + list(self.scheduler.waiting) + self.scheduler.running
             self._incoming = []
         for seq in pending:
-            if seq.sink is not None:
-                loop, queue = seq.sink
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(queue.put_nowait, error)
+            _send(seq, error)
 
     def _gauges(self) -> dict[str, float]:
         return {
@@ -437,6 +431,14 @@ class LlmEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+
+def _send(seq: Sequence, error: BaseException) -> None:
+    """Hand ``error`` to the request's consumer on its own loop (gone: nobody listens)."""
+    if seq.sink is not None:
+        loop, queue = seq.sink
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(queue.put_nowait, error)
 
 
 def _deliver(events: list[tuple[asyncio.Queue[Any], GenerationEvent]]) -> None:

@@ -71,11 +71,9 @@ class BlockPool:
             block = self.blocks[index]
             block.refs -= 1
             if block.refs == 0:
+                self._free[index] = None
                 if block.hash == NO_HASH:
-                    self._free[index] = None
                     self._free.move_to_end(index, last=False)  # reuse plain blocks first
-                else:
-                    self._free[index] = None
 
     def lookup(self, hashes: list[int]) -> list[int]:
         """The cached blocks for the longest run of ``hashes`` from the start, taken (one

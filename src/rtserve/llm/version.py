@@ -34,6 +34,20 @@ TEXT_INPUT = TensorSpec("text_input", "BYTES", (1,))
 TEXT_OUTPUT = TensorSpec("text_output", "BYTES", (1,))
 
 
+def _text_input(feeds: dict[str, np.ndarray]) -> str:
+    """The one string of a V2 request's ``text_input``."""
+    value = feeds["text_input"].reshape(-1)
+    if value.size != 1:
+        raise InvalidInput(f"text_input: expected one string, got {value.size}")
+    raw = value[0]
+    if not isinstance(raw, bytes):
+        return str(raw)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidInput("text_input: expected UTF-8 text") from None
+
+
 class GenerateScheduler:
     """The dataplane's scheduler for a generative version: each V2 infer request is one
     generation in the engine's running batch."""
@@ -63,21 +77,14 @@ class GenerateScheduler:
 
     async def _run(self, feeds: dict[str, np.ndarray], future: asyncio.Future[Outputs]) -> None:
         try:
-            value = feeds["text_input"].reshape(-1)
-            if value.size != 1:
-                raise InvalidInput(f"text_input: expected one string, got {value.size}")
-            raw = value[0]
-            text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-            ids = self.engine.encode_text(text)
+            ids = self.engine.encode_text(_text_input(feeds))
             parts = []
             async for event in self.engine.generate(ids, self.params):
                 parts.append(event.text)
             out = np.array(["".join(parts).encode()], dtype=np.object_)
             if not future.done():
                 future.set_result({"text_output": out})
-        except (RTServeError, UnicodeDecodeError) as exc:
-            if isinstance(exc, UnicodeDecodeError):
-                exc = InvalidInput("text_input: expected UTF-8 text")
+        except RTServeError as exc:
             if not future.done():
                 future.set_exception(exc)
         finally:
