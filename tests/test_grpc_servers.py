@@ -1,5 +1,6 @@
-"""The gRPC port is served by several grpc.aio servers (``GRPC_SERVERS``, SO_REUSEPORT):
-each accepts calls in parallel, which is what lifts gRPC throughput (docs/deploy.md)."""
+"""Both gRPC transports: rtserve's own HTTP/2 (the default, one listener) and
+``--grpc-server grpcio``, several grpc.aio servers on the port (``GRPC_SERVERS``,
+SO_REUSEPORT). Each serves many connections, unary and streamed, and drains on SIGTERM."""
 
 from __future__ import annotations
 
@@ -22,13 +23,18 @@ INFER = "/inference.GRPCInferenceService/ModelInfer"
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+TRANSPORTS = {"rtserve": 1, "grpcio": GRPC_SERVERS}  # transport -> listeners on the port
+
+
+@pytest.fixture(scope="module", params=sorted(TRANSPORTS))
+def server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[str, RunningServer]]:
     root = tmp_path_factory.mktemp("repo")
     build_scale(root / "scale" / "1" / "model.onnx", 2.0)
     (root / "scale" / "config.yaml").write_text("max_batch_size: 4\n")
-    s = start_server(root, tmp_path_factory.mktemp("s"))
-    yield s
+    s = start_server(root, tmp_path_factory.mktemp("s"), "--grpc-server", request.param)
+    yield request.param, s
     s.stop()
 
 
@@ -58,13 +64,16 @@ def answer(response: pb.ModelInferResponse) -> list[float]:
     return np.frombuffer(response.raw_output_contents[0], np.float32).tolist()
 
 
-def test_the_grpc_port_has_one_listener_per_server(server: RunningServer) -> None:
+def test_the_grpc_port_has_the_transports_listeners(server: tuple[str, RunningServer]) -> None:
+    transport, s = server
     assert GRPC_SERVERS > 1
-    assert listeners(server.grpc_port) == GRPC_SERVERS
+    assert listeners(s.grpc_port) == TRANSPORTS[transport]
 
 
-def test_many_connections_get_every_unary_and_stream_answer(server: RunningServer) -> None:
-    channels = [own_channel(server.grpc) for _ in range(2 * GRPC_SERVERS)]
+def test_many_connections_get_every_unary_and_stream_answer(
+    server: tuple[str, RunningServer],
+) -> None:
+    channels = [own_channel(server[1].grpc) for _ in range(2 * GRPC_SERVERS)]
     try:
         for i, channel in enumerate(channels):
             infer = channel.unary_unary(
@@ -86,12 +95,13 @@ def test_many_connections_get_every_unary_and_stream_answer(server: RunningServe
             channel.close()
 
 
-def test_a_stop_answers_calls_in_flight_on_every_server(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_a_stop_answers_calls_in_flight_on_every_server(tmp_path: Path, transport: str) -> None:
     """SIGTERM while queued calls are in flight on several connections (fewer than a batch,
     so they wait out the queue delay): each is answered, then the process exits 0 and no
     listener is left."""
     repo = build_slow_repository(tmp_path / "repo", max_queue_size=64, delay_us=1_500_000)
-    s = start_server(repo, tmp_path / "s")
+    s = start_server(repo, tmp_path / "s", "--grpc-server", transport)
     channels = [own_channel(s.grpc) for _ in range(3)]
     results: list[object] = []
     try:

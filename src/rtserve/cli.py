@@ -59,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
             host=args.host,
             http_port=args.http_port,
             grpc_port=args.grpc_port,
+            grpc_server=args.grpc_server,
             max_request_bytes=args.max_request_bytes,
             grace_period_s=args.grace_period,
             log_level=args.log_level,
@@ -105,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="address to bind (default 127.0.0.1)")
     s.add_argument("--http-port", type=int, help="HTTP port (default 8000; 0 picks a free one)")
     s.add_argument("--grpc-port", type=int, help="gRPC port (default 8001; 0 picks a free one)")
+    s.add_argument(
+        "--grpc-server",
+        choices=["rtserve", "grpcio"],
+        help="gRPC transport: rtserve's own HTTP/2 (default) or grpcio's grpc.aio servers",
+    )
     s.add_argument("--max-request-bytes", type=int, help="largest accepted request body")
     s.add_argument("--grace-period", type=float, help="seconds to finish requests on SIGTERM")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

@@ -423,6 +423,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 8001
+    grpc_server: str = "rtserve"  # rtserve (own HTTP/2 framing) | grpcio (grpc.aio servers)
     max_request_bytes: int = 64 * 1024 * 1024
     grace_period_s: float = 30.0
     response_cache: dict[str, Any] | bool | None = None  # server-wide default for every model
@@ -485,6 +486,7 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
             "host": f.string("host", "127.0.0.1"),
             "http_port": f.integer("http_port", 8000),
             "grpc_port": f.integer("grpc_port", 8001),
+            "grpc_server": f.string("grpc_server", "rtserve", ("rtserve", "grpcio")),
             "max_request_bytes": f.integer("max_request_bytes", 64 * 1024 * 1024, minimum=1),
             "grace_period_s": f.number("grace_period_s", 30.0),
             "response_cache": f.get("response_cache"),

@@ -30,7 +30,8 @@ from rtserve.config import ServerConfig
 from rtserve.engine import Engine
 from rtserve.errors import ConfigError
 from rtserve.observability.logs import configure_logging
-from rtserve.server.grpc import GrpcFrontend, start_grpc_server
+from rtserve.server.grpc import GrpcFrontend, GrpcServers, start_grpc_server
+from rtserve.server.grpc_h2 import GrpcH2Server, start_grpc_h2
 from rtserve.server.http1 import HttpLimits, HttpServer
 from rtserve.server.rest import HttpFrontend
 from rtserve.server.security import (
@@ -117,13 +118,23 @@ class Server:
             head=self.http.check_head,
         )
         self.http_port = await http_server.start(cfg.host, cfg.http_port, self.http_sock)
-        grpc_server, self.grpc_port = await start_grpc_server(
-            self.grpc,
-            cfg.host,
-            cfg.grpc_port,
-            reuse_port=self.http_sock is not None,
-            credentials=grpc_credentials(*_tls_files(cfg)) if tls else None,
-        )
+        grpc_server: GrpcServers | GrpcH2Server
+        if cfg.grpc_server == "grpcio":
+            grpc_server, self.grpc_port = await start_grpc_server(
+                self.grpc,
+                cfg.host,
+                cfg.grpc_port,
+                reuse_port=self.http_sock is not None,
+                credentials=grpc_credentials(*_tls_files(cfg)) if tls else None,
+            )
+        else:
+            grpc_server, self.grpc_port = await start_grpc_h2(
+                self.grpc,
+                cfg.host,
+                cfg.grpc_port,
+                reuse_port=self.http_sock is not None,
+                ssl_context=server_ssl_context(*_tls_files(cfg), alpn="h2") if tls else None,
+            )
         log.info("listening: %s", _addresses(cfg, self.http_port, self.grpc_port))
 
         await self.control.start()

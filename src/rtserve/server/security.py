@@ -166,14 +166,16 @@ class RateLimiter:
             self._buckets = {k: v for k, v in self._buckets.items() if v[1] > cutoff}
 
 
-def server_ssl_context(cert: Path, key: Path, client_ca: Path | None = None) -> ssl.SSLContext:
+def server_ssl_context(
+    cert: Path, key: Path, client_ca: Path | None = None, alpn: str = "http/1.1"
+) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(str(cert), str(key))
     if client_ca is not None:
         ctx.load_verify_locations(str(client_ca))
         ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.set_alpn_protocols(["http/1.1"])
+    ctx.set_alpn_protocols([alpn])
     return ctx
 
 
