@@ -403,7 +403,7 @@ def test_a_client_that_never_reads_is_held_back_then_cut_off(hostile: Hostile) -
         assert grown < 30, f"RSS grew {grown:.0f} MB"
         # The server answers 408, lingers (2 s) and resets the connection; on a loaded
         # machine its sweep and the linger take a few seconds more than the timeout.
-        while not cut and time.monotonic() - start < TIMEOUT_S + 12:
+        while not cut and time.monotonic() - start < TIMEOUT_S + 30:
             time.sleep(0.1)
             if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) in (
                 errno.ECONNRESET,
