@@ -5,7 +5,8 @@ Rounds alternate the order of the variants; each run gets a fresh server:
     python -m bench.grpc_http [--rounds 3] [--concurrency 32] [--variants http,grpc,grpcio]
 
 ``http``: HTTP/1.1 with binary tensors; ``grpc``: rtserve's own HTTP/2 transport (the
-default); ``grpcio``: ``--grpc-server grpcio``. ``--workers N`` serves with N workers.
+default); ``grpcio``: ``--grpc-server grpcio``; ``grpc-stream`` / ``grpcio-stream``: the
+same over ModelStreamInfer (perf_analyzer ``--streaming``). ``--workers N`` serves with N workers.
 Prints one line per run and a markdown table of the rounds, the medians and each variant's
 ratio to HTTP binary (the median of the per-round ratios).
 """
@@ -25,7 +26,13 @@ from bench.results import Measurement
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = ROOT / "examples" / "repository" / "mlp"
-CLIENT = {"http": "pa-http-binary", "grpc": "pa-grpc", "grpcio": "pa-grpc"}
+CLIENT = {
+    "http": "pa-http-binary",
+    "grpc": "pa-grpc",
+    "grpcio": "pa-grpc",
+    "grpc-stream": "pa-grpc",
+    "grpcio-stream": "pa-grpc",
+}
 
 
 def _data_file(folder: Path) -> Path:
@@ -45,7 +52,7 @@ def run_one(
         "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--log-level", "warning",
     ]  # fmt: skip
-    if variant == "grpcio":
+    if variant.startswith("grpcio"):
         argv += ["--grpc-server", "grpcio"]
     if workers > 1:
         argv += ["--workers", str(workers)]
@@ -58,6 +65,8 @@ def run_one(
             CLIENT[variant], "mlp", f"127.0.0.1:{port}", data, csv_file, 3000,
             concurrency=concurrency,
         )  # fmt: skip
+        if variant.endswith("-stream"):
+            cmd.append("--streaming")  # ModelStreamInfer: one bidirectional stream
         point = perf_analyzer.measure(
             cmd, csv_file, Measurement(variant, "mlp", "pa", "closed", concurrency), 120
         )
