@@ -272,7 +272,8 @@ def register(subparsers: Any) -> None:
     o.add_argument(
         "--variants",
         help="comma list of fp32-opt,fp16,int8-dynamic,int8-weight,int8-static,pruned,distilled,"
-        "int8-qat (default: all of them)",
+        "int8-qat,ort (default: all but ort; ort adds the ORT format of the baseline and of the "
+        "INT8 variants within the budget)",
     )
     o.add_argument(
         "--calibration-methods",

@@ -272,13 +272,7 @@ def export_ort(onnx_path: pathlib.Path, req: EdgeRequest) -> dict[str, pathlib.P
     if req.calibration is not None:
         prepared = prepare_for_static(onnx_path, req.out / "work" / "prepared.onnx")
         quantize_static_int8(prepared, staging / "model-int8.onnx", req.calibration)
-    cmd = [sys.executable, "-m", "onnxruntime.tools.convert_onnx_models_to_ort", str(staging)]
-    cmd += ["--output_dir", str(req.out), "--optimization_style", "Fixed"]
-    cmd += ["--target_platform", req.target_platform]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-        raise OptimizeError(f"conversion to the ORT format failed:\n{tail}")
+    convert_to_ort(staging, req.out, req.target_platform)
     files = {"ort-fp32": req.out / "model.ort"}
     if req.calibration is not None:
         files["ort-int8"] = req.out / "model-int8.ort"
@@ -286,6 +280,18 @@ def export_ort(onnx_path: pathlib.Path, req: EdgeRequest) -> dict[str, pathlib.P
     if missing:
         raise OptimizeError(f"the ORT converter did not write {', '.join(missing)}")
     return files
+
+
+def convert_to_ort(staging: pathlib.Path, out: pathlib.Path, target_platform: str) -> None:
+    """Every ``.onnx`` in ``staging`` to ``out/<stem>.ort`` (runtime optimizations for
+    ``target_platform`` baked in), plus the minimal build's operator config."""
+    cmd = [sys.executable, "-m", "onnxruntime.tools.convert_onnx_models_to_ort", str(staging)]
+    cmd += ["--output_dir", str(out), "--optimization_style", "Fixed"]
+    cmd += ["--target_platform", target_platform]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise OptimizeError(f"conversion to the ORT format failed:\n{tail}")
 
 
 def markdown(results: Sequence[EdgeResult], threads: Sequence[int]) -> str:

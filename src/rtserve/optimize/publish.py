@@ -1,6 +1,7 @@
 """Write a chosen variant into the server's model repository.
 
-Layout: ``<repo>/<name>/config.yaml`` and ``<repo>/<name>/<version>/model.onnx``, with
+Layout: ``<repo>/<name>/config.yaml`` and ``<repo>/<name>/<version>/model.onnx`` (or
+``model.ort`` for a variant in the ORT format), with
 ``optimization.json`` next to ``config.yaml`` recording the choice and its measurements.
 """
 
@@ -44,17 +45,45 @@ def _next_version(model_dir: pathlib.Path) -> int:
     return max(versions, default=0) + 1
 
 
-def config_yaml(model_path: pathlib.Path, max_batch_size: int = 32, threads: int = 2) -> str:
-    """The config.yaml text: per-row shapes (batch axis dropped) read from the graph."""
-    import yaml
+_ORT_TYPES = {f"tensor({k})": v for k, v in {
+    "float": "FP32", "float16": "FP16", "double": "FP64", "int64": "INT64", "int32": "INT32",
+    "int8": "INT8", "uint8": "UINT8", "bool": "BOOL",
+}.items()}  # fmt: skip
 
+
+def _signature(model_path: pathlib.Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(inputs, outputs) per row: from the graph, or from a session for an ``.ort`` file."""
+    if model_path.suffix == ".ort":
+        from rtserve.optimize.evaluate import open_session
+
+        session = open_session(model_path, threads=1)
+
+        def entries(args: Any) -> list[dict[str, Any]]:
+            return [
+                {
+                    "name": a.name,
+                    "datatype": _ORT_TYPES.get(a.type, "FP32"),
+                    "shape": [d if isinstance(d, int) else -1 for d in a.shape][1:],
+                }
+                for a in args
+            ]
+
+        return entries(session.get_inputs()), entries(session.get_outputs())
     model = load_model(model_path)
     initializers = {t.name for t in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in initializers]
+    return _tensor_entries(inputs), _tensor_entries(model.graph.output)
+
+
+def config_yaml(model_path: pathlib.Path, max_batch_size: int = 32, threads: int = 2) -> str:
+    """The config.yaml text: per-row shapes (batch axis dropped) read from the model."""
+    import yaml
+
+    inputs, outputs = _signature(model_path)
     config: dict[str, Any] = {
         "max_batch_size": max_batch_size,
-        "inputs": _tensor_entries(inputs),
-        "outputs": _tensor_entries(model.graph.output),
+        "inputs": inputs,
+        "outputs": outputs,
         "dynamic_batching": {
             "max_queue_delay_us": 500,
             "preferred_batch_sizes": [b for b in (8, 16, 32) if b <= max_batch_size],
@@ -88,7 +117,7 @@ def publish(
     version = _next_version(out)
     vdir = out / str(version)
     vdir.mkdir()
-    dst = vdir / "model.onnx"
+    dst = vdir / ("model.ort" if src.suffix == ".ort" else "model.onnx")
     shutil.copyfile(src, dst)
     (out / "config.yaml").write_text(config_yaml(dst, max_batch_size))
     record = {
