@@ -531,8 +531,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             repo = args.work.parent / "repository" / section.slug
             publish(repo, r.chosen, r.measurements, r.max_accuracy_drop)
         print(f"{name}: done in {section.seconds:.0f} s, chosen {chosen}")
-    text = render(sections, img_dir, args.out, time.perf_counter() - start)
-    text += "".join("\n" + build(settings) for build in SECTIONS.values())
+    extra = "".join("\n" + build(settings) for build in SECTIONS.values())
+    text = render(sections, img_dir, args.out, time.perf_counter() - start) + extra
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {args.out}")
