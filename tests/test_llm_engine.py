@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from rtserve.errors import InvalidInput, ObjectiveRefused  # noqa: E402
 from rtserve.llm.engine import LlmEngine  # noqa: E402
 from rtserve.llm.options import LlmOptions, TokenSLO  # noqa: E402
 from rtserve.llm.params import SamplingParams  # noqa: E402
+from rtserve.llm.runner import release_openmp  # noqa: E402
 from tests.llm_models import build_llm  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -316,3 +319,26 @@ def test_inter_token_objective_limits_prompt_chunks_beside_decodes(
     paced = largest_chunk_beside_decodes(slo={"itl_p99_ms": 1})
     assert free > 100
     assert paced < free / 4
+
+
+def test_release_openmp_ends_the_threads_worker_pool() -> None:
+    """Loading leaves an OpenMP pool on the loading thread; releasing it ends its workers
+    (while they live, libgomp stops spinning in the step loop's own pool)."""
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        release_openmp()
+        idle = threads()
+        torch.ones(1 << 22).mul_(2)  # a parallel op: this thread gets a worker
+        assert threads() == idle + 1
+        assert release_openmp()
+        deadline = time.monotonic() + 2
+        while threads() > idle and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert threads() == idle
+    finally:
+        torch.set_num_threads(before_threads)

@@ -28,7 +28,7 @@ from rtserve.llm.kv import BlockPool
 from rtserve.llm.metrics import LlmMetrics, token_objectives
 from rtserve.llm.options import LlmOptions
 from rtserve.llm.params import GenerationEvent, SamplingParams
-from rtserve.llm.runner import ModelRunner
+from rtserve.llm.runner import ModelRunner, release_openmp
 from rtserve.llm.sampler import logprobs_of, new_generator, sample
 from rtserve.llm.scheduler import FINISHED, Scheduler, Sequence, Step
 
@@ -270,6 +270,7 @@ class LlmEngine:
         while self.scheduler.has_work():
             self._step()
         self.pool.queries = self.pool.hits = 0
+        release_openmp()  # (the step loop runs on its own thread)
 
     def _run(self) -> None:
         try:
