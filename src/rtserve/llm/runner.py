@@ -170,10 +170,71 @@ class PackedLinear(torch.nn.Module):
         )
 
 
+class FusedLinears:
+    """Linear layers that read the same input (q/k/v, gate/up) as one prepacked GEMM: one
+    call instead of several, the same output bits. Each layer becomes a ``FusedPart``; the
+    first part asked for an input computes all parts, the others take theirs."""
+
+    def __init__(self, linears: list[torch.nn.Linear], batch_hint: int) -> None:
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        biases = [lin.bias for lin in linears]
+        self.bias = (
+            None
+            if all(b is None for b in biases)
+            else torch.cat(
+                [
+                    lin.weight.new_zeros(lin.out_features) if b is None else b.detach()
+                    for lin, b in zip(linears, biases, strict=True)
+                ]
+            )
+        )
+        self.sizes = [lin.out_features for lin in linears]
+        self._input: torch.Tensor | None = None
+        self._parts: list[torch.Tensor] = []
+        self._taken = 0
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if x is not self._input:
+            out = torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.packed, self.bias, "none", [], ""
+            )
+            self._input, self._parts, self._taken = x, list(out.split(self.sizes, -1)), 0
+        part = self._parts[index]
+        self._taken += 1
+        if self._taken == len(self.sizes):  # every part handed out: hold nothing
+            self._input, self._parts = None, []
+        return part
+
+
+class FusedPart(torch.nn.Module):
+    def __init__(self, fused: FusedLinears, index: int) -> None:
+        super().__init__()
+        self.fused = fused
+        self.index = index
+        self.out_features = fused.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.part(self.index, x)
+
+
+FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
 def pack_linears(model: torch.nn.Module, batch_hint: int) -> int:
-    """Swap every ``nn.Linear`` of ``model`` for a ``PackedLinear``; how many were."""
+    """Swap every ``nn.Linear`` of ``model`` for a ``PackedLinear`` (the projections of
+    one input, ``FUSE``, for ``FusedPart`` of one GEMM); how many were."""
     if not torch.backends.mkldnn.is_available():
         return 0
+    count = 0
+    for module in model.modules():
+        for names in FUSE:
+            linears: list[Any] = [getattr(module, n, None) for n in names]
+            if all(type(lin) is torch.nn.Linear for lin in linears):
+                fused = FusedLinears(linears, batch_hint)
+                for i, n in enumerate(names):
+                    setattr(module, n, FusedPart(fused, i))
+                count += len(names)
     swaps = [
         (parent, name, child)
         for parent in model.modules()
@@ -182,7 +243,7 @@ def pack_linears(model: torch.nn.Module, batch_hint: int) -> int:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child, batch_hint))
-    return len(swaps)
+    return count + len(swaps)
 
 
 def release_openmp() -> bool:
