@@ -128,6 +128,59 @@ def test_fake_quant_clamps_relu6_like_the_float_model(
     assert _agreement(qat.torch_outputs(prepared, held), qat.torch_outputs(trained, held)) >= 0.9
 
 
+def test_default_trains_biases_only_and_weight_lr_trains_weights(
+    trained: Any, digits: dict[str, np.ndarray]
+) -> None:
+    x = {"x": digits["x"][:256]}
+    before = qat.prepare(trained, {"x": x["x"][:2]})
+    weights = {n: p.detach().clone() for n, p in before.named_parameters()}
+    biases_only, both = (qat.prepare(trained, {"x": x["x"][:2]}) for _ in range(2))
+    qat.calibrate(biases_only, x)
+    qat.calibrate(both, x)
+    qat.fine_tune(biases_only, trained, x, options=qat.QatOptions(epochs=1, batch_size=32))
+    options = qat.QatOptions(epochs=1, batch_size=32, weight_lr=1e-3, loss="kd")
+    qat.fine_tune(both, trained, x, digits["y"][:256], options)
+    for name, param in biases_only.named_parameters():
+        assert torch.equal(param, weights[name]) != name.endswith("bias"), name
+    for name, param in both.named_parameters():
+        assert not torch.equal(param, weights[name]), name
+
+
+def test_float_first_keeps_the_leading_layers_float(
+    trained: Any, digits: dict[str, np.ndarray], tmp_path: pathlib.Path
+) -> None:
+    example = {"x": digits["x"][:2]}
+    model = qat.prepare(trained, example, float_first=1)
+    assert type(model.get_submodule("stem.conv")) is torch.nn.Conv2d
+    assert type(model.get_submodule("stem_conv_relu6")) is torch.nn.ReLU6
+    qat.calibrate(model, {"x": digits["x"][:256]})
+    path = qat.export_qdq(model, tmp_path / "qat.onnx", example, ["logits"])
+    held = {"x": digits["x"][1200:]}
+    expected = qat.torch_outputs(model, held)
+    got = run_batched(open_session(path), held, batch_size=64)
+    assert np.abs(got - expected).max() <= 0.05 * float(np.abs(expected).max())
+    optimized = tmp_path / "optimized.onnx"
+    open_session(path, optimized_model_path=optimized)
+    ops = collections.Counter(n.op_type for n in onnx.load(str(optimized)).graph.node)
+    assert ops["QLinearConv"] == 2 and ops["Conv"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"loss": "l1"}, "QAT loss must be one of mse, kd, got 'l1'"),
+        ({"lr": 0.0}, "not both 0"),
+        ({"weight_lr": -1.0}, "must be >= 0"),
+        ({"float_first": -1}, "float_first must be >= 0, got -1"),
+    ],
+)
+def test_bad_qat_options_are_refused(kw: dict[str, Any], message: str) -> None:
+    from rtserve.optimize.errors import OptimizeError
+
+    with pytest.raises(OptimizeError, match=message):
+        qat.QatOptions(**kw)
+
+
 def test_untraceable_model_is_a_clear_error() -> None:
     from rtserve.optimize.errors import OptimizeError
 
@@ -178,3 +231,19 @@ def test_cli_qat_without_training_data_is_refused(
             str(tmp_path / "repo" / "m"), "--torch-model", str(scripted), "--qat"]  # fmt: skip
     assert main(argv) == 2
     assert "--qat fine-tunes on training data: give --train" in capsys.readouterr().err
+
+
+def test_cli_qat_options_reach_the_training() -> None:
+    from rtserve.cli import build_parser
+    from rtserve.optimize.cli import _qat_options
+
+    argv = ["optimize", "m.onnx", "--eval", "e.npz", "--out", "o", "--torch-model", "m.pt",
+            "--train", "t.npz", "--qat", "--qat-weight-lr", "1e-5", "--qat-loss", "kd",
+            "--qat-float-first", "2"]  # fmt: skip
+    options = _qat_options(build_parser().parse_args(argv))
+    assert (options.lr, options.weight_lr, options.loss, options.float_first) == (
+        1e-3,
+        1e-5,
+        "kd",
+        2,
+    )

@@ -192,7 +192,10 @@ def _qat_options(args: argparse.Namespace) -> Any:
         raise OptimizeError("--qat fine-tunes on training data: give --train as well")
     from rtserve.optimize.qat import QatOptions
 
-    return QatOptions(epochs=args.qat_epochs, lr=args.qat_lr)
+    return QatOptions(
+        epochs=args.qat_epochs, lr=args.qat_lr, weight_lr=args.qat_weight_lr,
+        loss=args.qat_loss, float_first=args.qat_float_first,
+    )  # fmt: skip
 
 
 def register(subparsers: Any) -> None:
@@ -363,8 +366,31 @@ def register(subparsers: Any) -> None:
     o.add_argument(
         "--qat-lr",
         type=float,
-        default=1e-5,
-        help="learning rate (Adam) of quantization-aware training (default: %(default)s)",
+        default=1e-3,
+        help="learning rate (Adam, cosine decay) of the biases in quantization-aware "
+        "training (default: %(default)s)",
+    )
+    o.add_argument(
+        "--qat-weight-lr",
+        type=float,
+        default=0.0,
+        help="learning rate of the weights in quantization-aware training; 0 keeps the "
+        "FP32 weights, which holds accuracy best on a few hundred rows (default: %(default)s)",
+    )
+    o.add_argument(
+        "--qat-loss",
+        choices=("mse", "kd"),
+        default="mse",
+        help="QAT loss against the FP32 logits: mse, or kd (KL at temperature 2, with "
+        "--train labels if given) (default: %(default)s)",
+    )
+    o.add_argument(
+        "--qat-float-first",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep the first N convolution / linear layers of the QAT model in float: the "
+        "first layers' rounding errors travel through all others (default: %(default)s)",
     )
     o.add_argument(
         "--noise-band",
