@@ -521,25 +521,46 @@ class _Window:
             self._room.clear()
 
 
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+
+
+class Method:
+    """One method of the service, as both gRPC transports call it."""
+
+    __slots__ = ("name", "fn", "parse", "serialize", "streaming")
+
+    def __init__(self, name: str, fn: Any, parse: Any, serialize: Any, streaming: bool) -> None:
+        self.name, self.fn, self.parse = name, fn, parse
+        self.serialize, self.streaming = serialize, streaming
+
+
+def service_methods(frontend: GrpcFrontend) -> list[Method]:
+    """The service's methods, from its descriptor. Requests are parsed by ``_parser`` so a
+    malformed message reaches the handler and is answered INVALID_ARGUMENT instead of
+    failing inside the transport."""
+    return [
+        Method(
+            m.name,
+            getattr(frontend, m.name),
+            _parser(getattr(pb, m.input_type.name)),
+            getattr(pb, m.output_type.name).SerializeToString,
+            m.client_streaming,
+        )
+        for m in SERVICE.methods
+    ]
+
+
 def _generic_handler(frontend: GrpcFrontend) -> grpc.GenericRpcHandler:
-    """The service's method handlers, built from its descriptor. Requests are parsed by
-    ``_parser`` so a malformed message reaches the handler and is answered
-    INVALID_ARGUMENT instead of failing inside gRPC."""
-    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    """The service's method handlers for grpcio."""
     handlers = {}
-    for method in service.methods:
-        parse = _parser(getattr(pb, method.input_type.name))
-        serialize = getattr(pb, method.output_type.name).SerializeToString
-        fn = getattr(frontend, method.name)
-        if method.client_streaming:
-            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                fn, request_deserializer=parse, response_serializer=serialize
-            )
-        else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=parse, response_serializer=serialize
-            )
-    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+    for m in service_methods(frontend):
+        make = (
+            grpc.stream_stream_rpc_method_handler
+            if m.streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[m.name] = make(m.fn, request_deserializer=m.parse, response_serializer=m.serialize)
+    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
 
 GRPC_IDLE_MS = 300_000

@@ -32,9 +32,8 @@ import grpc
 from hpack import Decoder, HPACKError
 from hpack.hpack import encode_integer
 
-from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.server.errors import grpc_error, grpc_trailers
-from rtserve.server.grpc import GrpcFrontend, _parser
+from rtserve.server.grpc import SERVICE, GrpcFrontend, Method, service_methods
 
 log = logging.getLogger(__name__)
 
@@ -146,24 +145,9 @@ class Call:
         raise _Abort(code, details, trailing_metadata)
 
 
-class _Method:
-    __slots__ = ("fn", "parse", "serialize", "streaming")
-
-    def __init__(self, fn: Any, parse: Any, serialize: Any, streaming: bool) -> None:
-        self.fn, self.parse, self.serialize, self.streaming = fn, parse, serialize, streaming
-
-
-def _methods(frontend: GrpcFrontend) -> dict[bytes, _Method]:
-    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    return {
-        f"/{service.full_name}/{m.name}".encode(): _Method(
-            getattr(frontend, m.name),
-            _parser(getattr(pb, m.input_type.name)),
-            getattr(pb, m.output_type.name).SerializeToString,
-            m.client_streaming,
-        )
-        for m in service.methods
-    }
+def _methods(frontend: GrpcFrontend) -> dict[bytes, Method]:
+    """The service's methods by HTTP/2 ``:path``."""
+    return {f"/{SERVICE.full_name}/{m.name}".encode(): m for m in service_methods(frontend)}
 
 
 class _Stream:
@@ -175,7 +159,7 @@ class _Stream:
 
     def __init__(self, stream_id: int, send_window: int) -> None:
         self.id = stream_id
-        self.method: _Method | None = None
+        self.method: Method | None = None
         self.call: Call | None = None
         self.task: asyncio.Task[None] | None = None
         self.buf = bytearray()
@@ -511,12 +495,16 @@ class Connection(asyncio.Protocol):
             if flags & END_STREAM:
                 self._remote_end(st)
             return
-        if not st.buf and len(body) >= 5 and st.method is not None and not st.method.streaming:
+        method = st.method
+        if (  # a unary call's one message in one frame, as clients send it: not buffered
+            not st.buf
+            and st.message is None
+            and len(body) >= 5
+            and method is not None
+            and not method.streaming
+        ):
             compressed, size = _GRPC_PREFIX.unpack_from(body)
             if len(body) == size + 5 and not compressed and size <= self.server.max_message:
-                if st.message is not None:
-                    self._status(st, grpc.StatusCode.UNIMPLEMENTED, "expected one request message")
-                    return
                 st.message = bytes(body[5:])
                 if flags & END_STREAM:
                     self._remote_end(st)
@@ -640,7 +628,7 @@ class Connection(asyncio.Protocol):
         if ended:
             self._remote_end(st)
 
-    async def _unary(self, st: _Stream, method: _Method, data: bytes) -> None:
+    async def _unary(self, st: _Stream, method: Method, data: bytes) -> None:
         call = st.call
         assert call is not None
         try:
@@ -666,7 +654,7 @@ class Connection(asyncio.Protocol):
         trailers = _OK + header_block(_metadata_bytes(call.trailers)) if call.trailers else _OK
         self._trailers(st, trailers)
 
-    async def _streaming(self, st: _Stream, method: _Method) -> None:
+    async def _streaming(self, st: _Stream, method: Method) -> None:
         call = st.call
         assert call is not None
         started = False
@@ -705,16 +693,20 @@ class Connection(asyncio.Protocol):
             st.task.cancel()
 
     # ------------------------------------------------------------------ writing answers
+    def _first(self, block: bytes) -> bytes:
+        """A header block to send; the connection's first also says that this encoder
+        never uses the dynamic table (again after the client changes its size)."""
+        if self.table_reset:
+            return block
+        self.table_reset = True
+        return _TABLE_SIZE_ZERO + block
+
     def _head(self, st: _Stream) -> None:
-        block = _RESPONSE_HEAD
-        if not self.table_reset:
-            self.table_reset = True
-            block = _TABLE_SIZE_ZERO + block
-        self._out(st, False, frame(HEADERS, END_HEADERS, st.id, block), False)
+        self._out(st, frame(HEADERS, END_HEADERS, st.id, self._first(_RESPONSE_HEAD)), False)
 
     def _trailers(self, st: _Stream, block: bytes) -> None:
         st.local_closed = True
-        self._out(st, False, frame(HEADERS, END_HEADERS | END_STREAM, st.id, block), True)
+        self._out(st, frame(HEADERS, END_HEADERS | END_STREAM, st.id, block), True)
 
     def _status(
         self,
@@ -729,30 +721,20 @@ class Connection(asyncio.Protocol):
             return
         block = _status_block(code.value[0], details, _metadata_bytes(metadata))
         if not started:
-            head = _RESPONSE_HEAD
-            if not self.table_reset:
-                self.table_reset = True
-                head = _TABLE_SIZE_ZERO + head
-            block = head + block
+            block = self._first(_RESPONSE_HEAD) + block
         self._trailers(st, block)
 
     def _http_refusal(self, st: _Stream, status: bytes) -> None:
-        block = header_block([(b":status", status)])
-        if not self.table_reset:
-            self.table_reset = True
-            block = _TABLE_SIZE_ZERO + block
-        st.local_closed = True
-        self._out(st, False, frame(HEADERS, END_HEADERS | END_STREAM, st.id, block), True)
+        self._trailers(st, self._first(header_block([(b":status", status)])))
 
-    def _out(self, st: _Stream, is_data: bool, data: bytes, ends: bool) -> None:
+    def _out(self, st: _Stream, headers: bytes, ends: bool) -> None:
+        """A HEADERS frame, after the stream's answer data still waiting for window."""
         if st.pending:
-            st.pending.append((is_data, data, ends))
+            st.pending.append((False, headers, ends))
             return
+        self.send(headers)
         if ends:
-            self.send(data)
             self._closed_local(st)
-        else:
-            self.send(data)
 
     def _data_out(self, st: _Stream, payload: bytes) -> None:
         n = len(payload)
