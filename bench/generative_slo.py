@@ -100,6 +100,8 @@ async def poisson(url: str, rate: float, seconds: float, max_tokens: int) -> dic
     if ttfts:
         row["ttft_p50_ms"] = gen._ms(percentile(ttfts, 50))
         row["ttft_p99_ms"] = gen._ms(percentile(ttfts, 99))
+        row["ttft_max_ms"] = gen._ms(max(ttfts))
+        row["ttft_ms"] = sorted(gen._ms(t) for t in ttfts)
     if refused:
         row["refusal_p50_ms"] = gen._ms(percentile(refused, 50))
         row["refusal_p99_ms"] = gen._ms(percentile(refused, 99))
@@ -151,6 +153,7 @@ def main() -> None:
         "command": "python -m bench.generative_slo "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "objective_ms": args.objective_ms,
+        "max_tokens": args.max_tokens,
         "rounds": rounds,
     }
     args.out.write_text(json.dumps(result, indent=1))

@@ -84,3 +84,37 @@ def test_a_measured_round_renders_every_table(server: RunningServer, tmp_path: P
     assert f"({tok_s:,.0f} / -)" in page
     assert "| 20 | 240 | rtserve |" in page
     assert "round 2, rtserve: RuntimeError: boom" in page
+
+
+def test_the_objective_benchmark_measures_and_renders(server: RunningServer) -> None:
+    """bench.generative_slo's open loop on a real server (no objective: all admitted), and
+    the page's objective section from its rounds."""
+    from bench import generative_slo
+
+    row = asyncio.run(generative_slo.poisson(_url(server), 20.0, 0.5, 4))
+    assert row["requests"] == 10
+    assert row["admitted"] == 10 and row["refused_429"] == 0 and row["other_errors"] == 0
+    assert row["ttft_ms"] == sorted(row["ttft_ms"]) and len(row["ttft_ms"]) == 10
+    assert row["ttft_p50_ms"] <= row["ttft_p99_ms"] <= row["ttft_max_ms"]
+    refused = dict(row, admitted=6, refused_429=4, ttft_p99_ms=400.0)
+    refused |= {"refusal_p50_ms": 1.5, "refusal_p99_ms": 3.0}
+    slo = {
+        "command": "test",
+        "objective_ms": 500.0,
+        "max_tokens": 4,
+        "rounds": [{"rtserve-objective": refused, "rtserve": row}] * 2,
+    }
+    page = render(
+        {
+            "plan": PLAN.__dict__,
+            "model": "tiny",
+            "machine": {},
+            "versions": {},
+            "command": "t",
+            "rounds": [],
+        },
+        slo,
+    )
+    assert "## The first-token objective past saturation" in page
+    assert "| rtserve, `ttft_p99_ms: 500` | 6 (6 / 6) | 4 (4 / 4) | 1.5 / 3.0 |" in page
+    assert "within the 500 ms objective in 2 of 2 rounds" in page

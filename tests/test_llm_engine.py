@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from rtserve.errors import InvalidInput, ObjectiveRefused  # noqa: E402
-from rtserve.llm.engine import LlmEngine  # noqa: E402
+from rtserve.llm.engine import LlmEngine, StepModel  # noqa: E402
 from rtserve.llm.options import LlmOptions, TokenSLO  # noqa: E402
 from rtserve.llm.params import SamplingParams  # noqa: E402
 from rtserve.llm.runner import release_openmp  # noqa: E402
@@ -286,6 +286,44 @@ def test_first_token_objective_refuses_at_once_when_overloaded(models: dict[str,
 
     asyncio.run(go())
     assert e.metrics.refused >= 1
+
+
+def test_step_model_tail_is_how_much_slower_slow_steps_run() -> None:
+    """Steady steps fit with a tail of 1; when one step in ten takes 1.6x its fit, the tail
+    (95th percentile of measured / fitted) reads about that, and the fit stays put."""
+    steady = StepModel()
+    for i in range(64):
+        steady.add(i % 8, 16 * (i % 3), 0.01 + 0.001 * (i % 8) + 0.0001 * 16 * (i % 3))
+    assert steady.tail == pytest.approx(1.0, abs=1e-6)
+    assert steady.time(4, 0) == pytest.approx(0.014, rel=1e-6)
+    noisy = StepModel()
+    for i in range(200):
+        base = 0.01 + 0.001 * (i % 8)
+        noisy.add(i % 8, 0, base * (1.6 if i % 10 == 0 else 1.0))
+    assert 1.4 < noisy.tail < 1.7
+    assert noisy.time(0, 0) == pytest.approx(0.0106, rel=0.05)
+
+
+def test_first_token_wait_counts_the_step_in_progress_and_the_tail(
+    models: dict[str, Path],
+) -> None:
+    e = engine(models["llama"], slo={"ttft_p99_ms": 500})
+    try:
+        e.step_model.coef = (0.01, 0.001, 0.0001)
+        e.step_model.tail = 1.0
+        idle = e.first_token_wait(20)
+        assert idle == pytest.approx(0.01 + 0.0001 * 20, rel=1e-6)
+        e._step_started, e._step_expected = time.perf_counter(), 0.3  # a long step began
+        busy = e.first_token_wait(20)
+        assert 0.25 < busy - idle <= 0.3
+        e.step_model.tail = 2.0
+        assert e.first_token_wait(20) == pytest.approx(2 * busy, rel=0.05)
+        e._step_started = 0.0
+        with pytest.raises(ObjectiveRefused, match="ttft_p99_ms=500"):  # 2 x 0.302 s
+            e.step_model.coef = (0.3, 0.001, 0.0001)
+            e.check_prompt(20, GREEDY)
+    finally:
+        asyncio.run(e.stop())
 
 
 def test_inter_token_objective_limits_prompt_chunks_beside_decodes(

@@ -41,12 +41,17 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 class StepModel:
     """Step time ~ a + b * decodes + c * prompt tokens, fitted by least squares over
     recent steps; it sizes prompt chunks for the inter-token objective and predicts the
-    first token's wait for the first-token objective."""
+    first token's wait for the first-token objective. ``tail`` is the 95th percentile of
+    measured / fitted time over those steps: how much slower than the fit a slow step is
+    (other work on the cores, page faults), which a p99 objective has to allow for."""
+
+    TAIL_QUANTILE = 0.95
 
     def __init__(self, size: int = 256) -> None:
         self._rows: list[tuple[float, float, float]] = []
         self._size = size
         self.coef = (0.005, 0.0005, 0.0002)
+        self.tail = 1.0
 
     def add(self, decodes: int, prefill: int, seconds: float) -> None:
         self._rows.append((decodes, prefill, seconds))
@@ -55,12 +60,19 @@ class StepModel:
         if len(self._rows) >= 8 and len(self._rows) % 8 == 0:
             self._fit()
 
+    def clear(self) -> None:
+        """Forget the measured steps (the fit and tail stay until new ones replace them)."""
+        self._rows.clear()
+
     def _fit(self) -> None:
         data = np.array(self._rows, dtype=np.float64)
         x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
         coef, *_ = np.linalg.lstsq(x, data[:, 2], rcond=None)
         a, b, c = (max(float(v), 1e-7) for v in coef)
         self.coef = (a, b, c)
+        fitted = x @ np.array(self.coef)
+        ratio = data[:, 2] / np.maximum(fitted, 1e-6)
+        self.tail = max(1.0, float(np.quantile(ratio, self.TAIL_QUANTILE)))
 
     def time(self, decodes: int, prefill: int) -> float:
         a, b, c = self.coef
@@ -95,6 +107,8 @@ class LlmEngine:
         self._idle.set()
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self._step_started = 0.0  # (perf_counter; 0: no step in progress)
+        self._step_expected = 0.0
 
     # ---------------------------------------------------------------- requests
     def encode_text(self, text: str) -> list[int]:
@@ -156,24 +170,32 @@ class LlmEngine:
                 )
 
     def first_token_wait(self, n_prompt: int) -> float:
-        """The predicted time until a new request's first token (read from the loop
-        thread without the lock: an estimate)."""
+        """A slow case (not the mean) of the time until a new request's first token: the
+        rest of the step in progress, the steps that prefill the prompts ahead of it and
+        its own, and, when the running batch is full, the decode steps until a sequence
+        finishes; each step at the step model's ``tail`` and with every sequence ahead of
+        it decoding beside it. Read from the loop thread without the lock: an estimate."""
         sched = self.scheduler
+        model = self.step_model
         running = list(sched.running)
         waiting = list(sched.waiting) + list(self._incoming)  # (not yet taken by the loop)
         pending = n_prompt + sum(s.len_to_compute for s in waiting)
         pending += sum(s.len_to_compute for s in running if s.prefilling)
         decodes = sum(1 for s in running if not s.prefilling)
-        per_step = self.prefill_budget(decodes) or sched.max_num_batched_tokens - decodes
+        batch = min(len(running) + len(waiting), sched.max_num_seqs)
+        per_step = self.prefill_budget(batch) or sched.max_num_batched_tokens - decodes
         per_step = max(per_step, self.pool.block_size)
         steps = math.ceil(pending / per_step)
-        wait = steps * self.step_model.time(decodes, min(per_step, pending))
+        wait = steps * model.time(batch, min(per_step, pending))
         over = len(running) + len(waiting) + 1 - sched.max_num_seqs
         if over > 0:  # it also waits for running sequences to finish
             left = sorted((s.max_len - len(s.tokens)) for s in running if not s.prefilling)
             if left:
-                wait += left[min(over, len(left)) - 1] * self.step_model.time(decodes, 0)
-        return wait
+                wait += left[min(over, len(left)) - 1] * model.time(decodes, 0)
+        started, expected = self._step_started, self._step_expected
+        if started:  # the step in progress ends first
+            wait += max(0.0, expected - (time.perf_counter() - started))
+        return wait * model.tail
 
     def prefill_budget(self, decodes: int) -> int | None:
         """Prompt tokens a step may run so that decoding sequences keep the inter-token
@@ -250,9 +272,18 @@ class LlmEngine:
         self._thread.start()
 
     def warmup(self, prompt_len: int = 64, new_tokens: int = 8, seqs: int = 4) -> None:
-        """Run a few generations on this thread before serving: first-call costs, and the
-        first samples of the step-time model."""
-        rng = np.random.default_rng(0)
+        """Run a few generations on this thread before serving: first-call costs, then the
+        same again for the first samples of the step-time model (first calls would read as
+        its slow tail)."""
+        for seed in (0, 1):  # (other prompts the second time: no prefix-cache hits)
+            self._warmup_round(prompt_len, new_tokens, seqs, seed)
+            if seed == 0:
+                self.step_model.clear()
+        self.pool.queries = self.pool.hits = 0
+        release_openmp()  # (the step loop runs on its own thread)
+
+    def _warmup_round(self, prompt_len: int, new_tokens: int, seqs: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
         vocab = int(self.runner.model.config.vocab_size)
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         room = self.pool.num_blocks * self.pool.block_size // 2 - new_tokens  # (small pools)
@@ -269,8 +300,6 @@ class LlmEngine:
             self.scheduler.add(seq)
         while self.scheduler.has_work():
             self._step()
-        self.pool.queries = self.pool.hits = 0
-        release_openmp()  # (the step loop runs on its own thread)
 
     def _run(self) -> None:
         try:
@@ -322,12 +351,14 @@ class LlmEngine:
                 if seq.sink is not None:
                     self.metrics.observe("queue", (now - seq.arrival_ns) / 1e9)
         rows = [i for i, (seq, n) in enumerate(step.items) if seq.computed + n == len(seq.tokens)]
-        started = time.perf_counter()
+        self._step_expected = self.step_model.time(step.decodes, step.prefill_tokens)
+        self._step_started = started = time.perf_counter()
         logits = self.runner.forward(step, rows)
         sampling = [step.items[r][0] for r in rows]
         tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
         sched.after_step(step)
         elapsed = time.perf_counter() - started
+        self._step_started = 0.0
         self.step_model.add(step.decodes, step.prefill_tokens, elapsed)
         self.steps += 1
         end = _now()
