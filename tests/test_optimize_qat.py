@@ -111,11 +111,106 @@ def test_qat_export_runs_in_ort_int8_equal_to_torch_fake_quant(
     fp32 = qat.torch_outputs(trained, held)
     assert _agreement(got, fp32) >= 0.9
 
+    assert not _constant_quantizers(onnx.load(str(path)))
     optimized = tmp_path / "optimized.onnx"
     open_session(path, optimized_model_path=optimized)
     ops = collections.Counter(n.op_type for n in onnx.load(str(optimized)).graph.node)
     assert ops["QLinearConv"] == 3 and ops["QLinearAdd"] == 1
     assert not ops["Conv"] and not ops["Pad"] and not ops["Add"]
+
+
+def _constant_quantizers(model: onnx.ModelProto) -> list[str]:
+    inits = {i.name for i in model.graph.initializer}
+    return [
+        n.output[0]
+        for n in model.graph.node
+        if n.op_type == "QuantizeLinear" and any(i in inits for i in n.input[:1])
+    ]
+
+
+class WideNet(torch.nn.Module):
+    """Enough convolution weights (56k) that the file's size is mostly weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU(),
+        )  # fmt: skip
+        self.fc = torch.nn.Linear(64, 10)
+
+    def forward(self, x: Any) -> Any:
+        return self.fc(self.convs(x).mean((2, 3)))
+
+
+def test_folded_quantizers_store_int8_weights_with_equal_outputs(
+    digits: dict[str, np.ndarray], tmp_path: pathlib.Path
+) -> None:
+    from rtserve.optimize.export import export_module
+
+    torch.manual_seed(0)
+    example = {"x": digits["x"][:2]}
+    model = qat.prepare(WideNet().eval(), example)
+    qat.calibrate(model, {"x": digits["x"][:256]})
+    qat.set_observers(model, False)
+    plain = qat.scalar_qparams(export_module(model, tmp_path / "qdq.onnx", example, ["logits"]))
+    folded = tmp_path / "folded.onnx"
+    folded.write_bytes(plain.read_bytes())
+    qat.fold_constant_quantizers(folded)
+
+    before, after = onnx.load(str(plain)), onnx.load(str(folded))
+    onnx.checker.check_model(after, full_check=True)
+    assert len(_constant_quantizers(before)) == 3 and not _constant_quantizers(after)
+    assert sum(n.op_type == "QuantizeLinear" for n in after.graph.node) >= 3  # activations stay
+    inits = {i.name: i for i in after.graph.initializer}
+    weights = [n.input[0] for n in after.graph.node if n.op_type == "DequantizeLinear"]
+    weights = [inits[w] for w in weights if w in inits]
+    assert len(weights) == 3
+    assert all(w.data_type == onnx.TensorProto.INT8 and len(w.dims) == 4 for w in weights)
+    assert not any(
+        i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 4 for i in inits.values()
+    )
+    assert folded.stat().st_size < 0.3 * plain.stat().st_size
+
+    held = {"x": digits["x"][1200:]}
+    expected = run_batched(open_session(plain), held, batch_size=64)
+    np.testing.assert_array_equal(run_batched(open_session(folded), held, batch_size=64), expected)
+
+
+def _ort_quantize_linear(
+    x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int
+) -> Any:
+    from onnx import helper, numpy_helper
+
+    node = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"], axis=axis)
+    elem = helper.np_dtype_to_tensor_dtype(zero_point.dtype)
+    graph = helper.make_graph(
+        [node], "q", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x.shape)],
+        [helper.make_tensor_value_info("y", elem, x.shape)],
+        [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero_point, "z")],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return open_session(model.SerializeToString()).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize(
+    ("scale", "zero_point", "axis"),
+    [
+        (np.array([0.5, 0.25, 1.0], np.float32), np.array([0, 0, 0], np.int8), 0),
+        (np.array([0.5, 0.25, 2.0, 0.1, 3.0], np.float32), np.array([0, 3, -5, 1, 0], np.int8), -1),
+        (np.array(0.5, np.float32), np.array(128, np.uint8), 1),
+    ],
+)
+def test_quantize_linear_equals_onnx_runtime(
+    scale: np.ndarray, zero_point: np.ndarray, axis: int
+) -> None:
+    rng = np.random.default_rng(0)
+    x = (rng.integers(-300, 300, (3, 4, 5)) / 4).astype(np.float32)  # halves, out of range
+    x[0, 0, :3] = [0.25, 0.75, 1.25]  # exactly .5 steps at scale 0.5
+    got = qat.quantize_linear(x, scale, zero_point, axis)
+    assert got.dtype == zero_point.dtype
+    np.testing.assert_array_equal(got, _ort_quantize_linear(x, scale, zero_point, axis))
 
 
 def test_fake_quant_clamps_relu6_like_the_float_model(

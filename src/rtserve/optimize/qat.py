@@ -19,7 +19,9 @@ pairs that ONNX Runtime fuses into INT8 kernels (``QLinearConv``, ``QGemm``, ...
 3. :func:`calibrate` sets the activation ranges on a few rows and freezes them, then
    :func:`fine_tune` trains the fake-quantized model's biases (weights optional) against
    the FP32 model's logits (MSE, or distillation with optional labels).
-4. :func:`export_qdq` exports with the TorchScript exporter at opset 17.
+4. :func:`export_qdq` exports with the TorchScript exporter at opset 17 and stores the
+   quantized weights as int8 initializers (:func:`fold_constant_quantizers`), a quarter
+   of their FP32 size (the float layers keep theirs).
 """
 
 from __future__ import annotations
@@ -555,7 +557,7 @@ def export_qdq(
 
     set_observers(qat_model, False)
     export_module(qat_model, path, example, output_names, opset=17)
-    return scalar_qparams(path)
+    return fold_constant_quantizers(scalar_qparams(path))
 
 
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
@@ -600,6 +602,83 @@ def scalar_qparams(path: pathlib.Path) -> pathlib.Path:
     graph.node.extend(live)
     used = {name for n in graph.node for name in n.input} | outputs
     kept = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    onnx.save(model, str(path))
+    return path
+
+
+def quantize_linear(
+    x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int = 1
+) -> np.ndarray:
+    """ONNX ``QuantizeLinear``: ``saturate(round_half_even(x / scale) + zero_point)``.
+
+    A 1-D ``scale`` (and ``zero_point``) quantizes per slice along ``axis``; the result
+    has ``zero_point``'s dtype.
+    """
+    if scale.ndim == 1 and x.ndim > 0:
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
+    info = np.iinfo(zero_point.dtype)
+    q = np.rint(x / scale) + zero_point.astype(np.float64)
+    return np.clip(q, info.min, info.max).astype(zero_point.dtype)
+
+
+def _is_constant_quantizer(node: Any, inits: Mapping[str, Any], outputs: set[str]) -> bool:
+    """``QuantizeLinear`` of FP32 initializers into an integer initializer type, not blocked."""
+    from onnx import TensorProto as T
+
+    if node.op_type != "QuantizeLinear" or node.domain not in ("", "ai.onnx"):
+        return False
+    if len(node.input) != 3 or not all(name in inits for name in node.input):
+        return False
+    if node.output[0] in outputs or any(a.name == "block_size" and a.i for a in node.attribute):
+        return False
+    x, scale, zero_point = (inits[name].data_type for name in node.input)
+    return x == scale == T.FLOAT and zero_point in (T.INT8, T.UINT8, T.INT16, T.UINT16)
+
+
+def _referenced(graph: Any) -> set[str]:
+    """Every name a node of ``graph`` or of its subgraphs reads."""
+    names: set[str] = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else attr.graphs:
+                names |= _referenced(sub)
+    return names
+
+
+def fold_constant_quantizers(path: pathlib.Path) -> pathlib.Path:
+    """Store quantized weights as integers: fold each constant ``QuantizeLinear``, in place.
+
+    torch exports a fake-quantized weight as its FP32 values followed by
+    ``QuantizeLinear``; ONNX Runtime folds that at load, but the file stays as large as
+    FP32. The integer result (:func:`quantize_linear`, as the ONNX spec defines it) becomes
+    an initializer named as the node's output, so the ``DequantizeLinear`` after it reads
+    int8 directly; the node and the FP32 weights only it used are dropped.
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    graph = model.graph
+    inputs = {i.name for i in graph.input}
+    inits = {i.name: i for i in graph.initializer if i.name not in inputs}
+    outputs = {o.name for o in graph.output}
+    folded = {n.output[0]: n for n in graph.node if _is_constant_quantizer(n, inits, outputs)}
+    for name, node in folded.items():
+        x, scale, zero_point = (numpy_helper.to_array(inits[i]) for i in node.input)
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        q = quantize_linear(x, scale, zero_point, axis)
+        graph.initializer.append(numpy_helper.from_array(q, name))
+    live = [n for n in graph.node if not (n.op_type == "QuantizeLinear" and n.output[0] in folded)]
+    del graph.node[:]
+    graph.node.extend(live)
+    used = _referenced(graph) | outputs
+    stale = {i for n in folded.values() for i in n.input} - used
+    kept = [i for i in graph.initializer if i.name not in stale]
     del graph.initializer[:]
     graph.initializer.extend(kept)
     onnx.save(model, str(path))
