@@ -326,6 +326,30 @@ def test_first_token_wait_counts_the_step_in_progress_and_the_tail(
         asyncio.run(e.stop())
 
 
+def test_an_admitted_request_is_not_refused_again_when_it_starts(
+    models: dict[str, Path],
+) -> None:
+    """The server admits (``check_prompt``) before a stream's status line goes out; the
+    generation it then starts (``checked=True``) must not be refused by a second estimate."""
+    e = engine(models["llama"], slo={"ttft_p99_ms": 500})
+    ids = e.encode_text("the cat sat")
+    try:
+        e.check_prompt(len(ids), GREEDY)
+        e.step_model.coef = (1.0, 0.001, 0.0001)  # the estimate worsens after admission
+
+        async def go() -> list[int]:
+            with pytest.raises(ObjectiveRefused):
+                await run(e, ids)
+            tokens = []
+            async for event in e.generate(ids, GREEDY, checked=True):
+                tokens += event.token_ids
+            return tokens
+
+        assert len(asyncio.run(go())) == GREEDY.max_tokens
+    finally:
+        asyncio.run(e.stop())
+
+
 def test_inter_token_objective_limits_prompt_chunks_beside_decodes(
     models: dict[str, Path],
 ) -> None:

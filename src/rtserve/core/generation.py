@@ -109,7 +109,11 @@ async def events(dataplane: DataPlane, gen: Generation) -> AsyncGenerator[Genera
     timings.enqueued = _now()
     error: RTServeError | None = ClientClosed("the client went away before the answer ended")
     stream = gen.llm.generate(
-        gen.prompt_ids, gen.params, request_id=gen.request_id, priority=gen.priority
+        gen.prompt_ids,
+        gen.params,
+        request_id=gen.request_id,
+        priority=gen.priority,
+        checked=True,  # (by prepare)
     )
     try:
         async for event in stream:

@@ -212,10 +212,14 @@ class LlmEngine:
         *,
         request_id: str = "",
         priority: int = 0,
+        checked: bool = False,
     ) -> AsyncGenerator[GenerationEvent, None]:
         """The events of one generation, on the caller's event loop. Leaving the loop
-        early (``aclose``, cancellation) aborts the sequence."""
-        self.check_prompt(len(prompt_ids), params)
+        early (``aclose``, cancellation) aborts the sequence. ``checked``: the caller ran
+        ``check_prompt`` (and admitted the request) already, before answering with a
+        stream's status line; a second admission here could refuse it after that."""
+        if not checked:
+            self.check_prompt(len(prompt_ids), params)
         vocab = self.runner.vocab_size
         if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidInput(f"prompt: expected token ids in [0, {vocab}), at least one")
