@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q -e '.[dev,optimize,tracing,llm,edge]'
 	$(BIN)/pip install -q --no-deps efficientnet-lite-pytorch
+	$(BIN)/python -c 'from rtserve.llm import kernels; kernels.paged_decode()'  # build it once (g++)
 	touch $@
 
 setup: $(STAMP) $(LITERT_STAMP) system-deps

@@ -10,6 +10,7 @@ each item to its sequence's cached context.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +42,10 @@ class StepContext:
     slots: torch.Tensor  # [T]: where each packed token's key/value goes
     decodes: int  # the first ``decodes`` packed tokens are single-token items
     decode_gather: torch.Tensor | None  # [decodes, B]: their block tables (padded)
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, B * block_size]
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, B * block_size] (torch's path only)
     chunks: list[Chunk]
+    decode_lengths: torch.Tensor | None = None  # [decodes]: their context lengths
+    decode_kernel: Callable[..., torch.Tensor] | None = None  # kernels.paged_decode
 
 
 def set_step(ctx: StepContext | None) -> None:
@@ -72,7 +75,14 @@ def paged_attention(
     out = query.new_empty(tokens, heads, dim)
     q = query[0]  # [H, T, D]
     nd = ctx.decodes
-    if nd:
+    kernel = ctx.decode_kernel
+    if nd and kernel is not None:  # in place over the pool: no gathered copy, no padding
+        qd = q[:, :nd].transpose(0, 1).contiguous()  # [nd, H, D]
+        out[:nd] = kernel(
+            qd, k_cache, v_cache, ctx.decode_gather, ctx.decode_lengths,
+            scaling if scaling is not None else dim**-0.5,
+        )  # fmt: skip
+    elif nd:
         table = ctx.decode_gather
         assert table is not None
         width = table.shape[1] * block_size

@@ -30,6 +30,7 @@ class LlmOptions:
     prefix_caching: bool = True
     threads: int = 0  # torch intra-op threads (0: the CPUs this process may use)
     cpu_linear: str = "onednn"  # onednn (prepacked weights) | torch (F.linear)
+    cpu_attention: str = "kernel"  # kernel (paged, in place; torch if it cannot be built) | torch
     default_max_tokens: int = 256
     max_waiting: int = 1024  # requests queued beyond the running batch; more get a 503
     slo: TokenSLO | None = None
@@ -72,6 +73,11 @@ class LlmOptions:
             raise ConfigError(
                 f"{where}: llm.cpu_linear: expected onednn or torch, got {cpu_linear!r}"
             )
+        cpu_attention = data.get("cpu_attention", "kernel")
+        if cpu_attention not in ("kernel", "torch"):
+            raise ConfigError(
+                f"{where}: llm.cpu_attention: expected kernel or torch, got {cpu_attention!r}"
+            )
         prefix = data.get("prefix_caching", True)
         if not isinstance(prefix, bool):
             raise ConfigError(
@@ -88,6 +94,7 @@ class LlmOptions:
             max_num_batched_tokens=integer("max_num_batched_tokens", block_size, 1 << 20),
             prefix_caching=prefix,
             cpu_linear=cpu_linear,
+            cpu_attention=cpu_attention,
             threads=integer("threads", 0, 1024),
             default_max_tokens=integer("default_max_tokens", 1, 1 << 20),
             max_waiting=integer("max_waiting", 0, 1 << 20),

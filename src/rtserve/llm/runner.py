@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rtserve.errors import ConfigError
-from rtserve.llm import attention
+from rtserve.llm import attention, kernels
 from rtserve.llm.attention import Chunk, StepContext
 from rtserve.llm.options import LlmOptions
 from rtserve.llm.scheduler import Step
@@ -74,6 +74,13 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)
         ]
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
+        self.decode_kernel = None
+        if (
+            options.cpu_attention == "kernel"
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+        ):
+            self.decode_kernel = kernels.paged_decode()
         self.bytes_per_token = per_token
         log.info(
             "llm %s: %d layers, %d KV blocks of %d tokens (%d MiB) on %s, %s",
@@ -114,14 +121,16 @@ class ModelRunner:
                 rows = torch.arange(n, device=dev)[:, None] + first
                 mask = torch.arange(len(used) * bs, device=dev)[None, :] <= rows
                 chunks.append(Chunk(start, n, context, torch.tensor(used, device=dev), mask))
-        decode_gather = decode_mask = None
+        decode_gather = decode_mask = decode_lengths = None
         if tables:
             widest = max(len(t) for t in tables)
             decode_gather = torch.tensor(
                 [t + [t[0]] * (widest - len(t)) for t in tables], device=dev
             )
-            width = torch.arange(widest * bs, device=dev)[None, :]
-            decode_mask = (width < torch.tensor(lengths, device=dev)[:, None])[:, None, None, :]
+            decode_lengths = torch.tensor(lengths, device=dev)
+            if self.decode_kernel is None:
+                width = torch.arange(widest * bs, device=dev)[None, :]
+                decode_mask = (width < decode_lengths[:, None])[:, None, None, :]
         ctx = StepContext(
             self.k_cache,
             self.v_cache,
@@ -130,6 +139,8 @@ class ModelRunner:
             decode_gather,
             decode_mask,
             chunks,
+            decode_lengths,
+            self.decode_kernel,
         )
         return ctx, ids, positions, last
 

@@ -1,0 +1,112 @@
+// Decode attention that reads the paged KV pool in place (CPU, float32).
+//
+// Each decoding sequence has one new query token per head. Its keys and values stay in the
+// pool's blocks: no gathered copy, no padding to the longest context in the step. Work is
+// split over sequences; each token's key and value rows are read once, in block order.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+void check(const torch::Tensor& t, const char* name, int64_t dims, c10::ScalarType type) {
+  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor");
+  TORCH_CHECK(t.dim() == dims, name, ": expected ", dims, " dimensions, got ", t.dim());
+  TORCH_CHECK(t.scalar_type() == type, name, ": expected ", type, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+}  // namespace
+
+// query [nd, H, D]; k_cache, v_cache [blocks, block_size, KVH, D]; tables [nd, width] (block
+// ids, padded); lengths [nd] (context tokens, the new one included). Returns [nd, H, D].
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor tables, torch::Tensor lengths, double scale) {
+  check(query, "query", 3, torch::kFloat);
+  check(k_cache, "k_cache", 4, torch::kFloat);
+  check(v_cache, "v_cache", 4, torch::kFloat);
+  check(tables, "tables", 2, torch::kLong);
+  check(lengths, "lengths", 1, torch::kLong);
+  const int64_t nd = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t width = tables.size(1);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache: expected one shape");
+  TORCH_CHECK(k_cache.size(3) == dim, "k_cache: head size ", k_cache.size(3), " != ", dim);
+  TORCH_CHECK(heads % kv_heads == 0, "query heads ", heads, " not a multiple of ", kv_heads);
+  TORCH_CHECK(tables.size(0) == nd && lengths.size(0) == nd, "tables, lengths: expected ", nd);
+  const int64_t groups = heads / kv_heads;
+  const float* q = query.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  for (int64_t n = 0; n < nd; ++n) {
+    TORCH_CHECK(length[n] >= 1 && length[n] <= width * block_size, "lengths[", n, "] out of range");
+    for (int64_t b = 0; b < (length[n] + block_size - 1) / block_size; ++b) {
+      const int64_t id = table[n * width + b];
+      TORCH_CHECK(id >= 0 && id < blocks, "tables[", n, ", ", b, "] = ", id, " out of range");
+    }
+  }
+  auto out = torch::empty_like(query);
+  float* o = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t row = kv_heads * dim;  // one token's keys in a block
+
+  // One task per sequence: each token's keys (all kv heads, one contiguous row) are read
+  // once, in block order, for every query head.
+  at::parallel_for(0, nd, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t len = length[n];
+      const int64_t* blocks_of = table + n * width;
+      const float* qn = q + n * heads * dim;
+      float* on = o + n * heads * dim;
+      scores.resize(heads * len);
+      for (int64_t t = 0; t < len; ++t) {
+        const float* k = kc + (blocks_of[t / block_size] * block_size + t % block_size) * row;
+        for (int64_t hq = 0; hq < heads; ++hq)
+          scores[hq * len + t] = dot(qn + hq * dim, k + (hq / groups) * dim, dim) * fscale;
+      }
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        float* s = scores.data() + hq * len;
+        const float top = *std::max_element(s, s + len);
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) s[t] = std::exp(s[t] - top);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; ++t) total += s[t];
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      std::fill(on, on + heads * dim, 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const float* v = vc + (blocks_of[t / block_size] * block_size + t % block_size) * row;
+        for (int64_t hq = 0; hq < heads; ++hq)
+          axpy(on + hq * dim, scores[hq * len + t], v + (hq / groups) * dim, dim);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool (CPU, float32)");
+}
