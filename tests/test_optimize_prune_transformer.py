@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -18,6 +20,7 @@ from rtserve.optimize.prune_transformer import (
     head_importance,
     head_norms,
     prune_encoder,
+    reconstruct_layers,
 )
 
 HEADS, LAYERS, HIDDEN, FFN, VOCAB, SEQ = 4, 2, 32, 64, 100, 12
@@ -140,22 +143,47 @@ def test_exported_pruned_model_runs_in_onnx_runtime_like_torch(tmp_path: pathlib
         np.testing.assert_allclose(got, _run(pruned, data), atol=1e-4)
 
 
-def test_distillation_brings_the_pruned_model_closer_to_the_teacher() -> None:
+def _half_cut() -> tuple[Embedder, torch.nn.Module]:
+    """A teacher and its copy with half the heads and half the FFN neurons cut, untrained."""
     teacher = Embedder()
     pruned, _ = prune_encoder(teacher, tokens(16, 1), heads=0.5, ffn=0.5, refit=False)
+    return teacher, pruned
+
+
+def _recovered(recover: Callable[..., Any]) -> tuple[float, float, Any]:
+    """Relative error to the teacher of the half cut before and after ``recover`` trains it."""
+    teacher, pruned = _half_cut()
     held_out = tokens(32, 99)
     before = _error(pruned, teacher, held_out)
-    student, fit = distill_encoder(pruned, teacher, tokens(128, 5), epochs=4, lr=1e-3)
-    assert _error(student, teacher, held_out) < 0.8 * before
+    student, run = recover(pruned, teacher, tokens(128, 5), epochs=4, lr=1e-3)
+    assert not student.training
+    return before, _error(student, teacher, held_out), run
+
+
+def test_distillation_brings_the_pruned_model_closer_to_the_teacher() -> None:
+    before, after, fit = _recovered(distill_encoder)
+    assert after < 0.8 * before
     assert (fit.steps, fit.planned, fit.epochs) == (16, 16, 4.0)
-    assert fit.seconds > 0 and not student.training
+    assert fit.seconds > 0
 
 
 def test_distillation_stops_at_its_time_budget() -> None:
-    teacher = Embedder()
-    pruned, _ = prune_encoder(teacher, tokens(16, 1), heads=0.5, ffn=0.5, refit=False)
+    teacher, pruned = _half_cut()
     _, fit = distill_encoder(pruned, teacher, tokens(128, 5), epochs=50, max_seconds=0.0)
     assert fit.steps == 0 and fit.planned == 200
+
+
+def test_layerwise_reconstruction_brings_the_pruned_model_closer_to_the_teacher() -> None:
+    before, after, run = _recovered(reconstruct_layers)
+    assert after < 0.8 * before
+    assert run.steps == [16] * LAYERS and len(run.errors) == LAYERS
+    assert all(0.0 <= e < 1.0 for e in run.errors) and run.seconds > 0
+
+
+def test_layerwise_reconstruction_stops_at_its_time_budget() -> None:
+    teacher, pruned = _half_cut()
+    _, run = reconstruct_layers(pruned, teacher, tokens(128, 5), epochs=50, max_seconds=0.0)
+    assert run.steps == [0] * LAYERS
 
 
 def test_encoder_layers_of_a_model_without_them_is_a_clear_error() -> None:

@@ -1,6 +1,7 @@
 """The structured-pruning section of the optimization report: all-MiniLM-L6-v2 with attention
-heads and FFN neurons cut out (``--prune structured-heads:H:F``), distilled from the unpruned
-model on unlabelled text, alone and stacked with INT8 dynamic, against FP32 of the same run.
+heads and FFN neurons cut out (``--prune structured-heads:H:F``), trained layer by layer and
+then end to end on the unpruned model's outputs for unlabelled text, alone and stacked with
+INT8 dynamic, against FP32 of the same run.
 
     python -m bench.showcase --only prune --out /tmp/opt-prune.md    # this section alone
 
@@ -103,9 +104,11 @@ def section(settings: Settings) -> str:
         f"{SPEC.fine_tune_epochs}` ranks the attention heads (norm of each head's contribution "
         "to the layer output) across all layers and the FFN neurons (mean |activation| x norm "
         "of their output weights) in each layer, cuts the weakest out of the matrices, "
-        "distills the smaller model from the unpruned one (1 - cosine of the embeddings plus "
-        "the MSE of every layer's hidden states; token embeddings frozen; at most "
-        f"{SPEC.fine_tune_seconds / 60:g} minutes here), exports it, and "
+        "trains the smaller model on the unpruned one's outputs: first layer by layer (each "
+        "pruned layer learns to map the student's previous layer output to the teacher's "
+        "output of that layer), then end to end (1 - cosine of the embeddings plus the MSE "
+        "of every layer's hidden states; token embeddings frozen; at most "
+        f"{SPEC.fine_tune_seconds / 60:g} minutes in all here), exports it, and "
         f"also quantizes it (INT8 dynamic, per-channel). Pruned model: {notes}. "
         f"Held out: the first {EVAL_SENTENCES} sentences of `examples/data/sentences.txt`; "
         f"distillation on {TRAIN_TEXTS} unlabelled texts (the other sentences, Python "

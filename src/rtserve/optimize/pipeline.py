@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import pathlib
 import shutil
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -476,12 +477,13 @@ def _pruned_encoder(run: _Run, spec: PruneSpec) -> list[Measurement]:
     """Heads and FFN neurons cut out of a transformer encoder, distilled, then also INT8.
 
     Importance is measured on the first 128 rows of the training (else calibration) data;
-    with ``fine_tune_epochs`` the pruned model is distilled from the unpruned one on the
-    training data (no labels needed), else its shrunk projections are refitted by least
+    with ``fine_tune_epochs`` the pruned model is trained on the unpruned one's outputs on
+    the training data (no labels needed): layer by layer first, then end to end for the
+    rest of the epochs and time; else its shrunk projections are refitted by least
     squares on those rows.
     """
     from rtserve.optimize.export import export_module
-    from rtserve.optimize.prune_transformer import distill_encoder, prune_encoder
+    from rtserve.optimize.prune_transformer import prune_encoder
 
     src = run.torch_sources
     assert src is not None and src.model is not None
@@ -500,14 +502,7 @@ def _pruned_encoder(run: _Run, spec: PruneSpec) -> list[Measurement]:
     notes = [summary.describe(), *summary.notes]
     if tune:
         assert src.train_inputs is not None
-        model, fit = distill_encoder(
-            model, src.model, src.train_inputs, epochs=spec.fine_tune_epochs,
-            max_seconds=spec.fine_tune_seconds,
-        )  # fmt: skip
-        notes.append(
-            f"distilled {fit.steps} steps of {fit.planned} ({fit.epochs:.1f} epochs), "
-            f"{fit.seconds:.0f} s"
-        )
+        model = _recover_encoder(model, src.model, src.train_inputs, spec, notes)
     else:
         notes.append("not fine-tuned")
     example = _torch_example(run.eval_data, run.input_names)
@@ -517,6 +512,42 @@ def _pruned_encoder(run: _Run, spec: PruneSpec) -> list[Measurement]:
         run.measure(spec.name, dst, notes),
         run.measure(f"{spec.name}-int8", int8, [*notes, "then INT8 dynamic, per-channel"]),
     ]
+
+
+def _recover_encoder(
+    model: Any,
+    teacher: Any,
+    train: Mapping[str, np.ndarray],
+    spec: PruneSpec,
+    notes: list[str],
+) -> Any:
+    """Layer-wise reconstruction (up to half the time), then end-to-end distillation.
+
+    Seen on MiniLM at 0.5:0.5: three layer-wise epochs take the cosine 0.77 -> 0.92 in
+    about two minutes, where end-to-end distillation alone reached 0.88 in four and a half.
+    """
+    from rtserve.optimize.prune_transformer import (
+        LAYERWISE_EPOCHS,
+        distill_encoder,
+        reconstruct_layers,
+    )
+
+    start = time.perf_counter()
+    budget = spec.fine_tune_seconds
+    model, layerwise = reconstruct_layers(
+        model, teacher, train, epochs=min(spec.fine_tune_epochs, LAYERWISE_EPOCHS),
+        max_seconds=None if budget is None else budget / 2,
+    )  # fmt: skip
+    notes.append(layerwise.describe())
+    left = None if budget is None else max(0.0, budget - (time.perf_counter() - start))
+    model, fit = distill_encoder(
+        model, teacher, train, epochs=spec.fine_tune_epochs, max_seconds=left, dropout=False
+    )
+    notes.append(
+        f"then distilled end to end {fit.steps} steps of {fit.planned} "
+        f"({fit.epochs:.1f} epochs), {fit.seconds:.0f} s"
+    )
+    return model
 
 
 def _distilled(run: _Run) -> list[Measurement]:
