@@ -176,10 +176,21 @@ def objective_section(slo: dict[str, Any]) -> list[str]:
     if "rtserve-objective" in names:
         p99 = _values(wrapped, "rtserve-objective", "ttft_p99_ms")
         within = sum(1 for v in p99 if v is not None and v <= objective)
+        late = [
+            f"{sum(1 for t in r['rtserve-objective'].get('ttft_ms', []) if t > objective)} of "
+            f"{r['rtserve-objective'].get('admitted', 0)}"
+            for r in rounds
+            if "ttft_ms" in r.get("rtserve-objective", {})
+        ]
         lines += [
             "",
             f"Admitted TTFT p99 within the {objective:g} ms objective in {within} of "
-            f"{len(p99)} rounds.",
+            f"{len(p99)} rounds"
+            + (
+                f"; admitted requests whose first token came later: {' / '.join(late)}."
+                if late
+                else "."
+            ),
         ]
     lines += ["", f"Command: `{slo['command']}` (raw: `bench/results/generative-slo.json`)."]
     return lines
