@@ -205,7 +205,7 @@ def _bind_text(bind: str) -> str:
     return (
         f"OpenMP threads on cores {bind} (`VLLM_CPU_OMP_THREADS_BIND={bind}`, no core reserved: "
         "its fastest setting here; its default leaves one core to the API server and made "
-        "216 tok/s at 32 streams in an earlier run)"
+        "216 tok/s at 32 streams in an earlier run, `bench/results/generative-throughput.json`)"
     )
 
 
