@@ -553,18 +553,32 @@ def export_qdq(
     output_names: Sequence[str] = ("output",),
 ) -> pathlib.Path:
     """Export the fake-quantized model as QDQ ONNX (opset 17, dynamic batch axis)."""
+    import onnx
+
     from rtserve.optimize.export import export_module
 
     set_observers(qat_model, False)
     export_module(qat_model, path, example, output_names, opset=17)
-    return fold_constant_quantizers(scalar_qparams(path))
+    model = onnx.load(str(path))
+    _fold_constant_quantizers(_scalar_qparams(model))
+    onnx.save(model, str(path))
+    return path
 
 
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 
 
 def scalar_qparams(path: pathlib.Path) -> pathlib.Path:
-    """Rewrite per-tensor scales and zero points of shape [1] as scalars, in place.
+    """:func:`_scalar_qparams` on the ONNX file at ``path``, in place."""
+    import onnx
+
+    model = onnx.load(str(path))
+    onnx.save(_scalar_qparams(model), str(path))
+    return path
+
+
+def _scalar_qparams(model: Any) -> Any:
+    """Rewrite per-tensor scales and zero points of shape [1] as scalars.
 
     torch exports them as 1-element vectors (some behind ``Identity`` nodes); ONNX
     Runtime fuses convolutions either way but quantized ``Add`` (``QLinearAdd``) only
@@ -572,7 +586,6 @@ def scalar_qparams(path: pathlib.Path) -> pathlib.Path:
     """
     import onnx
 
-    model = onnx.load(str(path))
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     outputs = {o.name for o in graph.output}
@@ -597,15 +610,24 @@ def scalar_qparams(path: pathlib.Path) -> pathlib.Path:
                 scalar.name = scalars[init.name] = f"{init.name}__scalar"
                 graph.initializer.append(scalar)
             node.input[i] = scalars[init.name]
-    live = [n for n in graph.node if not (n.op_type == "Identity" and n.output[0] in alias)]
+    _remove_nodes(graph, {n.output[0] for n in graph.node if n.output[0] in alias})
+    return model
+
+
+def _remove_nodes(graph: Any, outputs_of: set[str], candidates: set[str] | None = None) -> None:
+    """Remove the nodes whose first output is in ``outputs_of``, then the initializers that
+    nothing reads any more (of ``candidates`` only, when given)."""
+    live = [n for n in graph.node if n.output[0] not in outputs_of]
     del graph.node[:]
     graph.node.extend(live)
-    used = {name for n in graph.node for name in n.input} | outputs
-    kept = [i for i in graph.initializer if i.name in used]
+    used = _referenced(graph) | {o.name for o in graph.output}
+    kept = [
+        i
+        for i in graph.initializer
+        if i.name in used or (candidates is not None and i.name not in candidates)
+    ]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    onnx.save(model, str(path))
-    return path
 
 
 def quantize_linear(
@@ -651,7 +673,16 @@ def _referenced(graph: Any) -> set[str]:
 
 
 def fold_constant_quantizers(path: pathlib.Path) -> pathlib.Path:
-    """Store quantized weights as integers: fold each constant ``QuantizeLinear``, in place.
+    """:func:`_fold_constant_quantizers` on the ONNX file at ``path``, in place."""
+    import onnx
+
+    model = onnx.load(str(path))
+    onnx.save(_fold_constant_quantizers(model), str(path))
+    return path
+
+
+def _fold_constant_quantizers(model: Any) -> Any:
+    """Store quantized weights as integers: fold each constant ``QuantizeLinear``.
 
     torch exports a fake-quantized weight as its FP32 values followed by
     ``QuantizeLinear``; ONNX Runtime folds that at load, but the file stays as large as
@@ -659,10 +690,8 @@ def fold_constant_quantizers(path: pathlib.Path) -> pathlib.Path:
     an initializer named as the node's output, so the ``DequantizeLinear`` after it reads
     int8 directly; the node and the FP32 weights only it used are dropped.
     """
-    import onnx
     from onnx import numpy_helper
 
-    model = onnx.load(str(path))
     graph = model.graph
     inputs = {i.name for i in graph.input}
     inits = {i.name: i for i in graph.initializer if i.name not in inputs}
@@ -673,16 +702,8 @@ def fold_constant_quantizers(path: pathlib.Path) -> pathlib.Path:
         axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
         q = quantize_linear(x, scale, zero_point, axis)
         graph.initializer.append(numpy_helper.from_array(q, name))
-    live = [n for n in graph.node if not (n.op_type == "QuantizeLinear" and n.output[0] in folded)]
-    del graph.node[:]
-    graph.node.extend(live)
-    used = _referenced(graph) | outputs
-    stale = {i for n in folded.values() for i in n.input} - used
-    kept = [i for i in graph.initializer if i.name not in stale]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    onnx.save(model, str(path))
-    return path
+    _remove_nodes(graph, set(folded), {i for n in folded.values() for i in n.input})
+    return model
 
 
 def torch_outputs(model: torch.nn.Module, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
