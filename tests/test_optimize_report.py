@@ -83,3 +83,26 @@ def test_noise_band_widens_with_the_baseline_spread_between_rounds() -> None:
     assert noise_band(base, 0.2) == 0.2
     base.round_p50_ms = [10.0, 13.0, 14.0, 15.0]
     assert math.isclose(noise_band(base, 0.2), 0.35)
+
+
+def test_speedup_is_the_median_of_round_by_round_ratios() -> None:
+    from rtserve.optimize.report import speedup
+
+    base, fast = _m("fp32", 10.0, 1.0), _m("int8-qat", 5.0, 1.0)
+    assert speedup(base, fast) == 2.0  # no rounds recorded: the best rounds' ratio
+    # the baseline's best round (10 ms) fell in a quiet spell the variant did not share
+    base.round_p50_ms, fast.round_p50_ms = [10.0, 16.0, 16.0], [8.0, 10.0, 9.0]
+    base.p50_ms, fast.p50_ms = 10.0, 8.0
+    assert math.isclose(speedup(base, fast), 1.6)  # ratios 1.25, 1.6, 1.78: the median
+    assert speedup(base, base) == 1.0
+    base.round_throughput, fast.round_throughput = (
+        {8: [100.0, 80.0, 90.0]},
+        {8: [150.0, 160.0, 90.0]},
+    )
+    assert math.isclose(speedup(base, fast, 8), 1.5)  # 1.5, 2.0, 1.0
+    # the chooser and the table read the same figure
+    assert (c := choose([base, fast], 1.0, 0.01, "fp32", 0.2)) is not None and c is fast
+    row = next(
+        r for r in markdown_table([base, fast], "fp32", 1.0, 0.01).splitlines() if "qat" in r
+    )
+    assert "1.60x" in row

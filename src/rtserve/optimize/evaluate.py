@@ -38,10 +38,13 @@ class Measurement:
     metrics: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     round_p50_ms: list[float] = field(default_factory=list)  # batch-1 median of each round
+    # rows per second by batch size in each round (from that round's median)
+    round_throughput: dict[int, list[float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["throughput"] = {str(k): v for k, v in self.throughput.items()}
+        d["round_throughput"] = {str(k): v for k, v in self.round_throughput.items()}
         return d
 
 
@@ -290,9 +293,11 @@ def measure_latencies(
     """Latency and throughput of all variants in alternating rounds, filled in place.
 
     Variants take turns (round 1: a, b, c; round 2: a, b, c; ...). p50 and throughput come
-    from the least disturbed round of each variant (the lowest per-round median), so a busy
-    spell of a shared machine during one variant's turn does not skew the ratios; p99 is
-    over all rounds pooled, busy spells included. Each variant gets ``iterations / rounds``
+    from the least disturbed round of each variant (the lowest per-round median); each
+    round's median is kept too, so speed-ups can be taken round by round
+    (``report.speedup``: the median of the paired ratios), which a busy spell during one
+    variant's turn moves less than a ratio of two best rounds; p99 is over all rounds
+    pooled, busy spells included. Each variant gets ``iterations / rounds``
     runs per batch size and round, cut short after ``max_seconds / rounds``.
     """
     sessions = [open_session(m.path, threads=threads) for m in measurements]
@@ -320,3 +325,4 @@ def measure_latencies(
         m.p50_ms = min(m.round_p50_ms)
         m.p99_ms = max(float(np.percentile(times[first], 99) * 1e3), m.p50_ms)
         m.throughput = {bs: bs / min(medians[(i, bs)]) for bs in batch_sizes}
+        m.round_throughput = {bs: [bs / r for r in medians[(i, bs)]] for bs in batch_sizes}

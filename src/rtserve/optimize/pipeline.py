@@ -30,7 +30,7 @@ from rtserve.optimize.evaluate import (
     run_batched,
 )
 from rtserve.optimize.prune_transformer import STRUCTURED_HEADS
-from rtserve.optimize.report import NOISE_BAND, choice_note, choose, noise_band
+from rtserve.optimize.report import NOISE_BAND, choice_note, choose, noise_band, speedup
 
 if TYPE_CHECKING:
     import torch
@@ -718,10 +718,9 @@ def _has_conv(path: pathlib.Path) -> bool:
 
 
 def ratio(result: OptimizeResult, name: str, batch: int | None = None) -> float:
-    """Speed-up of ``name`` over the baseline: p50 at batch 1, or rows/s at ``batch``."""
+    """Speed-up of ``name`` over the baseline at batch 1 (p50), or in rows/s at ``batch``:
+    the median of the round-by-round ratios (``report.speedup``)."""
     base, m = result.get(result.baseline), result.get(name)
     if base is None or m is None:
         return math.nan
-    if batch is None:
-        return base.p50_ms / m.p50_ms
-    return m.throughput.get(batch, math.nan) / base.throughput.get(batch, math.nan)
+    return speedup(base, m, batch)
