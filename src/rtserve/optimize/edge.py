@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rtserve.optimize.errors import OptimizeError
+from rtserve.optimize.evaluate import SETTLE_S
 
 if TYPE_CHECKING:
     import torch
@@ -140,6 +141,7 @@ def time_alternating(
     medians: dict[str, list[float]] = {n: [] for n in runners}
     for _ in range(rounds):
         for name, run in runners.items():
+            time.sleep(SETTLE_S)  # (the previous runner's threads stop spinning)
             run(feed)
             got = []
             for _ in range(per_round):

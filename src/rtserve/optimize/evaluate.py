@@ -281,6 +281,9 @@ def measure_variant(
     return m
 
 
+SETTLE_S = 0.05
+
+
 def measure_latencies(
     measurements: Sequence[Measurement],
     data: Mapping[str, np.ndarray],
@@ -310,6 +313,9 @@ def measure_latencies(
         for i, session in enumerate(sessions):
             for bs in batch_sizes:
                 feed = feeds[bs]
+                # The previous turn's thread pool (another session's) spins on the cores for
+                # a while after its last run; timing now would charge its spin to this one.
+                time.sleep(SETTLE_S)
                 session.run(None, feed)  # warm the arena for this shape
                 got: list[float] = []
                 start = time.perf_counter()
