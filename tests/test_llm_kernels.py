@@ -1,5 +1,6 @@
-"""The CPU paged-attention kernel (llm/csrc/paged_attention.cpp) against PyTorch's own
-attention over gathered blocks, its checks on hostile tables, and the engine on either path."""
+"""The CPU kernels (llm/csrc/paged_attention.cpp): paged attention against PyTorch's own
+attention over gathered blocks, its checks on hostile tables, the fused RMSNorm and SiLU gate
+against transformers' modules, and the engine on either path."""
 
 from __future__ import annotations
 
@@ -108,3 +109,95 @@ def test_cpu_attention_option_is_checked() -> None:
     assert LlmOptions.parse({}, "m").cpu_attention == "kernel"
     with pytest.raises(ConfigError, match="llm.cpu_attention: expected kernel or torch"):
         LlmOptions.parse({"cpu_attention": "fast"}, "m")
+
+
+@pytest.fixture(scope="module")
+def ops(kernel):  # type: ignore[no-untyped-def]
+    found = kernels.fused_ops()
+    assert found is not None
+    return found
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_norm_and_mlp_equal_the_architectures_modules(ops, arch: str) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from rtserve.llm.runner import FusedMLP, FusedRMSNorm, fuse_modules
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config = cls(num_hidden_layers=2, hidden_size=96, intermediate_size=160,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=300)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    layer = model.model.layers[0]
+    with torch.no_grad():  # (random, not the initial ones: the norm's weight starts at 1)
+        layer.input_layernorm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(1, 37, 96) * 3
+    with torch.no_grad():
+        want_norm, want_mlp = layer.input_layernorm(x), layer.mlp(x)
+        for hint in (None, 32):  # F.linear, and oneDNN's prepacked weights
+            got_norm = FusedRMSNorm(layer.input_layernorm, ops)(x)
+            got_mlp = FusedMLP(layer.mlp, ops, hint)(x)
+            torch.testing.assert_close(got_norm, want_norm, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got_mlp, want_mlp, rtol=1e-4, atol=1e-5)
+        # every norm (2 per layer and the final one) and MLP of the model is swapped
+        logits = model(torch.tensor([[1, 5, 9, 200]])).logits
+        assert fuse_modules(model, ops, 32) == 2 * 3 + 1
+        assert isinstance(model.model.norm, FusedRMSNorm)
+        assert isinstance(model.model.layers[1].mlp, FusedMLP)
+        torch.testing.assert_close(model(torch.tensor([[1, 5, 9, 200]])).logits, logits,
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+def test_fused_kernels_refuse_what_they_cannot_run(ops) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match="weight: expected 8 values, got 4"):
+        ops.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match="x: expected CPU float32"):
+        ops.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="gate_up: expected an even number of columns"):
+        ops.silu_mul(torch.zeros(2, 7))
+    big = torch.tensor([[-200.0, 0.0, 200.0, 1.0, 1.0, 1.0]])  # exp over- and underflow
+    torch.testing.assert_close(ops.silu_mul(big), F.silu(big[:, :3]) * big[:, 3:])
+
+
+def test_gpt2_keeps_its_own_modules(ops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from rtserve.llm.runner import ModelRunner
+
+    version_dir = build_llm(tmp_path, name="g", arch="gpt2")
+    opts = LlmOptions.parse({"device": "cpu", "kv_cache_bytes": 1 << 20}, "test")
+    assert ModelRunner(version_dir, opts).fused == 0  # LayerNorm and GELU: nothing to fuse
+
+
+def test_engine_gives_the_same_tokens_with_fused_kernels_or_not(ops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    version_dir = build_llm(tmp_path, name="tiny", arch="qwen2")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def generate(fused: bool) -> tuple[int, list[list[int]]]:
+        opts = {"device": "cpu", "kv_cache_bytes": 8 << 20, "max_model_len": 256,
+                "threads": 1, "block_size": 4, "cpu_fused": fused}  # fmt: skip
+        e = LlmEngine("tiny", "1", version_dir, LlmOptions.parse(opts, "test"))
+        e.start()
+        prompts = [e.encode_text("a dog ran to the park " * (1 + i)) for i in range(5)]
+
+        async def one(ids: list[int]) -> list[int]:
+            return [t async for ev in e.generate(ids, params) for t in ev.token_ids]
+
+        async def go() -> list[list[int]]:
+            try:
+                return list(await asyncio.gather(*(one(p) for p in prompts)))
+            finally:
+                await e.stop()
+
+        return e.runner.fused, asyncio.run(go())
+
+    swapped, with_fused = generate(True)
+    none, without = generate(False)
+    assert swapped == 2 * 3 + 1 and none == 0  # 2 layers x (2 norms + MLP) + the final norm
+    assert with_fused == without
+
+
+def test_cpu_fused_option_is_checked() -> None:
+    assert LlmOptions.parse({}, "m").cpu_fused is True
+    assert LlmOptions.parse({"cpu_fused": False}, "m").cpu_fused is False
+    with pytest.raises(ConfigError, match="llm.cpu_fused: expected true or false"):
+        LlmOptions.parse({"cpu_fused": "yes"}, "m")

@@ -31,6 +31,7 @@ class LlmOptions:
     threads: int = 0  # torch intra-op threads (0: the CPUs this process may use)
     cpu_linear: str = "onednn"  # onednn (prepacked weights) | torch (F.linear)
     cpu_attention: str = "kernel"  # kernel (paged, in place; torch if it cannot be built) | torch
+    cpu_fused: bool = True  # RMSNorm and the SiLU gate in rtserve's kernels (CPU float32)
     default_max_tokens: int = 256
     max_waiting: int = 1024  # requests queued beyond the running batch; more get a 503
     slo: TokenSLO | None = None
@@ -83,6 +84,9 @@ class LlmOptions:
             raise ConfigError(
                 f"{where}: llm.prefix_caching: expected true or false, got {prefix!r}"
             )
+        fused = data.get("cpu_fused", True)
+        if not isinstance(fused, bool):
+            raise ConfigError(f"{where}: llm.cpu_fused: expected true or false, got {fused!r}")
         block_size = integer("block_size", 1, 1024)
         options = cls(
             device=device,
@@ -95,6 +99,7 @@ class LlmOptions:
             prefix_caching=prefix,
             cpu_linear=cpu_linear,
             cpu_attention=cpu_attention,
+            cpu_fused=fused,
             threads=integer("threads", 0, 1024),
             default_max_tokens=integer("default_max_tokens", 1, 1 << 20),
             max_waiting=integer("max_waiting", 0, 1 << 20),

@@ -45,6 +45,13 @@ class ModelRunner:
             version_dir, dtype=self.dtype, attn_implementation=attention.ATTN_NAME
         )
         self.model = model.to(self.device).eval()
+        self.fused = 0
+        if options.cpu_fused and self.device.type == "cpu" and self.dtype == torch.float32:
+            ops = kernels.fused_ops()
+            if ops is not None:
+                packed_hint = options.max_num_seqs if options.cpu_linear == "onednn" else None
+                self.fused = fuse_modules(self.model, ops, packed_hint)
+                log.info("llm %s: %d norms and MLPs on fused kernels", version_dir, self.fused)
         if options.cpu_linear == "onednn" and self.device.type == "cpu":
             packed = pack_linears(self.model, options.max_num_seqs)
             log.info("llm %s: %d linear layers prepacked for oneDNN", version_dir, packed)
@@ -227,6 +234,86 @@ class FusedPart(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fused.part(self.index, x)
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """RMSNorm (Llama's and Qwen2's: ``weight * x / sqrt(mean(x^2) + eps)``) in one kernel."""
+
+    def __init__(self, norm: Any, ops: Any) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = float(norm.variance_epsilon)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)  # type: ignore[no-any-return]
+
+
+class FusedMLP(torch.nn.Module):
+    """A SiLU-gated MLP (``down(silu(gate(x)) * up(x))``) as one GEMM for gate and up, one
+    kernel for the gate, and the down projection; prepacked for oneDNN with ``batch_hint``,
+    else ``F.linear``."""
+
+    def __init__(self, mlp: Any, ops: Any, batch_hint: int | None) -> None:
+        super().__init__()
+        gate: torch.nn.Linear = mlp.gate_proj
+        up: torch.nn.Linear = mlp.up_proj
+        down: torch.nn.Linear = mlp.down_proj
+        weight = torch.cat([gate.weight.detach(), up.weight.detach()])
+        self.bias = None
+        if gate.bias is not None and up.bias is not None:
+            self.bias = torch.cat([gate.bias.detach(), up.bias.detach()])
+        self.packed = batch_hint is not None
+        self.weight = (
+            torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if self.packed else weight
+        )
+        self.down: torch.nn.Module = PackedLinear(down, batch_hint) if batch_hint else down
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if self.packed:
+            gate_up = torch.ops.mkldnn._linear_pointwise(
+                rows, self.weight, self.bias, "none", [], ""
+            )
+        else:
+            gate_up = torch.nn.functional.linear(rows, self.weight, self.bias)
+        out = self.down(self.ops.silu_mul(gate_up))
+        return out.view(*x.shape[:-1], out.shape[-1])  # type: ignore[no-any-return]
+
+
+def fuse_modules(model: torch.nn.Module, ops: Any, batch_hint: int | None) -> int:
+    """Swap Llama/Qwen2-style RMSNorms and SiLU-gated MLPs of ``model`` (CPU, float32) for
+    ``FusedRMSNorm`` and ``FusedMLP``; others (GPT-2's LayerNorm and GELU, biased halves)
+    stay as they are. How many were swapped."""
+    if batch_hint is not None and not torch.backends.mkldnn.is_available():
+        batch_hint = None
+    swaps: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            weight = getattr(child, "weight", None)
+            if (
+                type(child).__name__.endswith("RMSNorm")
+                and hasattr(child, "variance_epsilon")
+                and isinstance(weight, torch.Tensor)
+                and weight.dim() == 1
+            ):
+                swaps.append((parent, name, FusedRMSNorm(child, ops)))
+            elif _silu_gated(child):
+                swaps.append((parent, name, FusedMLP(child, ops, batch_hint)))
+    for parent, name, new in swaps:
+        setattr(parent, name, new)
+    return len(swaps)
+
+
+def _silu_gated(module: torch.nn.Module) -> bool:
+    linears = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    act = getattr(module, "act_fn", None)
+    return (
+        all(type(lin) is torch.nn.Linear for lin in linears)
+        and type(act).__name__ in ("SiLU", "SiLUActivation")
+        and (linears[0].bias is None) == (linears[1].bias is None)  # type: ignore[union-attr]
+    )
 
 
 FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

@@ -1,5 +1,7 @@
-// Decode attention that reads the paged KV pool in place (CPU, float32).
+// rtserve's CPU kernels for the generation engine (float32): decode attention that reads the
+// paged KV pool in place, and the fused RMSNorm and SiLU gate.
 //
+// Decode attention:
 // Each decoding sequence has one new query token per head. Its keys and values stay in the
 // pool's blocks: no gathered copy, no padding to the longest context in the step. Work is
 // split over sequences; each token's key and value rows are read once, in block order.
@@ -9,6 +11,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -31,6 +35,26 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void axpy(float* y, float a, const float* x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// exp(x) in a form the compiler vectorizes (libm's expf is a scalar call): 2^n * e^r with
+// |r| <= ln2 / 2 and a degree-6 polynomial for e^r (Cephes' coefficients), a few ulp; x is
+// clamped to [-87, 88] (e^-87 ~ 1.6e-38: nothing next to a softmax's largest term).
+inline float fast_exp(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
 }
 
 }  // namespace
@@ -107,6 +131,61 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   return out;
 }
 
+// RMSNorm of each row of x [rows, n] (float32): w * x / sqrt(mean(x^2) + eps), one pass over
+// the row for the sum of squares and one for the output, instead of five tensor operations.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat, "x: expected CPU float32");
+  check(weight, "weight", 1, torch::kFloat);
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.size(0) == n, "weight: expected ", n, " values, got ", weight.size(0));
+  auto xc = x.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t rows = xc.numel() / n;
+  const float* xs = xc.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xs + r * n;
+      float* orow = os + r * n;
+      float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t i = 0; i < n; ++i) sq += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + feps);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) orow[i] = w[i] * (xr[i] * inv);
+    }
+  });
+  return out;
+}
+
+// silu(gate) * up for gate_up [rows, 2 * n] holding gate then up in each row (the fused
+// gate/up projection's output): [rows, n].
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check(gate_up, "gate_up", 2, torch::kFloat);
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: expected an even number of columns");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, n}, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gr = g + r * 2 * n;
+      const float* ur = gr + n;
+      float* orow = o + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = gr[i];
+        orow[i] = a / (1.f + fast_exp(-a)) * ur[i];
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, float32)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate/up output (CPU, float32)");
 }
