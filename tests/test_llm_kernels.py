@@ -45,7 +45,9 @@ def reference(q, kc, vc, tables, lengths, scale):  # type: ignore[no-untyped-def
     return out.reshape(nd, heads, dim)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 32), (4, 4, 64), (9, 3, 64)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(6, 2, 32), (4, 4, 64), (9, 3, 64), (4, 2, 128), (2, 1, 80)]
+)
 def test_kernel_equals_torch_attention_over_gathered_blocks(
     kernel, heads: int, kv_heads: int, dim: int
 ) -> None:  # type: ignore[no-untyped-def]

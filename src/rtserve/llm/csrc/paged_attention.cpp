@@ -1,10 +1,11 @@
 // rtserve's CPU kernels for the generation engine (float32): decode attention that reads the
 // paged KV pool in place, and the fused RMSNorm and SiLU gate.
 //
-// Decode attention:
-// Each decoding sequence has one new query token per head. Its keys and values stay in the
-// pool's blocks: no gathered copy, no padding to the longest context in the step. Work is
-// split over sequences; each token's key and value rows are read once, in block order.
+// Decode attention: each decoding sequence has one new query token per head. Its keys and
+// values stay in the pool's blocks: no gathered copy, no padding to the longest context in
+// the step. Work is split over sequences in parts of about equal context; each token's key
+// and value rows are read once, in block order, the next block fetched ahead (blocks are
+// scattered over the pool, which the hardware prefetcher cannot guess).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -59,6 +60,67 @@ inline float fast_exp(float x) {
 
 }  // namespace
 
+// One sequence's decode attention: query qn [H, DIM] against its ``len`` cached tokens,
+// found through ``blocks_of``; out on [H, DIM]. ``DIM`` > 0 is the head size known at
+// compile time (the dot products and sums unroll into registers); 0 reads ``dim``.
+template <int DIM>
+void attend(const float* qn, float* on, const float* kc, const float* vc, const int64_t* blocks_of,
+            int64_t len, int64_t heads, int64_t groups, int64_t dim_rt, int64_t block_size,
+            int64_t row, float fscale, std::vector<float>& scores) {
+  const int64_t dim = DIM > 0 ? DIM : dim_rt;
+  scores.resize(heads * len);
+  float* s = scores.data();
+  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+    const int64_t n_in = std::min(block_size, len - t0);
+    const float* kb = kc + blocks_of[b] * block_size * row;
+    const float* kn = t0 + block_size < len ? kc + blocks_of[b + 1] * block_size * row : nullptr;
+    for (int64_t i = 0; i < n_in; ++i) {
+      const float* k = kb + i * row;
+      if (kn != nullptr)  // the next block's same row, one cache line at a time
+        for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(kn + i * row + c);
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        const float* qh = qn + hq * dim;
+        const float* kh = k + (hq / groups) * dim;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < dim; ++d) acc += qh[d] * kh[d];
+        s[hq * len + t0 + i] = acc * fscale;
+      }
+    }
+  }
+  for (int64_t hq = 0; hq < heads; ++hq) {
+    float* sh = s + hq * len;
+    const float top = *std::max_element(sh, sh + len);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      sh[t] = fast_exp(sh[t] - top);
+      total += sh[t];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
+  }
+  std::fill(on, on + heads * dim, 0.f);
+  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+    const int64_t n_in = std::min(block_size, len - t0);
+    const float* vb = vc + blocks_of[b] * block_size * row;
+    const float* vn = t0 + block_size < len ? vc + blocks_of[b + 1] * block_size * row : nullptr;
+    for (int64_t i = 0; i < n_in; ++i) {
+      const float* v = vb + i * row;
+      if (vn != nullptr)
+        for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(vn + i * row + c);
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        const float p = s[hq * len + t0 + i];
+        float* oh = on + hq * dim;
+        const float* vh = v + (hq / groups) * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) oh[d] += p * vh[d];
+      }
+    }
+  }
+}
+
 // query [nd, H, D]; k_cache, v_cache [blocks, block_size, KVH, D]; tables [nd, width] (block
 // ids, padded); lengths [nd] (context tokens, the new one included). Returns [nd, H, D].
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -81,51 +143,44 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   const float* vc = v_cache.data_ptr<float>();
   const int64_t* table = tables.data_ptr<int64_t>();
   const int64_t* length = lengths.data_ptr<int64_t>();
+  int64_t total = 0;
   for (int64_t n = 0; n < nd; ++n) {
     TORCH_CHECK(length[n] >= 1 && length[n] <= width * block_size, "lengths[", n, "] out of range");
     for (int64_t b = 0; b < (length[n] + block_size - 1) / block_size; ++b) {
       const int64_t id = table[n * width + b];
       TORCH_CHECK(id >= 0 && id < blocks, "tables[", n, ", ", b, "] = ", id, " out of range");
     }
+    total += length[n];
   }
   auto out = torch::empty_like(query);
   float* o = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   const int64_t row = kv_heads * dim;  // one token's keys in a block
 
-  // One task per sequence: each token's keys (all kv heads, one contiguous row) are read
-  // once, in block order, for every query head.
-  at::parallel_for(0, nd, 1, [&](int64_t begin, int64_t end) {
+  // Sequences in contiguous parts of about equal context (the work is per cached token),
+  // a few per thread; each sequence's key and value rows are read once, in block order.
+  const int64_t parts = std::min<int64_t>(nd, 4 * at::get_num_threads());
+  std::vector<int64_t> first(parts + 1, nd);
+  first[0] = 0;
+  for (int64_t n = 0, seen = 0, p = 1; n < nd && p < parts; ++n) {
+    seen += length[n];
+    while (p < parts && seen * parts >= total * p) first[p++] = n + 1;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t len = length[n];
-      const int64_t* blocks_of = table + n * width;
+    for (int64_t n = first[begin]; n < first[end]; ++n) {
       const float* qn = q + n * heads * dim;
       float* on = o + n * heads * dim;
-      scores.resize(heads * len);
-      for (int64_t t = 0; t < len; ++t) {
-        const float* k = kc + (blocks_of[t / block_size] * block_size + t % block_size) * row;
-        for (int64_t hq = 0; hq < heads; ++hq)
-          scores[hq * len + t] = dot(qn + hq * dim, k + (hq / groups) * dim, dim) * fscale;
-      }
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        float* s = scores.data() + hq * len;
-        const float top = *std::max_element(s, s + len);
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) s[t] = std::exp(s[t] - top);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) total += s[t];
-        const float inv = 1.f / total;
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
-      std::fill(on, on + heads * dim, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const float* v = vc + (blocks_of[t / block_size] * block_size + t % block_size) * row;
-        for (int64_t hq = 0; hq < heads; ++hq)
-          axpy(on + hq * dim, scores[hq * len + t], v + (hq / groups) * dim, dim);
-      }
+      const int64_t* blocks_of = table + n * width;
+      if (dim == 64)
+        attend<64>(qn, on, kc, vc, blocks_of, length[n], heads, groups, dim, block_size, row,
+                   fscale, scores);
+      else if (dim == 128)
+        attend<128>(qn, on, kc, vc, blocks_of, length[n], heads, groups, dim, block_size, row,
+                    fscale, scores);
+      else
+        attend<0>(qn, on, kc, vc, blocks_of, length[n], heads, groups, dim, block_size, row,
+                  fscale, scores);
     }
   });
   return out;
