@@ -120,20 +120,25 @@ def ops(kernel):  # type: ignore[no-untyped-def]
     return found
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-mlp-bias"])
 def test_fused_norm_and_mlp_equal_the_architectures_modules(ops, arch: str) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     from rtserve.llm.runner import FusedMLP, FusedRMSNorm, fuse_modules
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "llama-mlp-bias": LlamaConfig}[arch]
+    extra = {"mlp_bias": True} if arch == "llama-mlp-bias" else {}
     config = cls(num_hidden_layers=2, hidden_size=96, intermediate_size=160,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=300)  # fmt: skip
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=300, **extra)  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     layer = model.model.layers[0]
     with torch.no_grad():  # (random, not the initial ones: the norm's weight starts at 1)
         layer.input_layernorm.weight.uniform_(0.5, 1.5)
+        if extra:
+            assert layer.mlp.gate_proj.bias is not None
+            for lin in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                lin.bias.uniform_(-0.5, 0.5)
     x = torch.randn(1, 37, 96) * 3
     with torch.no_grad():
         want_norm, want_mlp = layer.input_layernorm(x), layer.mlp(x)
