@@ -78,31 +78,36 @@ def test_kernel_refuses_out_of_range_tables_and_lengths(kernel) -> None:  # type
         kernel(q.double(), kc, kc, tables, torch.tensor([8, 3]), 0.25)
 
 
+def greedy_tokens(
+    version_dir: Path, text: str, n: int, **llm: object
+) -> tuple[LlmEngine, list[list[int]]]:
+    """24 greedy tokens for each of ``n`` prompts (``text`` repeated 1..n times), generated
+    concurrently by an engine with the llm options ``llm``; the engine, stopped."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    opts = {"device": "cpu", "kv_cache_bytes": 8 << 20, "max_model_len": 256,
+            "threads": 1, "block_size": 4, **llm}  # fmt: skip
+    e = LlmEngine("tiny", "1", version_dir, LlmOptions.parse(opts, "test"))
+    e.start()
+    prompts = [e.encode_text(text * (1 + i)) for i in range(n)]
+
+    async def one(ids: list[int]) -> list[int]:
+        return [t async for ev in e.generate(ids, params) for t in ev.token_ids]
+
+    async def go() -> list[list[int]]:
+        try:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+        finally:
+            await e.stop()
+
+    return e, asyncio.run(go())
+
+
 def test_engine_gives_the_same_tokens_on_either_attention(kernel, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     version_dir = build_llm(tmp_path, name="tiny", arch="llama")
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-    def generate(cpu_attention: str) -> tuple[bool, list[list[int]]]:
-        opts = {"device": "cpu", "kv_cache_bytes": 8 << 20, "max_model_len": 256,
-                "threads": 1, "block_size": 4, "cpu_attention": cpu_attention}  # fmt: skip
-        e = LlmEngine("tiny", "1", version_dir, LlmOptions.parse(opts, "test"))
-        e.start()
-        prompts = [e.encode_text("the cat sat on the mat " * (1 + i)) for i in range(6)]
-
-        async def one(ids: list[int]) -> list[int]:
-            return [t async for ev in e.generate(ids, params) for t in ev.token_ids]
-
-        async def go() -> list[list[int]]:
-            try:
-                return list(await asyncio.gather(*(one(p) for p in prompts)))
-            finally:
-                await e.stop()
-
-        return e.runner.decode_kernel is not None, asyncio.run(go())
-
-    used, with_kernel = generate("kernel")
-    unused, with_torch = generate("torch")
-    assert used and not unused
+    text = "the cat sat on the mat "
+    used, with_kernel = greedy_tokens(version_dir, text, 6, cpu_attention="kernel")
+    unused, with_torch = greedy_tokens(version_dir, text, 6, cpu_attention="torch")
+    assert used.runner.decode_kernel is not None and unused.runner.decode_kernel is None
     assert with_kernel == with_torch
     assert all(len(t) == 24 for t in with_kernel)
 
@@ -177,29 +182,11 @@ def test_gpt2_keeps_its_own_modules(ops, tmp_path: Path) -> None:  # type: ignor
 
 def test_engine_gives_the_same_tokens_with_fused_kernels_or_not(ops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     version_dir = build_llm(tmp_path, name="tiny", arch="qwen2")
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-    def generate(fused: bool) -> tuple[int, list[list[int]]]:
-        opts = {"device": "cpu", "kv_cache_bytes": 8 << 20, "max_model_len": 256,
-                "threads": 1, "block_size": 4, "cpu_fused": fused}  # fmt: skip
-        e = LlmEngine("tiny", "1", version_dir, LlmOptions.parse(opts, "test"))
-        e.start()
-        prompts = [e.encode_text("a dog ran to the park " * (1 + i)) for i in range(5)]
-
-        async def one(ids: list[int]) -> list[int]:
-            return [t async for ev in e.generate(ids, params) for t in ev.token_ids]
-
-        async def go() -> list[list[int]]:
-            try:
-                return list(await asyncio.gather(*(one(p) for p in prompts)))
-            finally:
-                await e.stop()
-
-        return e.runner.fused, asyncio.run(go())
-
-    swapped, with_fused = generate(True)
-    none, without = generate(False)
-    assert swapped == 2 * 3 + 1 and none == 0  # 2 layers x (2 norms + MLP) + the final norm
+    text = "a dog ran to the park "
+    swapped, with_fused = greedy_tokens(version_dir, text, 5, cpu_fused=True)
+    none, without = greedy_tokens(version_dir, text, 5, cpu_fused=False)
+    # 2 layers x (2 norms + MLP) + the final norm
+    assert swapped.runner.fused == 2 * 3 + 1 and none.runner.fused == 0
     assert with_fused == without
 
 

@@ -30,19 +30,17 @@ _built: dict[str, Any] = {}
 def paged_decode() -> Callable[..., Any] | None:
     """The kernel ``paged_decode(query [n, H, D], k_cache, v_cache, tables [n, B], lengths
     [n], scale) -> [n, H, D]``, or None (logged once) where it cannot be built."""
-    with _lock:
-        if "paged" not in _built:
-            _built["paged"] = _build()
-        module = _built["paged"]
+    module = fused_ops()
     return None if module is None else module.paged_decode
 
 
 def fused_ops() -> Any | None:
-    """The module with ``rms_norm(x, weight, eps)`` and ``silu_mul(gate_up)``, or None."""
+    """The built module (``paged_decode``, ``rms_norm(x, weight, eps)``,
+    ``silu_mul(gate_up)``), built once; None (logged once) where it cannot be built."""
     with _lock:
-        if "paged" not in _built:
-            _built["paged"] = _build()
-        return _built["paged"]
+        if "ops" not in _built:
+            _built["ops"] = _build()
+        return _built["ops"]
 
 
 def _build() -> Any:
@@ -57,5 +55,5 @@ def _build() -> Any:
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a build error: PyTorch's path serves
-        log.warning("llm: the paged-attention kernel could not be built (%s); using torch", exc)
+        log.warning("llm: rtserve's CPU kernels could not be built (%s); using torch's", exc)
         return None

@@ -258,26 +258,20 @@ class FusedMLP(torch.nn.Module):
         super().__init__()
         gate: torch.nn.Linear = mlp.gate_proj
         up: torch.nn.Linear = mlp.up_proj
-        down: torch.nn.Linear = mlp.down_proj
-        weight = torch.cat([gate.weight.detach(), up.weight.detach()])
-        self.bias = None
-        if gate.bias is not None and up.bias is not None:
-            self.bias = torch.cat([gate.bias.detach(), up.bias.detach()])
-        self.packed = batch_hint is not None
-        self.weight = (
-            torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if self.packed else weight
+        both = torch.nn.Linear(
+            gate.in_features, 2 * gate.out_features, bias=gate.bias is not None, device="meta"
         )
-        self.down: torch.nn.Module = PackedLinear(down, batch_hint) if batch_hint else down
+        both.weight = torch.nn.Parameter(torch.cat([gate.weight, up.weight]).detach(), False)
+        if gate.bias is not None and up.bias is not None:
+            both.bias = torch.nn.Parameter(torch.cat([gate.bias, up.bias]).detach(), False)
+        self.gate_up: torch.nn.Module = PackedLinear(both, batch_hint) if batch_hint else both
+        self.down: torch.nn.Module = (
+            PackedLinear(mlp.down_proj, batch_hint) if batch_hint else mlp.down_proj
+        )
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        if self.packed:
-            gate_up = torch.ops.mkldnn._linear_pointwise(
-                rows, self.weight, self.bias, "none", [], ""
-            )
-        else:
-            gate_up = torch.nn.functional.linear(rows, self.weight, self.bias)
+        gate_up = self.gate_up(x.reshape(-1, x.shape[-1]).contiguous())
         out = self.down(self.ops.silu_mul(gate_up))
         return out.view(*x.shape[:-1], out.shape[-1])  # type: ignore[no-any-return]
 

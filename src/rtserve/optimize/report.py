@@ -42,17 +42,16 @@ def speedup(base: Measurement, m: Measurement, batch: int | None = None) -> floa
     state); else the ratio of their best rounds."""
     if m is base:
         return 1.0
-    if batch is None:
-        pairs = [(b, x) for b, x in zip(base.round_p50_ms, m.round_p50_ms, strict=False)]
-        if pairs and all(b > 0 and x > 0 for b, x in pairs):
-            return float(np.median([b / x for b, x in pairs]))
-        return base.p50_ms / m.p50_ms if m.p50_ms > 0 else math.nan
-    rb, rm = base.round_throughput.get(batch, []), m.round_throughput.get(batch, [])
-    pairs = list(zip(rb, rm, strict=False))
-    if pairs and all(b > 0 and x > 0 for b, x in pairs):
-        return float(np.median([x / b for b, x in pairs]))
-    b1, x1 = base.throughput.get(batch, math.nan), m.throughput.get(batch, math.nan)
-    return x1 / b1 if b1 > 0 else math.nan
+    if batch is None:  # times: base's over m's
+        num, den = base.round_p50_ms, m.round_p50_ms
+        best = (base.p50_ms, m.p50_ms)
+    else:  # rows per second: m's over base's
+        num, den = m.round_throughput.get(batch, []), base.round_throughput.get(batch, [])
+        best = (m.throughput.get(batch, math.nan), base.throughput.get(batch, math.nan))
+    pairs = list(zip(num, den, strict=False))
+    if pairs and all(a > 0 and b > 0 for a, b in pairs):
+        return float(np.median([a / b for a, b in pairs]))
+    return best[0] / best[1] if best[1] > 0 else math.nan
 
 
 def noise_band(baseline: Measurement | None, floor: float = NOISE_BAND) -> float:

@@ -14,7 +14,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -60,6 +59,24 @@ inline float fast_exp(float x) {
 
 }  // namespace
 
+// Calls f(t, row) for each of a sequence's ``len`` cached tokens, in block order, where
+// ``row`` is token t's row (all kv heads) in ``pool``; the next block's same row is fetched
+// ahead, one cache line at a time.
+template <class F>
+inline void for_each_row(const float* pool, const int64_t* blocks_of, int64_t len,
+                         int64_t block_size, int64_t row, F&& f) {
+  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+    const int64_t n_in = std::min(block_size, len - t0);
+    const float* here = pool + blocks_of[b] * block_size * row;
+    const float* next = t0 + block_size < len ? pool + blocks_of[b + 1] * block_size * row : nullptr;
+    for (int64_t i = 0; i < n_in; ++i) {
+      if (next != nullptr)
+        for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(next + i * row + c);
+      f(t0 + i, here + i * row);
+    }
+  }
+}
+
 // One sequence's decode attention: query qn [H, DIM] against its ``len`` cached tokens,
 // found through ``blocks_of``; out on [H, DIM]. ``DIM`` > 0 is the head size known at
 // compile time (the dot products and sums unroll into registers); 0 reads ``dim``.
@@ -70,24 +87,10 @@ void attend(const float* qn, float* on, const float* kc, const float* vc, const 
   const int64_t dim = DIM > 0 ? DIM : dim_rt;
   scores.resize(heads * len);
   float* s = scores.data();
-  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-    const int64_t n_in = std::min(block_size, len - t0);
-    const float* kb = kc + blocks_of[b] * block_size * row;
-    const float* kn = t0 + block_size < len ? kc + blocks_of[b + 1] * block_size * row : nullptr;
-    for (int64_t i = 0; i < n_in; ++i) {
-      const float* k = kb + i * row;
-      if (kn != nullptr)  // the next block's same row, one cache line at a time
-        for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(kn + i * row + c);
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        const float* qh = qn + hq * dim;
-        const float* kh = k + (hq / groups) * dim;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t d = 0; d < dim; ++d) acc += qh[d] * kh[d];
-        s[hq * len + t0 + i] = acc * fscale;
-      }
-    }
-  }
+  for_each_row(kc, blocks_of, len, block_size, row, [&](int64_t t, const float* k) {
+    for (int64_t hq = 0; hq < heads; ++hq)
+      s[hq * len + t] = dot(qn + hq * dim, k + (hq / groups) * dim, dim) * fscale;
+  });
   for (int64_t hq = 0; hq < heads; ++hq) {
     float* sh = s + hq * len;
     const float top = *std::max_element(sh, sh + len);
@@ -102,23 +105,10 @@ void attend(const float* qn, float* on, const float* kc, const float* vc, const 
     for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
   }
   std::fill(on, on + heads * dim, 0.f);
-  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-    const int64_t n_in = std::min(block_size, len - t0);
-    const float* vb = vc + blocks_of[b] * block_size * row;
-    const float* vn = t0 + block_size < len ? vc + blocks_of[b + 1] * block_size * row : nullptr;
-    for (int64_t i = 0; i < n_in; ++i) {
-      const float* v = vb + i * row;
-      if (vn != nullptr)
-        for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(vn + i * row + c);
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        const float p = s[hq * len + t0 + i];
-        float* oh = on + hq * dim;
-        const float* vh = v + (hq / groups) * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) oh[d] += p * vh[d];
-      }
-    }
-  }
+  for_each_row(vc, blocks_of, len, block_size, row, [&](int64_t t, const float* v) {
+    for (int64_t hq = 0; hq < heads; ++hq)
+      axpy(on + hq * dim, s[hq * len + t], v + (hq / groups) * dim, dim);
+  });
 }
 
 // query [nd, H, D]; k_cache, v_cache [blocks, block_size, KVH, D]; tables [nd, width] (block
