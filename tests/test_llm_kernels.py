@@ -45,19 +45,25 @@ def reference(q, kc, vc, tables, lengths, scale):  # type: ignore[no-untyped-def
     return out.reshape(nd, heads, dim)
 
 
+# head sizes with a vector path (32, 64, 128) and without (80); groups of 1 to 8 query heads
+# per kv head (8 x 128 is split into register-sized parts); blocks of 4 and 16 tokens
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim"), [(6, 2, 32), (4, 4, 64), (9, 3, 64), (4, 2, 128), (2, 1, 80)]
-)
+    ("heads", "kv_heads", "dim", "bs"),
+    [(6, 2, 32, 4), (4, 4, 64, 4), (9, 3, 64, 4), (9, 3, 64, 16), (14, 2, 64, 16),
+     (4, 2, 128, 4), (32, 4, 128, 16), (16, 16, 32, 16), (2, 1, 80, 4)],
+)  # fmt: skip
 def test_kernel_equals_torch_attention_over_gathered_blocks(
-    kernel, heads: int, kv_heads: int, dim: int
+    kernel, heads: int, kv_heads: int, dim: int, bs: int
 ) -> None:  # type: ignore[no-untyped-def]
-    g = torch.Generator().manual_seed(heads * dim)
-    blocks, bs, nd, width = 64, 4, 7, 9
+    g = torch.Generator().manual_seed(heads * dim + bs)
+    nd, width = 9, 36 // bs + 5
+    blocks = nd * width + 8
     kc = torch.randn(blocks, bs, kv_heads, dim, generator=g)
     vc = torch.randn(blocks, bs, kv_heads, dim, generator=g)
-    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(nd)])
-    lengths = torch.tensor([1, 2, 5, 17, 30, 35, 36])  # 1 token .. every slot of the table
-    q = torch.randn(nd, heads, dim, generator=g)
+    tables = torch.randperm(blocks, generator=g)[: nd * width].view(nd, width)
+    # 1 token .. every slot of the table; 16-token runs cut anywhere
+    lengths = torch.tensor([1, 2, 5, 15, 16, 17, 30, 33, width * bs])
+    q = torch.randn(nd, heads, dim, generator=g) * 3
     got = kernel(q, kc, vc, tables, lengths, dim**-0.5)
     want = reference(q, kc, vc, tables, lengths, dim**-0.5)
     assert got.shape == (nd, heads, dim)
@@ -76,6 +82,53 @@ def test_kernel_refuses_out_of_range_tables_and_lengths(kernel) -> None:  # type
         kernel(q, kc, kc, tables, torch.tensor([9, 3]), 0.25)
     with pytest.raises(RuntimeError, match="query: expected Float"):
         kernel(q.double(), kc, kc, tables, torch.tensor([8, 3]), 0.25)
+
+
+def test_kernel_reads_queries_in_place_from_a_wider_row(kernel) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(3)
+    kc, vc = torch.randn(2, 16, 8, 2, 64, generator=g)
+    tables, lengths = torch.tensor([[0, 1], [1, 0]]), torch.tensor([16, 9])
+    rows = torch.randn(2, 6 * 64, generator=g)  # q, then two kv heads' keys and values
+    q = rows[:, : 4 * 64].view(2, 4, 64)
+    assert not q.is_contiguous()
+    torch.testing.assert_close(
+        kernel(q, kc, vc, tables, lengths, 0.125),
+        reference(q.contiguous(), kc, vc, tables, lengths, 0.125),
+        rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="query: expected each token's heads contiguous"):
+        kernel(q.transpose(0, 1), kc, vc, tables, lengths, 0.125)
+
+
+def test_rope_store_equals_the_architectures_rope_and_fills_the_slots(ops) -> None:  # type: ignore[no-untyped-def]
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(5)
+    tokens, heads, kv_heads, dim, bs = 5, 6, 2, 32, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    angles = torch.rand(tokens, dim // 2, generator=g) * 40
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q = qkv[:, : heads * dim].view(1, tokens, heads, dim).transpose(1, 2)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(1, tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim).clone()
+    want_q, want_k = apply_rotary_pos_emb(q, k.transpose(1, 2), cos[None], sin[None])
+    k_cache, v_cache = torch.zeros(2, 4, bs, kv_heads, dim)
+    slots = torch.tensor([13, 2, 7, 0, 15])
+    ops.rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads)
+    got_q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    stored_k = k_cache.view(-1, kv_heads, dim)[slots]
+    torch.testing.assert_close(stored_k, want_k[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(v_cache.view(-1, kv_heads, dim)[slots], v)
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache.view(16, -1)[untouched].any() and not v_cache.view(16, -1)[untouched].any()
+    with pytest.raises(RuntimeError, match=r"slots\[1\] = 16 out of range"):
+        ops.rope_store(qkv, cos, sin, k_cache, v_cache, torch.tensor([0, 16, 1, 2, 3]), heads)
+    with pytest.raises(RuntimeError, match="qkv: expected 384 columns, got 320"):
+        ops.rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads + 2)
+    with pytest.raises(RuntimeError, match=r"cos, sin: expected \[5, 32\]"):
+        ops.rope_store(qkv, cos[:, :16].contiguous(), sin, k_cache, v_cache, slots, heads)
 
 
 def greedy_tokens(
@@ -125,15 +178,50 @@ def ops(kernel):  # type: ignore[no-untyped-def]
     return found
 
 
+def packed_logits(model, ids: list[int], kernel, prompt: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The model's logits over ``ids`` run as the engine runs them: the first ``prompt``
+    tokens as one prompt chunk, then one decode step per token, keys and values in a pool
+    of 4-token blocks (block i holds tokens 4i..4i+3)."""
+    from rtserve.llm import attention
+    from rtserve.llm.attention import Chunk, StepContext
+
+    config = model.config
+    dim = config.hidden_size // config.num_attention_heads
+    layers, kvh = config.num_hidden_layers, config.num_key_value_heads
+    k_cache = [torch.zeros(8, 4, kvh, dim) for _ in range(layers)]
+    v_cache = [torch.zeros(8, 4, kvh, dim) for _ in range(layers)]
+    steps: list[tuple[list[int], StepContext]] = [
+        (list(range(prompt)),
+         StepContext(k_cache, v_cache, torch.arange(prompt), 0, None, None,
+                     [Chunk(0, prompt, prompt, None, None)]))
+    ]  # fmt: skip
+    for p in range(prompt, len(ids)):
+        table = torch.arange(p // 4 + 1)[None]
+        steps.append(
+            ([p], StepContext(k_cache, v_cache, torch.tensor([p]), 1, table, None, [],
+                              torch.tensor([p + 1]), kernel))
+        )  # fmt: skip
+    rows = []
+    for positions, ctx in steps:
+        attention.set_step(ctx)
+        try:
+            out = model(input_ids=torch.tensor([[ids[p] for p in positions]]),
+                        position_ids=torch.tensor([positions]), use_cache=False)  # fmt: skip
+        finally:
+            attention.set_step(None)
+        rows.append(out.logits[0])
+    return torch.cat(rows)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-mlp-bias"])
-def test_fused_norm_and_mlp_equal_the_architectures_modules(ops, arch: str) -> None:  # type: ignore[no-untyped-def]
+def test_fused_modules_equal_the_architectures_modules(ops, kernel, arch: str) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    from rtserve.llm.runner import FusedMLP, FusedRMSNorm, fuse_modules
+    from rtserve.llm.runner import FusedAttention, FusedMLP, FusedRMSNorm, fuse_modules
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "llama-mlp-bias": LlamaConfig}[arch]
     extra = {"mlp_bias": True} if arch == "llama-mlp-bias" else {}
-    config = cls(num_hidden_layers=2, hidden_size=96, intermediate_size=160,
+    config = cls(num_hidden_layers=2, hidden_size=128, intermediate_size=160,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300, **extra)  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -144,7 +232,7 @@ def test_fused_norm_and_mlp_equal_the_architectures_modules(ops, arch: str) -> N
             assert layer.mlp.gate_proj.bias is not None
             for lin in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                 lin.bias.uniform_(-0.5, 0.5)
-    x = torch.randn(1, 37, 96) * 3
+    x = torch.randn(1, 37, 128) * 3
     with torch.no_grad():
         want_norm, want_mlp = layer.input_layernorm(x), layer.mlp(x)
         for hint in (None, 32):  # F.linear, and oneDNN's prepacked weights
@@ -152,13 +240,17 @@ def test_fused_norm_and_mlp_equal_the_architectures_modules(ops, arch: str) -> N
             got_mlp = FusedMLP(layer.mlp, ops, hint)(x)
             torch.testing.assert_close(got_norm, want_norm, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got_mlp, want_mlp, rtol=1e-4, atol=1e-5)
-        # every norm (2 per layer and the final one) and MLP of the model is swapped
-        logits = model(torch.tensor([[1, 5, 9, 200]])).logits
-        assert fuse_modules(model, ops, 32) == 2 * 3 + 1
+        # every norm (2 per layer and the final one), MLP and attention is swapped; the model
+        # run as the engine runs it (a prompt chunk, then decodes on the kernel) gives the
+        # logits the architecture's own modules give over the whole text
+        ids = [1, 5, 9, 200, 7, 42, 13, 250, 3, 77]
+        want = model(torch.tensor([ids])).logits[0]
+        assert fuse_modules(model, ops, 32) == 2 * 4 + 1
         assert isinstance(model.model.norm, FusedRMSNorm)
         assert isinstance(model.model.layers[1].mlp, FusedMLP)
-        torch.testing.assert_close(model(torch.tensor([[1, 5, 9, 200]])).logits, logits,
-                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        assert isinstance(model.model.layers[1].self_attn, FusedAttention)
+        got = packed_logits(model, ids, kernel, prompt=6)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_fused_kernels_refuse_what_they_cannot_run(ops) -> None:  # type: ignore[no-untyped-def]
@@ -185,8 +277,8 @@ def test_engine_gives_the_same_tokens_with_fused_kernels_or_not(ops, tmp_path: P
     text = "a dog ran to the park "
     swapped, with_fused = greedy_tokens(version_dir, text, 5, cpu_fused=True)
     none, without = greedy_tokens(version_dir, text, 5, cpu_fused=False)
-    # 2 layers x (2 norms + MLP) + the final norm
-    assert swapped.runner.fused == 2 * 3 + 1 and none.runner.fused == 0
+    # 2 layers x (2 norms + MLP + attention) + the final norm
+    assert swapped.runner.fused == 2 * 4 + 1 and none.runner.fused == 0
     assert with_fused == without
 
 

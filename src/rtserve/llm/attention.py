@@ -52,6 +52,11 @@ def set_step(ctx: StepContext | None) -> None:
     _local.step = ctx
 
 
+def current() -> StepContext:
+    """The step being run (``set_step``)."""
+    return _local.step  # type: ignore[no-any-return]
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -67,17 +72,35 @@ def paged_attention(
     ctx: StepContext = _local.step
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    keys, values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
+    k_cache.view(-1, kv_heads, dim).index_copy_(0, ctx.slots, keys)
+    v_cache.view(-1, kv_heads, dim).index_copy_(0, ctx.slots, values)
+    out = attend(ctx, layer, query[0].transpose(0, 1), keys, values, scaling)
+    return out.unsqueeze(0), None
+
+
+def attend(
+    ctx: StepContext,
+    layer: int,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of the packed step's queries ``q`` [T, H, D] to their sequences' contexts,
+    this step's keys and values (``key``/``value`` [T, KVH, D]) already in the pool; [T, H, D]."""
+    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     blocks, block_size, kv_heads, dim = k_cache.shape
-    k_cache.view(-1, kv_heads, dim).index_copy_(0, ctx.slots, key[0].transpose(0, 1))
-    v_cache.view(-1, kv_heads, dim).index_copy_(0, ctx.slots, value[0].transpose(0, 1))
-    heads, tokens = query.shape[1], query.shape[2]
+    tokens, heads = q.shape[0], q.shape[1]
     groups = heads // kv_heads
-    out = query.new_empty(tokens, heads, dim)
-    q = query[0]  # [H, T, D]
+    out = q.new_empty(tokens, heads, dim)
     nd = ctx.decodes
     kernel = ctx.decode_kernel
     if nd and kernel is not None:  # in place over the pool: no gathered copy, no padding
-        qd = q[:, :nd].transpose(0, 1).contiguous()  # [nd, H, D]
+        qd = q[:nd]
+        if qd.stride(2) != 1 or qd.stride(1) != dim:
+            qd = qd.contiguous()
         out[:nd] = kernel(
             qd, k_cache, v_cache, ctx.decode_gather, ctx.decode_lengths,
             scaling if scaling is not None else dim**-0.5,
@@ -89,7 +112,7 @@ def paged_attention(
         keys = k_cache.index_select(0, table.view(-1)).view(nd, width, kv_heads, dim)
         values = v_cache.index_select(0, table.view(-1)).view(nd, width, kv_heads, dim)
         # Every head of a kv head's group attends at the same position: one query row each.
-        qd = q[:, :nd].reshape(kv_heads, groups, nd, dim).permute(2, 0, 1, 3)
+        qd = q[:nd].reshape(nd, kv_heads, groups, dim)
         od = F.scaled_dot_product_attention(
             qd,
             keys.permute(0, 2, 1, 3),
@@ -99,10 +122,10 @@ def paged_attention(
         )  # [nd, KVH, groups, D]
         out[:nd] = od.reshape(nd, heads, dim)
     for c in ctx.chunks:
-        qc = q[:, c.start : c.start + c.n].unsqueeze(0)  # [1, H, n, D]
+        qc = q[c.start : c.start + c.n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if c.gather is None:
-            kc = key[:, :, c.start : c.start + c.n]
-            vc = value[:, :, c.start : c.start + c.n]
+            kc = key[c.start : c.start + c.n].transpose(0, 1).unsqueeze(0)
+            vc = value[c.start : c.start + c.n].transpose(0, 1).unsqueeze(0)
             oc = F.scaled_dot_product_attention(
                 qc, kc, vc, is_causal=True, scale=scaling, enable_gqa=groups > 1
             )
@@ -113,7 +136,7 @@ def paged_attention(
                 qc, kc, vc, attn_mask=c.mask, scale=scaling, enable_gqa=groups > 1
             )
         out[c.start : c.start + c.n] = oc[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out
 
 
 def register() -> None:

@@ -51,7 +51,11 @@ class ModelRunner:
             if ops is not None:
                 packed_hint = options.max_num_seqs if options.cpu_linear == "onednn" else None
                 self.fused = fuse_modules(self.model, ops, packed_hint)
-                log.info("llm %s: %d norms and MLPs on fused kernels", version_dir, self.fused)
+                log.info(
+                    "llm %s: %d norms, MLPs and attentions on fused kernels",
+                    version_dir,
+                    self.fused,
+                )
         if options.cpu_linear == "onednn" and self.device.type == "cpu":
             packed = pack_linears(self.model, options.max_num_seqs)
             log.info("llm %s: %d linear layers prepacked for oneDNN", version_dir, packed)
@@ -276,9 +280,78 @@ class FusedMLP(torch.nn.Module):
         return out.view(*x.shape[:-1], out.shape[-1])  # type: ignore[no-any-return]
 
 
+class FusedAttention(torch.nn.Module):
+    """Llama's and Qwen2's attention with q/k/v as one GEMM, and RoPE and the key/value store
+    as one kernel over its output (``rope_store``): the step's paged attention (``attention.
+    attend``) then the output projection. Prepacked for oneDNN with ``batch_hint``."""
+
+    def __init__(self, attn: Any, ops: Any, batch_hint: int | None) -> None:
+        super().__init__()
+        config = attn.config
+        self.layer_idx = int(attn.layer_idx)
+        self.heads = int(config.num_attention_heads)
+        self.head_dim = int(attn.head_dim)
+        self.scaling = float(attn.scaling)
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+        both = torch.nn.Linear(
+            attn.q_proj.in_features,
+            sum(p.out_features for p in projections),
+            bias=attn.q_proj.bias is not None,
+            device="meta",
+        )
+        both.weight = torch.nn.Parameter(torch.cat([p.weight for p in projections]).detach(), False)
+        if attn.q_proj.bias is not None:
+            both.bias = torch.nn.Parameter(torch.cat([p.bias for p in projections]).detach(), False)
+        self.qkv: torch.nn.Module = PackedLinear(both, batch_hint) if batch_hint else both
+        self.o_proj: torch.nn.Module = (
+            PackedLinear(attn.o_proj, batch_hint) if batch_hint else attn.o_proj
+        )
+        self.ops = ops
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        ctx = attention.current()
+        layer = self.layer_idx
+        qkv = self.qkv(hidden_states.reshape(-1, hidden_states.shape[-1]).contiguous())
+        cos, sin = position_embeddings
+        self.ops.rope_store(
+            qkv, cos[0].contiguous(), sin[0].contiguous(), ctx.k_cache[layer],
+            ctx.v_cache[layer], ctx.slots, self.heads,
+        )  # fmt: skip
+        tokens, dim = qkv.shape[0], self.head_dim
+        q_end = self.heads * dim
+        kv = (qkv.shape[1] - q_end) // 2
+        q = qkv[:, :q_end].view(tokens, self.heads, dim)
+        k = qkv[:, q_end : q_end + kv].view(tokens, -1, dim)
+        v = qkv[:, q_end + kv :].view(tokens, -1, dim)
+        out = attention.attend(ctx, layer, q, k, v, self.scaling)
+        return self.o_proj(out.view(*hidden_states.shape[:-1], -1)), None
+
+
+def _rope_attention(module: torch.nn.Module) -> bool:
+    """Llama's or Qwen2's attention with full rotate-half RoPE and no sliding window."""
+    if type(module).__name__ not in ("LlamaAttention", "Qwen2Attention"):
+        return False
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if not all(type(getattr(module, n, None)) is torch.nn.Linear for n in names):
+        return False
+    if getattr(module, "sliding_window", None) is not None:
+        return False
+    config = getattr(module, "config", None)
+    rope = getattr(config, "rope_parameters", None) or {}
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    biases = {getattr(module, n).bias is None for n in names[:3]}
+    return partial in (None, 1.0) and len(biases) == 1 and hasattr(module, "layer_idx")
+
+
 def fuse_modules(model: torch.nn.Module, ops: Any, batch_hint: int | None) -> int:
-    """Swap Llama/Qwen2-style RMSNorms and SiLU-gated MLPs of ``model`` (CPU, float32) for
-    ``FusedRMSNorm`` and ``FusedMLP``; others (GPT-2's LayerNorm and GELU, biased halves)
+    """Swap Llama/Qwen2-style RMSNorms, SiLU-gated MLPs and RoPE attentions of ``model``
+    (CPU, float32) for ``FusedRMSNorm``, ``FusedMLP`` and ``FusedAttention``; others (GPT-2's LayerNorm and GELU, biased halves)
     stay as they are. How many were swapped."""
     if batch_hint is not None and not torch.backends.mkldnn.is_available():
         batch_hint = None
@@ -295,6 +368,8 @@ def fuse_modules(model: torch.nn.Module, ops: Any, batch_hint: int | None) -> in
                 swaps.append((parent, name, FusedRMSNorm(child, ops)))
             elif _silu_gated(child):
                 swaps.append((parent, name, FusedMLP(child, ops, batch_hint)))
+            elif _rope_attention(child):
+                swaps.append((parent, name, FusedAttention(child, ops, batch_hint)))
     for parent, name, new in swaps:
         setattr(parent, name, new)
     return len(swaps)

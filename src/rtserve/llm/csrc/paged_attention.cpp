@@ -1,11 +1,13 @@
 // rtserve's CPU kernels for the generation engine (float32): decode attention that reads the
-// paged KV pool in place, and the fused RMSNorm and SiLU gate.
+// paged KV pool in place, the fused RMSNorm and SiLU gate, and RoPE with the key/value store.
 //
 // Decode attention: each decoding sequence has one new query token per head. Its keys and
 // values stay in the pool's blocks: no gathered copy, no padding to the longest context in
 // the step. Work is split over sequences in parts of about equal context; each token's key
 // and value rows are read once, in block order, the next block fetched ahead (blocks are
-// scattered over the pool, which the hardware prefetcher cannot guess).
+// scattered over the pool, which the hardware prefetcher cannot guess). With AVX-512 the
+// query heads that share a kv head stay in registers: 16 tokens' dot products are summed
+// together, the weighted values accumulate in registers over the whole context.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -64,11 +66,13 @@ inline float fast_exp(float x) {
 // ahead, one cache line at a time.
 template <class F>
 inline void for_each_row(const float* pool, const int64_t* blocks_of, int64_t len,
-                         int64_t block_size, int64_t row, F&& f) {
+                         int64_t block_size, int64_t row, F&& f, bool fetch_ahead = true) {
   for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
     const int64_t n_in = std::min(block_size, len - t0);
     const float* here = pool + blocks_of[b] * block_size * row;
-    const float* next = t0 + block_size < len ? pool + blocks_of[b + 1] * block_size * row : nullptr;
+    const float* next = fetch_ahead && t0 + block_size < len
+                            ? pool + blocks_of[b + 1] * block_size * row
+                            : nullptr;
     for (int64_t i = 0; i < n_in; ++i) {
       if (next != nullptr)
         for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(next + i * row + c);
@@ -111,11 +115,206 @@ void attend(const float* qn, float* on, const float* kc, const float* vc, const 
   });
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+// fast_exp on 16 lanes.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// Lane j of the result: the sum of v[j]'s 16 lanes (16 horizontal sums in 45 operations
+// instead of 16 reductions of 8 each).
+inline __m512 sum16(const __m512* v) {
+  __m512 a[8];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: [x, y, x, y] partial sums of a pair
+    a[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                         _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  __m512 c[4];
+  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: 4 vectors' partial sums
+    const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
+    c[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 f0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44),
+                                  _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+  const __m512 f1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44),
+                                  _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xDD));
+}
+
+inline __mmask16 first(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+
+// Scores of GC query heads (rows of q, DIM apart) sharing one kv head (at ``koff`` in a
+// token's row) against ``len`` cached tokens: s[g * len + t], scaled. The queries stay in
+// registers; each token's 16-lane products are summed 16 tokens at a time.
+template <int DIM, int GC>
+void scores16(const float* q, const float* kc, const int64_t* blocks_of, int64_t len,
+              int64_t block_size, int64_t row, int64_t koff, float scale, float* s,
+              bool fetch_ahead) {
+  constexpr int V = DIM / 16;
+  __m512 qr[GC][V];
+  for (int g = 0; g < GC; ++g)
+    for (int v = 0; v < V; ++v) qr[g][v] = _mm512_loadu_ps(q + g * DIM + v * 16);
+  __m512 part[GC][16];
+  int c = 0;
+  int64_t t0 = 0;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  auto flush = [&](int n) {
+    for (int g = 0; g < GC; ++g) {
+      for (int j = n; j < 16; ++j) part[g][j] = _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(s + g * len + t0, first(n), _mm512_mul_ps(sum16(part[g]), vscale));
+    }
+  };
+  for_each_row(
+      kc, blocks_of, len, block_size, row,
+      [&](int64_t, const float* token) {
+        const float* k = token + koff;
+        __m512 kv[V];
+        for (int v = 0; v < V; ++v) kv[v] = _mm512_loadu_ps(k + v * 16);
+        for (int g = 0; g < GC; ++g) {
+          __m512 a = _mm512_mul_ps(qr[g][0], kv[0]);
+          for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(qr[g][v], kv[v], a);
+          part[g][c] = a;
+        }
+        if (++c == 16) {
+          flush(16);
+          t0 += 16;
+          c = 0;
+        }
+      },
+      fetch_ahead);
+  if (c > 0) flush(c);
+}
+
+// o[g * DIM ..] = inv[g] * sum_t p[g * len + t] * v_t for GC heads sharing one kv head; the
+// sums stay in registers over the whole context.
+template <int DIM, int GC>
+void values16(const float* p, const float* vc, const int64_t* blocks_of, int64_t len,
+              int64_t block_size, int64_t row, int64_t voff, const float* inv, float* o,
+              bool fetch_ahead) {
+  constexpr int V = DIM / 16;
+  __m512 acc[GC][V];
+  for (int g = 0; g < GC; ++g)
+    for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
+  for_each_row(
+      vc, blocks_of, len, block_size, row,
+      [&](int64_t t, const float* token) {
+        const float* vr = token + voff;
+        __m512 vv[V];
+        for (int v = 0; v < V; ++v) vv[v] = _mm512_loadu_ps(vr + v * 16);
+        for (int g = 0; g < GC; ++g) {
+          const __m512 w = _mm512_set1_ps(p[g * len + t]);
+          for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(w, vv[v], acc[g][v]);
+        }
+      },
+      fetch_ahead);
+  for (int g = 0; g < GC; ++g) {
+    const __m512 w = _mm512_set1_ps(inv[g]);
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(o + g * DIM + v * 16, _mm512_mul_ps(acc[g][v], w));
+  }
+}
+
+// In place: s[t] = exp(s[t] - max); returns 1 / sum.
+inline float softmax_terms(float* s, int64_t len) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
+  if (t < len) top = _mm512_mask_max_ps(top, first(len - t), top, _mm512_maskz_loadu_ps(first(len - t), s + t));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= len; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+    _mm512_storeu_ps(s + t, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (t < len) {
+    const __mmask16 k = first(len - t);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
+    _mm512_mask_storeu_ps(s + t, k, e);
+    total = _mm512_mask_add_ps(total, k, total, e);
+  }
+  return 1.f / _mm512_reduce_add_ps(total);
+}
+
+template <int DIM>
+constexpr int max_group() { return 24 / (DIM / 16) < 8 ? 24 / (DIM / 16) : 8; }
+
+template <int DIM, int GC>
+void attend_heads(const float* qn, float* on, const float* kc, const float* vc,
+                  const int64_t* blocks_of, int64_t len, int64_t block_size, int64_t row,
+                  int64_t kv_off, float fscale, float* s, float* inv, bool fetch_ahead) {
+  scores16<DIM, GC>(qn, kc, blocks_of, len, block_size, row, kv_off, fscale, s, fetch_ahead);
+  for (int g = 0; g < GC; ++g) inv[g] = softmax_terms(s + g * len, len);
+  values16<DIM, GC>(s, vc, blocks_of, len, block_size, row, kv_off, inv, on, fetch_ahead);
+}
+
+// One sequence's decode attention with AVX-512, DIM a multiple of 16: per kv head, its
+// query heads in register-sized groups.
+template <int DIM>
+void attend_simd(const float* qn, float* on, const float* kc, const float* vc,
+                 const int64_t* blocks_of, int64_t len, int64_t heads, int64_t groups,
+                 int64_t block_size, int64_t row, float fscale, std::vector<float>& scores) {
+  constexpr int GMAX = max_group<DIM>();
+  scores.resize(heads * len + heads);
+  float* s = scores.data();
+  float* inv = s + heads * len;
+  const int64_t kv_heads = heads / groups;
+  for (int64_t kh = 0; kh < kv_heads; ++kh) {
+    for (int64_t g0 = 0; g0 < groups; g0 += GMAX) {
+      const int gc = static_cast<int>(std::min<int64_t>(GMAX, groups - g0));
+      const int64_t h = kh * groups + g0;
+      const bool ahead = kh == 0 && g0 == 0;  // later passes find the rows in cache
+#define RTSERVE_HEADS(N)                                                                      \
+  case N:                                                                                     \
+    if constexpr (N <= GMAX)                                                                  \
+      attend_heads<DIM, N>(qn + h * DIM, on + h * DIM, kc, vc, blocks_of, len, block_size,    \
+                           row, kh * DIM, fscale, s + h * len, inv + h, ahead);               \
+    break;
+      switch (gc) {
+        RTSERVE_HEADS(1)
+        RTSERVE_HEADS(2)
+        RTSERVE_HEADS(3)
+        RTSERVE_HEADS(4)
+        RTSERVE_HEADS(5)
+        RTSERVE_HEADS(6)
+        RTSERVE_HEADS(7)
+        RTSERVE_HEADS(8)
+        default:
+          break;
+      }
+#undef RTSERVE_HEADS
+    }
+  }
+}
+
+}  // namespace
+#endif  // __AVX512F__
+
 // query [nd, H, D]; k_cache, v_cache [blocks, block_size, KVH, D]; tables [nd, width] (block
 // ids, padded); lengths [nd] (context tokens, the new one included). Returns [nd, H, D].
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor lengths, double scale) {
-  check(query, "query", 3, torch::kFloat);
+  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == torch::kFloat && query.dim() == 3,
+              "query: expected Float on CPU, [n, heads, head size]");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query: expected each token's heads contiguous");
   check(k_cache, "k_cache", 4, torch::kFloat);
   check(v_cache, "v_cache", 4, torch::kFloat);
   check(tables, "tables", 2, torch::kLong);
@@ -142,7 +341,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
     }
     total += length[n];
   }
-  auto out = torch::empty_like(query);
+  auto out = torch::empty({nd, heads, dim}, query.options());
   float* o = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   const int64_t row = kv_heads * dim;  // one token's keys in a block
@@ -159,9 +358,26 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t n = first[begin]; n < first[end]; ++n) {
-      const float* qn = q + n * heads * dim;
+      const float* qn = q + n * query.stride(0);
       float* on = o + n * heads * dim;
       const int64_t* blocks_of = table + n * width;
+#if defined(__AVX512F__)
+      if (dim == 64) {
+        attend_simd<64>(qn, on, kc, vc, blocks_of, length[n], heads, groups, block_size, row,
+                        fscale, scores);
+        continue;
+      }
+      if (dim == 128) {
+        attend_simd<128>(qn, on, kc, vc, blocks_of, length[n], heads, groups, block_size, row,
+                         fscale, scores);
+        continue;
+      }
+      if (dim == 32) {
+        attend_simd<32>(qn, on, kc, vc, blocks_of, length[n], heads, groups, block_size, row,
+                        fscale, scores);
+        continue;
+      }
+#endif
       if (dim == 64)
         attend<64>(qn, on, kc, vc, blocks_of, length[n], heads, groups, dim, block_size, row,
                    fscale, scores);
@@ -219,18 +435,80 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       const float* gr = g + r * 2 * n;
       const float* ur = gr + n;
       float* orow = o + r * n;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= n; i += 16) {
+        const __m512 a = _mm512_loadu_ps(gr + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), a));
+        const __m512 silu = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        _mm512_storeu_ps(orow + i, _mm512_mul_ps(silu, _mm512_loadu_ps(ur + i)));
+      }
+#endif
+      const int64_t done = i;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float a = gr[i];
-        orow[i] = a / (1.f + fast_exp(-a)) * ur[i];
+      for (int64_t j = done; j < n; ++j) {
+        const float a = gr[j];
+        orow[j] = a / (1.f + fast_exp(-a)) * ur[j];
       }
     }
   });
   return out;
 }
 
+// qkv [T, (heads + 2 * kv_heads) * D], each row a token's fused q/k/v projection: rotates its
+// query and key heads in place (rotate-half RoPE as Llama and Qwen2 apply it: x * cos +
+// rotate_half(x) * sin, with cos and sin [T, D]) and writes the token's key and value rows
+// into the pool at slots[t] (slot = block * block_size + offset).
+void rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                torch::Tensor v_cache, torch::Tensor slots, int64_t heads) {
+  check(qkv, "qkv", 2, torch::kFloat);
+  check(cos, "cos", 2, torch::kFloat);
+  check(sin, "sin", 2, torch::kFloat);
+  check(k_cache, "k_cache", 4, torch::kFloat);
+  check(v_cache, "v_cache", 4, torch::kFloat);
+  check(slots, "slots", 1, torch::kLong);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache: expected one shape");
+  const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(heads >= 1 && dim % 2 == 0, "heads: expected >= 1 and an even head size");
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv: expected ",
+              (heads + 2 * kv_heads) * dim, " columns, got ", qkv.size(1));
+  TORCH_CHECK(cos.size(0) == tokens && cos.size(1) == dim && sin.sizes() == cos.sizes(),
+              "cos, sin: expected [", tokens, ", ", dim, "]");
+  TORCH_CHECK(slots.size(0) == tokens, "slots: expected ", tokens, " values");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slots[", t, "] = ", slot[t], " out of range");
+  float* x = qkv.data_ptr<float>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t width = qkv.size(1), half = dim / 2, row = kv_heads * dim;
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* xt = x + t * width;
+      const float* c = cs + t * dim;
+      const float* s = sn + t * dim;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        float* a = xt + h * dim;
+        float* b = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float lo = a[i], hi = b[i];
+          a[i] = lo * c[i] - hi * s[i];
+          b[i] = hi * c[half + i] + lo * s[half + i];
+        }
+      }
+      std::memcpy(kc + slot[t] * row, xt + heads * dim, row * sizeof(float));
+      std::memcpy(vc + slot[t] * row, xt + (heads + kv_heads) * dim, row * sizeof(float));
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, float32)");
+  m.def("rope_store", &rope_store, "RoPE on fused q/k/v rows, keys and values into the pool");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate/up output (CPU, float32)");
 }
