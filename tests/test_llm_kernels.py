@@ -217,7 +217,13 @@ def packed_logits(model, ids: list[int], kernel, prompt: int) -> torch.Tensor:  
 def test_fused_modules_equal_the_architectures_modules(ops, kernel, arch: str) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    from rtserve.llm.runner import FusedAttention, FusedMLP, FusedRMSNorm, fuse_modules
+    from rtserve.llm.runner import (
+        FusedAttention,
+        FusedDecoderLayer,
+        FusedMLP,
+        FusedRMSNorm,
+        fuse_modules,
+    )
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "llama-mlp-bias": LlamaConfig}[arch]
     extra = {"mlp_bias": True} if arch == "llama-mlp-bias" else {}
@@ -249,6 +255,7 @@ def test_fused_modules_equal_the_architectures_modules(ops, kernel, arch: str) -
         assert isinstance(model.model.norm, FusedRMSNorm)
         assert isinstance(model.model.layers[1].mlp, FusedMLP)
         assert isinstance(model.model.layers[1].self_attn, FusedAttention)
+        assert isinstance(model.model.layers[1], FusedDecoderLayer)
         got = packed_logits(model, ids, kernel, prompt=6)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 

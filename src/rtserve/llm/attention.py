@@ -84,28 +84,34 @@ def attend(
     ctx: StepContext,
     layer: int,
     q: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
     scaling: float | None,
 ) -> torch.Tensor:
     """Attention of the packed step's queries ``q`` [T, H, D] to their sequences' contexts,
-    this step's keys and values (``key``/``value`` [T, KVH, D]) already in the pool; [T, H, D]."""
+    this step's keys and values (``key``/``value`` [T, KVH, D]; needed only when the step
+    has prompt chunks) already in the pool; [T, H, D]."""
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     blocks, block_size, kv_heads, dim = k_cache.shape
     tokens, heads = q.shape[0], q.shape[1]
     groups = heads // kv_heads
-    out = q.new_empty(tokens, heads, dim)
     nd = ctx.decodes
     kernel = ctx.decode_kernel
     if nd and kernel is not None:  # in place over the pool: no gathered copy, no padding
         qd = q[:nd]
         if qd.stride(2) != 1 or qd.stride(1) != dim:
             qd = qd.contiguous()
-        out[:nd] = kernel(
+        decoded: torch.Tensor = kernel(
             qd, k_cache, v_cache, ctx.decode_gather, ctx.decode_lengths,
             scaling if scaling is not None else dim**-0.5,
         )  # fmt: skip
-    elif nd:
+        if nd == tokens:
+            return decoded
+        out = q.new_empty(tokens, heads, dim)
+        out[:nd] = decoded
+    else:
+        out = q.new_empty(tokens, heads, dim)
+    if nd and kernel is None:
         table = ctx.decode_gather
         assert table is not None
         width = table.shape[1] * block_size
@@ -124,6 +130,7 @@ def attend(
     for c in ctx.chunks:
         qc = q[c.start : c.start + c.n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if c.gather is None:
+            assert key is not None and value is not None
             kc = key[c.start : c.start + c.n].transpose(0, 1).unsqueeze(0)
             vc = value[c.start : c.start + c.n].transpose(0, 1).unsqueeze(0)
             oc = F.scaled_dot_product_attention(

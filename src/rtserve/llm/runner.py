@@ -315,22 +315,67 @@ class FusedAttention(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
+        out = self.attend(hidden_states.reshape(-1, hidden_states.shape[-1]), position_embeddings)
+        return out.view(*hidden_states.shape[:-1], -1), None
+
+    def attend(
+        self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden] for the packed step."""
         ctx = attention.current()
         layer = self.layer_idx
-        qkv = self.qkv(hidden_states.reshape(-1, hidden_states.shape[-1]).contiguous())
+        qkv = self.qkv(x.contiguous())
         cos, sin = position_embeddings
         self.ops.rope_store(
-            qkv, cos[0].contiguous(), sin[0].contiguous(), ctx.k_cache[layer],
-            ctx.v_cache[layer], ctx.slots, self.heads,
-        )  # fmt: skip
+            qkv, cos[0], sin[0], ctx.k_cache[layer], ctx.v_cache[layer], ctx.slots, self.heads
+        )
         tokens, dim = qkv.shape[0], self.head_dim
         q_end = self.heads * dim
-        kv = (qkv.shape[1] - q_end) // 2
         q = qkv[:, :q_end].view(tokens, self.heads, dim)
-        k = qkv[:, q_end : q_end + kv].view(tokens, -1, dim)
-        v = qkv[:, q_end + kv :].view(tokens, -1, dim)
-        out = attention.attend(ctx, layer, q, k, v, self.scaling)
-        return self.o_proj(out.view(*hidden_states.shape[:-1], -1)), None
+        if ctx.chunks:  # a prompt's first chunk attends to its own keys and values
+            kv = (qkv.shape[1] - q_end) // 2
+            k = qkv[:, q_end : q_end + kv].view(tokens, -1, dim)
+            v = qkv[:, q_end + kv :].view(tokens, -1, dim)
+            out = attention.attend(ctx, layer, q, k, v, self.scaling)
+        else:
+            out = attention.attend(ctx, layer, q, None, None, self.scaling)
+        return self.o_proj(out.view(tokens, -1))  # type: ignore[no-any-return]
+
+
+class FusedDecoderLayer(torch.nn.Module):
+    """A pre-norm decoder layer (Llama's, Qwen2's) whose norms, attention and MLP are all
+    fused: ``x + attn(norm(x))``, then ``+ mlp(norm(x))``, the sums in place, with no module
+    dispatch in between."""
+
+    def __init__(self, layer: Any) -> None:
+        super().__init__()
+        self.input_layernorm: FusedRMSNorm = layer.input_layernorm
+        self.self_attn: FusedAttention = layer.self_attn
+        self.post_attention_layernorm: FusedRMSNorm = layer.post_attention_layernorm
+        self.mlp: FusedMLP = layer.mlp
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        *args: Any,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        attn = self.self_attn.attend(self.input_layernorm.forward(x), position_embeddings)
+        x = x + attn
+        x += self.mlp.forward(self.post_attention_layernorm.forward(x))
+        return x.view(hidden_states.shape)
+
+
+def _fusable_layer(module: torch.nn.Module) -> bool:
+    return (
+        type(module).__name__ in ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+        and isinstance(getattr(module, "input_layernorm", None), FusedRMSNorm)
+        and isinstance(getattr(module, "post_attention_layernorm", None), FusedRMSNorm)
+        and isinstance(getattr(module, "self_attn", None), FusedAttention)
+        and isinstance(getattr(module, "mlp", None), FusedMLP)
+    )
 
 
 def _rope_attention(module: torch.nn.Module) -> bool:
@@ -372,6 +417,14 @@ def fuse_modules(model: torch.nn.Module, ops: Any, batch_hint: int | None) -> in
                 swaps.append((parent, name, FusedAttention(child, ops, batch_hint)))
     for parent, name, new in swaps:
         setattr(parent, name, new)
+    layers = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if _fusable_layer(child)
+    ]
+    for parent, name, child in layers:
+        setattr(parent, name, FusedDecoderLayer(child))
     return len(swaps)
 
 
