@@ -44,7 +44,7 @@ llm:
   max_num_seqs: 64
   max_model_len: 2048
   kv_cache_bytes: 536870912      # 512 MiB of KV blocks, preallocated
-  block_size: 16
+  block_size: 8                  # small blocks: more of a shared chat prefix is reused
   max_num_batched_tokens: 512
   prefix_caching: true
 """
