@@ -222,7 +222,7 @@ def _setup_lines(result: dict[str, Any]) -> list[str]:
     if "rtserve" in present:
         lines.append(
             "- rtserve: `rtserve serve --model-repository examples/llm-repository`, the "
-            "example's `config.yaml` (max_num_seqs 64, KV pool 512 MiB, block 16, 512 batched "
+            "example's `config.yaml` (max_num_seqs 64, KV pool 512 MiB, block 8, 512 batched "
             "tokens per step, prefix caching on)."
         )
     if "transformers" in present:
