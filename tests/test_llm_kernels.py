@@ -294,3 +294,93 @@ def test_cpu_fused_option_is_checked() -> None:
     assert LlmOptions.parse({"cpu_fused": False}, "m").cpu_fused is False
     with pytest.raises(ConfigError, match="llm.cpu_fused: expected true or false"):
         LlmOptions.parse({"cpu_fused": "yes"}, "m")
+
+
+def test_screened_head_gives_fp32s_argmax_and_exact_rows(ops) -> None:  # type: ignore[no-untyped-def]
+    from rtserve.llm.runner import PackedLinear, ScreenedHead
+
+    if not torch.cpu._is_avx512_bf16_supported():
+        pytest.skip("no AVX512-BF16 on this CPU: the head stays FP32")
+    g = torch.Generator().manual_seed(11)
+    vocab, hidden, rows = 5000, 96, 24
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden, generator=g) * 0.3)
+    h = torch.randn(1, rows, hidden, generator=g) * 4
+    # near ties that bfloat16 cannot tell apart: row 0's best column and a copy of it that
+    # scores 1e-4 higher in FP32; row 1's two best differ by one FP32 ulp-sized step
+    with torch.no_grad():
+        best = int((h[0, 0] @ head.weight.t()).argmax())
+        twin = (best + 1) % vocab
+        head.weight[twin] = head.weight[best] + 1e-4 * h[0, 0] / h[0, 0].norm() ** 2
+    screened = ScreenedHead(head, ops, 32)
+    want = PackedLinear(head, 32)(h[0])
+    screened.exact_rows = [3, 7]
+    got = screened(h)[0]
+    assert got.shape == (rows, vocab)
+    assert torch.equal(got.argmax(1), want.argmax(1))
+    assert int(got[0].argmax()) == twin
+    assert torch.equal(got[[3, 7]], want[[3, 7]])  # every logit, as the FP32 head gives it
+    screened.exact_rows = None  # all rows exact
+    assert torch.equal(screened(h)[0], want)
+    # a non-finite hidden state falls back to the FP32 head rather than guessing
+    bad = h.clone()
+    bad[0, 2, 0] = float("nan")
+    screened.exact_rows = []
+    torch.testing.assert_close(screened(bad)[0], PackedLinear(head, 32)(bad[0]), equal_nan=True)
+    assert screened(torch.zeros(1, 0, hidden)).shape == (1, 0, vocab)  # nothing sampled
+    approx = torch.zeros(2, 4, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="hnorm, wnorm: expected 2 and 4 values"):
+        ops.screen_logits(approx, torch.ones(3), torch.ones(4), 0.01, 2.0**-8)
+
+
+def test_engine_with_a_screened_head_samples_as_the_fp32_head(ops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Greedy rows, seeded sampled rows and logprobs in one batch: the same tokens and
+    log-probabilities whether the head screens in bfloat16 or runs in FP32."""
+    if not torch.cpu._is_avx512_bf16_supported():
+        pytest.skip("no AVX512-BF16 on this CPU: the head stays FP32")
+    version_dir = build_llm(tmp_path, name="tiny", arch="llama")
+    mixed = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, logprobs=0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=1.2, top_k=5, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+    ]
+
+    def run(screen: bool) -> list[list[tuple[int, float | None]]]:
+        opts = {"device": "cpu", "kv_cache_bytes": 8 << 20, "max_model_len": 256,
+                "threads": 1, "block_size": 4}  # fmt: skip
+        e = LlmEngine("tiny", "1", version_dir, LlmOptions.parse(opts, "test"))
+        head = e.runner.screened_head
+        assert head is not None
+        if not screen:  # the same prepacked FP32 head, every row exact
+            e.runner.model.lm_head = head.exact
+            e.runner.screened_head = None
+        e.start()
+
+        async def one(i: int, p: SamplingParams) -> list[tuple[int, float | None]]:
+            ids = e.encode_text("the cat sat on the mat " * (i + 1))
+            out: list[tuple[int, float | None]] = []
+            async for ev in e.generate(ids, p):
+                lps = ev.logprobs or [None] * len(ev.token_ids)
+                out.extend((t, None if lp is None else lp.logprob)
+                           for t, lp in zip(ev.token_ids, lps, strict=True))  # fmt: skip
+            return out
+
+        async def go() -> list[list[tuple[int, float | None]]]:
+            try:
+                return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(mixed))))
+            finally:
+                await e.stop()
+
+        return asyncio.run(go())
+
+    screened, plain = run(True), run(False)
+    assert [len(s) for s in screened] == [20] * len(mixed)
+    assert [[t for t, _ in s] for s in screened] == [[t for t, _ in s] for s in plain]
+    for row in (2, 3):  # logprobs: top 2, and the chosen token's only
+        for got, want in zip(screened[row], plain[row], strict=True):
+            assert got[1] is not None and want[1] is not None
+            assert got[1] == pytest.approx(want[1], abs=1e-5)

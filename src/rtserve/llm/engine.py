@@ -357,8 +357,13 @@ class LlmEngine:
         rows = [i for i, (seq, n) in enumerate(step.items) if seq.computed + n == len(seq.tokens)]
         self._step_expected = self.step_model.time(step.decodes, step.prefill_tokens)
         self._step_started = started = time.perf_counter()
-        logits = self.runner.forward(step, rows)
         sampling = [step.items[r][0] for r in rows]
+        exact = [
+            i
+            for i, s in enumerate(sampling)
+            if not s.params.greedy or s.params.logprobs is not None
+        ]
+        logits = self.runner.forward(step, rows, exact)
         tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
         sched.after_step(step)
         elapsed = time.perf_counter() - started

@@ -56,6 +56,10 @@ class ModelRunner:
                     version_dir,
                     self.fused,
                 )
+        self.screened_head: ScreenedHead | None = None
+        if self.fused and options.cpu_linear == "onednn" and ScreenedHead.fits(self.model):
+            self.screened_head = ScreenedHead(self.model.lm_head, ops, options.max_num_seqs)
+            self.model.lm_head = self.screened_head
         if options.cpu_linear == "onednn" and self.device.type == "cpu":
             packed = pack_linears(self.model, options.max_num_seqs)
             log.info("llm %s: %d linear layers prepacked for oneDNN", version_dir, packed)
@@ -156,11 +160,15 @@ class ModelRunner:
         return ctx, ids, positions, last
 
     @torch.inference_mode()
-    def forward(self, step: Step, rows: list[int]) -> torch.Tensor:
+    def forward(self, step: Step, rows: list[int], exact: list[int] | None = None) -> torch.Tensor:
         """Run the step; the logits [len(rows), vocab] at the last token of the items
-        numbered ``rows`` (those that sample a token)."""
+        numbered ``rows`` (those that sample a token). ``exact``: the rows (indices into
+        ``rows``) whose every logit is used (sampling, logprobs); the others are only
+        argmax'd, which lets a ``ScreenedHead`` skip most of the vocabulary (None: all)."""
         ctx, ids, positions, last = self._context(step)
         keep = torch.tensor([last[r] for r in rows], dtype=torch.long, device=self.device)
+        if self.screened_head is not None:
+            self.screened_head.exact_rows = exact
         attention.set_step(ctx)
         try:
             out = self.model(
@@ -190,6 +198,67 @@ class PackedLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(  # type: ignore[no-any-return]
             x.contiguous(), self.packed, self.bias, "none", [], ""
         )
+
+
+class ScreenedHead(torch.nn.Module):
+    """The LM head when most rows only need their argmax (greedy decoding): logits from a
+    bfloat16 copy of the weights (half the bytes; twice oneDNN's FP32 speed where the CPU
+    has AVX512-BF16), then every column that could still be a row's argmax under a bound on
+    the bfloat16 error is recomputed in FP32 (``screen_logits``; a few dozen of SmolLM2's
+    49,152). The argmax is FP32's; rows in ``exact_rows`` get every logit in FP32."""
+
+    UNIT = 2.0**-8  # bfloat16's relative rounding error (8 significant bits), with margin
+
+    def __init__(self, lm_head: torch.nn.Linear, ops: Any, batch_hint: int) -> None:
+        super().__init__()
+        weight = lm_head.weight.detach()
+        self.weight = weight
+        self.exact = PackedLinear(lm_head, batch_hint)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), batch_hint)
+        # |x.y - bf(x).bf(y)| <= (2u + u^2) sum |x_i||y_i| <= (2u + u^2) |x| |y|, plus the FP32
+        # sums' own error (K * 2^-24 relative) and 1% to spare; the norms rounded up
+        self.wnorm = (weight.double().norm(dim=1) * (1 + 1e-4)).float()
+        u, k = self.UNIT, weight.shape[1]
+        self.c = (2 * u + u * u + k * 2.0**-24) * 1.01
+        self.ops = ops
+        self.exact_rows: list[int] | None = None
+
+    @staticmethod
+    def fits(model: torch.nn.Module) -> bool:
+        """A plain bias-free linear head (no logit scaling or soft-capping) on a CPU with
+        native bfloat16 dot products."""
+        head = getattr(model, "lm_head", None)
+        config = getattr(model, "config", None)
+        return (
+            type(head) is torch.nn.Linear
+            and head.bias is None
+            and head.weight.dtype == torch.float32
+            and head.weight.device.type == "cpu"
+            and getattr(config, "final_logit_softcapping", None) is None
+            and getattr(config, "logit_scale", None) is None
+            and torch.backends.mkldnn.is_available()
+            and torch.cpu._is_avx512_bf16_supported()
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.numel() == 0:  # a step of prompt chunks only: nothing is sampled
+            return hidden.new_empty(*hidden.shape[:-1], self.weight.shape[0])
+        h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        exact = self.exact_rows
+        if exact is None or len(exact) == h.shape[0] or not bool(torch.isfinite(h).all()):
+            return self.exact(h).view(*hidden.shape[:-1], -1)  # type: ignore[no-any-return]
+        approx = torch.ops.mkldnn._linear_pointwise(h.bfloat16(), self.packed, None, "none", [], "")
+        logits, columns = self.ops.screen_logits(
+            approx, h.norm(dim=1), self.wnorm, self.c, self.UNIT
+        )
+        if columns.numel() == 0 or columns.numel() > self.weight.shape[0] // 8:
+            logits = self.exact(h)  # (a bound too loose to help)
+        else:
+            logits[:, columns] = h @ self.weight[columns].t()
+            if exact:
+                rows = torch.tensor(exact, dtype=torch.long)
+                logits[rows] = self.exact(h[rows].contiguous())
+        return logits.view(*hidden.shape[:-1], -1)  # type: ignore[no-any-return]
 
 
 class FusedLinears:

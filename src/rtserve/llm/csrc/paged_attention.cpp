@@ -506,9 +506,92 @@ void rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::
   });
 }
 
+// The greedy LM head's screen. ``approx`` [R, V] (bfloat16) holds logits from a bfloat16 GEMM
+// whose error on row r, column j is at most bound(r, j) = c * hnorm[r] * wnorm[j] + u * |a|
+// (bfloat16 rounding of the inputs and the output; hnorm, wnorm: the exact rows' norms). A
+// column whose bound cannot reach the row's lower bound on the true maximum (max over j of
+// a - bound) cannot be the row's argmax. Returns the approximate logits as float32 and the
+// columns that can be an argmax on any row; the caller recomputes those exactly.
+std::vector<torch::Tensor> screen_logits(torch::Tensor approx, torch::Tensor hnorm,
+                                         torch::Tensor wnorm, double c, double u) {
+  check(approx, "approx", 2, torch::kBFloat16);
+  check(hnorm, "hnorm", 1, torch::kFloat);
+  check(wnorm, "wnorm", 1, torch::kFloat);
+  const int64_t rows = approx.size(0), cols = approx.size(1);
+  TORCH_CHECK(hnorm.size(0) == rows && wnorm.size(0) == cols, "hnorm, wnorm: expected ", rows,
+              " and ", cols, " values");
+  auto logits = torch::empty({rows, cols}, hnorm.options());
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(approx.data_ptr<at::BFloat16>());
+  const float* hn = hnorm.data_ptr<float>();
+  const float* wn = wnorm.data_ptr<float>();
+  float* out = logits.data_ptr<float>();
+  const float fc = static_cast<float>(c), fu = static_cast<float>(u);
+  std::vector<float> floor_of(rows);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* ar = a + r * cols;
+      float* orow = out + r * cols;
+      const float ch = fc * hn[r];
+      float best = -INFINITY;
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      __m512 top = _mm512_set1_ps(-INFINITY);
+      const __m512 vch = _mm512_set1_ps(ch), vfu = _mm512_set1_ps(fu);
+      for (; j + 16 <= cols; j += 16) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ar + j));
+        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        _mm512_storeu_ps(orow + j, v);
+        const __m512 bound =
+            _mm512_fmadd_ps(vch, _mm512_loadu_ps(wn + j), _mm512_mul_ps(vfu, _mm512_abs_ps(v)));
+        top = _mm512_max_ps(top, _mm512_sub_ps(v, bound));
+      }
+      best = _mm512_reduce_max_ps(top);
+#endif
+      for (; j < cols; ++j) {
+        const uint32_t bits = static_cast<uint32_t>(ar[j]) << 16;
+        float v;
+        std::memcpy(&v, &bits, sizeof v);
+        orow[j] = v;
+        best = std::max(best, v - (ch * wn[j] + fu * std::fabs(v)));
+      }
+      floor_of[r] = best;
+    }
+  });
+  std::vector<uint8_t> keep(cols, 0);
+  at::parallel_for(0, cols, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* orow = out + r * cols;
+      const float ch = fc * hn[r], fl = floor_of[r];
+      int64_t j = begin;
+#if defined(__AVX512F__)
+      const __m512 vch = _mm512_set1_ps(ch), vfu = _mm512_set1_ps(fu), vfl = _mm512_set1_ps(fl);
+      for (; j + 16 <= end; j += 16) {
+        const __m512 v = _mm512_loadu_ps(orow + j);
+        const __m512 bound =
+            _mm512_fmadd_ps(vch, _mm512_loadu_ps(wn + j), _mm512_mul_ps(vfu, _mm512_abs_ps(v)));
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_add_ps(v, bound), vfl, _CMP_GE_OQ);
+        if (hit != 0)
+          for (int b = 0; b < 16; ++b) keep[j + b] |= static_cast<uint8_t>((hit >> b) & 1u);
+      }
+#endif
+      for (; j < end; ++j) {
+        const float v = orow[j];
+        keep[j] |= static_cast<uint8_t>(v + (ch * wn[j] + fu * std::fabs(v)) >= fl);
+      }
+    }
+  });
+  std::vector<int64_t> picked;
+  for (int64_t j = 0; j < cols; ++j)
+    if (keep[j]) picked.push_back(j);
+  auto candidates = torch::empty({static_cast<int64_t>(picked.size())}, torch::kLong);
+  std::copy(picked.begin(), picked.end(), candidates.data_ptr<int64_t>());
+  return {logits, candidates};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, float32)");
+  m.def("screen_logits", &screen_logits, "bfloat16 logits screened for a greedy argmax");
   m.def("rope_store", &rope_store, "RoPE on fused q/k/v rows, keys and values into the pool");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate/up output (CPU, float32)");
 }
