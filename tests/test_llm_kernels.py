@@ -131,15 +131,20 @@ def test_rope_store_equals_the_architectures_rope_and_fills_the_slots(ops) -> No
         ops.rope_store(qkv, cos[:, :16].contiguous(), sin, k_cache, v_cache, slots, heads)
 
 
+def tiny_engine(version_dir: Path, **llm: object) -> LlmEngine:
+    """An engine (not started) on a test model: one thread, 4-token blocks, an 8 MiB pool."""
+    opts = {"device": "cpu", "kv_cache_bytes": 8 << 20, "max_model_len": 256,
+            "threads": 1, "block_size": 4, **llm}  # fmt: skip
+    return LlmEngine("tiny", "1", version_dir, LlmOptions.parse(opts, "test"))
+
+
 def greedy_tokens(
     version_dir: Path, text: str, n: int, **llm: object
 ) -> tuple[LlmEngine, list[list[int]]]:
     """24 greedy tokens for each of ``n`` prompts (``text`` repeated 1..n times), generated
     concurrently by an engine with the llm options ``llm``; the engine, stopped."""
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    opts = {"device": "cpu", "kv_cache_bytes": 8 << 20, "max_model_len": 256,
-            "threads": 1, "block_size": 4, **llm}  # fmt: skip
-    e = LlmEngine("tiny", "1", version_dir, LlmOptions.parse(opts, "test"))
+    e = tiny_engine(version_dir, **llm)
     e.start()
     prompts = [e.encode_text(text * (1 + i)) for i in range(n)]
 
@@ -350,9 +355,7 @@ def test_engine_with_a_screened_head_samples_as_the_fp32_head(ops, tmp_path: Pat
     ]
 
     def run(screen: bool) -> list[list[tuple[int, float | None]]]:
-        opts = {"device": "cpu", "kv_cache_bytes": 8 << 20, "max_model_len": 256,
-                "threads": 1, "block_size": 4}  # fmt: skip
-        e = LlmEngine("tiny", "1", version_dir, LlmOptions.parse(opts, "test"))
+        e = tiny_engine(version_dir)
         head = e.runner.screened_head
         assert head is not None
         if not screen:  # the same prepacked FP32 head, every row exact

@@ -92,41 +92,28 @@ def attend(
     this step's keys and values (``key``/``value`` [T, KVH, D]; needed only when the step
     has prompt chunks) already in the pool; [T, H, D]."""
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    blocks, block_size, kv_heads, dim = k_cache.shape
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     tokens, heads = q.shape[0], q.shape[1]
     groups = heads // kv_heads
     nd = ctx.decodes
-    kernel = ctx.decode_kernel
-    if nd and kernel is not None:  # in place over the pool: no gathered copy, no padding
+    decoded: torch.Tensor | None = None
+    if nd:
         qd = q[:nd]
-        if qd.stride(2) != 1 or qd.stride(1) != dim:
-            qd = qd.contiguous()
-        decoded: torch.Tensor = kernel(
-            qd, k_cache, v_cache, ctx.decode_gather, ctx.decode_lengths,
-            scaling if scaling is not None else dim**-0.5,
-        )  # fmt: skip
+        kernel = ctx.decode_kernel
+        if kernel is not None:  # in place over the pool: no gathered copy, no padding
+            if qd.stride(2) != 1 or qd.stride(1) != dim:
+                qd = qd.contiguous()
+            decoded = kernel(
+                qd, k_cache, v_cache, ctx.decode_gather, ctx.decode_lengths,
+                scaling if scaling is not None else dim**-0.5,
+            )  # fmt: skip
+        else:
+            decoded = _gathered_decode(ctx, qd, k_cache, v_cache, scaling)
         if nd == tokens:
             return decoded
-        out = q.new_empty(tokens, heads, dim)
+    out = q.new_empty(tokens, heads, dim)
+    if decoded is not None:
         out[:nd] = decoded
-    else:
-        out = q.new_empty(tokens, heads, dim)
-    if nd and kernel is None:
-        table = ctx.decode_gather
-        assert table is not None
-        width = table.shape[1] * block_size
-        keys = k_cache.index_select(0, table.view(-1)).view(nd, width, kv_heads, dim)
-        values = v_cache.index_select(0, table.view(-1)).view(nd, width, kv_heads, dim)
-        # Every head of a kv head's group attends at the same position: one query row each.
-        qd = q[:nd].reshape(nd, kv_heads, groups, dim)
-        od = F.scaled_dot_product_attention(
-            qd,
-            keys.permute(0, 2, 1, 3),
-            values.permute(0, 2, 1, 3),
-            attn_mask=ctx.decode_mask,
-            scale=scaling,
-        )  # [nd, KVH, groups, D]
-        out[:nd] = od.reshape(nd, heads, dim)
     for c in ctx.chunks:
         qc = q[c.start : c.start + c.n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if c.gather is None:
@@ -144,6 +131,33 @@ def attend(
             )
         out[c.start : c.start + c.n] = oc[0].transpose(0, 1)
     return out
+
+
+def _gathered_decode(
+    ctx: StepContext,
+    qd: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """PyTorch's decode attention: each sequence's blocks gathered (padded to the widest
+    table) and masked; [nd, H, D]."""
+    nd, heads, dim = qd.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    table = ctx.decode_gather
+    assert table is not None
+    width = table.shape[1] * block_size
+    keys = k_cache.index_select(0, table.view(-1)).view(nd, width, kv_heads, dim)
+    values = v_cache.index_select(0, table.view(-1)).view(nd, width, kv_heads, dim)
+    # Every head of a kv head's group attends at the same position: one query row each.
+    od = F.scaled_dot_product_attention(
+        qd.reshape(nd, kv_heads, heads // kv_heads, dim),
+        keys.permute(0, 2, 1, 3),
+        values.permute(0, 2, 1, 3),
+        attn_mask=ctx.decode_mask,
+        scale=scaling,
+    )  # [nd, KVH, groups, D]
+    return od.reshape(nd, heads, dim)
 
 
 def register() -> None:

@@ -39,8 +39,8 @@ def paged_decode() -> Callable[..., Any] | None:
 
 
 def fused_ops() -> Any | None:
-    """The built module (``paged_decode``, ``rms_norm(x, weight, eps)``,
-    ``silu_mul(gate_up)``), built once; None (logged once) where it cannot be built."""
+    """The built module (``paged_decode``, ``rms_norm(x, weight, eps)``, ``silu_mul(gate_up)``,
+    ``rope_store``, ``screen_logits``), built once; None (logged once) where it cannot be."""
     with _lock:
         if "ops" not in _built:
             _built["ops"] = _build()

@@ -31,7 +31,7 @@ class LlmOptions:
     threads: int = 0  # torch intra-op threads (0: the CPUs this process may use)
     cpu_linear: str = "onednn"  # onednn (prepacked weights) | torch (F.linear)
     cpu_attention: str = "kernel"  # kernel (paged, in place; torch if it cannot be built) | torch
-    cpu_fused: bool = True  # RMSNorm and the SiLU gate in rtserve's kernels (CPU float32)
+    cpu_fused: bool = True  # Llama/Qwen2 layers and the greedy head on rtserve's kernels (CPU fp32)
     default_max_tokens: int = 256
     max_waiting: int = 1024  # requests queued beyond the running batch; more get a 503
     slo: TokenSLO | None = None

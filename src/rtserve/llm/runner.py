@@ -322,6 +322,27 @@ class FusedRMSNorm(torch.nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)  # type: ignore[no-any-return]
 
 
+def _packed(linear: torch.nn.Linear, batch_hint: int | None) -> torch.nn.Module:
+    """``linear`` prepacked for oneDNN with ``batch_hint``, else as it is (``F.linear``)."""
+    return PackedLinear(linear, batch_hint) if batch_hint else linear
+
+
+def _stacked(linears: list[torch.nn.Linear], batch_hint: int | None) -> torch.nn.Module:
+    """Linear layers that read one input (all with a bias or none) as one layer whose output
+    is theirs side by side, prepacked with ``batch_hint``."""
+    first = linears[0]
+    both = torch.nn.Linear(
+        first.in_features,
+        sum(lin.out_features for lin in linears),
+        bias=first.bias is not None,
+        device="meta",
+    )
+    both.weight = torch.nn.Parameter(torch.cat([lin.weight for lin in linears]).detach(), False)
+    if first.bias is not None:
+        both.bias = torch.nn.Parameter(torch.cat([lin.bias for lin in linears]).detach(), False)
+    return _packed(both, batch_hint)
+
+
 class FusedMLP(torch.nn.Module):
     """A SiLU-gated MLP (``down(silu(gate(x)) * up(x))``) as one GEMM for gate and up, one
     kernel for the gate, and the down projection; prepacked for oneDNN with ``batch_hint``,
@@ -329,18 +350,8 @@ class FusedMLP(torch.nn.Module):
 
     def __init__(self, mlp: Any, ops: Any, batch_hint: int | None) -> None:
         super().__init__()
-        gate: torch.nn.Linear = mlp.gate_proj
-        up: torch.nn.Linear = mlp.up_proj
-        both = torch.nn.Linear(
-            gate.in_features, 2 * gate.out_features, bias=gate.bias is not None, device="meta"
-        )
-        both.weight = torch.nn.Parameter(torch.cat([gate.weight, up.weight]).detach(), False)
-        if gate.bias is not None and up.bias is not None:
-            both.bias = torch.nn.Parameter(torch.cat([gate.bias, up.bias]).detach(), False)
-        self.gate_up: torch.nn.Module = PackedLinear(both, batch_hint) if batch_hint else both
-        self.down: torch.nn.Module = (
-            PackedLinear(mlp.down_proj, batch_hint) if batch_hint else mlp.down_proj
-        )
+        self.gate_up = _stacked([mlp.gate_proj, mlp.up_proj], batch_hint)
+        self.down = _packed(mlp.down_proj, batch_hint)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -361,20 +372,8 @@ class FusedAttention(torch.nn.Module):
         self.heads = int(config.num_attention_heads)
         self.head_dim = int(attn.head_dim)
         self.scaling = float(attn.scaling)
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        both = torch.nn.Linear(
-            attn.q_proj.in_features,
-            sum(p.out_features for p in projections),
-            bias=attn.q_proj.bias is not None,
-            device="meta",
-        )
-        both.weight = torch.nn.Parameter(torch.cat([p.weight for p in projections]).detach(), False)
-        if attn.q_proj.bias is not None:
-            both.bias = torch.nn.Parameter(torch.cat([p.bias for p in projections]).detach(), False)
-        self.qkv: torch.nn.Module = PackedLinear(both, batch_hint) if batch_hint else both
-        self.o_proj: torch.nn.Module = (
-            PackedLinear(attn.o_proj, batch_hint) if batch_hint else attn.o_proj
-        )
+        self.qkv = _stacked([attn.q_proj, attn.k_proj, attn.v_proj], batch_hint)
+        self.o_proj = _packed(attn.o_proj, batch_hint)
         self.ops = ops
 
     def forward(

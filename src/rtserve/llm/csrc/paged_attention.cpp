@@ -270,7 +270,8 @@ void attend_heads(const float* qn, float* on, const float* kc, const float* vc,
 template <int DIM>
 void attend_simd(const float* qn, float* on, const float* kc, const float* vc,
                  const int64_t* blocks_of, int64_t len, int64_t heads, int64_t groups,
-                 int64_t block_size, int64_t row, float fscale, std::vector<float>& scores) {
+                 int64_t /* dim: DIM */, int64_t block_size, int64_t row, float fscale,
+                 std::vector<float>& scores) {
   constexpr int GMAX = max_group<DIM>();
   scores.resize(heads * len + heads);
   float* s = scores.data();
@@ -355,38 +356,26 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
     seen += length[n];
     while (p < parts && seen * parts >= total * p) first[p++] = n + 1;
   }
+  // Head sizes known at compile time unroll into registers (explicit 16-lane code with
+  // AVX-512); others run the generic loop.
+#if defined(__AVX512F__)
+#define RTSERVE_ATTEND(D) attend_simd<D>
+#else
+#define RTSERVE_ATTEND(D) attend<D>
+#endif
+  const auto attend_one = dim == 64    ? RTSERVE_ATTEND(64)
+                          : dim == 128 ? RTSERVE_ATTEND(128)
+                          : dim == 32  ? RTSERVE_ATTEND(32)
+                                       : attend<0>;
+#undef RTSERVE_ATTEND
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t n = first[begin]; n < first[end]; ++n) {
       const float* qn = q + n * query.stride(0);
       float* on = o + n * heads * dim;
       const int64_t* blocks_of = table + n * width;
-#if defined(__AVX512F__)
-      if (dim == 64) {
-        attend_simd<64>(qn, on, kc, vc, blocks_of, length[n], heads, groups, block_size, row,
-                        fscale, scores);
-        continue;
-      }
-      if (dim == 128) {
-        attend_simd<128>(qn, on, kc, vc, blocks_of, length[n], heads, groups, block_size, row,
-                         fscale, scores);
-        continue;
-      }
-      if (dim == 32) {
-        attend_simd<32>(qn, on, kc, vc, blocks_of, length[n], heads, groups, block_size, row,
-                        fscale, scores);
-        continue;
-      }
-#endif
-      if (dim == 64)
-        attend<64>(qn, on, kc, vc, blocks_of, length[n], heads, groups, dim, block_size, row,
-                   fscale, scores);
-      else if (dim == 128)
-        attend<128>(qn, on, kc, vc, blocks_of, length[n], heads, groups, dim, block_size, row,
-                    fscale, scores);
-      else
-        attend<0>(qn, on, kc, vc, blocks_of, length[n], heads, groups, dim, block_size, row,
-                  fscale, scores);
+      attend_one(qn, on, kc, vc, blocks_of, length[n], heads, groups, dim, block_size, row,
+                 fscale, scores);
     }
   });
   return out;
@@ -512,6 +501,22 @@ void rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::
 // column whose bound cannot reach the row's lower bound on the true maximum (max over j of
 // a - bound) cannot be the row's argmax. Returns the approximate logits as float32 and the
 // columns that can be an argmax on any row; the caller recomputes those exactly.
+namespace {
+
+// The screen's bound on |logit - a| for an approximate logit a (see screen_logits): ch =
+// c * hnorm[r], w = wnorm[j]. Both passes compute it with these same operations.
+inline float screen_bound(float a, float ch, float w, float u) {
+  return ch * w + u * std::fabs(a);
+}
+
+#if defined(__AVX512F__)
+inline __m512 screen_bound16(__m512 a, __m512 ch, const float* w, __m512 u) {
+  return _mm512_fmadd_ps(ch, _mm512_loadu_ps(w), _mm512_mul_ps(u, _mm512_abs_ps(a)));
+}
+#endif
+
+}  // namespace
+
 std::vector<torch::Tensor> screen_logits(torch::Tensor approx, torch::Tensor hnorm,
                                          torch::Tensor wnorm, double c, double u) {
   check(approx, "approx", 2, torch::kBFloat16);
@@ -541,9 +546,7 @@ std::vector<torch::Tensor> screen_logits(torch::Tensor approx, torch::Tensor hno
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ar + j));
         const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
         _mm512_storeu_ps(orow + j, v);
-        const __m512 bound =
-            _mm512_fmadd_ps(vch, _mm512_loadu_ps(wn + j), _mm512_mul_ps(vfu, _mm512_abs_ps(v)));
-        top = _mm512_max_ps(top, _mm512_sub_ps(v, bound));
+        top = _mm512_max_ps(top, _mm512_sub_ps(v, screen_bound16(v, vch, wn + j, vfu)));
       }
       best = _mm512_reduce_max_ps(top);
 #endif
@@ -552,7 +555,7 @@ std::vector<torch::Tensor> screen_logits(torch::Tensor approx, torch::Tensor hno
         float v;
         std::memcpy(&v, &bits, sizeof v);
         orow[j] = v;
-        best = std::max(best, v - (ch * wn[j] + fu * std::fabs(v)));
+        best = std::max(best, v - screen_bound(v, ch, wn[j], fu));
       }
       floor_of[r] = best;
     }
@@ -567,16 +570,15 @@ std::vector<torch::Tensor> screen_logits(torch::Tensor approx, torch::Tensor hno
       const __m512 vch = _mm512_set1_ps(ch), vfu = _mm512_set1_ps(fu), vfl = _mm512_set1_ps(fl);
       for (; j + 16 <= end; j += 16) {
         const __m512 v = _mm512_loadu_ps(orow + j);
-        const __m512 bound =
-            _mm512_fmadd_ps(vch, _mm512_loadu_ps(wn + j), _mm512_mul_ps(vfu, _mm512_abs_ps(v)));
-        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_add_ps(v, bound), vfl, _CMP_GE_OQ);
+        const __m512 reach = _mm512_add_ps(v, screen_bound16(v, vch, wn + j, vfu));
+        const __mmask16 hit = _mm512_cmp_ps_mask(reach, vfl, _CMP_GE_OQ);
         if (hit != 0)
           for (int b = 0; b < 16; ++b) keep[j + b] |= static_cast<uint8_t>((hit >> b) & 1u);
       }
 #endif
       for (; j < end; ++j) {
         const float v = orow[j];
-        keep[j] |= static_cast<uint8_t>(v + (ch * wn[j] + fu * std::fabs(v)) >= fl);
+        keep[j] |= static_cast<uint8_t>(v + screen_bound(v, ch, wn[j], fu) >= fl);
       }
     }
   });
