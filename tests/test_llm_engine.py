@@ -96,6 +96,38 @@ def test_other_architectures_equal_generate(models: dict[str, Path], arch: str) 
     check_equal(engine(models[arch], block_size=8), models[arch], 12)
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@CUDA
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_cuda_greedy_equals_generate(models: dict[str, Path], arch: str) -> None:
+    e = engine(models[arch], device="cuda", block_size=8)
+    assert e.runner.device.type == "cuda"
+    assert all(k.device.type == "cuda" for k in e.runner.k_cache)
+    check_equal(e, models[arch], 16)
+    assert e.pool.num_used == 0
+
+
+@CUDA
+def test_cuda_float16_batches_and_frees_its_blocks(models: dict[str, Path]) -> None:
+    e = engine(models["llama"], device="cuda", dtype="float16", block_size=8)
+    assert e.runner.k_cache[0].dtype == torch.float16
+    prompts = prompts_for(e, 24)
+
+    async def go() -> list[tuple[list[int], str, str]]:
+        try:
+            return await asyncio.gather(*(run(e, p) for p in prompts))
+        finally:
+            await e.stop()
+
+    results = asyncio.run(go())
+    assert [len(tokens) for tokens, _, _ in results] == [GREEDY.max_tokens] * len(prompts)
+    assert {reason for _, _, reason in results} == {"length"}
+    assert e.steps < 24 * 12  # batched
+    assert e.pool.num_used == 0
+
+
 def test_preemption_and_recompute_give_the_same_text(models: dict[str, Path]) -> None:
     # 160 token slots for 24 sequences of up to ~60 tokens: sequences are preempted.
     e = engine(models["llama"], block_size=4, kv_cache_bytes=80 << 10)

