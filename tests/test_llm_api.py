@@ -226,6 +226,30 @@ def test_prompt_longer_than_max_model_len_completions(llm_server: RunningServer)
     assert status == 200, body
 
 
+def test_megabytes_of_prompt_are_refused_before_tokenizing(llm_server: RunningServer) -> None:
+    # 8 MB of text: far more than 512 tokens can hold. Tokenizing it would hold the server
+    # for seconds and gigabytes; it is refused on its length in characters.
+    huge = "a" * (8 << 20)
+    cases = [
+        ("/v1/completions", {"model": MODEL, "prompt": huge}, "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": huge}]}, "messages"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1] * 2_000_000}, "prompt"),
+    ]  # fmt: skip
+    for path, body, field in cases:
+        start = time.perf_counter()
+        status, _, raw = _post(llm_server, path, body)
+        assert status == 400, raw[:200]
+        error = json.loads(raw)["error"]
+        assert error["param"] == field and "max_model_len" in error["message"], error
+        assert time.perf_counter() - start < 5.0  # (parsing 8 MB of JSON, not tokenizing it)
+    status, _, raw = _post(
+        llm_server, f"/v2/models/{MODEL}/generate", {"text_input": huge, "parameters": {}}
+    )
+    assert status == 400 and "characters" in json.loads(raw)["error"], raw[:200]
+    status, _, raw = _post(llm_server, "/v1/completions", {"model": MODEL, "prompt": "cat"})
+    assert status == 200, raw
+
+
 def test_malformed_body_and_unknown_route(llm_server: RunningServer) -> None:
     sock = connect(llm_server.http_port)
     try:

@@ -72,6 +72,7 @@ def prepare(
     elif isinstance(prompt, str):
         ids = llm.encode_text(prompt)
     elif isinstance(prompt, list) and prompt:
+        llm.check_length(len(prompt))  # a long list is refused before it is read
         ids = _token_ids(prompt, len(llm.tokenizer))
     else:
         raise InvalidInput("prompt: expected a string or a non-empty list of token ids")

@@ -91,6 +91,10 @@ class LlmEngine:
         self.runner = ModelRunner(version_dir, options)
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
+        # No prompt that fits max_model_len tokens is longer than this many characters (no
+        # token's text is longer than its vocabulary entry): longer text is refused before
+        # the tokenizer spends time and memory on it.
+        self.max_prompt_chars = self.max_model_len * longest_token(self.tokenizer) + 4096
         self.pool = BlockPool(self.runner.num_blocks, options.block_size, options.prefix_caching)
         self.scheduler = Scheduler(self.pool, options.max_num_seqs, options.max_num_batched_tokens)
         self.metrics = LlmMetrics(name, version, objectives=token_objectives(options.slo))
@@ -111,9 +115,18 @@ class LlmEngine:
         self._step_expected = 0.0
 
     # ---------------------------------------------------------------- requests
+    def check_chars(self, chars: int, field: str = "prompt") -> None:
+        """Refuse text too long for ``max_model_len`` tokens before it is tokenized."""
+        if chars > self.max_prompt_chars:
+            raise InvalidInput(
+                f"{field}: {chars} characters, expected at most {self.max_prompt_chars} "
+                f"(more cannot fit max_model_len, {self.max_model_len} tokens)"
+            )
+
     def encode_text(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise InvalidInput(f"prompt: expected a string, got {type(text).__name__}")
+        self.check_chars(len(text))
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True)
         if not ids:
             raise InvalidInput("prompt: expected at least one token, got an empty prompt")
@@ -123,6 +136,7 @@ class LlmEngine:
         """The chat template applied to OpenAI-style messages (checked first: a list of
         ``{role, content}`` with string content or a list of text parts)."""
         conversation = check_messages(messages)
+        self.check_chars(sum(len(m["content"]) for m in conversation), "messages")
         if getattr(self.tokenizer, "chat_template", None) is None:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation)
             return self.encode_text(text + "assistant:")
@@ -132,17 +146,22 @@ class LlmEngine:
             )
         except Exception as exc:
             raise InvalidInput(f"messages: the chat template refused them: {exc}") from exc
+        self.check_chars(len(prompt), "messages")
         ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False)
         return ids
 
+    def check_length(self, n_prompt: int) -> None:
+        """Refuse a prompt of ``max_model_len`` tokens or more."""
+        if n_prompt >= self.max_model_len:
+            raise InvalidInput(
+                f"prompt: {n_prompt} tokens, expected fewer than max_model_len "
+                f"({self.max_model_len}) to leave room for an answer"
+            )
+
     def check_prompt(self, n_prompt: int, params: SamplingParams) -> None:
         """Refuse what can never run (too long) or would miss the first-token objective."""
+        self.check_length(n_prompt)
         limit = self.max_model_len
-        if n_prompt >= limit:
-            raise InvalidInput(
-                f"prompt: {n_prompt} tokens, expected fewer than max_model_len ({limit}) "
-                "to leave room for an answer"
-            )
         if params.max_tokens is not None and n_prompt + params.max_tokens > limit:
             raise InvalidInput(
                 f"max_tokens: {params.max_tokens} with a {n_prompt}-token prompt exceeds "
@@ -485,6 +504,15 @@ def _send(seq: Sequence, error: BaseException) -> None:
 def _deliver(events: list[tuple[asyncio.Queue[Any], GenerationEvent]]) -> None:
     for queue, event in events:
         queue.put_nowait(event)
+
+
+def longest_token(tokenizer: Any) -> int:
+    """The longest vocabulary entry of ``tokenizer``, in characters (byte-level BPE writes one
+    character per byte, so this bounds the text one token stands for)."""
+    try:
+        return max(16, max(len(t) for t in tokenizer.get_vocab()))
+    except (AttributeError, TypeError, ValueError):
+        return 256
 
 
 def check_messages(messages: Any) -> list[dict[str, str]]:
