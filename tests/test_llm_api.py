@@ -242,6 +242,11 @@ def test_megabytes_of_prompt_are_refused_before_tokenizing(llm_server: RunningSe
         error = json.loads(raw)["error"]
         assert error["param"] == field and "max_model_len" in error["message"], error
         assert time.perf_counter() - start < 5.0  # (parsing 8 MB of JSON, not tokenizing it)
+    # Under that bound but past 8 characters a token: the tokens of a prefix refuse it.
+    status, _, raw = _post(llm_server, "/v1/completions", {"model": MODEL, "prompt": "cat " * 2500})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "prompt", raw[:200]
+    assert "in its first 4096 characters alone" in error["message"], error
     status, _, raw = _post(
         llm_server, f"/v2/models/{MODEL}/generate", {"text_input": huge, "parameters": {}}
     )

@@ -123,11 +123,26 @@ class LlmEngine:
                 f"(more cannot fit max_model_len, {self.max_model_len} tokens)"
             )
 
+    def _encode(self, text: str, special: bool, field: str) -> list[int]:
+        """Token ids of ``text``; text that cannot fit ``max_model_len`` is refused first on its
+        length in characters, then on the tokens of a prefix (a few milliseconds) instead of
+        the whole (the tokenizer runs on the event loop)."""
+        self.check_chars(len(text), field)
+        window = self.max_model_len * PREFIX_CHARS_PER_TOKEN
+        if len(text) > window:
+            head = len(self.tokenizer.encode(text[:window], add_special_tokens=False))
+            if head >= self.max_model_len + PREFIX_SLACK_TOKENS:  # (a cut word: a few more)
+                raise InvalidInput(
+                    f"{field}: {head} tokens in its first {window} characters alone, expected "
+                    f"fewer than max_model_len ({self.max_model_len}) in all"
+                )
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=special)
+        return ids
+
     def encode_text(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise InvalidInput(f"prompt: expected a string, got {type(text).__name__}")
-        self.check_chars(len(text))
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True)
+        ids = self._encode(text, True, "prompt")
         if not ids:
             raise InvalidInput("prompt: expected at least one token, got an empty prompt")
         return ids
@@ -139,16 +154,14 @@ class LlmEngine:
         self.check_chars(sum(len(m["content"]) for m in conversation), "messages")
         if getattr(self.tokenizer, "chat_template", None) is None:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation)
-            return self.encode_text(text + "assistant:")
+            return self._encode(text + "assistant:", True, "messages")
         try:
             prompt: Any = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:
             raise InvalidInput(f"messages: the chat template refused them: {exc}") from exc
-        self.check_chars(len(prompt), "messages")
-        ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False)
-        return ids
+        return self._encode(prompt, False, "messages")
 
     def check_length(self, n_prompt: int) -> None:
         """Refuse a prompt of ``max_model_len`` tokens or more."""
@@ -504,6 +517,12 @@ def _send(seq: Sequence, error: BaseException) -> None:
 def _deliver(events: list[tuple[asyncio.Queue[Any], GenerationEvent]]) -> None:
     for queue, event in events:
         queue.put_nowait(event)
+
+
+# Text longer than max_model_len x this many characters is measured by the tokens of that
+# prefix first; refused when the prefix alone holds max_model_len + PREFIX_SLACK_TOKENS.
+PREFIX_CHARS_PER_TOKEN = 8
+PREFIX_SLACK_TOKENS = 16
 
 
 def longest_token(tokenizer: Any) -> int:
