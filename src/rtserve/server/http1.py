@@ -899,7 +899,12 @@ class HttpServer:
             now, now_ns = time.monotonic(), _now()
             self.clock = now
             for conn in list(self.connections):
-                conn.expire(now, now_ns, interval)
+                try:
+                    conn.expire(now, now_ns, interval)
+                except Exception as exc:  # one connection must not end every timeout
+                    log.error("error expiring an HTTP connection; aborting it", exc_info=exc)
+                    if conn.transport is not None:
+                        conn.transport.abort()
 
     def begin_drain(self) -> None:
         """Answer what was accepted; close connections as they fall idle."""
