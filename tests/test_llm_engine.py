@@ -68,8 +68,8 @@ def prompts_for(e: LlmEngine, n: int) -> list[list[int]]:
     return [e.encode_text(" ".join(words[: 1 + i % len(words)] * (1 + i % 5))) for i in range(n)]
 
 
-def check_equal(e: LlmEngine, version_dir: Path, n: int, **options: object) -> None:
-    prompts = prompts_for(e, n)
+def run_all(e: LlmEngine, prompts: list[list[int]]) -> list[tuple[list[int], str, str]]:
+    """Every prompt at once (greedy); the engine stopped after."""
 
     async def all_at_once() -> list[tuple[list[int], str, str]]:
         try:
@@ -77,7 +77,12 @@ def check_equal(e: LlmEngine, version_dir: Path, n: int, **options: object) -> N
         finally:
             await e.stop()
 
-    got = asyncio.run(all_at_once())
+    return asyncio.run(all_at_once())
+
+
+def check_equal(e: LlmEngine, version_dir: Path, n: int, **options: object) -> None:
+    prompts = prompts_for(e, n)
+    got = run_all(e, prompts)
     want = reference(version_dir, prompts, GREEDY.max_tokens or 0)
     tok = e.tokenizer
     for (tokens, text, _), expected in zip(got, want, strict=True):
@@ -114,14 +119,7 @@ def test_cuda_float16_batches_and_frees_its_blocks(models: dict[str, Path]) -> N
     e = engine(models["llama"], device="cuda", dtype="float16", block_size=8)
     assert e.runner.k_cache[0].dtype == torch.float16
     prompts = prompts_for(e, 24)
-
-    async def go() -> list[tuple[list[int], str, str]]:
-        try:
-            return await asyncio.gather(*(run(e, p) for p in prompts))
-        finally:
-            await e.stop()
-
-    results = asyncio.run(go())
+    results = run_all(e, prompts)
     assert [len(tokens) for tokens, _, _ in results] == [GREEDY.max_tokens] * len(prompts)
     assert {reason for _, _, reason in results} == {"length"}
     assert e.steps < 24 * 12  # batched
