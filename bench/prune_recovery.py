@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import time
 
 import numpy as np
 
 from bench.showcase import zoo
 from bench.showcase.report import SENTENCES
-from bench.showcase.structured_prune import EVAL_SENTENCES, TRAIN_TEXTS, training_texts
+from bench.showcase.structured_prune import (
+    EVAL_SENTENCES,
+    TRAIN_TEXTS,
+    split_sentences,
+    training_texts,
+)
 from rtserve.optimize.data import read_sentences
 
 
@@ -41,8 +45,7 @@ def news_sentences(seed: int = 0) -> list[str]:
 
     out = []
     for path in sorted(bbc_news_root().glob("*/*.txt")):
-        text = " ".join(path.read_text(errors="ignore").split())
-        out += [s for s in re.split(r"(?<=[.!?])\s+", text) if 20 < len(s) < 200]
+        out += [s for s in split_sentences(path.read_text(errors="ignore")) if 20 < len(s) < 200]
     random.Random(seed).shuffle(out)
     return out
 

@@ -41,12 +41,17 @@ TRAIN_TEXTS = 3000
 SPEC = PruneSpec(STRUCTURED_HEADS, 0.5, fine_tune_epochs=4, ffn_amount=0.5, fine_tune_seconds=300.0)
 
 
+def split_sentences(text: str) -> list[str]:
+    """``text`` cut after each ``.``, ``!`` or ``?`` that whitespace follows; each sentence's
+    whitespace runs become single spaces."""
+    return [" ".join(s.split()) for s in re.split(r"(?<=[.!?])\s+", text)]
+
+
 def python_doc_sentences() -> list[str]:
     """Plain-prose sentences of the Python reference documentation bundled with CPython."""
     import pydoc_data.topics
 
-    text = " ".join(pydoc_data.topics.topics.values())
-    sentences = (" ".join(s.split()) for s in re.split(r"(?<=[.!?])\s+", text))
+    sentences = split_sentences(" ".join(pydoc_data.topics.topics.values()))
     return [
         s
         for s in sentences
