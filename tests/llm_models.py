@@ -49,33 +49,46 @@ def build_llm(
     seed: int = 0,
     layers: int = 2,
     hidden: int = 64,
+    extra: dict | None = None,
 ) -> Path:
-    """``root/name/1/`` with a random ``arch`` (llama | qwen2 | gpt2) model, its tokenizer
-    and ``root/name/config.yaml``; returns the version directory."""
+    """``root/name/1/`` with a random ``arch`` (llama | qwen2 | gpt2 | mistral | gemma2 |
+    bloom) model, its tokenizer and ``root/name/config.yaml``; ``extra``: more config
+    fields (a sliding window, soft-capping); returns the version directory."""
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+    import transformers
 
     tokenizer = build_tokenizer()
     vocab = len(tokenizer)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
     common = dict(vocab_size=vocab, bos_token_id=bos, eos_token_id=eos)
+    common.update(extra or {})
     if arch == "gpt2":
-        config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, n_positions=1024, **common)
+        config = transformers.GPT2Config(
+            n_layer=layers, n_embd=hidden, n_head=4, n_positions=1024, **common
+        )
+    elif arch == "bloom":
+        config = transformers.BloomConfig(n_layer=layers, hidden_size=hidden, n_head=4, **common)
     else:
-        cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+        cls = {
+            "llama": transformers.LlamaConfig,
+            "qwen2": transformers.Qwen2Config,
+            "mistral": transformers.MistralConfig,
+            "gemma2": transformers.Gemma2Config,
+        }[arch]
         config = cls(
             num_hidden_layers=layers,
             hidden_size=hidden,
             intermediate_size=2 * hidden,
             num_attention_heads=4,
             num_key_value_heads=2,
+            head_dim=hidden // 4,
             max_position_embeddings=1024,
             tie_word_embeddings=True,
             **common,
         )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # larger logits: fewer near-ties between batched and single runs
         model.get_output_embeddings().weight.mul_(8.0)
     version_dir = root / name / "1"

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from rtserve.errors import InvalidInput, ObjectiveRefused  # noqa: E402
+from rtserve.errors import ConfigError, InvalidInput, ObjectiveRefused  # noqa: E402
 from rtserve.llm.engine import LlmEngine, StepModel  # noqa: E402
 from rtserve.llm.options import LlmOptions, TokenSLO  # noqa: E402
 from rtserve.llm.params import SamplingParams  # noqa: E402
@@ -124,6 +124,74 @@ def test_cuda_float16_batches_and_frees_its_blocks(models: dict[str, Path]) -> N
     assert {reason for _, _, reason in results} == {"length"}
     assert e.steps < 24 * 12  # batched
     assert e.pool.num_used == 0
+
+
+def test_a_sliding_window_caps_max_model_len_where_full_attention_is_exact(
+    tmp_path: Path,
+) -> None:
+    window = 40
+    version = build_llm(tmp_path, arch="mistral", extra={"sliding_window": window})
+    e = engine(version, block_size=8)
+    assert e.runner.max_model_len == window  # (512 asked)
+    with pytest.raises(InvalidInput, match=f"max_model_len \\({window}\\)"):
+        e.check_prompt(window, GREEDY)
+    short = [p for p in prompts_for(e, 12) if len(p) + GREEDY.max_tokens <= window]
+    assert len(short) >= 6
+    got = run_all(e, short)
+    assert [tokens for tokens, _, _ in got] == reference(version, short, GREEDY.max_tokens or 0)
+
+
+def _logprobs(model: object, ids: list[int], new: list[int]) -> list[float]:
+    """The log-probability transformers gives each of ``new`` after ``ids``."""
+    full = torch.tensor([ids + new])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(full).logits[0].float(), -1)  # type: ignore[operator]
+    return [float(lp[len(ids) - 1 + i, t]) for i, t in enumerate(new)]
+
+
+def test_soft_capped_attention_gives_transformers_log_probabilities(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    version = build_llm(tmp_path, arch="gemma2", extra={"attn_logit_softcapping": 0.3})
+    model = AutoModelForCausalLM.from_pretrained(version)
+    with torch.no_grad():  # sharper attention: scores far into the cap's curve
+        for name, p in model.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(6.0)
+    model.save_pretrained(version)
+    e = engine(version, block_size=8)
+    assert e.runner.decode_kernel is None  # (the kernel has no soft-capping)
+    prompts = prompts_for(e, 6)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
+
+    async def go() -> list[tuple[list[int], list[float]]]:
+        async def one(ids: list[int]) -> tuple[list[int], list[float]]:
+            tokens: list[int] = []
+            lps: list[float] = []
+            async for event in e.generate(ids, params):
+                tokens += event.token_ids
+                lps += [lp.logprob for lp in event.logprobs or []]
+            return tokens, lps
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await e.stop()
+
+    uncapped = AutoModelForCausalLM.from_pretrained(version, attn_logit_softcapping=None)
+    moved = 0.0
+    for ids, (tokens, lps) in zip(prompts, asyncio.run(go()), strict=True):
+        assert len(lps) == len(tokens) == 8
+        assert lps == pytest.approx(_logprobs(model, ids, tokens), abs=2e-4)
+        plain = _logprobs(uncapped, ids, tokens)
+        moved = max(moved, *(abs(a - b) for a, b in zip(lps, plain, strict=True)))
+    assert moved > 1e-2  # the cap changes the answer: the test can tell
+
+
+def test_architectures_without_the_attention_interface_are_refused(tmp_path: Path) -> None:
+    version = build_llm(tmp_path, arch="bloom")
+    with pytest.raises(ConfigError, match="BloomForCausalLM .* attention interface"):
+        LlmEngine("tiny", "1", version, LlmOptions.parse({"device": "cpu"}, "test"))
 
 
 def test_preemption_and_recompute_give_the_same_text(models: dict[str, Path]) -> None:

@@ -41,6 +41,7 @@ class ModelRunner:
         self.device = resolve_device(options.device)
         self.dtype = _DTYPES[options.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(version_dir)
+        check_architecture(version_dir)
         model: Any = AutoModelForCausalLM.from_pretrained(
             version_dir, dtype=self.dtype, attn_implementation=attention.ATTN_NAME
         )
@@ -74,6 +75,14 @@ class ModelRunner:
             config, "n_positions", None
         )
         self.max_model_len = min(options.max_model_len, int(positions or options.max_model_len))
+        window = sliding_window(self.model)
+        if window is not None and window < self.max_model_len:
+            log.warning(
+                "llm %s: attention within a sliding window of %d tokens: max_model_len %d "
+                "-> %d (full attention is exact inside the window)",
+                version_dir, window, self.max_model_len, window,
+            )  # fmt: skip
+            self.max_model_len = window
         element = torch.tensor([], dtype=self.dtype).element_size()
         per_token = 2 * layers * kv_heads * head_dim * element
         self.block_size = options.block_size
@@ -94,6 +103,7 @@ class ModelRunner:
             options.cpu_attention == "kernel"
             and self.device.type == "cpu"
             and self.dtype == torch.float32
+            and not softcapped(self.model)  # (the kernel has no soft-capping)
         ):
             self.decode_kernel = kernels.paged_decode()
         self.bytes_per_token = per_token
@@ -156,6 +166,7 @@ class ModelRunner:
             chunks,
             decode_lengths,
             self.decode_kernel,
+            self.max_model_len,
         )
         return ctx, ids, positions, last
 
@@ -550,6 +561,53 @@ def release_openmp() -> bool:
         return done
     except (OSError, AttributeError):  # not Linux, or an OpenMP without it
         return False
+
+
+def check_architecture(version_dir: Path) -> None:
+    """Refuse a model whose attention does not go through transformers' attention
+    interface, where the paged KV cache plugs in (it would run without its context)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(version_dir)
+    try:
+        cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise ConfigError(
+            f"llm: model_type {config.model_type!r} in {version_dir}/config.json is not a "
+            "causal language model (no AutoModelForCausalLM class for it)"
+        ) from None
+    if not getattr(cls, "_supports_attention_backend", False):
+        raise ConfigError(
+            f"llm: {cls.__name__} ({config.model_type!r}) computes attention its own way, "
+            "not through transformers' attention interface that the paged KV cache plugs "
+            "into; architectures that do include Llama, Mistral, Qwen2/3, Gemma, Phi, "
+            "GPT-2, GPT-J, GPT-NeoX, OPT"
+        )
+
+
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The shortest sliding attention window of any layer (None: full attention)."""
+    config: Any = getattr(model, "config", None)
+    sizes: list[int] = [
+        w
+        for m in model.modules()
+        if isinstance(w := getattr(m, "sliding_window", None), int) and hasattr(m, "layer_idx")
+    ]
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if (
+        isinstance(window, int)
+        and getattr(config, "use_sliding_window", True) is not False
+        and (types is None or "sliding_attention" in types)
+    ):
+        sizes.append(window)
+    return min(sizes) if sizes else None
+
+
+def softcapped(model: torch.nn.Module) -> bool:
+    """Attention scores soft-capped (Gemma 2)."""
+    return getattr(getattr(model, "config", None), "attn_logit_softcapping", None) is not None
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
