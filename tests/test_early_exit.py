@@ -112,6 +112,10 @@ def test_runtime_default_threshold_without_the_feed(tmp_path: Path) -> None:
     try:
         out = model.run(0, {"x": rows(4)})
         np.testing.assert_array_equal(out["exit_layer"], [1, 1, 1, 1])
+        x = rows(3)
+        x[1] = np.nan  # no confidence at all: threshold 0 still answers at the first exit
+        out = model.run(0, {"x": x})
+        np.testing.assert_array_equal(out["exit_layer"], [1, 1, 1])
     finally:
         model.close()
 
@@ -119,7 +123,9 @@ def test_runtime_default_threshold_without_the_feed(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        ({"threshold": 1.5}, "torch.early_exit.threshold"),
+        ({"threshold": 1.5}, "torch.early_exit.threshold: expected a number from 0 to 1"),
+        ({"threshold": -0.5}, "torch.early_exit.threshold: expected a number from 0 to 1"),
+        ({"threshold": 10**400}, r"threshold: expected a number from 0 to 1 .*\(401 characters\)"),
         ({"batch": "some"}, "torch.early_exit.batch"),
         ({"colour": 1}, "torch.early_exit.colour"),
         ({"output": "depth"}, "'depth'"),
@@ -129,6 +135,31 @@ def test_bad_early_exit_config(tmp_path: Path, edit: dict[str, Any], message: st
     directory = write(tmp_path, make_net(), **edit)
     with pytest.raises(ConfigError, match=message):
         load(config_of(directory), directory / "1")
+
+
+def test_an_empty_early_exit_or_a_float_exit_layer_is_refused(tmp_path: Path) -> None:
+    directory = write(tmp_path, make_net())
+    config = yaml.safe_load((directory / "config.yaml").read_text())
+    config["torch"]["early_exit"] = None  # (`early_exit:` with nothing under it)
+    (directory / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=r"torch.early_exit: expected a mapping \({}"):
+        load(config_of(directory), directory / "1")
+    config["torch"]["early_exit"] = {}
+    config["outputs"] = [
+        {**o, "datatype": "FP32"} if o["name"] == "exit_layer" else o for o in config["outputs"]
+    ]
+    (directory / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=r"'exit_layer' \(INT32.*exit_layer FP32"):
+        load(config_of(directory), directory / "1")
+
+
+def test_exit_counts_go_on_across_reloads() -> None:
+    from rtserve.observability.metrics import ModelMetrics
+
+    metrics = ModelMetrics("exits", "1")
+    metrics.track_exits(lambda: {1: 5, 3: 2})
+    metrics.track_exits(lambda: {1: 1, 2: 0, 3: 0})  # the reloaded runtime's own counts
+    assert metrics.exits is not None and metrics.exits() == {1: 6, 2: 0, 3: 2}
 
 
 def test_a_model_without_exits_is_refused(tmp_path: Path) -> None:
@@ -175,6 +206,24 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSe
     config = yaml.safe_load((cached / "config.yaml").read_text())
     config["response_cache"] = {"memory": {"max_bytes": 1_000_000, "ttl_s": 60}}
     (cached / "config.yaml").write_text(yaml.safe_dump(config))
+    write(repo, net, name="exits_quiet")  # never asked: its exit counts stay 0
+    ensemble = {
+        "backend": "ensemble",
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [64]}],
+        "outputs": [
+            {"name": "logits", "datatype": "FP32", "shape": [10]},
+            {"name": "exit_layer", "datatype": "INT32", "shape": []},
+        ],
+        "steps": [
+            {
+                "model": "exits",
+                "inputs": {"x": "x"},
+                "outputs": {"logits": "logits", "exit_layer": "exit_layer"},
+            }
+        ],
+    }
+    (repo / "exits_ensemble" / "1").mkdir(parents=True)
+    (repo / "exits_ensemble" / "config.yaml").write_text(yaml.safe_dump(ensemble))
     server = start_server(repo, tmp_path_factory.mktemp("exit-server"))
     yield server, net
     server.stop()
@@ -260,6 +309,24 @@ def test_http_bad_threshold_is_400_naming_it(
     assert status == 200  # the server goes on serving
 
 
+def test_an_ensemble_passes_exit_threshold_to_its_step(
+    served: tuple[RunningServer, ExitNet],
+) -> None:
+    server, net = served
+    x = rows(4, seed=11)
+    mid = middle_threshold(every_exit(net, x))
+    want = expected(every_exit(net, x), np.full(4, mid))[1].tolist()
+    for threshold, layers in ((0, [1] * 4), (1, [3] * 4), (None, None), (mid, want)):
+        params = {} if threshold is None else {"exit_threshold": threshold}
+        status, answer = post(server, x, params, model="exits_ensemble")
+        assert status == 200, answer
+        if layers is None:  # absent: the step's own default (0.9)
+            layers = expected(every_exit(net, x), np.full(4, 0.9))[1].tolist()
+        assert outputs_of(answer)[1].tolist() == layers
+    status, answer = post(server, x, {"exit_threshold": 7}, model="exits_ensemble")
+    assert status == 400 and "parameters.exit_threshold: expected a number" in answer["error"]
+
+
 def test_the_response_cache_keys_on_the_threshold(served: tuple[RunningServer, ExitNet]) -> None:
     server, _ = served
     x = rows(4, seed=9)
@@ -274,17 +341,18 @@ def test_the_response_cache_keys_on_the_threshold(served: tuple[RunningServer, E
 def test_metrics_count_exits_per_layer(served: tuple[RunningServer, ExitNet]) -> None:
     server, _ = served
 
-    def counts() -> dict[str, float]:
+    def counts(model: str = "exits") -> dict[str, float]:
         text = urllib.request.urlopen(f"{server.base}/metrics", timeout=10).read().decode()
         out = {}
         for line in text.splitlines():
-            if line.startswith("rtserve_early_exits_total{") and 'model="exits"' in line:
+            if line.startswith("rtserve_early_exits_total{") and f'model="{model}"' in line:
                 layer = line.split('layer="')[1].split('"')[0]
                 out[layer] = float(line.rsplit(" ", 1)[1])
         return out
 
     before = counts()
     assert set(before) == {"1", "2", "3"}
+    assert counts("exits_quiet") == {"1": 0, "2": 0, "3": 0}  # warmup's rows are not counted
     assert post(server, rows(5), {"exit_threshold": 0})[0] == 200
     assert post(server, rows(3), {"exit_threshold": 1})[0] == 200
     after = counts()

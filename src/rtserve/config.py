@@ -80,15 +80,30 @@ class _Fields:
             raise self.fail(key, f"an integer <= {maximum}", value)
         return value
 
-    def number(self, key: str, default: float, minimum: float = 0.0) -> float:
+    def number(
+        self,
+        key: str,
+        default: float,
+        minimum: float = 0.0,
+        maximum: float | None = None,
+        meaning: str = "",
+    ) -> float:
         value = self.get(key, default)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 1e300:
+            value = float("inf") if value > 0 else float("-inf")  # (float() would overflow)
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
             or not math.isfinite(value)  # YAML .nan / .inf
             or value < minimum
+            or (maximum is not None and value > maximum)
         ):
-            raise self.fail(key, f"a number >= {minimum}", value)
+            about = f" ({meaning})" if meaning else ""
+            if maximum is None:
+                raise self.fail(key, f"a number >= {minimum}{about}", self.get(key, default))
+            raise self.fail(
+                key, f"a number from {minimum:g} to {maximum:g}{about}", self.get(key, default)
+            )
         return float(value)
 
     def boolean(self, key: str, default: bool) -> bool:

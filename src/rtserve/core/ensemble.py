@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from rtserve.errors import (
 )
 from rtserve.observability.metrics import outcome_of
 from rtserve.protocol.types import Timings
-from rtserve.runtime.parameters import row_feeds
+from rtserve.runtime.parameters import RowParameter, row_feeds
 
 _now = time.perf_counter_ns
 
@@ -496,8 +497,13 @@ class EnsembleScheduler:
         mv = self.step_model(step)
         t = Timings(received=_now())
         feeds = {name: tensors[tensor] for name, tensor in step.inputs.items()}
-        if mv.row_parameters:  # a step's row parameters take their defaults
-            feeds = row_feeds(mv.row_parameters, {}, feeds, rows)
+        if mv.row_parameters:  # the request's value (checked by the ensemble), else the step's
+            given = {}
+            for p in mv.row_parameters:
+                value = tensors.get(p.name)
+                if value is not None and value.size and not math.isnan(value.flat[0]):
+                    given[p.name] = float(value.flat[0])
+            feeds = row_feeds(mv.row_parameters, given, feeds, rows)
         try:
             outputs = await mv.scheduler.submit(feeds, rows, t, timeout_s, priority)
         except BaseException as exc:
@@ -545,6 +551,12 @@ async def build_ensemble_version(
                 "be in the repository and load before the ensemble)"
             ) from None
     max_batch = check_against_models(config, plan, models)
+    # A row parameter of any step (exit_threshold) is one of the ensemble's too: checked on
+    # the request, passed to every step that takes it; absent (NaN): each step's default.
+    forwarded: dict[str, RowParameter] = {}
+    for mv in models.values():
+        for p in mv.row_parameters:
+            forwarded.setdefault(p.name, dataclasses.replace(p, default=math.nan))
     if max_batch != config.max_batch_size:
         config = dataclasses.replace(config, max_batch_size=max_batch)
     metrics = ctx.metrics.model(config.name, version)
@@ -561,4 +573,5 @@ async def build_ensemble_version(
         outputs={s.name: s for s in config.outputs or ()},
         runtime=None,
         cache=ctx.cache_for(config, version, tuple(config.outputs or ())),
+        row_parameters=tuple(forwarded.values()),
     )

@@ -239,6 +239,7 @@ async def build_runtime_version(
     metrics.track_queue_depth(lambda: batcher.queue_depth)
     exit_counts = getattr(runtime, "exit_counts", None)
     if exit_counts is not None:
+        getattr(runtime, "reset_exit_counts")()  # noqa: B009 (warmup's rows are not answers)
         metrics.track_exits(exit_counts)
     mv = ModelVersion(
         name=config.name,

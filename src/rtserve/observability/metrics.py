@@ -186,7 +186,15 @@ class ModelMetrics:
         self.queue_depth = depth
 
     def track_exits(self, counts: Callable[[], dict[int, int]]) -> None:
-        self.exits = counts
+        """Read a (new) runtime's exit counts, on top of what earlier loads counted: the
+        counter goes on across reloads, like the others."""
+        before = self.exits() if self.exits is not None else {}
+
+        def total() -> dict[int, int]:
+            now = counts()
+            return {d: before.get(d, 0) + now.get(d, 0) for d in sorted({*before, *now})}
+
+        self.exits = total
 
 
 _HISTOGRAMS = (

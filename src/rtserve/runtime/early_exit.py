@@ -61,6 +61,10 @@ class ExitRunner:
         self._counts = [[0] * len(self.depths) for _ in range(instances)]
         self._depth_table = torch.tensor(self.depths, dtype=torch.int32)
 
+    def reset(self) -> None:
+        """Forget the rows counted so far (warmup's)."""
+        self._counts = [[0] * len(self.depths) for _ in self._counts]
+
     def counts(self) -> dict[int, int]:
         """Rows answered so far at each exit, by its backbone depth (every instance)."""
         return {d: sum(c[i] for c in self._counts) for i, d in enumerate(self.depths)}
@@ -129,4 +133,4 @@ class ExitRunner:
 
 def _confident(logits: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
     top = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
-    return top > thresholds
+    return (top > thresholds) | (thresholds <= 0)  # (0: answer here, even a NaN row)

@@ -80,12 +80,15 @@ class TorchOptions:
 
 
 def _early_exit_options(f: _Fields) -> EarlyExitOptions | None:
-    if f.get("early_exit") is None:
+    if "early_exit" not in f.data:
+        f.get("early_exit")
         return None
+    if f.get("early_exit") is None:  # (`early_exit:` with nothing under it)
+        raise f.fail("early_exit", "a mapping ({} for the defaults)", None)
     ef = f.sub("early_exit")
-    threshold = ef.number("threshold", EarlyExitOptions.threshold)
-    if threshold > 1:
-        raise ef.fail("threshold", "a number from 0 to 1 (a top-class probability)", threshold)
+    threshold = ef.number(
+        "threshold", EarlyExitOptions.threshold, 0.0, 1.0, "a top-class probability"
+    )
     opts = EarlyExitOptions(
         threshold=threshold,
         batch=ef.string("batch", EarlyExitOptions.batch, MODES),
@@ -184,10 +187,12 @@ def _check_early_exit(config: ModelConfig, opts: TorchOptions, max_batch: int) -
         raise ConfigError(f"{where}: inputs: {THRESHOLD!r} is the early exit's request parameter")
     names = [s.name for s in config.outputs]
     others = [n for n in names if n != early.output]
-    if early.output not in names or len(others) != 1:
+    exit_spec = next((s for s in config.outputs if s.name == early.output), None)
+    if exit_spec is None or exit_spec.datatype != "INT32" or len(others) != 1:
         raise ConfigError(
             f"{where}: outputs: an early-exit model declares two outputs, its logits and "
-            f"{early.output!r} (INT32, shape []: the depth of the exit that answered); got {names}"
+            f"{early.output!r} (INT32, shape []: the depth of the exit that answered); got "
+            + ", ".join(f"{o.name} {o.datatype}" for o in config.outputs)
         )
     return others[0]
 
@@ -283,6 +288,7 @@ class TorchModel:
             )  # fmt: skip
             self.row_parameters = (threshold_parameter(early.threshold),)
             self.exit_counts = self._exit.counts
+            self.reset_exit_counts = self._exit.reset
         # Per instance: pinned staging buffers keyed by (name, rows) / (name, shape).
         self._staging: list[dict[Any, torch.Tensor]] = [{} for _ in range(self.instance_count)]
         graphs = opts.compile in ("reduce-overhead", "max-autotune")
