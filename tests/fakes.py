@@ -36,6 +36,7 @@ class DoublingRuntime:
         self.max_batch_size = max_batch_size
         self.batches: list[int] = []
         self.fail_next: Exception | None = None
+        self.fail_negative = False
         self.gate: threading.Event | None = None  # set: run() blocks until it is set
         self.closed = False
 
@@ -47,6 +48,8 @@ class DoublingRuntime:
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
+        if self.fail_negative and (x < 0).any():  # one request's data fails its batch
+            raise ValueError("/secret/path: a negative row")
         return {"y": x * 2}
 
     def close(self) -> None:

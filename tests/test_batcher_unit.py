@@ -171,11 +171,12 @@ async def test_deadline_expires_a_queued_request_and_it_is_never_run() -> None:
 @run_async
 async def test_a_failing_batch_fails_each_request_with_the_model_named() -> None:
     rt, clock = DoublingRuntime(), FakeClock()
-    rt.fail_next = ValueError("/secret/path/weights.bin is corrupt")
+    rt.fail_negative = True
     b = make(rt, clock)
     b.start()
-    futures = [b.submit(rows(1), 1, Timings()) for _ in range(2)]
+    futures = [b.submit(rows(1, value=-1), 1, Timings()) for _ in range(2)]
     results = await asyncio.gather(*futures, return_exceptions=True)
+    assert rt.batches == [2, 1, 1]  # the batch, then each request alone
     for r in results:
         assert isinstance(r, InferenceFailed)
         assert "m:1" in r.message and "ValueError" in r.message
@@ -183,6 +184,28 @@ async def test_a_failing_batch_fails_each_request_with_the_model_named() -> None
     # The batcher keeps serving.
     out = await b.submit(rows(1), 1, Timings())
     assert np.all(out["y"] == 2)
+    await b.stop()
+
+
+@run_async
+async def test_one_request_that_fails_does_not_fail_the_others_in_its_batch() -> None:
+    rt, clock = DoublingRuntime(), FakeClock()
+    rt.fail_negative = True
+    b = make(rt, clock)
+    b.start()
+    values = (1.0, 2.0, -1.0, 3.0)
+    futures = [b.submit(rows(2, value=v), 2, Timings()) for v in values]
+    results = await asyncio.gather(*futures, return_exceptions=True)
+    assert rt.batches == [8, 2, 2, 2, 2]
+    for v, r in zip(values, results, strict=True):
+        if v < 0:
+            assert isinstance(r, InferenceFailed)
+        else:
+            assert isinstance(r, dict) and r["y"].shape == (2, 4) and np.all(r["y"] == 2 * v)
+    # A failure once, for the whole batch, is retried request by request: all answered.
+    rt.fail_next = RuntimeError("a passing fault")
+    results = await asyncio.gather(*(b.submit(rows(1), 1, Timings()) for _ in range(3)))
+    assert all(np.all(r["y"] == 2) for r in results)
     await b.stop()
 
 

@@ -296,3 +296,60 @@ def test_litert_config_errors_name_the_field(
     )
     with pytest.raises(ConfigError, match="other.tflite not found"):
         load(config_of(tmp_path / "n"), tmp_path / "n" / "1")
+
+
+class _Embedding(torch.nn.Module):
+    """Token ids (int64 in torch; the .tflite takes int32) -> 4 numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e = torch.nn.Embedding(100, 8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.e(ids).sum(1))
+
+
+def test_litert_int64_ids_export_and_an_index_out_of_range_is_refused(tmp_path: Path) -> None:
+    from rtserve.errors import InvalidInput
+    from rtserve.runtime.litert import load
+
+    python = converter_python()
+    torch.manual_seed(0)
+    model = _Embedding().eval()
+    ids = np.random.default_rng(0).integers(0, 100, (16, 5)).astype(np.int64)
+    results = export_edge(
+        model,
+        EdgeRequest(
+            fmt="litert", out=tmp_path / "out", example={"ids": ids[:1]}, output_names=["out"],
+            eval_data={"ids": ids}, converter_python=python, threads=(1,), iterations=5,
+            rounds=1,
+        ),
+    )  # fmt: skip
+    assert [r.name for r in results] == ["litert-fp32"]  # measured with int64 ids, cast
+    write_model(tmp_path, "emb", tmp_path / "out" / "model.tflite", {"backend": "litert"})
+    served = load(config_of(tmp_path / "emb"), tmp_path / "emb" / "1")
+    try:
+        with torch.no_grad():
+            want = model(torch.from_numpy(ids[:1])).numpy()
+        got = served.run(0, {"ids": ids[:1].astype(np.int32)})["out"]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        with pytest.raises(InvalidInput, match="LiteRT could not run this input: .*index"):
+            served.run(0, {"ids": np.array([[1, 2, 1000, 3, 4]], np.int32)})
+        got = served.run(0, {"ids": ids[:1].astype(np.int32)})["out"]  # still runs
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        served.close()
+
+
+def test_nan_into_a_quantized_litert_input_is_a_400(edge_server: RunningServer) -> None:
+    client = thttp.InferenceServerClient(edge_server.http)
+    from tritonclient.utils import InferenceServerException
+
+    x = np.zeros((2, 64), np.float32)
+    x[1, 3] = np.nan
+    bad = thttp.InferInput("x", [2, 64], "FP32")
+    bad.set_data_from_numpy(x)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("digits-tflite-int8", [bad])
+    assert info.value.status() == "400" and "NaN" in str(info.value)

@@ -141,3 +141,13 @@ def as_error(exc: BaseException, what: str = "request") -> RTServeError:
         return exc
     logging.getLogger("rtserve").error("unexpected error answering a %s", what, exc_info=exc)
     return InferenceFailed(f"internal error ({type(exc).__name__}) answering the {what}")
+
+
+def runtime_message(exc: BaseException, limit: int = 400) -> str:
+    """A runtime's error for a client: its most telling line (ONNX Runtime's status
+    message, a LiteRT kernel's complaint), cut to ``limit`` characters."""
+    text = str(exc).strip()
+    if "Status Message:" in text:  # ONNX Runtime: what is wrong comes after the node name
+        text = text.split("Status Message:", 1)[1].strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return line if len(line) <= limit else line[:limit] + "..."

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from rtserve.config import AUTO_BATCH, DEFAULT_MAX_BATCH, ModelConfig, TensorSpec, _Fields
-from rtserve.errors import ConfigError
+from rtserve.errors import ConfigError, InvalidInput, runtime_message
 
 _TYPES: dict[Any, str] = {
     np.bool_: "BOOL",
@@ -145,8 +145,15 @@ class Instance:
         interp = self.interpreter
         for t in self.inputs:
             value = feeds[t.name]
-            interp.set_tensor(t.index, _quantize(value, t) if t.quantized else value)
-        interp.invoke()
+            if t.quantized:
+                value = _quantize(value, t)
+            elif value.dtype != t.dtype:  # (int64 token ids for an int32 input)
+                value = value.astype(t.dtype)
+            interp.set_tensor(t.index, value)
+        try:
+            interp.invoke()
+        except RuntimeError as exc:  # a kernel's check on the data: an index out of range
+            raise InvalidInput(f"LiteRT could not run this input: {runtime_message(exc)}") from None
         out = {}
         for t in self.outputs:
             value = interp.get_tensor(t.index)
@@ -155,6 +162,11 @@ class Instance:
 
 
 def _quantize(value: np.ndarray, t: _Tensor) -> np.ndarray:
+    if np.isnan(value).any():
+        raise InvalidInput(
+            f"input {t.name!r}: NaN has no {np.dtype(t.dtype).name} value (the model's input "
+            "is quantized)"
+        )
     info = np.iinfo(t.dtype)
     q = np.rint(value / t.scale) + t.zero_point
     return np.clip(q, info.min, info.max).astype(t.dtype)
@@ -185,8 +197,13 @@ def open_instance(path: Path, threads: int = 1, float_io: bool = True) -> Instan
     what ``rtserve export-edge`` times and checks)."""
     where = str(path)
     interp = _interpreter(path, threads)
-    ins, outs = _signature_details(interp, where)
-    return Instance(interp, _tensors(ins, float_io, where), _tensors(outs, float_io, where))
+    try:
+        ins, outs = _signature_details(interp, where)
+        return Instance(interp, _tensors(ins, float_io, where), _tensors(outs, float_io, where))
+    except ConfigError:
+        raise
+    except Exception as exc:  # a damaged file can still load (a tensor name not UTF-8)
+        raise ConfigError(f"{path}: LiteRT could not read the model's tensors: {exc}") from exc
 
 
 class LiteRTModel:

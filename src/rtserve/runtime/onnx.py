@@ -9,9 +9,10 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
 from rtserve.config import AUTO_BATCH, DEFAULT_MAX_BATCH, ModelConfig, TensorSpec
-from rtserve.errors import ConfigError
+from rtserve.errors import ConfigError, InvalidInput, runtime_message
 
 log = logging.getLogger(__name__)
 # What each other backend reads from a version directory, for the missing-model.onnx error.
@@ -287,7 +288,10 @@ class OnnxRuntimeModel:
             feeds = dict(feeds)
             for name in self._string_inputs:
                 feeds[name] = _to_str_array(feeds[name])
-        results = self._runs[instance](self._output_names, feeds)
+        try:
+            results = self._runs[instance](self._output_names, feeds)
+        except InvalidArgument as exc:  # the data, not the model (shapes were checked)
+            raise InvalidInput(f"ONNX Runtime refused the input: {runtime_message(exc)}") from None
         out = dict(zip(self._output_names, results, strict=True))
         for name in self._string_outputs:
             out[name] = _to_bytes_array(out[name])

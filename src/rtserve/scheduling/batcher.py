@@ -26,6 +26,8 @@ from rtserve.protocol.types import Timings
 from rtserve.runtime.base import Runtime
 from rtserve.scheduling.base import OnDone, Outputs, Request, SchedulingPolicy
 
+Result = tuple[Outputs | None, BaseException | None]  # one request's outputs, or its error
+
 log = logging.getLogger(__name__)
 
 BatchObserver = Callable[[int, int], None]  # (rows in batch, compute ns)
@@ -234,7 +236,10 @@ class Batcher:
     # ------------------------------------------------------------------ execution
     def _compute(
         self, batch: list[Request], instance: int
-    ) -> tuple[Outputs | None, BaseException | None, int, int]:
+    ) -> tuple[Outputs | None, BaseException | None, int, int, list[Result] | None]:
+        """The batch's outputs or error, its start and end; when a batch of several requests
+        fails, each request run alone (one request's data, an index out of range, must not
+        fail the others)."""
         start = self._now()
         try:
             if len(batch) == 1:
@@ -243,9 +248,17 @@ class Batcher:
                 names = batch[0].feeds.keys()
                 feeds = {n: np.concatenate([p.feeds[n] for p in batch]) for n in names}
             outputs = self._runtime.run(instance, feeds)
-            return outputs, None, start, self._now()
+            return outputs, None, start, self._now(), None
         except Exception as exc:  # the model's failure is reported to each request
-            return None, exc, start, self._now()
+            if len(batch) == 1:
+                return None, exc, start, self._now(), None
+        alone: list[Result] = []
+        for p in batch:
+            try:
+                alone.append((self._runtime.run(instance, p.feeds), None))
+            except Exception as exc:
+                alone.append((None, exc))
+        return None, None, start, self._now(), alone
 
     def _compute_threaded(self, batch: list[Request], instance: int) -> None:
         result = self._compute(batch, instance)
@@ -261,6 +274,7 @@ class Batcher:
         error: BaseException | None,
         start: int,
         end: int,
+        alone: list[Result] | None = None,
     ) -> None:
         self.free.append(instance)
         self._in_flight -= 1
@@ -268,15 +282,14 @@ class Batcher:
         self.policy.finished(batch, total_rows, instance, start, end)
         if self._on_batch is not None:
             self._on_batch(total_rows, end - start)
-        if outputs is not None and self._batched:
-            bad = [n for n, a in outputs.items() if a.ndim == 0 or a.shape[0] != total_rows]
-            if bad:
-                error = InferenceFailed(
-                    f"model '{self.name}': output {bad[0]!r} has no batch dimension "
-                    f"of size {total_rows}"
-                )
+        if outputs is not None:
+            error = self._check_rows(outputs, total_rows)
         offset = 0
-        for p in batch:
+        for i, p in enumerate(batch):
+            if alone is not None:  # the batch failed; each request was run by itself
+                outputs, error = alone[i]
+                if outputs is not None:
+                    error = self._check_rows(outputs, p.rows)
             t = p.timings
             t.batch_start = start
             t.batch_end = end
@@ -292,7 +305,7 @@ class Batcher:
                 future.remove_done_callback(hook)  # called below, not scheduled
             if error is not None or outputs is None:
                 future.set_exception(self._failure(error))
-            elif len(batch) == 1:
+            elif len(batch) == 1 or alone is not None:
                 future.set_result(outputs)
             else:
                 stop = offset + p.rows
@@ -306,6 +319,16 @@ class Batcher:
         if self._instance_wait is not None and not self._instance_wait.done():
             self._instance_wait.set_result(None)
         self._notify_drained()
+
+    def _check_rows(self, outputs: Outputs, rows: int) -> InferenceFailed | None:
+        if not self._batched:
+            return None
+        bad = [n for n, a in outputs.items() if a.ndim == 0 or a.shape[0] != rows]
+        if bad:
+            return InferenceFailed(
+                f"model '{self.name}': output {bad[0]!r} has no batch dimension of size {rows}"
+            )
+        return None
 
     def _failure(self, error: BaseException | None) -> RTServeError:
         """What the requests of a failed batch are told. A runtime's own ``RTServeError``
