@@ -46,6 +46,7 @@ CASES = [
     ("extra-input", {"inputs": [tensor(), tensor(name="extra")]}, None, 400, "'extra'"),
     ("duplicate-input", {"inputs": [tensor(), tensor()]}, None, 400, "more than once"),
     ("wrong-datatype", {"inputs": [tensor(datatype="FP64")]}, None, 400, "datatype FP64 does not match the model's FP32"),
+    ("bytes-to-fp32", {"inputs": [tensor(datatype="BYTES", data=["a", "b", "c", "d"])]}, None, 400, "datatype BYTES, but no input of the model is BYTES"),
     ("unknown-datatype", {"inputs": [tensor(datatype="FLOAT")]}, None, 400, "datatype"),
     ("wrong-shape", {"inputs": [tensor(shape=[1, 3], data=[1, 2, 3])]}, None, 400, "shape [1, 3] does not match the model's [-1, 4]"),
     ("shape-data-mismatch", {"inputs": [tensor(shape=[2, 4])]}, None, 400, "has 4 elements, shape [2, 4] needs 8"),

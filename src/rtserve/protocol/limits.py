@@ -117,6 +117,8 @@ class ElementBudget:
                 f"over the limit of {limits.max_elements} (max_elements)"
             )
         if is_bytes:
+            if limits.max_bytes_elements == 0:  # (limits_for_model: no input takes BYTES)
+                raise InvalidInput(f"{where}: datatype BYTES, but no input of the model is BYTES")
             self.bytes_elements += count
             if self.bytes_elements > limits.max_bytes_elements:
                 raise PayloadTooLarge(
