@@ -156,6 +156,92 @@ def test_export_edge_cli_refuses_int8_without_calibration(tmp_path: Path) -> Non
     assert proc.returncode == 2 and "--int8 needs --calibration" in proc.stderr
 
 
+def _tiny_onnx(path: Path) -> Path:
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def _bad_npz(path: Path, kind: str) -> Path:
+    if kind == "pickled":  # an object array: np.load must not unpickle it
+        np.savez(path, x=np.array([{"a": 1}, None], dtype=object))
+    elif kind == "not-a-zip":
+        path.write_bytes(b"\x80\x04 not a zip file at all")
+    elif kind == "strings":
+        np.savez(path, x=np.array([["a", "b", "c", "d"]]))
+    elif kind == "one-row":
+        np.savez(path, x=np.ones((1, 4), np.float32))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--batch", "0"], "--batch: expected an integer >= 1"),
+        (["--threads", "abc"], "--threads: expected thread counts >= 1"),
+        (["--threads", "0,2"], "--threads: expected thread counts >= 1"),
+        (["--iterations", "0"], "--iterations: expected an integer >= 1"),
+        (["--converter-python", "/no/such/python"], "--converter-python /no/such/python"),
+        (["--out-under-a-file"], "cannot make the folder"),
+        (["--int8", "--calibration", "pickled"], "not a readable .npz"),
+        (["--int8", "--calibration", "not-a-zip"], "not a readable .npz"),
+        (["--int8", "--calibration", "strings"], "input x holds <U1 values; expected numbers"),
+        (["--batch", "2", "--eval", "one-row"], "has 1 row(s), fewer than the exported batch of 2"),
+    ],
+)
+def test_export_edge_cli_bad_arguments_are_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], needle: str
+) -> None:
+    from rtserve.cli import main
+
+    model = _tiny_onnx(tmp_path / "m.onnx")
+    out = tmp_path / "out"
+    args = []
+    for a in extra:
+        if a == "--out-under-a-file":
+            (tmp_path / "file").write_text("")
+            out = tmp_path / "file" / "out"
+        elif a in ("pickled", "not-a-zip", "strings", "one-row"):
+            args.append(str(_bad_npz(tmp_path / f"{a}.npz", a)))
+        else:
+            args.append(a)
+    code = main(["export-edge", str(model), "--format", "ort", "--out", str(out), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: ") and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("x:-1x64", "every dim must be at least 1"),
+        ("x:1x64:floaty", "DTYPE 'floaty' is not a numeric numpy type"),
+        ("x:100000x100000x100000", "more than an example input needs"),
+    ],
+)
+def test_export_edge_cli_bad_input_specs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, spec: str, needle: str
+) -> None:
+    from rtserve.cli import main
+
+    code = main(
+        ["export-edge", "torch.nn:Identity", "--format", "litert", "--input", spec,
+         "--out", str(tmp_path / "out")]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err, err
+
+
 def write_model(repo: Path, name: str, file: Path, config: dict[str, Any]) -> None:
     version = repo / name / "1"
     version.mkdir(parents=True)

@@ -8,6 +8,7 @@ the command exits with status 2.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pathlib
 import sys
@@ -30,8 +31,13 @@ def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
     return wrapped
 
 
+MAX_EXAMPLE_ELEMENTS = 1 << 28  # an example input (zeros) of at most 1 GiB of float32
+
+
 def _parse_shape(text: str) -> tuple[str, list[int], str]:
     """``name:2x3x224x224[:dtype]`` -> (name, shape, dtype)."""
+    import numpy as np
+
     parts = text.split(":")
     if len(parts) not in (2, 3):
         raise OptimizeError(
@@ -41,7 +47,23 @@ def _parse_shape(text: str) -> tuple[str, list[int], str]:
         shape = [int(d) for d in parts[1].lower().split("x")]
     except ValueError:
         raise OptimizeError(f"--input {text!r}: dims must be integers joined by 'x'") from None
-    return parts[0], shape, parts[2] if len(parts) == 3 else "float32"
+    if any(d < 1 for d in shape):
+        raise OptimizeError(f"--input {text!r}: every dim must be at least 1")
+    if math.prod(shape) > MAX_EXAMPLE_ELEMENTS:
+        raise OptimizeError(
+            f"--input {text!r}: {math.prod(shape)} elements, more than an example input "
+            f"needs (at most {MAX_EXAMPLE_ELEMENTS})"
+        )
+    dtype = parts[2] if len(parts) == 3 else "float32"
+    try:
+        ok = np.dtype(dtype).kind in "biuf"
+    except TypeError:
+        ok = False
+    if not ok:
+        raise OptimizeError(
+            f"--input {text!r}: DTYPE {dtype!r} is not a numeric numpy type (float32, int64, ...)"
+        )
+    return parts[0], shape, dtype
 
 
 def _load_module(spec: str) -> Any:

@@ -12,6 +12,7 @@ Labels come from the ``labels`` key of an ``.npz``, or a separate ``.npy`` / ``.
 from __future__ import annotations
 
 import pathlib
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,8 +67,11 @@ def _read_arrays(
         raise OptimizeError(f"data file {path} does not exist")
     names = [s.name for s in specs]
     if path.suffix == ".npz":
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            raise OptimizeError(f"{path}: not a readable .npz of numeric arrays ({exc})") from None
         labels = arrays.pop("labels", None)
         missing = [n for n in names if n not in arrays]
         if missing:
@@ -82,7 +86,10 @@ def _read_arrays(
                 f"{path} is a single array but the model has {len(names)} inputs "
                 f"({', '.join(names)}); use an .npz keyed by input name"
             )
-        return {names[0]: np.load(path, allow_pickle=False)}, None
+        try:
+            return {names[0]: np.load(path, allow_pickle=False)}, None
+        except (ValueError, OSError, EOFError) as exc:
+            raise OptimizeError(f"{path}: not a readable .npy array ({exc})") from None
     if path.suffix == ".txt":
         if not {"input_ids", "attention_mask"} <= set(names):
             raise OptimizeError(
@@ -104,6 +111,11 @@ def validate(
     rows: int | None = None
     for spec in specs:
         a = np.asarray(arrays[spec.name])
+        if a.dtype.kind not in "biuf":  # (strings, objects, complex numbers)
+            raise OptimizeError(
+                f"{source}: input {spec.name} holds {a.dtype} values; expected numbers "
+                f"({np.dtype(spec.dtype).name})"
+            )
         if a.ndim != len(spec.shape):
             raise OptimizeError(
                 f"{source}: input {spec.name} has shape {a.shape} (rank {a.ndim}) but the model "

@@ -186,13 +186,23 @@ def _format_of(path: pathlib.Path) -> str:
     return {".tflite": "litert", ".ort": "ort", ".onnx": "onnx"}[path.suffix]
 
 
-def _reference_torch(model: torch.nn.Module, data: Mapping[str, np.ndarray]) -> np.ndarray:
+def _reference_torch(
+    model: torch.nn.Module, data: Mapping[str, np.ndarray], names: int = 0
+) -> np.ndarray:
+    """The model's first output on ``data``; ``names``: how many output names were given
+    (they must match the outputs)."""
     import torch
 
     outs = []
     with torch.no_grad():
         for feed in _chunks(data, 1):
             result = model(*(torch.from_numpy(v) for v in feed.values()))
+            count = 1 if isinstance(result, torch.Tensor) else len(result)
+            if names and count != names:
+                raise OptimizeError(
+                    f"--output-name: {names} name(s) (default: one, 'output'), but the model "
+                    f"returns {count} outputs; name each"
+                )
             first = result if isinstance(result, torch.Tensor) else result[0]
             outs.append(first.numpy())
     return np.concatenate(outs, axis=0)
@@ -347,7 +357,7 @@ def export_edge(source: torch.nn.Module | pathlib.Path, req: EdgeRequest) -> lis
                 f"--format litert converts a torch model, not {source.name}: give its import "
                 "path or a .pt2 file (no ONNX -> LiteRT route installs here)"
             )
-        reference = _reference_torch(source, req.eval_data)
+        reference = _reference_torch(source, req.eval_data, len(req.output_names))
         files = export_litert(source, req)
     elif req.fmt == "ort":
         onnx_path = source if isinstance(source, pathlib.Path) else _to_onnx(source, req)
@@ -373,6 +383,16 @@ def _to_onnx(model: torch.nn.Module, req: EdgeRequest) -> pathlib.Path:
     from rtserve.optimize.export import export_module
 
     return export_module(model, req.out / "work" / "source.onnx", req.example, req.output_names)
+
+
+def _thread_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or any(c < 1 for c in counts):
+        raise OptimizeError(f"--threads: expected thread counts >= 1 joined by ',', got {text!r}")
+    return counts
 
 
 def _eval_data(args: argparse.Namespace, example: dict[str, np.ndarray]) -> Any:
@@ -408,6 +428,19 @@ def cmd_export_edge(args: argparse.Namespace) -> int:
 
     if args.int8 and not args.calibration:
         raise OptimizeError("--int8 needs --calibration (an .npz keyed by input name)")
+    if args.batch < 1:
+        raise OptimizeError(f"--batch: expected an integer >= 1, got {args.batch}")
+    if args.iterations < 1:
+        raise OptimizeError(f"--iterations: expected an integer >= 1, got {args.iterations}")
+    threads = _thread_counts(args.threads)
+    if args.converter_python and not os.access(args.converter_python, os.X_OK | os.R_OK):
+        raise OptimizeError(f"--converter-python {args.converter_python}: not an executable")
+    if args.converter_python and pathlib.Path(args.converter_python).is_dir():
+        raise OptimizeError(f"--converter-python {args.converter_python}: a folder, not a python")
+    try:
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OptimizeError(f"--out {args.out}: cannot make the folder ({exc.strerror})") from None
     source: torch.nn.Module | pathlib.Path
     path = pathlib.Path(args.model)
     if path.suffix == ".onnx":
@@ -422,6 +455,12 @@ def cmd_export_edge(args: argparse.Namespace) -> int:
             name, shape, dtype = _parse_shape(spec)
             example[name] = np.zeros(shape, dtype=np.dtype(dtype))
     data, labels, calibration = _eval_data(args, example)
+    short = [k for k, v in data.items() if len(v) < len(example[k])]
+    if short:
+        raise OptimizeError(
+            f"--eval / --calibration: input {short[0]} has {len(data[short[0]])} row(s), fewer "
+            f"than the exported batch of {len(example[short[0]])}"
+        )
     example = {k: np.ascontiguousarray(v[: len(example[k])]) for k, v in data.items()}
     req = EdgeRequest(
         fmt=args.format,
@@ -432,7 +471,7 @@ def cmd_export_edge(args: argparse.Namespace) -> int:
         labels=labels,
         calibration=calibration if args.int8 else None,
         converter_python=args.converter_python,
-        threads=tuple(int(t) for t in args.threads.split(",")),
+        threads=threads,
         iterations=args.iterations,
         target_platform=args.target_platform or this_platform(),
     )
