@@ -100,6 +100,14 @@ def test_binary_size_mismatch_is_400(server: RunningServer) -> None:
     assert r.status_code == 400 and "4 bytes after the last input" in r.json()["error"]
     r = post(server, header + bytes(16), headers={"Inference-Header-Content-Length": "99999"})
     assert r.status_code == 400 and "Inference-Header-Content-Length" in r.json()["error"]
+    # A header length past the JSON: the JSON part ends in binary bytes.
+    r = post(
+        server,
+        header + np.full(4, 0.5, np.float32).tobytes(),
+        headers={"Inference-Header-Content-Length": str(len(header) + 4)},
+    )
+    assert r.status_code == 400
+    assert f"the JSON header (the first {len(header) + 4} bytes" in r.json()["error"]
     assert_still_serving(server)
 
 
@@ -154,6 +162,11 @@ def test_grpc_errors_have_the_right_codes(server: RunningServer) -> None:
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "7 bytes" in err.details()
     err = _grpc_infer(server, _request(shape=(6, 4)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_batch_size" in err.details()
+    both = _request()
+    both.inputs[0].contents.fp32_contents.extend([1, 2, 3, 4])
+    err = _grpc_infer(server, both)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "both contents and raw_input_contents" in err.details()
     with grpc.insecure_channel(server.grpc) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         with pytest.raises(grpc.RpcError) as info:

@@ -134,6 +134,10 @@ def _decode(request: pb.ModelInferRequest, limits: DecodeLimits) -> InferRequest
         count = math.prod(shape)
         budget.charge(where, shape, count, datatype == "BYTES")
         if raw:
+            if inp.HasField("contents") and inp.contents.ListFields():
+                raise InvalidInput(
+                    f"{where}: both contents and raw_input_contents given (send one or the other)"
+                )
             buf = raw[i]
             if datatype == "BYTES":
                 arr = decode_bytes_elements(

@@ -400,6 +400,11 @@ def decode_infer_request(
     try:
         doc = orjson.loads(memoryview(body)[:header_length] if header_length != len(body) else body)
     except orjson.JSONDecodeError as exc:
+        if header_length != len(body):
+            raise InvalidInput(
+                f"the JSON header (the first {header_length} bytes, as "
+                f"Inference-Header-Content-Length says) is not valid JSON: {shown(str(exc), 200)}"
+            ) from None
         raise InvalidInput(f"request body is not valid JSON: {shown(str(exc), 200)}") from None
     if type(doc) is not dict:
         raise InvalidInput("request body: expected a JSON object with an 'inputs' list")
