@@ -118,3 +118,105 @@ def test_cli_reports_an_unsupported_operator_without_traceback(tmp_path: pathlib
     )  # fmt: skip
     assert proc.returncode == 2
     assert "fancy_norm_1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def mlp_files(tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
+    """A tiny MLP (16 features, 4 classes) with 8 rows of eval data; bad files beside it."""
+    model = mlp_onnx(tmp_path / "mlp.onnx")
+    np.savez(tmp_path / "eval.npz", x=np.random.default_rng(0).random((8, 16), np.float32))
+    np.savez(tmp_path / "nan.npz", x=np.full((8, 16), np.nan, np.float32))
+    np.save(tmp_path / "float-labels.npy", np.linspace(0, 1, 8))
+    np.save(tmp_path / "str-labels.npy", np.array(["a"] * 8))
+    np.save(tmp_path / "labels99.npy", np.full(8, 99))
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (tmp_path / "afile").write_text("")
+    return {"model": model, "eval": tmp_path / "eval.npz", "dir": tmp_path}
+
+
+OPTIMIZE_USAGE = [
+    (["--max-accuracy-drop", "-1"], "--max-accuracy-drop: expected a number >= 0"),
+    (["--max-accuracy-drop", "nan"], "--max-accuracy-drop: expected a number >= 0"),
+    (["--noise-band", "-0.5"], "--noise-band: expected a number >= 0"),
+    (["--iterations", "0"], "--iterations: expected an integer >= 1"),
+    (["--threads", "0"], "--threads: expected an integer >= 1"),
+    (["--max-batch-size", "-4"], "--max-batch-size: expected an integer >= 0"),
+    (["--seq-len", "-5"], "--seq-len: expected an integer >= 1"),
+    (["--temperature", "0"], "--temperature: expected a number > 0"),
+    (["--alpha", "5"], "--alpha: expected a number >= 0 and <= 1"),
+    (["--qat-epochs", "0"], "--qat-epochs: expected an integer >= 1"),
+    (["--qat-lr", "nan"], "--qat-lr: expected a number > 0"),
+    (["--fine-tune-epochs", "-3"], "--fine-tune-epochs: expected an integer >= 0"),
+    (["--variants", ",fp16,"], "--variants: expected a comma list"),
+    (["--calibration-methods", "bogus"], "--calibration-methods: unknown 'bogus'"),
+    (["--prune", "bogus:0.3"], "--prune works on the torch model behind MODEL"),
+    (["--qat"], "--qat works on the torch model"),
+    (["--train", "eval.npz"], "--train works on the torch model"),
+    (["--out", "afile/m"], "--out {dir}/afile/m: is under {dir}/afile, a file"),
+    (["--work", "afile"], "--work {dir}/afile: is a file; expected a folder"),
+    (["--eval", "nan.npz"], "input x holds NaN or infinite values"),
+    (["--labels", "float-labels.npy"], "labels must be integer class indices, got float64"),
+    (["--labels", "str-labels.npy"], "labels must be integer class indices"),
+    (["--labels", "labels99.npy"], "--labels: label 99 is not a class of the model's 4 outputs"),
+    (["--labels", "latin1.txt"], "expected one integer per line"),
+    (["--eval", "."], "is a folder, not a file"),
+]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"), OPTIMIZE_USAGE, ids=[c[1][:40] for c in OPTIMIZE_USAGE]
+)
+def test_optimize_usage_errors_come_before_the_run(
+    mlp_files: dict[str, pathlib.Path],
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    needle: str,
+) -> None:
+    from rtserve.cli import main
+
+    d = mlp_files["dir"]
+    args = ["optimize", str(mlp_files["model"]), "--eval", str(mlp_files["eval"]),
+            "--out", str(d / "repo" / "m"), "--work", str(d / "work"), "--no-progress",
+            "--variants", "int8-dynamic", "--iterations", "2"]  # fmt: skip
+    for i, a in enumerate(extra):  # file names are in the fixture's folder
+        if i and extra[i - 1] in ("--eval", "--labels", "--train", "--out", "--work"):
+            a = str(d / a)
+        args.append(a)
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert needle.format(dir=d) in err and "Traceback" not in err
+    assert not (d / "work" / "int8-dynamic.onnx").exists()  # refused before any variant
+
+
+def test_optimize_refuses_its_own_baseline_copy_as_the_model(
+    mlp_files: dict[str, pathlib.Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rtserve.cli import main
+
+    d = mlp_files["dir"]
+    (d / "w").mkdir()
+    (d / "w" / "fp32.onnx").write_bytes(mlp_files["model"].read_bytes())
+    code = main(["optimize", str(d / "w" / "fp32.onnx"), "--eval", str(mlp_files["eval"]),
+                 "--out", str(d / "repo" / "m"), "--work", str(d / "w")])  # fmt: skip
+    assert code == 2 and "the work folder's own baseline copy" in capsys.readouterr().err
+
+
+def test_a_torch_factory_that_raises_is_a_one_line_error(tmp_path: pathlib.Path) -> None:
+    from rtserve.optimize.export import load_module
+
+    with pytest.raises(OptimizeError, match="calling it raised ZeroDivisionError"):
+        load_module("tests.test_optimize_errors:_raising_factory")
+
+
+def _raising_factory() -> None:
+    raise ZeroDivisionError("a broken factory")
+
+
+def test_non_utf8_text_data_is_named(tmp_path: pathlib.Path) -> None:
+    from rtserve.optimize.data import read_sentences
+
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(OptimizeError, match="not UTF-8 text"):
+        read_sentences(path)

@@ -145,7 +145,14 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from rtserve.optimize.publish import publish
     from rtserve.optimize.report import plot
 
+    _check_optimize_args(args)
     model = pathlib.Path(args.model)
+    out = pathlib.Path(args.out)
+    work = pathlib.Path(args.work) if args.work else _default_work(out)
+    check_folder(out, "--out")
+    check_folder(work, "--work")
+    if model.resolve() == (work / "fp32.onnx").resolve():
+        raise OptimizeError(f"{model} is the work folder's own baseline copy; give another --work")
     specs = model_inputs(model)
     eval_data, labels = load_data(pathlib.Path(args.eval), specs, args.labels, args.seq_len)
     calibration = None
@@ -182,8 +189,6 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         noise_band=args.noise_band,
     )
-    out = pathlib.Path(args.out)
-    work = pathlib.Path(args.work) if args.work else pathlib.Path("optimize-out") / out.name
     result = run_optimize(model, work, calibration, eval_data, labels, options, torch_sources)
     chosen = result.chosen.name if result.chosen else None
     table = result.table()
@@ -204,6 +209,88 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     )
     print(f"chose {result.chosen.name}: wrote {dst} and {out / 'config.yaml'}")
     return 0
+
+
+def _default_work(out: pathlib.Path) -> pathlib.Path:
+    """``optimize-out/NAME`` for ``--out REPO/NAME`` (``--out ..`` names the folder itself)."""
+    return pathlib.Path("optimize-out") / (out.resolve().name or "model")
+
+
+def check_folder(path: pathlib.Path, flag: str) -> None:
+    """Refuse, before any work, a folder that cannot be made: it or an ancestor is a file."""
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is a file" if p == path else f"is under {p}, a file"
+                raise OptimizeError(f"{flag} {path}: {what}; expected a folder")
+            return
+
+
+def _at_least(args: argparse.Namespace, names: dict[str, int]) -> None:
+    for name, low in names.items():
+        value = getattr(args, name)
+        if value < low:
+            flag = "--" + name.replace("_", "-")
+            raise OptimizeError(f"{flag}: expected an integer >= {low}, got {value}")
+
+
+def _number(args: argparse.Namespace, name: str, low: float, high: float, low_open: bool) -> None:
+    value = getattr(args, name)
+    below = value <= low if low_open else value < low
+    if not math.isfinite(value) or below or value > high:
+        flag = "--" + name.replace("_", "-")
+        bounds = f"> {low:g}" if low_open else f">= {low:g}"
+        if high != math.inf:
+            bounds += f" and <= {high:g}"
+        raise OptimizeError(f"{flag}: expected a number {bounds}, got {value}")
+
+
+def _check_optimize_args(args: argparse.Namespace) -> None:
+    """Every value checked before the run starts (a late usage error wastes minutes)."""
+    _at_least(args, {
+        "iterations": 1, "threads": 1, "max_batch_size": 0, "seq_len": 1, "num_heads": 0,
+        "hidden_size": 0, "fine_tune_epochs": 0, "distill_epochs": 1, "qat_epochs": 1,
+        "qat_float_first": 0,
+    })  # fmt: skip
+    _number(args, "max_accuracy_drop", 0.0, math.inf, False)
+    _number(args, "noise_band", 0.0, 10.0, False)
+    _number(args, "temperature", 0.0, math.inf, True)
+    _number(args, "alpha", 0.0, 1.0, False)
+    _number(args, "qat_lr", 0.0, math.inf, True)
+    _number(args, "qat_weight_lr", 0.0, math.inf, False)
+    if args.seq_len > 4096:
+        raise OptimizeError(f"--seq-len: expected at most 4096 tokens, got {args.seq_len}")
+    if args.variants is not None:
+        names = args.variants.split(",")
+        if not all(n.strip() for n in names):
+            raise OptimizeError(
+                f"--variants: expected a comma list of names, got {args.variants!r}"
+            )
+    methods = args.calibration_methods.split(",")
+    from rtserve.optimize.quantize import CALIBRATION_METHODS
+
+    unknown = [m for m in methods if m not in CALIBRATION_METHODS]
+    if unknown:
+        raise OptimizeError(
+            f"--calibration-methods: unknown {unknown[0]!r}; choose from "
+            f"{', '.join(CALIBRATION_METHODS)}"
+        )
+    if not args.torch_model:
+        given = [
+            flag for flag, value in (
+                ("--prune", args.prune), ("--qat", args.qat), ("--train", args.train),
+                ("--student", args.student), ("--train-labels", args.train_labels),
+                ("--fine-tune-epochs", args.fine_tune_epochs),
+            ) if value
+        ]  # fmt: skip
+        if given:
+            raise OptimizeError(
+                f"{given[0]} works on the torch model behind MODEL: give --torch-model as well"
+            )
+    if args.fine_tune_epochs and not args.train:
+        raise OptimizeError("--fine-tune-epochs fine-tunes on training data: give --train too")
+    if args.train_labels and not args.train:
+        raise OptimizeError("--train-labels label the --train rows: give --train too")
 
 
 def _qat_options(args: argparse.Namespace) -> Any:

@@ -53,7 +53,12 @@ def model_inputs(path: pathlib.Path) -> list[InputSpec]:
 
 
 def read_sentences(path: pathlib.Path) -> list[str]:
-    lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+    try:
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+    except UnicodeDecodeError as exc:
+        raise OptimizeError(
+            f"{path}: not UTF-8 text (byte {exc.start}); one sentence per line expected"
+        ) from None
     sentences = [ln for ln in lines if ln and not ln.startswith("#")]
     if not sentences:
         raise OptimizeError(f"{path} holds no sentences (one per line expected)")
@@ -64,7 +69,7 @@ def _read_arrays(
     path: pathlib.Path, specs: list[InputSpec], seq_len: int
 ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     if not path.is_file():
-        raise OptimizeError(f"data file {path} does not exist")
+        raise OptimizeError(f"data file {path} {_missing(path)}")
     names = [s.name for s in specs]
     if path.suffix == ".npz":
         try:
@@ -131,6 +136,8 @@ def validate(
             raise OptimizeError(
                 f"{source}: input {spec.name} holds {a.dtype} but the model expects {spec.dtype.__name__}"
             )
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            raise OptimizeError(f"{source}: input {spec.name} holds NaN or infinite values")
         if rows is not None and len(a) != rows:
             raise OptimizeError(f"{source}: inputs have different row counts ({rows} and {len(a)})")
         rows = len(a)
@@ -140,15 +147,35 @@ def validate(
     return out
 
 
+def _missing(path: pathlib.Path) -> str:
+    return "is a folder, not a file" if path.is_dir() else "does not exist"
+
+
+def integer_labels(values: np.ndarray, source: str) -> np.ndarray:
+    """Class indices: integers (or integral floats), flattened; else an error naming ``source``."""
+    a = np.asarray(values)
+    if a.dtype.kind in "iub":
+        return a.astype(np.int64).reshape(-1)
+    if a.dtype.kind == "f" and np.isfinite(a).all() and (a == np.round(a)).all():
+        return a.astype(np.int64).reshape(-1)
+    raise OptimizeError(f"{source}: labels must be integer class indices, got {a.dtype} values")
+
+
 def load_labels(path: pathlib.Path) -> np.ndarray:
     if not path.is_file():
-        raise OptimizeError(f"labels file {path} does not exist")
+        raise OptimizeError(f"labels file {path} {_missing(path)}")
     if path.suffix == ".npy":
-        return np.load(path, allow_pickle=False).astype(np.int64).reshape(-1)
+        try:
+            raw = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise OptimizeError(f"labels file {path}: not a readable .npy array ({exc})") from None
+        return integer_labels(raw, f"labels file {path}")
     try:
-        return np.array([int(x) for x in path.read_text().split()], dtype=np.int64)
-    except ValueError as exc:
-        raise OptimizeError(f"labels file {path}: expected one integer per line ({exc})") from exc
+        return np.array([int(x) for x in path.read_text(encoding="utf-8").split()], np.int64)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise OptimizeError(
+            f"labels file {path}: expected one integer per line (.txt) or an .npy array ({exc})"
+        ) from None
 
 
 def load_data(
@@ -163,7 +190,7 @@ def load_data(
     if labels_path is not None:
         labels = load_labels(pathlib.Path(labels_path))
     if labels is not None:
-        labels = np.asarray(labels).astype(np.int64).reshape(-1)
+        labels = integer_labels(labels, str(labels_path or path))
         rows = len(next(iter(data.values())))
         if len(labels) != rows:
             raise OptimizeError(f"{len(labels)} labels for {rows} rows of {path}")

@@ -44,7 +44,10 @@ def load_module(spec: str) -> torch.nn.Module:
     path = pathlib.Path(spec)
     if path.suffix in {".pt", ".pth", ".ts", ".pt2", ".jit"} or path.exists():
         if not path.is_file():
-            raise OptimizeError(f"model file {spec} does not exist")
+            raise OptimizeError(
+                f"model file {spec} "
+                + ("is a folder, not a file" if path.is_dir() else "does not exist")
+            )
         if path.suffix == ".pt2":
             try:
                 program = torch.export.load(str(path))
@@ -69,7 +72,12 @@ def load_module(spec: str) -> torch.nn.Module:
     except AttributeError as exc:
         raise OptimizeError(f"module {module_name!r} has no attribute {attr!r}") from exc
     if not isinstance(obj, torch.nn.Module) and callable(obj):
-        obj = obj()
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise OptimizeError(
+                f"{spec!r}: calling it raised {type(exc).__name__}: {exc}"
+            ) from None
     if not isinstance(obj, torch.nn.Module):
         raise OptimizeError(f"{spec!r} is not a torch.nn.Module nor a function returning one")
     return obj.eval()

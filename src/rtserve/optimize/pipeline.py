@@ -87,6 +87,8 @@ def parse_prune_spec(text: str, fine_tune_epochs: int = 0) -> PruneSpec:
         raise OptimizeError(f"--prune {text!r}: amounts must be numbers; {PRUNE_USAGE}") from None
     if any(not 0.0 <= v < 1.0 for v in values):
         raise OptimizeError(f"--prune {text!r}: amounts must be within [0, 1); {PRUNE_USAGE}")
+    if method != STRUCTURED_HEADS and values[0] == 0.0:
+        raise OptimizeError(f"--prune {text!r}: prunes nothing; {PRUNE_USAGE}")
     if method == STRUCTURED_HEADS and not any(values):
         raise OptimizeError(f"--prune {text!r}: prunes nothing; {PRUNE_USAGE}")
     ffn = values[1] if len(values) == 2 else None
@@ -655,6 +657,10 @@ def _prepare(
     reference = run_batched(session, eval_data, batch_size=32)
     del session
     task: Task = opts.task or infer_task(reference, output_name, labels)
+    if task == "classification" and reference.ndim == 2:
+        _check_label_range(labels, reference.shape[1], "--labels")
+        if torch_sources is not None:
+            _check_label_range(torch_sources.train_labels, reference.shape[1], "--train-labels")
     ref_score = accuracy_metrics(task, reference, reference, labels)[0]
     return _Run(
         work=work, baseline=baseline, calibration=calibration, eval_data=eval_data,
@@ -663,6 +669,15 @@ def _prepare(
         transformer=quantize.is_transformer(model_path),
         result=OptimizeResult([], ref_score, "fp32", None, task, opts.max_accuracy_drop),
     )  # fmt: skip
+
+
+def _check_label_range(labels: np.ndarray | None, classes: int, flag: str) -> None:
+    if labels is not None and len(labels) and (labels.min() < 0 or labels.max() >= classes):
+        bad = int(labels.min() if labels.min() < 0 else labels.max())
+        raise OptimizeError(
+            f"{flag}: label {bad} is not a class of the model's {classes} outputs "
+            f"(expected 0 to {classes - 1})"
+        )
 
 
 def run_optimize(
