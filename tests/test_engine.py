@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import textwrap
@@ -146,3 +147,129 @@ def test_frontends_hint_that_more_requests_are_coming(repo: Path) -> None:
     assert engine.more_expected() is False
     hints[0] = True
     assert engine.more_expected() is True
+
+
+@pytest.fixture(scope="module")
+def typed_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An identity model over every V2 datatype (inputs in_<TYPE>, outputs out_<TYPE>)."""
+    from tests.models import build_identity_all_types
+
+    root = tmp_path_factory.mktemp("engine-typed") / "repo"
+    build_identity_all_types(root / "dtypes" / "1" / "model.onnx")
+    (root / "dtypes" / "config.yaml").write_text("max_batch_size: 0\n")
+    return root
+
+
+def _all_types(**overrides: object) -> dict[str, object]:
+    feeds: dict[str, object] = {
+        "in_FP32": [[1.0, 2.0, 3.0]], "in_FP16": [[1.0, 2.0, 3.0]], "in_FP64": [[1.0, 2.0, 3.0]],
+        "in_INT8": [[1, 2, 3]], "in_INT16": [[1, 2, 3]], "in_INT32": [[1, 2, 3]],
+        "in_INT64": [[1, 2, 3]], "in_UINT8": [[1, 2, 3]], "in_BOOL": [[True, False, True]],
+        "in_BYTES": [["a", "b", "c"]],
+    }  # fmt: skip
+    feeds.update(overrides)
+    return feeds
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "needle"),
+    [
+        ("in_INT8", [[300, 1, 2]], "expected INT8 values, which range from -128 to 127"),
+        ("in_UINT8", [[-1, 1, 2]], "expected UINT8 values, which range from 0 to 255"),
+        ("in_INT64", [[1.7, 1, 2]], "expected INT64 values (integers)"),
+        ("in_INT32", [[True, False, True]], "expected INT32 values, got booleans"),
+        ("in_INT64", [[2**70, 1, 2]], "expected INT64 values, got object"),
+        ("in_BOOL", [["False", "0", ""]], "expected BOOL values, got <U5 values"),
+        ("in_BOOL", [[1, 0, 1]], "expected BOOL values (true / false), got int64"),
+        ("in_FP32", [[1e40, 1.0, 2.0]], "a number beyond FP32's range"),
+        ("in_FP16", [[1e6, 1.0, 2.0]], "a number beyond FP16's range"),
+        ("in_BYTES", [["\ud800", "b", "c"]], "not valid Unicode"),
+    ],
+)
+def test_lists_are_checked_as_json_is_not_wrapped(
+    typed_repo: Path, name: str, value: object, needle: str
+) -> None:
+    async def run() -> None:
+        async with Engine.from_repository(typed_repo) as engine:
+            with pytest.raises(
+                InvalidInput,
+                match=f"inputs.{name}: .*{re.escape(needle)}",
+            ):
+                await engine.infer("dtypes", _all_types(**{name: value}))
+            out = await engine.infer("dtypes", _all_types())  # still serving
+            assert out["out_INT8"].tolist() == [[1, 2, 3]]
+
+    asyncio.run(run())
+
+
+def test_big_endian_arrays_int_versions_and_bad_parameters(repo: Path) -> None:
+    async def run() -> None:
+        async with Engine.from_repository(repo) as engine:
+            x = np.array([[1, 2, 3, 4]], dtype=">f4")
+            out = await engine.infer("scale", {"x": x}, version=1)  # type: ignore[arg-type]
+            assert out["y"].tolist() == [[2.0, 4.0, 6.0, 8.0]]
+            with pytest.raises(InvalidInput, match="parameters: expected a mapping"):
+                await engine.infer("scale", {"x": x}, parameters=[1])  # type: ignore[arg-type]
+            with pytest.raises(InvalidInput, match="version: expected a version string"):
+                await engine.infer("scale", {"x": x}, version=1.5)  # type: ignore[arg-type]
+
+    asyncio.run(run())
+
+
+def test_another_event_loop_is_refused_not_left_waiting(repo: Path) -> None:
+    import threading
+
+    engine = Engine.from_repository(repo)
+    started = threading.Event()
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    async def own_loop() -> None:
+        await engine.start()
+        with pytest.raises(RuntimeError, match="already started"):
+            await engine.start()
+        started.set()
+        while not done.is_set():
+            await asyncio.sleep(0.01)
+        await engine.stop()
+
+    owner = threading.Thread(target=lambda: asyncio.run(own_loop()))
+    owner.start()
+    try:
+        assert started.wait(60)
+        x = {"x": np.ones((1, 4), np.float32)}
+        try:
+            asyncio.run(asyncio.wait_for(engine.infer("scale", x), 10))
+        except BaseException as exc:  # noqa: BLE001 (the test checks which)
+            errors.append(exc)
+    finally:
+        done.set()
+        owner.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert "runs on the event loop that started it" in str(errors[0])
+    sync = Engine.from_repository(repo).sync().start()
+    try:
+        with pytest.raises(RuntimeError, match="already started"):
+            sync.start()
+        assert sync.infer("scale", x)["y"].tolist() == [[2.0] * 4]
+    finally:
+        sync.stop()
+
+
+@pytest.mark.parametrize(
+    ("settings", "needle"),
+    [
+        ({"load_models": "mlp"}, "load_models: expected a list of model names"),
+        ({"strict_readiness": "no"}, "strict_readiness: expected true or false"),
+        ({"max_tensor_elements": -1}, "max_tensor_elements: expected an integer >= 1"),
+        ({"trace_sample_ratio": 5}, "trace_sample_ratio: expected a number from 0 to 1"),
+        ({"bogus": 1}, "bogus: unknown field"),
+    ],
+)
+def test_engine_settings_are_checked_like_the_config_file(
+    repo: Path, settings: dict[str, object], needle: str
+) -> None:
+    from rtserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        Engine.from_repository(repo, **settings)

@@ -541,6 +541,10 @@ def test_grpc_cancel_stops_the_sequence(llm_server: RunningServer) -> None:
 
 
 # ---------------------------------------------------------------------- in-process Engine
+async def _collect(events: Any) -> str:
+    return "".join([event.text async for event in events])
+
+
 def test_engine_generate(llm_repo: Path, llm_server: RunningServer) -> None:
     from rtserve.engine import Engine
     from rtserve.errors import InvalidInput
@@ -559,6 +563,17 @@ def test_engine_generate(llm_repo: Path, llm_server: RunningServer) -> None:
             with pytest.raises(InvalidInput, match="max_tokens"):
                 async for _ in engine.generate(MODEL, "x", max_tokens=0):
                     pass
+            for bad in ("x", None, 1.5, True):  # (once, a string stopped the step loop)
+                with pytest.raises(InvalidInput, match="priority: expected an integer"):
+                    async for _ in engine.generate(MODEL, "x", max_tokens=2, priority=bad):
+                        pass
+            texts = await asyncio.gather(
+                *(
+                    _collect(engine.generate(MODEL, "the cat sat", max_tokens=3, priority=p))
+                    for p in (0, 1, -1)
+                )
+            )
+            assert all(texts) and engine.ready()
             return "".join(pieces)
 
     assert asyncio.run(main()) == expected

@@ -486,62 +486,85 @@ class ServerConfig:
     worker_index: int = 0
 
 
+# Set by the server for its own processes (``--workers``), not read from a file.
+_INTERNAL_SETTINGS = ("shared_dir", "worker_index")
+
+
 def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
-    """Server settings: the YAML file (optional), then command-line overrides that are set."""
-    data: dict[str, Any] = {}
+    """Server settings: the YAML file (optional), then the overrides that are set (command
+    line, ``Engine.from_repository``, adapters); every value checked the same way."""
+    raw: Any = {}
+    where = "server settings"
     if path is not None:
-        data["config_file"] = str(path)
         if not path.exists():
             raise ConfigError(f"{path}: server config file not found")
         raw = load_yaml(path)
-        f = _Fields(raw, str(path))
-        data = {
-            "config_file": str(path),
-            "model_repository": f.get("model_repository"),
-            "host": f.string("host", "127.0.0.1"),
-            "http_port": f.integer("http_port", 8000),
-            "grpc_port": f.integer("grpc_port", 8001),
-            "grpc_server": f.string("grpc_server", "rtserve", ("rtserve", "grpcio")),
-            "max_request_bytes": f.integer("max_request_bytes", 64 * 1024 * 1024, minimum=1),
-            "grace_period_s": f.number("grace_period_s", 30.0),
-            "response_cache": f.get("response_cache"),
-            "log_level": f.string("log_level", "info"),
-            "http_max_url_bytes": f.integer("http_max_url_bytes", 8 * 1024, minimum=1),
-            "http_max_headers": f.integer("http_max_headers", 100, minimum=1),
-            "http_max_header_bytes": f.integer("http_max_header_bytes", 16 * 1024, minimum=1),
-            "http_max_head_bytes": f.integer("http_max_head_bytes", 64 * 1024, minimum=1),
-            "http_idle_timeout_s": f.number("http_idle_timeout_s", 75.0),
-            "http_header_timeout_s": f.number("http_header_timeout_s", 20.0),
-            "http_body_timeout_s": f.number("http_body_timeout_s", 30.0),
-            "http_max_connections": f.integer("http_max_connections", 10_000, minimum=1),
-            "model_control_mode": f.string(
-                "model_control_mode", "none", ("none", "poll", "explicit")
-            ),
-            "repository_poll_secs": f.number("repository_poll_secs", 15.0),
-            "load_models": tuple(f.get("load_models", []) or []),
-            "log_format": f.string("log_format", "text", ("text", "json")),
-            "access_log": f.boolean("access_log", False),
-            "trace_endpoint": f.string("trace_endpoint", ""),
-            "trace_sample_ratio": f.number("trace_sample_ratio", 1.0),
-            "max_tensor_elements": f.integer("max_tensor_elements", 1 << 24, minimum=1),
-            "max_bytes_elements": f.integer("max_bytes_elements", 1 << 16, minimum=1),
-            "max_json_depth": f.integer("max_json_depth", 32, minimum=1),
-            "max_json_containers": f.integer("max_json_containers", 1 << 16, minimum=1),
-            "max_decompressed_bytes": f.integer(
-                "max_decompressed_bytes", 64 * 1024 * 1024, minimum=1
-            ),
-            "auth_file": f.string("auth_file", ""),
-            "rate_limit_rps": f.number("rate_limit_rps", 0.0),
-            "rate_limit_burst": f.integer("rate_limit_burst", 0),
-            "tls_cert": f.string("tls_cert", ""),
-            "tls_key": f.string("tls_key", ""),
-            "tls_client_ca": f.string("tls_client_ca", ""),
-            "strict_readiness": f.boolean("strict_readiness", True),
-            "exit_on_error": f.boolean("exit_on_error", False),
-        }
-        f.check_unknown()
-    data.update({k: v for k, v in overrides.items() if v is not None})
+        where = str(path)
+    internal = {k: overrides.pop(k) for k in _INTERNAL_SETTINGS if k in overrides}
+    set_here = {k: v for k, v in overrides.items() if v is not None}
+    if set_here and isinstance(raw, dict):
+        raw = {**raw, **set_here}
+        if path is not None:
+            where = f"{path} (with the settings given)"
+    elif set_here and raw is None:
+        raw = set_here
+    f = _Fields(raw, where)
+    data = {
+        "config_file": str(path) if path is not None else "",
+        "model_repository": f.get("model_repository"),
+        "host": f.string("host", "127.0.0.1"),
+        "http_port": f.integer("http_port", 8000),
+        "grpc_port": f.integer("grpc_port", 8001),
+        "grpc_server": f.string("grpc_server", "rtserve", ("rtserve", "grpcio")),
+        "max_request_bytes": f.integer("max_request_bytes", 64 * 1024 * 1024, minimum=1),
+        "grace_period_s": f.number("grace_period_s", 30.0),
+        "response_cache": f.get("response_cache"),
+        "log_level": f.string("log_level", "info"),
+        "http_max_url_bytes": f.integer("http_max_url_bytes", 8 * 1024, minimum=1),
+        "http_max_headers": f.integer("http_max_headers", 100, minimum=1),
+        "http_max_header_bytes": f.integer("http_max_header_bytes", 16 * 1024, minimum=1),
+        "http_max_head_bytes": f.integer("http_max_head_bytes", 64 * 1024, minimum=1),
+        "http_idle_timeout_s": f.number("http_idle_timeout_s", 75.0),
+        "http_header_timeout_s": f.number("http_header_timeout_s", 20.0),
+        "http_body_timeout_s": f.number("http_body_timeout_s", 30.0),
+        "http_max_connections": f.integer("http_max_connections", 10_000, minimum=1),
+        "model_control_mode": f.string("model_control_mode", "none", ("none", "poll", "explicit")),
+        "repository_poll_secs": f.number("repository_poll_secs", 15.0),
+        "load_models": _model_names(f),
+        "log_format": f.string("log_format", "text", ("text", "json")),
+        "access_log": f.boolean("access_log", False),
+        "trace_endpoint": f.string("trace_endpoint", ""),
+        "trace_sample_ratio": f.number("trace_sample_ratio", 1.0, 0.0, 1.0),
+        "max_tensor_elements": f.integer("max_tensor_elements", 1 << 24, minimum=1),
+        "max_bytes_elements": f.integer("max_bytes_elements", 1 << 16, minimum=1),
+        "max_json_depth": f.integer("max_json_depth", 32, minimum=1),
+        "max_json_containers": f.integer("max_json_containers", 1 << 16, minimum=1),
+        "max_decompressed_bytes": f.integer("max_decompressed_bytes", 64 * 1024 * 1024, minimum=1),
+        "auth_file": f.string("auth_file", ""),
+        "rate_limit_rps": f.number("rate_limit_rps", 0.0),
+        "rate_limit_burst": f.integer("rate_limit_burst", 0),
+        "tls_cert": f.string("tls_cert", ""),
+        "tls_key": f.string("tls_key", ""),
+        "tls_client_ca": f.string("tls_client_ca", ""),
+        "strict_readiness": f.boolean("strict_readiness", True),
+        "exit_on_error": f.boolean("exit_on_error", False),
+    }
+    f.check_unknown()
     if not data.get("model_repository"):
         raise ConfigError("model_repository: expected a directory (--model-repository)")
+    if not isinstance(data["model_repository"], str | Path):
+        raise f.fail("model_repository", "a directory path", data["model_repository"])
     data["model_repository"] = Path(data["model_repository"])
-    return ServerConfig(**{k: v for k, v in data.items() if v is not None})
+    data.update(internal)
+    return ServerConfig(**data)
+
+
+def _model_names(f: _Fields) -> tuple[str, ...]:
+    names = f.get("load_models")
+    if names is None:
+        return ()
+    if isinstance(names, str) or not isinstance(names, list | tuple):
+        raise f.fail("load_models", "a list of model names", names)
+    if not all(isinstance(n, str) and n for n in names):
+        raise f.fail("load_models", "a list of model names", names)
+    return tuple(names)

@@ -78,27 +78,65 @@ def _cache_default(config: ServerConfig) -> CacheConfig | None:
     return CacheConfig.from_dict(config.response_cache, config.config_file or "server config")
 
 
+def _utf8(name: str, value: str | bytes) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    try:
+        return value.encode()
+    except UnicodeEncodeError:
+        raise InvalidInput(f"inputs.{name}: a string that is not valid Unicode") from None
+
+
+def _from_list(name: str, value: Any, datatype: str | None) -> np.ndarray:
+    """A nested list as the model's ``datatype``, checked as the JSON decoder checks it:
+    no wrapping of out-of-range integers, no truncated floats, no overflow to infinity."""
+    try:
+        raw = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"inputs.{name}: expected {datatype or 'an array'}: {exc}") from None
+    dtype = DATATYPE_TO_NUMPY.get(datatype or "")
+    if dtype is None or datatype == "BYTES" or raw.size == 0:
+        return raw if dtype is None or datatype == "BYTES" else raw.astype(dtype)
+    target = np.dtype(dtype)
+    kind = raw.dtype.kind
+    fail = f"inputs.{name}: expected {datatype} values"
+    if kind not in "biuf":  # strings, objects (integers past 64 bits)
+        raise InvalidInput(f"{fail}, got {raw.dtype} values")
+    if target.kind == "b":
+        if kind != "b":
+            raise InvalidInput(f"{fail} (true / false), got {raw.dtype} values")
+    elif kind == "b":  # (as in JSON: true / false are not numbers)
+        raise InvalidInput(f"{fail}, got booleans")
+    elif target.kind in "iu":
+        if kind == "f":
+            raise InvalidInput(f"{fail} (integers), got {raw.dtype} values")
+        info = np.iinfo(target)
+        if raw.min() < info.min or raw.max() > info.max:
+            raise InvalidInput(f"{fail}, which range from {info.min} to {info.max}")
+    elif kind == "f" or kind in "iu":
+        finite = raw[np.isfinite(raw)] if kind == "f" else raw
+        if finite.size and np.abs(finite).max() > np.finfo(target).max:
+            raise InvalidInput(f"{fail}: a number beyond {datatype}'s range")
+    return raw.astype(target)
+
+
 def _tensor(name: str, value: Any, datatype: str | None) -> Tensor:
     """One named input as the decoders make it: a numpy array with its V2 datatype; strings
     and bytes become a BYTES tensor. A list takes the model's ``datatype`` for the input."""
     if isinstance(value, np.ndarray):
         array = value
+        if not array.dtype.isnative:  # (a big-endian array: the machine's order)
+            array = array.astype(array.dtype.newbyteorder("="))
     else:
-        dtype = DATATYPE_TO_NUMPY.get(datatype or "")
-        try:
-            array = np.asarray(value, dtype=None if dtype is None or datatype == "BYTES" else dtype)
-        except (TypeError, ValueError) as exc:
-            raise InvalidInput(f"inputs.{name}: expected {datatype or 'an array'}: {exc}") from None
+        array = _from_list(name, value, datatype)
     if array.dtype.kind in "US":
         array = np.vectorize(
-            lambda v: v.encode() if isinstance(v, str) else bytes(v), otypes=[object]
+            lambda v: _utf8(name, v if isinstance(v, str) else bytes(v)), otypes=[object]
         )(array)
     elif array.dtype.kind == "O":
         if not all(isinstance(v, bytes | str) for v in array.flat):
             raise InvalidInput(f"inputs.{name}: an object array must hold str or bytes")
-        array = np.vectorize(lambda v: v.encode() if isinstance(v, str) else v, otypes=[object])(
-            array
-        )
+        array = np.vectorize(lambda v: _utf8(name, v), otypes=[object])(array)
     datatype = "BYTES" if array.dtype.kind == "O" else NUMPY_TO_DATATYPE.get(array.dtype)
     if datatype is None:
         raise InvalidInput(
@@ -159,6 +197,7 @@ class Engine:
             journal=shared / "model-control.jsonl" if shared is not None else None,
         )
         self.started = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
 
     def add_activity(self, source: Callable[[], bool]) -> None:
         """Register a frontend's hint that another request may arrive soon (an idle
@@ -179,12 +218,30 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Load and warm up the models (those that fail are listed by ``models()``)."""
-        await self.control.start()
+        if self._loop is not None:
+            raise RuntimeError("the engine is already started")
+        self._loop = asyncio.get_running_loop()
+        try:
+            await self.control.start()
+        except BaseException:
+            self._loop = None
+            raise
         self.dataplane.started = True
         self.started = True
 
+    def _check_loop(self) -> None:
+        """Requests are answered on the loop that started the engine; awaiting one from
+        another loop would never wake (the answer is set on the engine's loop)."""
+        loop = self._loop
+        if loop is not None and asyncio.get_running_loop() is not loop:
+            raise RuntimeError(
+                "this Engine runs on the event loop that started it; from another thread or "
+                "loop use Engine.sync(), or asyncio.run_coroutine_threadsafe on that loop"
+            )
+
     async def stop(self) -> None:
         """Answer what was accepted, then release the models."""
+        self._check_loop()
         self.dataplane.begin_drain()
         while any(mv.scheduler.busy for mv in self.registry.loaded_versions()):
             await asyncio.sleep(0.005)
@@ -193,6 +250,7 @@ class Engine:
         if self.tracer is not None:
             self.tracer.shutdown()
         self.started = False
+        self._loop = None
 
     async def __aenter__(self) -> Engine:
         await self.start()
@@ -220,8 +278,12 @@ class Engine:
         lists, strings for BYTES) with the batch dimension when the model batches;
         ``parameters``: the V2 request parameters (``timeout`` in µs, ``priority``, ...).
         Raises ``ModelNotFound``, ``InvalidInput`` (naming the field), ``Overloaded``..."""
+        self._check_loop()
         if not isinstance(inputs, Mapping) or not inputs:
             raise InvalidInput("inputs: expected a mapping of input names to arrays")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise InvalidInput("parameters: expected a mapping of parameter names to values")
+        version = _version(version)
 
         def decode(mv: ModelVersion) -> InferRequest:
             specs = mv.inputs
@@ -259,9 +321,11 @@ class Engine:
         model's length), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
         ``logprobs``, ...). Leaving the loop early stops the generation. Raises
         ``InvalidInput`` (naming the field), ``ModelNotFound``, ``ObjectiveRefused``..."""
+        self._check_loop()
         timings = Timings(received=_now())
         dp = self.dataplane
         try:
+            version = _version(version)
             if (prompt is None) == (messages is None):
                 raise InvalidInput("prompt, messages: expected exactly one of them")
             default = 16 if messages is None else None
@@ -325,6 +389,8 @@ class SyncEngine:
         return future.result()
 
     def start(self) -> SyncEngine:
+        if self._loop is not None:
+            raise RuntimeError("the engine is already started")
         loop = self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=loop.run_forever, name="rtserve-engine", daemon=True)
         self._thread.start()
@@ -387,6 +453,13 @@ class SyncEngine:
 
     def unload(self, model: str) -> None:
         self._call(self.engine.unload(model))
+
+
+def _version(version: Any) -> str:
+    """A version as the wire has it: a string; an int (``2``) is taken as ``"2"``."""
+    if isinstance(version, bool) or not isinstance(version, str | int):
+        raise InvalidInput(f"version: expected a version string such as '1', got {version!r:.40}")
+    return str(version)
 
 
 async def _next(events: AsyncGenerator[GenerationEvent, None]) -> GenerationEvent:

@@ -19,6 +19,7 @@ from rtserve.core.dataplane import DataPlane
 from rtserve.core.model import ModelVersion
 from rtserve.errors import ClientClosed, InvalidInput, RTServeError, as_error
 from rtserve.llm.params import GenerationEvent, SamplingParams
+from rtserve.protocol.limits import shown
 from rtserve.protocol.types import InferRequest, Timings
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ def prepare(
     """Resolve, encode and check a request (``prompt``: text or token ids; ``messages``: a
     chat); raises the ``RTServeError`` it is refused with (the caller records it with
     ``refused``)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidInput(f"priority: expected an integer, got {shown(repr(priority))}")
     mv = dataplane.resolve(model, version, timings)
     llm = generative(mv)
     if messages is not None:

@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,7 @@ class LlmEngine:
         self._aborts: list[Sequence] = []
         self._stopping = False
         self._failed: BaseException | None = None
+        self.on_failed: Callable[[], None] | None = None  # the step loop ended by an error
         self._idle = threading.Event()
         self._idle.set()
         self._thread: threading.Thread | None = None
@@ -360,6 +361,8 @@ class LlmEngine:
             with self._lock:
                 self._failed = exc
             self._fail_all(InferenceFailed(f"model {self.name}: {type(exc).__name__}: {exc}"))
+            if self.on_failed is not None:
+                self.on_failed()  # (the version reads as not ready from now on)
         finally:
             self._idle.set()
 
@@ -368,7 +371,12 @@ class LlmEngine:
             incoming, self._incoming = self._incoming, []
             aborts, self._aborts = self._aborts, []
         for seq in incoming:
-            self.scheduler.add(seq)
+            try:
+                self.scheduler.add(seq)
+            except Exception as exc:  # this request fails; the others and the loop go on
+                log.exception("llm %s: a request could not be scheduled", self.name)
+                seq.status = FINISHED
+                _send(seq, InferenceFailed(f"model {self.name}: {type(exc).__name__}: {exc}"))
         for seq in aborts:
             if seq.status != FINISHED:
                 self._finish(seq, "abort")

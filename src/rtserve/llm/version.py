@@ -139,7 +139,7 @@ async def build_llm_version(
     metrics = ctx.metrics.model(config.name, version)
     scheduler = GenerateScheduler(engine)
     metrics.track_queue_depth(lambda: scheduler.queue_depth)
-    return ModelVersion(
+    mv = ModelVersion(
         name=config.name,
         version=version,
         config=dataclasses.replace(config, max_batch_size=0),
@@ -151,3 +151,5 @@ async def build_llm_version(
         decode_limits=limits_for_model((TEXT_INPUT,), 1, ctx.decode_limits),
         llm=engine,
     )
+    engine.on_failed = lambda: setattr(mv, "ready", False)
+    return mv
