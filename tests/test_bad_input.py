@@ -100,6 +100,13 @@ def test_binary_size_mismatch_is_400(server: RunningServer) -> None:
     assert r.status_code == 400 and "4 bytes after the last input" in r.json()["error"]
     r = post(server, header + bytes(16), headers={"Inference-Header-Content-Length": "99999"})
     assert r.status_code == 400 and "Inference-Header-Content-Length" in r.json()["error"]
+    # Both JSON data and binary data for one input.
+    doc = {"inputs": [{**tensor(), "parameters": {"binary_data_size": 16}}]}
+    header = json.dumps(doc).encode()
+    r = post(
+        server, header + bytes(16), headers={"Inference-Header-Content-Length": str(len(header))}
+    )
+    assert r.status_code == 400 and "both 'data' and parameters.binary_data_size" in r.text
     # A header length past the JSON: the JSON part ends in binary bytes.
     r = post(
         server,

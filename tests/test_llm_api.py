@@ -563,6 +563,9 @@ def test_engine_generate(llm_repo: Path, llm_server: RunningServer) -> None:
             with pytest.raises(InvalidInput, match="max_tokens"):
                 async for _ in engine.generate(MODEL, "x", max_tokens=0):
                     pass
+            with pytest.raises(InvalidInput, match="max_tokenz: not a sampling parameter"):
+                async for _ in engine.generate(MODEL, "x", max_tokenz=2):
+                    pass
             for bad in ("x", None, 1.5, True):  # (once, a string stopped the step loop)
                 with pytest.raises(InvalidInput, match="priority: expected an integer"):
                     async for _ in engine.generate(MODEL, "x", max_tokens=2, priority=bad):

@@ -222,8 +222,25 @@ def test_binary_tensors_round_trip_base64(serverless: ModuleType) -> None:
             "65536",
         ),
         ({"rawPath": "/v2/repository/models/scale/unload", "body": ""}, 404, "model control"),
+        ({"headers": [["a", "b"]]}, 400, "event.headers: expected an object"),
+        ({"headers": {"x-\u00e9\u20ac": "1"}}, 400, "is not an HTTP header name"),
+        ({"requestContext": {"http": "POST"}}, 400, "with an HTTP method and path"),
+        ({"requestContext": {"http": {"method": "P\u00d6ST"}}}, 400, "HTTP method and path"),
+        ({"body": "{}", "isBase64Encoded": "maybe"}, 400, "isBase64Encoded: expected true"),
     ],
-    ids=["bad-json", "bad-base64", "unknown-model", "dot-segment", "too-large", "control"],
+    ids=[
+        "bad-json",
+        "bad-base64",
+        "unknown-model",
+        "dot-segment",
+        "too-large",
+        "control",
+        "header-list",
+        "header-name",
+        "http-not-object",
+        "method-not-ascii",
+        "base64-flag",
+    ],
 )
 def test_errors_are_answers_in_the_v2_shape(
     serverless: ModuleType, event_changes: dict[str, Any], status: int, says: str

@@ -38,7 +38,7 @@ from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.core.model import BuildContext, ModelVersion
 from rtserve.core.registry import ModelRegistry
 from rtserve.errors import InvalidInput
-from rtserve.llm.params import GenerationEvent, SamplingParams
+from rtserve.llm.params import SAMPLING_NAMES, GenerationEvent, SamplingParams
 from rtserve.observability.metrics import Metrics
 from rtserve.observability.tracing import Tracer
 from rtserve.observability.workers import WorkerView
@@ -326,6 +326,12 @@ class Engine:
         dp = self.dataplane
         try:
             version = _version(version)
+            unknown = sorted(set(params) - SAMPLING_NAMES)
+            if unknown:
+                raise InvalidInput(
+                    f"{unknown[0]}: not a sampling parameter (known: "
+                    f"{', '.join(sorted(SAMPLING_NAMES))})"
+                )
             if (prompt is None) == (messages is None):
                 raise InvalidInput("prompt, messages: expected exactly one of them")
             default = 16 if messages is None else None

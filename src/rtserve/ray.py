@@ -85,7 +85,11 @@ class RTServeDeployment:
         self.engine = Engine(config)
         self.engine.add_activity(self._more_expected)
         await self.engine.start()
-        self._frontend = HttpFrontend(self.engine.dataplane, config.max_request_bytes)
+        self._frontend = HttpFrontend(
+            self.engine.dataplane,
+            config.max_request_bytes,
+            max_decompressed_bytes=config.max_decompressed_bytes,
+        )
         self._generative = GenerativeRoutes(self.engine.dataplane)
         self._max_body = config.max_request_bytes
         self._replica = serve.get_replica_context().replica_id.to_full_id_str()

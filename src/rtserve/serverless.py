@@ -135,12 +135,23 @@ def shutdown() -> None:
 # ---------------------------------------------------------------------- events
 def _header_map(event: dict[str, Any]) -> dict[bytes, bytes]:
     headers: dict[bytes, bytes] = {}
-    for name, values in (event.get("multiValueHeaders") or {}).items():
+    multi, single = event.get("multiValueHeaders") or {}, event.get("headers") or {}
+    for field, given in (("multiValueHeaders", multi), ("headers", single)):
+        if not isinstance(given, dict):
+            raise InvalidInput(f"event.{field}: expected an object of header names to values")
+    for name, values in multi.items():
         if isinstance(values, list) and values:
-            headers[str(name).lower().encode("latin-1")] = ",".join(map(str, values)).encode()
-    for name, value in (event.get("headers") or {}).items():
-        headers[str(name).lower().encode("latin-1")] = str(value).encode()
+            headers[_header_name(name)] = ",".join(map(str, values)).encode()
+    for name, value in single.items():
+        headers[_header_name(name)] = str(value).encode()
     return headers
+
+
+def _header_name(name: Any) -> bytes:
+    text = str(name).lower()
+    if not text.isascii() or not text.isprintable() or not text:
+        raise InvalidInput(f"event.headers: {text[:60]!r} is not an HTTP header name")
+    return text.encode("ascii")
 
 
 def _method_and_path(event: dict[str, Any]) -> tuple[str, str]:
@@ -148,21 +159,27 @@ def _method_and_path(event: dict[str, Any]) -> tuple[str, str]:
     a named stage's prefix is dropped from an HTTP API's ``rawPath``."""
     if event.get("version") == "2.0":
         context = event.get("requestContext") or {}
-        method = (context.get("http") or {}).get("method")
+        http = context.get("http") if isinstance(context, dict) else None
+        method = http.get("method") if isinstance(http, dict) else None
         path = event.get("rawPath")
-        stage = context.get("stage")
+        stage = context.get("stage") if isinstance(context, dict) else None
         if isinstance(path, str) and stage and stage != "$default":
             prefix = f"/{stage}"
             if path == prefix or path.startswith(prefix + "/"):
                 path = path[len(prefix) :] or "/"
     else:
         method, path = event.get("httpMethod"), event.get("path")
-    if not isinstance(method, str) or not isinstance(path, str):
+    if not isinstance(method, str) or not isinstance(path, str) or not _token(method):
         raise InvalidInput(
             "event: expected an API Gateway (payload 1.0 or 2.0) or function URL event "
             "with an HTTP method and path"
         )
     return method.upper(), path
+
+
+def _token(method: str) -> bool:
+    """An HTTP method: ASCII letters (GET, POST, ...)."""
+    return method.isascii() and method.isalpha()
 
 
 def _body(event: dict[str, Any], limit: int) -> bytes:
@@ -173,7 +190,12 @@ def _body(event: dict[str, Any], limit: int) -> bytes:
         raise InvalidInput("event.body: expected a string")
     if len(body) > limit * 4 // 3 + 4:  # a base64 body this long decodes to more than limit
         raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-    if event.get("isBase64Encoded"):
+    encoded = event.get("isBase64Encoded", False)
+    if encoded in ("true", "false"):  # (some gateways' test consoles send strings)
+        encoded = encoded == "true"
+    if not isinstance(encoded, bool):
+        raise InvalidInput(f"event.isBase64Encoded: expected true or false, got {encoded!r:.40}")
+    if encoded:
         try:
             raw = base64.b64decode(body, validate=True)
         except (binascii.Error, ValueError):

@@ -108,6 +108,13 @@ class SamplingParams:
         )
 
 
+# Every name ``SamplingParams.from_mapping`` reads (``Engine.generate`` refuses others).
+SAMPLING_NAMES = frozenset({
+    "max_tokens", "max_completion_tokens", "max_new_tokens", "temperature", "top_p", "top_k",
+    "seed", "stop", "ignore_eos", "logprobs", "top_logprobs",
+})  # fmt: skip
+
+
 def _logprobs(data: Mapping[str, Any], fail: Any) -> int | None:
     """OpenAI chat: ``logprobs: bool`` + ``top_logprobs: int``; completions: ``logprobs: int``."""
     value = data.get("logprobs")

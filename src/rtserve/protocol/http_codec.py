@@ -446,6 +446,8 @@ def decode_infer_request(
             params = _check_parameters(params, f"{where}.parameters", limits)
             size = params.get("binary_data_size")
         if size is not None:
+            if "data" in item:
+                raise _fail(where, "has both 'data' and parameters.binary_data_size (send one)")
             if type(size) is not int or size < 0:
                 raise _fail(
                     f"{where}.parameters.binary_data_size",
