@@ -220,3 +220,27 @@ def test_non_utf8_text_data_is_named(tmp_path: pathlib.Path) -> None:
     path.write_bytes("caf\xe9\n".encode("latin-1"))
     with pytest.raises(OptimizeError, match="not UTF-8 text"):
         read_sentences(path)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--given-rows", "0"], "--given-rows: expected an integer >= 1"),
+        (["--tolerance", "nan"], "--tolerance: expected a number >= 0"),
+        (["--input", "x:2x16"], "input 'x' is given more than once"),
+        (["--out-under-a-file"], "its folder cannot be made (a file is in the way)"),
+    ],
+)
+def test_export_usage_errors(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], extra: list[str], needle: str
+) -> None:
+    from rtserve.cli import main
+
+    out = tmp_path / "m.onnx"
+    if extra == ["--out-under-a-file"]:
+        (tmp_path / "afile").write_text("")
+        out, extra = tmp_path / "afile" / "m.onnx", []
+    code = main(["export", "tests.test_optimize_helpers:tiny_mlp", "--input", "x:2x16",
+                 "--out", str(out), *extra])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err, err

@@ -87,14 +87,27 @@ def cmd_export(args: argparse.Namespace) -> int:
     from rtserve.optimize.data import load_data
     from rtserve.optimize.export import export_and_verify
 
-    model = _load_module(args.model)
     if not args.input:
         raise OptimizeError(
             "give at least one --input NAME:DIMS[:DTYPE] (batch >= 2 for the example)"
         )
+    _at_least(args, {"given_rows": 1})
+    _number(args, "tolerance", 0.0, math.inf, False)
+    out = pathlib.Path(args.out)
+    if out.is_dir():
+        raise OptimizeError(f"--out {out}: a folder; expected the .onnx file to write")
+    try:
+        check_folder(out.parent, "--out")
+    except OptimizeError:
+        raise OptimizeError(
+            f"--out {out}: its folder cannot be made (a file is in the way)"
+        ) from None
+    model = _load_module(args.model)
     example: dict[str, np.ndarray] = {}
     for spec in args.input:
         name, shape, dtype = _parse_shape(spec)
+        if name in example:
+            raise OptimizeError(f"--input {spec!r}: input {name!r} is given more than once")
         if shape[0] < 2:
             shape[0] = 2
         try:
@@ -108,7 +121,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         specs = [InputSpec(n, a.dtype.type, tuple(a.shape)) for n, a in example.items()]
         data, _ = load_data(pathlib.Path(args.given), specs)
         given.append({k: v[: args.given_rows] for k, v in data.items()})
-    out = pathlib.Path(args.out)
     result = export_and_verify(
         model, out, example, args.output_name or ["output"], given=given,
         dynamic_axes=None if args.sequence_axis else _batch_only(example, args.output_name),
