@@ -583,3 +583,83 @@ def test_engine_generate(llm_repo: Path, llm_server: RunningServer) -> None:
     with Engine.from_repository(llm_repo).sync() as sync_engine:
         events = list(sync_engine.generate(MODEL, messages=CHAT, max_tokens=3, ignore_eos=True))
         assert events[-1].finished and events[-1].completion_tokens == 3
+
+
+def test_long_prompts_are_tokenized_off_the_loop_with_the_same_answers(
+    llm_repo: Path, llm_server: RunningServer, tmp_path: Path
+) -> None:
+    """With the inline limit at 16 characters every prompt here takes the worker-thread
+    path: OpenAI (whole, streamed and chat) and Triton generate answer as before."""
+    prompt = "the cat sat on the mat"
+    expected = _greedy_text(llm_server, prompt, 6)
+    os.environ["RTSERVE_INLINE_PROMPT_CHARS"] = "16"
+    try:
+        server = start_server(llm_repo, tmp_path / "s")
+    finally:
+        del os.environ["RTSERVE_INLINE_PROMPT_CHARS"]
+    try:
+        assert _greedy_text(server, prompt, 6) == expected
+        doc = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+               "ignore_eos": True, "stream": True}  # fmt: skip
+        sock = connect(server.http_port)
+        try:
+            raw = json.dumps(doc).encode()
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(raw), raw)
+            )
+            head, body = _read_chunked(sock, bytearray())
+        finally:
+            sock.close()
+        assert head.startswith("HTTP/1.1 200") and "text/event-stream" in head
+        pieces = [
+            json.loads(line[6:])["choices"][0]["text"]
+            for line in body.decode().splitlines()
+            if line.startswith("data: {")
+        ]
+        assert "".join(pieces) == expected
+        request = {"text_input": prompt, "parameters": {"max_tokens": 6, "temperature": 0,
+                   "ignore_eos": True}}  # fmt: skip
+        status, _, body = _post(server, f"/v2/models/{MODEL}/generate", request)
+        assert status == 200 and json.loads(body)["text_output"] == expected
+        status, _, body = _post(server, "/v1/completions", {**doc, "prompt": "x" * 200_000})
+        assert status == 400 and b"characters, expected at most" in body  # refused as before
+        status, _, body = _post(
+            server, "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 3},
+        )  # fmt: skip
+        assert status == 200, body
+    finally:
+        server.stop()
+
+
+def test_engine_tokenizes_long_prompts_on_a_worker_thread(
+    llm_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from rtserve.core import generation
+    from rtserve.engine import Engine
+    from rtserve.llm.engine import LlmEngine
+
+    threads: list[str] = []
+    real = LlmEngine.encode_text
+
+    def spy(self: LlmEngine, text: str) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return real(self, text)
+
+    monkeypatch.setattr(LlmEngine, "encode_text", spy)
+    monkeypatch.setattr(generation, "INLINE_CHARS", 16)
+
+    async def main() -> list[str]:
+        async with Engine.from_repository(llm_repo) as engine:
+            return [
+                await _collect(engine.generate(MODEL, p, max_tokens=2, ignore_eos=True))
+                for p in ("short", "a prompt over sixteen characters")
+            ]
+
+    texts = asyncio.run(main())
+    assert all(texts)
+    assert threads[0] == threading.current_thread().name  # short: on the loop
+    assert threads[1] != threading.current_thread().name  # long: a worker thread

@@ -335,7 +335,7 @@ class Engine:
             if (prompt is None) == (messages is None):
                 raise InvalidInput("prompt, messages: expected exactly one of them")
             default = 16 if messages is None else None
-            gen = generation.prepare(
+            gen = await generation.prepare_async(
                 dp,
                 model,
                 timings,

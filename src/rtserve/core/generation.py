@@ -10,6 +10,8 @@ finished, failed, or closed by its consumer (a client that went away).
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -51,6 +53,12 @@ def generative(mv: ModelVersion) -> LlmEngine:
     return mv.llm
 
 
+# A prompt (or chat) of at most this many characters is tokenized on the event loop (well
+# under a millisecond); a longer one on a worker thread (tokenizers release the GIL), so that
+# a long prompt does not hold up every other request's answer for tens of milliseconds.
+INLINE_CHARS = int(os.environ.get("RTSERVE_INLINE_PROMPT_CHARS", "8192"))
+
+
 def prepare(
     dataplane: DataPlane,
     model: str,
@@ -65,20 +73,87 @@ def prepare(
 ) -> Generation:
     """Resolve, encode and check a request (``prompt``: text or token ids; ``messages``: a
     chat); raises the ``RTServeError`` it is refused with (the caller records it with
-    ``refused``)."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise InvalidInput(f"priority: expected an integer, got {shown(repr(priority))}")
+    ``refused``). Tokenizes on the calling thread: :func:`prepare_async` for long text."""
+    _check_priority(priority)
     mv = dataplane.resolve(model, version, timings)
     llm = generative(mv)
+    ids = _encode(llm, prompt, messages)
+    return _checked(mv, llm, ids, params, timings, request_id, priority)
+
+
+async def prepare_async(
+    dataplane: DataPlane,
+    model: str,
+    timings: Timings,
+    params: SamplingParams,
+    *,
+    prompt: str | list[int] | None = None,
+    messages: Any = None,
+    version: str = "",
+    request_id: str = "",
+    priority: int = 0,
+) -> Generation:
+    """:func:`prepare`, with text longer than ``INLINE_CHARS`` tokenized on a worker thread."""
+    if inline(prompt, messages):
+        return prepare(
+            dataplane, model, timings, params, prompt=prompt, messages=messages,
+            version=version, request_id=request_id, priority=priority,
+        )  # fmt: skip
+    _check_priority(priority)
+    mv = dataplane.resolve(model, version, timings)
+    llm = generative(mv)
+    loop = asyncio.get_running_loop()
+    ids = await loop.run_in_executor(None, _encode, llm, prompt, messages)
+    return _checked(mv, llm, ids, params, timings, request_id, priority)
+
+
+def inline(prompt: Any, messages: Any) -> bool:
+    """Whether the request's text is short enough to tokenize on the event loop."""
+    if isinstance(prompt, str):
+        return len(prompt) <= INLINE_CHARS
+    if not isinstance(messages, list):
+        return True  # (token ids, or malformed: prepare refuses it at once)
+    chars = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(
+                len(part["text"])
+                for part in content
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
+            )
+        if chars > INLINE_CHARS:
+            return False
+    return True
+
+
+def _check_priority(priority: Any) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidInput(f"priority: expected an integer, got {shown(repr(priority))}")
+
+
+def _encode(llm: LlmEngine, prompt: Any, messages: Any) -> list[int]:
     if messages is not None:
-        ids = llm.encode_messages(messages)
-    elif isinstance(prompt, str):
-        ids = llm.encode_text(prompt)
-    elif isinstance(prompt, list) and prompt:
+        return llm.encode_messages(messages)
+    if isinstance(prompt, str):
+        return llm.encode_text(prompt)
+    if isinstance(prompt, list) and prompt:
         llm.check_length(len(prompt))  # a long list is refused before it is read
-        ids = _token_ids(prompt, len(llm.tokenizer))
-    else:
-        raise InvalidInput("prompt: expected a string or a non-empty list of token ids")
+        return _token_ids(prompt, len(llm.tokenizer))
+    raise InvalidInput("prompt: expected a string or a non-empty list of token ids")
+
+
+def _checked(
+    mv: ModelVersion,
+    llm: LlmEngine,
+    ids: list[int],
+    params: SamplingParams,
+    timings: Timings,
+    request_id: str,
+    priority: int,
+) -> Generation:
     llm.check_prompt(len(ids), params)
     timings.prompt_tokens = len(ids)
     return Generation(mv, llm, ids, params, timings, request_id, priority)

@@ -54,7 +54,7 @@ class Pending:
     """An answer sent whole once ``answer()`` returns; cancelling the task that awaits it
     (the client went away) aborts the generation."""
 
-    answer: Callable[[], Awaitable[Answer]]
+    answer: Callable[[], Awaitable[Answer | Streamed]]
 
 
 Reply = Answer | Streamed | Pending
@@ -157,6 +157,8 @@ class GenerativeRoutes:
             model = request.model
             if self.guard is not None:
                 self.guard.http_model(raw.headers, model)
+            if not generation.inline(request.prompt, request.messages):
+                return Pending(lambda: self._openai_later(request, kind, timings))
             gen = generation.prepare(
                 dp,
                 model,
@@ -168,9 +170,37 @@ class GenerativeRoutes:
                 priority=request.priority,
             )
         except Exception as exc:
-            error = generation.refused(dp, timings, exc, model)
-            status, body, headers = openai.error_answer(error, kind)
-            return status, body, _with_id(headers, timings)
+            return self._openai_refused(exc, kind, timings, model)
+        return self._openai_reply(request, kind, timings, gen)
+
+    def _openai_refused(self, exc: Exception, kind: str, timings: Timings, model: str) -> Answer:
+        error = generation.refused(self.dataplane, timings, exc, model)
+        status, body, headers = openai.error_answer(error, kind)
+        return status, body, _with_id(headers, timings)
+
+    async def _openai_later(
+        self, request: openai.OpenAIRequest, kind: str, timings: Timings
+    ) -> Answer | Streamed:
+        """A long prompt: tokenized off the event loop, then answered as any other."""
+        try:
+            gen = await generation.prepare_async(
+                self.dataplane,
+                request.model,
+                timings,
+                request.params,
+                prompt=request.prompt,
+                messages=request.messages,
+                request_id=timings.request_id,
+                priority=request.priority,
+            )
+        except Exception as exc:
+            return self._openai_refused(exc, kind, timings, request.model)
+        return await settle(self._openai_reply(request, kind, timings, gen))
+
+    def _openai_reply(
+        self, request: openai.OpenAIRequest, kind: str, timings: Timings, gen: generation.Generation
+    ) -> Reply:
+        dp = self.dataplane
         prompt_text = request.prompt if request.echo and isinstance(request.prompt, str) else ""
         events = generation.events(dp, gen)
         if request.stream:
@@ -217,13 +247,38 @@ class GenerativeRoutes:
             timings = _timings(raw)
             model, version, streamed = _generate_target(raw.path)
             text, params = parse_triton(raw.body)
+            if not generation.inline(text, None):
+                return Pending(
+                    lambda: self._triton_later(model, version, text, params, timings, streamed)
+                )
             gen = generation.prepare(
                 dp, model, timings, params, prompt=text, version=version,
                 request_id=timings.request_id,
             )  # fmt: skip
         except Exception as exc:
-            status, body, headers = http_error(generation.refused(dp, timings, exc, model))
-            return status, body, _with_id(headers, timings)
+            return self._triton_refused(exc, timings, model)
+        return self._triton_reply(gen, timings, streamed)
+
+    def _triton_refused(self, exc: Exception, timings: Timings, model: str) -> Answer:
+        status, body, headers = http_error(generation.refused(self.dataplane, timings, exc, model))
+        return status, body, _with_id(headers, timings)
+
+    async def _triton_later(
+        self, model: str, version: str, text: Any, params: SamplingParams, timings: Timings,
+        streamed: bool,
+    ) -> Answer | Streamed:  # fmt: skip
+        """A long prompt: tokenized off the event loop, then answered as any other."""
+        try:
+            gen = await generation.prepare_async(
+                self.dataplane, model, timings, params, prompt=text, version=version,
+                request_id=timings.request_id,
+            )  # fmt: skip
+        except Exception as exc:
+            return self._triton_refused(exc, timings, model)
+        return await settle(self._triton_reply(gen, timings, streamed))
+
+    def _triton_reply(self, gen: generation.Generation, timings: Timings, streamed: bool) -> Reply:
+        dp = self.dataplane
         head = {"model_name": gen.mv.name, "model_version": gen.mv.version}
         events = generation.events(dp, gen)
         if streamed:
@@ -245,7 +300,11 @@ class GenerativeRoutes:
         (and with it the generation)."""
 
         async def run() -> None:
-            conn.respond(*await pending.answer())
+            done = await pending.answer()
+            if isinstance(done, Streamed):
+                conn.respond_stream(200, done.headers, done.chunks)
+            else:
+                conn.respond(*done)
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)

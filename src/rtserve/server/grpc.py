@@ -395,7 +395,7 @@ class GrpcFrontend:
             if self.guard is not None:
                 self.guard.grpc("ModelStreamInfer", request, context)
             text, params, empty_final = _generation_request(request, mv)
-            gen = generation.prepare(
+            gen = await generation.prepare_async(
                 dp, request.model_name, timings, params, prompt=text,
                 version=request.model_version, request_id=request.id[:MAX_ID_CHARS],
             )  # fmt: skip
