@@ -541,7 +541,7 @@ def test_grpc_cancel_stops_the_sequence(llm_server: RunningServer) -> None:
 
 
 # ---------------------------------------------------------------------- in-process Engine
-async def _collect(events: Any) -> str:
+async def _joined(events: Any) -> str:
     return "".join([event.text async for event in events])
 
 
@@ -572,7 +572,7 @@ def test_engine_generate(llm_repo: Path, llm_server: RunningServer) -> None:
                         pass
             texts = await asyncio.gather(
                 *(
-                    _collect(engine.generate(MODEL, "the cat sat", max_tokens=3, priority=p))
+                    _joined(engine.generate(MODEL, "the cat sat", max_tokens=3, priority=p))
                     for p in (0, 1, -1)
                 )
             )
@@ -655,7 +655,7 @@ def test_engine_tokenizes_long_prompts_on_a_worker_thread(
     async def main() -> list[str]:
         async with Engine.from_repository(llm_repo) as engine:
             return [
-                await _collect(engine.generate(MODEL, p, max_tokens=2, ignore_eos=True))
+                await _joined(engine.generate(MODEL, p, max_tokens=2, ignore_eos=True))
                 for p in ("short", "a prompt over sixteen characters")
             ]
 
