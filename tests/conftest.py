@@ -9,10 +9,12 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,6 +58,18 @@ class RunningServer:
                 self.proc.kill()
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+def post_json(url: str, doc: Any, timeout: float = 30) -> tuple[int, Any]:
+    """POST ``doc`` as JSON; (status, the JSON answer), for error statuses too."""
+    req = urllib.request.Request(
+        url, data=json.dumps(doc).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def start_server(

@@ -8,7 +8,6 @@ bad values get 400 / INVALID_ARGUMENT naming ``exit_threshold``.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import urllib.error
@@ -34,7 +33,7 @@ from rtserve.optimize.early_exit_train import (
 )
 from rtserve.runtime.parameters import RowParameter
 from rtserve.runtime.torch import load
-from tests.conftest import ROOT, RunningServer, start_server
+from tests.conftest import ROOT, RunningServer, post_json, start_server
 from tests.models import config_of
 
 try:
@@ -238,16 +237,7 @@ def post(
         ],
         "parameters": parameters,
     }
-    req = urllib.request.Request(
-        f"{server.base}/v2/models/{model}/infer",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(f"{server.base}/v2/models/{model}/infer", body)
 
 
 def outputs_of(answer: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:

@@ -4,9 +4,6 @@ with it are answered as if it had not been there."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +15,7 @@ import pytest
 import yaml
 from onnx import TensorProto, helper
 
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, post_json, start_server
 
 VOCAB, DIM, TOKENS = 100, 4, 5
 TABLE = np.arange(VOCAB * DIM, dtype=np.float32).reshape(VOCAB, DIM)
@@ -57,16 +54,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 
 def post(server: RunningServer, ids: list[int]) -> tuple[int, Any]:
     body = {"inputs": [{"name": "ids", "datatype": "INT64", "shape": [1, TOKENS], "data": ids}]}
-    req = urllib.request.Request(
-        f"{server.base}/v2/models/emb/infer",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(f"{server.base}/v2/models/emb/infer", body)
 
 
 def test_an_index_out_of_range_fails_only_its_own_request(server: RunningServer) -> None:

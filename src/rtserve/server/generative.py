@@ -159,16 +159,7 @@ class GenerativeRoutes:
                 self.guard.http_model(raw.headers, model)
             if not generation.inline(request.prompt, request.messages):
                 return Pending(lambda: self._openai_later(request, kind, timings))
-            gen = generation.prepare(
-                dp,
-                model,
-                timings,
-                request.params,
-                prompt=request.prompt,
-                messages=request.messages,
-                request_id=timings.request_id,
-                priority=request.priority,
-            )
+            gen = generation.prepare(dp, model, timings, request.params, **_asked(request, timings))
         except Exception as exc:
             return self._openai_refused(exc, kind, timings, model)
         return self._openai_reply(request, kind, timings, gen)
@@ -184,14 +175,7 @@ class GenerativeRoutes:
         """A long prompt: tokenized off the event loop, then answered as any other."""
         try:
             gen = await generation.prepare_async(
-                self.dataplane,
-                request.model,
-                timings,
-                request.params,
-                prompt=request.prompt,
-                messages=request.messages,
-                request_id=timings.request_id,
-                priority=request.priority,
+                self.dataplane, request.model, timings, request.params, **_asked(request, timings)
             )
         except Exception as exc:
             return self._openai_refused(exc, kind, timings, request.model)
@@ -310,6 +294,16 @@ class GenerativeRoutes:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         conn.on_lost = task.cancel
+
+
+def _asked(request: openai.OpenAIRequest, timings: Timings) -> dict[str, Any]:
+    """What ``generation.prepare`` takes from an OpenAI request besides its sampling."""
+    return {
+        "prompt": request.prompt,
+        "messages": request.messages,
+        "request_id": timings.request_id,
+        "priority": request.priority,
+    }
 
 
 def _later(timings: Timings, answer: Callable[[], Awaitable[Answer]]) -> Pending:
