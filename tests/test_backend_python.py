@@ -7,7 +7,9 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -39,6 +41,8 @@ class Model:
         mode = inputs["MODE"][0, 0]
         if mode == b"raise":
             raise ValueError("x must be positive")
+        if b"bad_row" in inputs["MODE"][:, 0].tolist():  # any row: fails a whole batch
+            raise ValueError("a bad row")
         if mode == b"exit":
             sys.exit(3)
         if mode == b"os_exit":
@@ -279,6 +283,12 @@ def py_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Runnin
     repo = tmp_path_factory.mktemp("pyrepo")
     write_model(repo, "echo_thread", "thread")
     write_model(repo, "echo_process", "process")
+    for isolation in ("thread", "process"):  # a long window: requests sent together batch
+        write_model(
+            repo, f"window_{isolation}", isolation,
+            dynamic_batching={"max_queue_delay_us": 300_000, "adaptive_delay": False},
+            python={"isolation": isolation, "batch_timeout_s": 1, "parameters": {"scale": 3.0}},
+        )  # fmt: skip
     server = start_server(repo, tmp_path_factory.mktemp("pyserver"))
     yield server, repo
     server.stop()
@@ -388,3 +398,45 @@ def test_context_and_sibling_modules(tmp_path: Path, isolation: str) -> None:
         assert rt.run(1, feeds_for(1))["LEN"].tolist() == [[81]]
     finally:
         rt.close()
+
+
+def _reruns(server: RunningServer, model: str) -> float:
+    text = urllib.request.urlopen(f"{server.base}/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith("rtserve_batch_reruns_total{") and f'model="{model}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no rtserve_batch_reruns_total for {model}")
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_raising_request_fails_alone_and_a_hang_is_not_rerun(
+    py_server: tuple[RunningServer, Path], isolation: str
+) -> None:
+    server, repo = py_server
+    model = f"window_{isolation}"
+    modes = [b"ok", b"bad_row", b"ok", b"ok"]
+    feeds = [feeds_for(1, mode, seed=i) for i, mode in enumerate(modes)]
+
+    def call(f: dict[str, np.ndarray]) -> Any:
+        try:
+            return as_dict(http_infer(server, model, f))
+        except InferenceServerException as exc:
+            return exc
+
+    before = _reruns(server, model)
+    with ThreadPoolExecutor(len(feeds)) as pool:
+        answers = list(pool.map(call, feeds))
+    for mode, f, answer in zip(modes, feeds, answers, strict=True):
+        if mode == b"bad_row":
+            assert isinstance(answer, InferenceServerException) and answer.status() == "500"
+            assert "ValueError: a bad row" in str(answer)
+        else:
+            assert_same(answer, direct(repo / model, f))
+    assert _reruns(server, model) == before + 1  # batched together, then each alone
+    # A hang is the instance's failure, not the data's: no request is run again.
+    with ThreadPoolExecutor(3) as pool:
+        hung = list(pool.map(call, [feeds_for(1, b"hang", seed=i) for i in range(3)]))
+    assert all(
+        isinstance(a, InferenceServerException) and "batch_timeout_s" in str(a) for a in hung
+    )
+    assert _reruns(server, model) == before + 1

@@ -58,7 +58,13 @@ class ScriptedPolicy(SchedulingPolicy):
         return Step(batch)
 
     def finished(
-        self, batch: list[Request], rows: int, instance: int, start_ns: int, end_ns: int
+        self,
+        batch: list[Request],
+        rows: int,
+        instance: int,
+        start_ns: int,
+        end_ns: int,
+        failed: bool = False,
     ) -> None:
         answered = any(p.future.done() for p in batch)
         self.finished_calls.append((len(batch), rows, instance, end_ns - start_ns, answered))

@@ -95,6 +95,11 @@ class InferenceFailed(RTServeError):
     grpc_code = grpc.StatusCode.INTERNAL
 
 
+class InstanceFailed(InferenceFailed):
+    """The model instance itself failed (hung past its timeout, its worker died): not the
+    data, so a failed batch is not run again request by request."""
+
+
 class SharedMemoryFull(RTServeError):
     """``/dev/shm`` has no room for a batch's tensors (HTTP 507); names its size and free space."""
 

@@ -111,7 +111,7 @@ class SchedulerStats:
 
     __slots__ = (
         "shed", "objective_ns", "goodput", "predicted", "observed", "window_ns", "target",
-        "budget_factor", "overdue_batches",
+        "budget_factor", "overdue_batches", "reruns",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -124,6 +124,7 @@ class SchedulerStats:
         self.target = 0  # the controller's last target batch (rows)
         self.budget_factor = 1.0  # the share of the budget it plans with (latency feedback)
         self.overdue_batches = 0  # batches run from a frontend callback (waited too long)
+        self.reruns = 0  # failed batches run again one request at a time
 
     def count_shed(self, reason: str, priority: int) -> None:
         key = (reason, priority)
@@ -301,8 +302,15 @@ def _scheduler_families(models: list[ModelMetrics]) -> Iterator[Metric]:
         "Observed time from admission to the end of the request's batch (same requests)",
         labels=labels,
     )
+    reruns = CounterMetricFamily(
+        "rtserve_batch_reruns",
+        "Batches of several requests that failed and were run again one request at a time "
+        "(so that one request's bad data fails only that request)",
+        labels=labels,
+    )
     for mm in models:
         st = mm.scheduler
+        reruns.add_metric(list(mm.labels), st.reruns)
         for (reason, priority), count in st.shed.items():
             shed.add_metric([*mm.labels, reason, str(priority)], count)
         if st.objective_ns:
@@ -314,7 +322,9 @@ def _scheduler_families(models: list[ModelMetrics]) -> Iterator[Metric]:
             overdue.add_metric(list(mm.labels), st.overdue_batches)
             predicted.add_metric(list(mm.labels), st.predicted.buckets(), st.predicted.sum)
             observed.add_metric(list(mm.labels), st.observed.buckets(), st.observed.sum)
-    yield from (shed, goodput, objective, window, target, factor, overdue, predicted, observed)
+    yield from (
+        shed, reruns, goodput, objective, window, target, factor, overdue, predicted, observed,
+    )  # fmt: skip
 
 
 class Metrics:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from rtserve.config import ModelConfig, TensorSpec, _Fields
-from rtserve.errors import ConfigError, InferenceFailed, SharedMemoryFull
+from rtserve.errors import ConfigError, InferenceFailed, InstanceFailed, SharedMemoryFull
 from rtserve.protocol.types import DATATYPE_TO_NUMPY
 from rtserve.runtime import _shm
 
@@ -90,11 +90,13 @@ def require_signature(config: ModelConfig, backend: str) -> None:
 
 
 class _UserError(Exception):
-    """User code failed; ``message`` is for clients, ``detail`` (traceback) for the log."""
+    """User code failed; ``message`` is for clients, ``detail`` (traceback) for the log;
+    ``instance``: the instance hung or died (not an exception from ``infer``)."""
 
-    def __init__(self, message: str, detail: str = "") -> None:
+    def __init__(self, message: str, detail: str = "", instance: bool = False) -> None:
         super().__init__(message)
         self.detail = detail
+        self.instance = instance
 
 
 def _import_model_class(version_dir: Path, unique: str) -> type:
@@ -281,7 +283,8 @@ class _ThreadInstance:
             self._replacing.start()
             raise _UserError(
                 f"infer did not finish within batch_timeout_s={self._timeout:g} s "
-                "(the instance was replaced)"
+                "(the instance was replaced)",
+                instance=True,
             ) from None
 
     def _reload(self) -> None:
@@ -444,7 +447,7 @@ class _ProcessInstance:
             try:
                 self._start()
             except ConfigError as exc:
-                raise _UserError(f"worker could not be restarted: {exc}") from error
+                raise _UserError(f"worker could not be restarted: {exc}", instance=True) from error
         assert self._conn is not None
         return self._conn
 
@@ -462,14 +465,16 @@ class _ProcessInstance:
                 self._restart_later()
                 raise _UserError(
                     f"infer did not finish within batch_timeout_s={timeout:g} s "
-                    "(the worker was killed and is being restarted)"
+                    "(the worker was killed and is being restarted)",
+                    instance=True,
                 )
             reply = conn.recv()
         except (EOFError, OSError, BrokenPipeError):
             how = self._reap()
             self._restart_later()
             raise _UserError(
-                f"the worker process died during infer ({how}); it is being restarted"
+                f"the worker process died during infer ({how}); it is being restarted",
+                instance=True,
             ) from None
         if reply[0] == "ok":
             return _shm.read(self._out.buf, reply[1], copy=True)
@@ -584,7 +589,8 @@ class PythonModel:
         except _UserError as exc:
             if exc.detail:
                 log.error("model %s: infer failed\n%s", self._log_name, exc.detail)
-            raise InferenceFailed(f"python model '{self.name}': {exc}") from None
+            failed = InstanceFailed if exc.instance else InferenceFailed
+            raise failed(f"python model '{self.name}': {exc}") from None
         except SharedMemoryFull as exc:
             raise SharedMemoryFull(f"python model '{self.name}': {exc.message}") from None
         return check_outputs(result, self.outputs, rows, self.name)

@@ -133,10 +133,17 @@ class SchedulingPolicy(ABC):
 
     @abstractmethod
     def finished(
-        self, batch: list[Request], rows: int, instance: int, start_ns: int, end_ns: int
+        self,
+        batch: list[Request],
+        rows: int,
+        instance: int,
+        start_ns: int,
+        end_ns: int,
+        failed: bool = False,
     ) -> None:
         """``batch`` (``rows`` rows) ran on ``instance`` from ``start_ns`` to ``end_ns``;
-        called before its requests are answered."""
+        called before its requests are answered. ``failed``: the batch failed and its
+        requests were run again one at a time (its times say nothing about batch costs)."""
 
     def resumed(self, yielded_ns: int) -> None:
         """The batcher yielded the event loop at ``yielded_ns`` after an inline batch and

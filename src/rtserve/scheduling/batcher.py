@@ -20,13 +20,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from rtserve.errors import DeadlineExceeded, InferenceFailed, RTServeError, ShuttingDown
+from rtserve.errors import (
+    DeadlineExceeded,
+    InferenceFailed,
+    InstanceFailed,
+    RTServeError,
+    ShuttingDown,
+)
 from rtserve.observability.metrics import SchedulerStats
 from rtserve.protocol.types import Timings
 from rtserve.runtime.base import Runtime
 from rtserve.scheduling.base import OnDone, Outputs, Request, SchedulingPolicy
 
-Result = tuple[Outputs | None, BaseException | None]  # one request's outputs, or its error
+# One request run alone after its batch failed: its outputs or its error, and the run's ns.
+Result = tuple[Outputs | None, BaseException | None, int]
 
 log = logging.getLogger(__name__)
 
@@ -250,15 +257,24 @@ class Batcher:
             outputs = self._runtime.run(instance, feeds)
             return outputs, None, start, self._now(), None
         except Exception as exc:  # the model's failure is reported to each request
-            if len(batch) == 1:
-                return None, exc, start, self._now(), None
+            end = self._now()
+            if len(batch) == 1 or isinstance(exc, InstanceFailed):
+                return None, exc, start, end, None  # (a hung or dead instance: not the data)
+            log.warning(
+                "model %s: a batch of %d requests failed (%s); running each alone",
+                self.name, len(batch), type(exc).__name__,
+            )  # fmt: skip
         alone: list[Result] = []
         for p in batch:
+            began = self._now()
+            if p.future.done():  # (answered meanwhile: expired or cancelled)
+                alone.append((None, None, 0))
+                continue
             try:
-                alone.append((self._runtime.run(instance, p.feeds), None))
+                alone.append((self._runtime.run(instance, p.feeds), None, self._now() - began))
             except Exception as exc:
-                alone.append((None, exc))
-        return None, None, start, self._now(), alone
+                alone.append((None, exc, self._now() - began))
+        return None, None, start, end, alone
 
     def _compute_threaded(self, batch: list[Request], instance: int) -> None:
         result = self._compute(batch, instance)
@@ -279,15 +295,22 @@ class Batcher:
         self.free.append(instance)
         self._in_flight -= 1
         total_rows = sum(p.rows for p in batch)
-        self.policy.finished(batch, total_rows, instance, start, end)
+        # A batch that failed and was rerun teaches the policy nothing about batch times.
+        self.policy.finished(batch, total_rows, instance, start, end, failed=alone is not None)
         if self._on_batch is not None:
             self._on_batch(total_rows, end - start)
+            if alone is not None:
+                for p, (_, _, ns) in zip(batch, alone, strict=True):
+                    if ns:
+                        self._on_batch(p.rows, ns)
+        if alone is not None:
+            self.stats.reruns += 1
         if outputs is not None:
             error = self._check_rows(outputs, total_rows)
         offset = 0
         for i, p in enumerate(batch):
             if alone is not None:  # the batch failed; each request was run by itself
-                outputs, error = alone[i]
+                outputs, error, _ = alone[i]
                 if outputs is not None:
                     error = self._check_rows(outputs, p.rows)
             t = p.timings

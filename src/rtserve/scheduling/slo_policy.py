@@ -816,13 +816,22 @@ class SLOPolicy(SchedulingPolicy):
 
     # ------------------------------------------------------------------ feedback
     def finished(
-        self, batch: list[Request], rows: int, instance: int, start_ns: int, end_ns: int
+        self,
+        batch: list[Request],
+        rows: int,
+        instance: int,
+        start_ns: int,
+        end_ns: int,
+        failed: bool = False,
     ) -> None:
         self._held = None  # what admission predicts from has changed
         # Timed on the loop from dispatch: the thread hops and a busy loop count too.
         now = self._now()
         dispatched = self._dispatched.pop(instance, start_ns)
         self._busy_until.pop(instance, None)
+        if failed:  # its time includes each request's own rerun: neither cost nor lateness
+            self._note_refusals()
+            return
         controller = self.controller
         controller.model.observe(rows, max(end_ns - start_ns, now - dispatched))
         if not self._inline:  # from the thread's end to here: how far behind the loop is

@@ -96,6 +96,13 @@ class WindowPolicy(SchedulingPolicy):
                 return Step(live)
 
     def finished(
-        self, batch: list[Request], rows: int, instance: int, start_ns: int, end_ns: int
+        self,
+        batch: list[Request],
+        rows: int,
+        instance: int,
+        start_ns: int,
+        end_ns: int,
+        failed: bool = False,
     ) -> None:
-        self.batch_ns += 0.1 * ((end_ns - start_ns) - self.batch_ns)
+        if not failed:
+            self.batch_ns += 0.1 * ((end_ns - start_ns) - self.batch_ns)
