@@ -652,3 +652,35 @@ async def test_the_loop_delays_weight_follows_the_share_of_requests_refused() ->
         b.policy._note_refusals()
     assert b.policy._lag_weight < 2.05
     await b.stop()
+
+
+class CountingModel(BatchTimeModel):
+    """The batch-time model, counting the batches it is taught."""
+
+    def __init__(self, fixed_ns: float, per_row_ns: float) -> None:
+        super().__init__(fixed_ns, per_row_ns)
+        self.taught = 0
+
+    def observe(self, rows: int, ns: float) -> None:
+        self.taught += 1
+        super().observe(rows, ns)
+
+
+@run_async
+async def test_a_failed_and_rerun_batch_does_not_train_the_slo_controller() -> None:
+    rt, clock = DoublingRuntime(), FakeClock()
+    rt.fail_negative = True
+    model = CountingModel(20_000, 2_000)
+    b, _ = make_slo(rt, clock, 50, model)
+    b.start()
+    await asyncio.gather(*(b.submit(rows(1), 1, Timings()) for _ in range(3)))
+    taught = model.taught
+    assert taught > 0  # a batch that ran teaches the model
+    futures = [b.submit(rows(1, value=v), 1, Timings()) for v in (1.0, -1.0, 2.0)]
+    results = await asyncio.gather(*futures, return_exceptions=True)
+    assert isinstance(results[1], InferenceFailed)
+    assert isinstance(results[2], dict) and np.all(results[2]["y"] == 4)
+    assert rt.batches[-4:] == [3, 1, 1, 1]  # batched, failed, each run alone
+    assert model.taught == taught  # the failed batch (and its reruns) taught nothing
+    assert b.stats.reruns == 1
+    await b.stop()
