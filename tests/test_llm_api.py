@@ -663,3 +663,89 @@ def test_engine_tokenizes_long_prompts_on_a_worker_thread(
     assert all(texts)
     assert threads[0] == threading.current_thread().name  # short: on the loop
     assert threads[1] != threading.current_thread().name  # long: a worker thread
+
+
+def test_a_client_gone_while_its_long_prompt_is_read_is_recorded(
+    llm_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled during tokenization (worker thread): counted as a client error, as a
+    client gone mid-generation is; too many long prompts at once are refused (503)."""
+    import threading
+
+    from rtserve.core import generation
+    from rtserve.engine import Engine
+    from rtserve.errors import Overloaded
+    from rtserve.llm.engine import LlmEngine
+
+    reading = threading.Event()
+    real = LlmEngine.encode_text
+
+    def slow(self: LlmEngine, text: str) -> list[int]:
+        reading.set()
+        time.sleep(0.5)
+        return real(self, text)
+
+    monkeypatch.setattr(LlmEngine, "encode_text", slow)
+    monkeypatch.setattr(generation, "INLINE_CHARS", 16)
+
+    def client_errors(engine: Engine) -> float:
+        for line in engine.metrics_text().decode().splitlines():
+            if line.startswith("rtserve_requests_total{") and 'outcome="client_error"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    async def main() -> tuple[float, float]:
+        async with Engine.from_repository(llm_repo) as engine:
+            before = client_errors(engine)
+            task = asyncio.ensure_future(
+                _joined(engine.generate(MODEL, "a prompt over sixteen characters", max_tokens=2))
+            )
+            while not reading.is_set():
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            after = client_errors(engine)
+            monkeypatch.setattr(generation, "MAX_READING", 0)
+            with pytest.raises(Overloaded, match="long prompts are being read"):
+                await _joined(engine.generate(MODEL, "another long prompt here", max_tokens=2))
+            return before, after
+
+    before, after = asyncio.run(main())
+    assert after == before + 1
+
+
+def test_chat_parts_are_bounded_and_a_long_chat_names_messages(llm_server: RunningServer) -> None:
+    parts = [{"type": "text", "text": ""}] * 1025 + [{"type": "text", "text": "hi"}]
+    doc = {"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+    status, _, body = _post(llm_server, "/v1/chat/completions", doc)
+    assert status == 400 and b"messages[0].content: expected at most 1024 parts" in body
+    long = " ".join(["the cat sat on the mat"] * 200)  # over max_model_len (512) tokens
+    doc = {"model": MODEL, "messages": [{"role": "user", "content": long}], "max_tokens": 2}
+    status, _, body = _post(llm_server, "/v1/chat/completions", doc)
+    error = json.loads(body)["error"]
+    assert (
+        status == 400 and error["message"].startswith("messages: ") and "tokens" in error["message"]
+    )
+
+
+def test_grpc_stream_access_log_carries_the_request_id(llm_server: RunningServer) -> None:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(llm_server.grpc)
+    answers: queue.Queue[Any] = queue.Queue()
+    client.start_stream(
+        callback=lambda result, error: answers.put((result, error)),
+        headers={"x-request-id": "grpc-stream-id-42"},
+    )
+    try:
+        client.async_stream_infer(
+            MODEL, [_text_input("the bird")], parameters={"max_tokens": 2, "ignore_eos": True}
+        )
+        assert _collect(answers)
+    finally:
+        client.stop_stream()
+    deadline = time.monotonic() + 5
+    while "request_id=grpc-stream-id-42" not in llm_server.log():
+        assert time.monotonic() < deadline, llm_server.log()[-2000:]
+        time.sleep(0.05)

@@ -11,15 +11,17 @@ finished, failed, or closed by its consumer (a client that went away).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rtserve.core.dataplane import DataPlane
 from rtserve.core.model import ModelVersion
-from rtserve.errors import ClientClosed, InvalidInput, RTServeError, as_error
+from rtserve.errors import ClientClosed, InvalidInput, Overloaded, RTServeError, as_error
 from rtserve.llm.params import GenerationEvent, SamplingParams
 from rtserve.protocol.limits import shown
 from rtserve.protocol.types import InferRequest, Timings
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from rtserve.llm.engine import LlmEngine
 
 _now = time.perf_counter_ns
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -56,7 +59,24 @@ def generative(mv: ModelVersion) -> LlmEngine:
 # A prompt (or chat) of at most this many characters is tokenized on the event loop (well
 # under a millisecond); a longer one on a worker thread (tokenizers release the GIL), so that
 # a long prompt does not hold up every other request's answer for tens of milliseconds.
-INLINE_CHARS = int(os.environ.get("RTSERVE_INLINE_PROMPT_CHARS", "8192"))
+def _inline_chars() -> int:
+    text = os.environ.get("RTSERVE_INLINE_PROMPT_CHARS", "8192")
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        log.warning("RTSERVE_INLINE_PROMPT_CHARS: expected an integer >= 0, got %r; 8192", text)
+        return 8192
+    return value
+
+
+INLINE_CHARS = _inline_chars()
+# Long prompts are read by these threads (not the loop's default executor, which loads
+# models and inflates bodies); at most MAX_READING wait or run, others are refused (503).
+_READERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rtserve-tokenize")
+MAX_READING = 64
+_reading = 0
 
 
 def prepare(
@@ -78,7 +98,7 @@ def prepare(
     mv = dataplane.resolve(model, version, timings)
     llm = generative(mv)
     ids = _encode(llm, prompt, messages)
-    return _checked(mv, llm, ids, params, timings, request_id, priority)
+    return _checked(mv, llm, ids, params, timings, request_id, priority, messages is not None)
 
 
 async def prepare_async(
@@ -99,12 +119,24 @@ async def prepare_async(
             dataplane, model, timings, params, prompt=prompt, messages=messages,
             version=version, request_id=request_id, priority=priority,
         )  # fmt: skip
+    global _reading
     _check_priority(priority)
     mv = dataplane.resolve(model, version, timings)
     llm = generative(mv)
-    loop = asyncio.get_running_loop()
-    ids = await loop.run_in_executor(None, _encode, llm, prompt, messages)
-    return _checked(mv, llm, ids, params, timings, request_id, priority)
+    if _reading >= MAX_READING:
+        raise Overloaded(
+            f"{MAX_READING} long prompts are being read; retry later (or send shorter ones)"
+        )
+    _reading += 1
+    try:
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(_READERS, _encode, llm, prompt, messages)
+    except asyncio.CancelledError:  # the client went away while its prompt was read
+        refused(dataplane, timings, ClientClosed("the client went away"), model, mv)
+        raise
+    finally:
+        _reading -= 1
+    return _checked(mv, llm, ids, params, timings, request_id, priority, messages is not None)
 
 
 def inline(prompt: Any, messages: Any) -> bool:
@@ -114,16 +146,16 @@ def inline(prompt: Any, messages: Any) -> bool:
     if not isinstance(messages, list):
         return True  # (token ids, or malformed: prepare refuses it at once)
     chars = 0
-    for m in messages:
+    for m in messages:  # (each part counts at least one character: many parts cost too)
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, str):
             chars += len(content)
         elif isinstance(content, list):
-            chars += sum(
-                len(part["text"])
-                for part in content
-                if isinstance(part, dict) and isinstance(part.get("text"), str)
-            )
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                chars += max(1, len(text)) if isinstance(text, str) else 1
+                if chars > INLINE_CHARS:
+                    return False
         if chars > INLINE_CHARS:
             return False
     return True
@@ -153,8 +185,9 @@ def _checked(
     timings: Timings,
     request_id: str,
     priority: int,
+    chat: bool,
 ) -> Generation:
-    llm.check_prompt(len(ids), params)
+    llm.check_prompt(len(ids), params, "messages" if chat else "prompt")
     timings.prompt_tokens = len(ids)
     return Generation(mv, llm, ids, params, timings, request_id, priority)
 

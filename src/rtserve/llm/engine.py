@@ -35,6 +35,7 @@ from rtserve.llm.scheduler import FINISHED, Scheduler, Sequence, Step
 log = logging.getLogger(__name__)
 _now = time.perf_counter_ns
 MAX_MESSAGES = 1024
+MAX_PARTS = 1024  # text parts in one message's content
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -164,17 +165,17 @@ class LlmEngine:
             raise InvalidInput(f"messages: the chat template refused them: {exc}") from exc
         return self._encode(prompt, False, "messages")
 
-    def check_length(self, n_prompt: int) -> None:
+    def check_length(self, n_prompt: int, field: str = "prompt") -> None:
         """Refuse a prompt of ``max_model_len`` tokens or more."""
         if n_prompt >= self.max_model_len:
             raise InvalidInput(
-                f"prompt: {n_prompt} tokens, expected fewer than max_model_len "
+                f"{field}: {n_prompt} tokens, expected fewer than max_model_len "
                 f"({self.max_model_len}) to leave room for an answer"
             )
 
-    def check_prompt(self, n_prompt: int, params: SamplingParams) -> None:
+    def check_prompt(self, n_prompt: int, params: SamplingParams, field: str = "prompt") -> None:
         """Refuse what can never run (too long) or would miss the first-token objective."""
-        self.check_length(n_prompt)
+        self.check_length(n_prompt, field)
         limit = self.max_model_len
         if params.max_tokens is not None and n_prompt + params.max_tokens > limit:
             raise InvalidInput(
@@ -560,6 +561,8 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
             )
         content = m.get("content")
         if isinstance(content, list):
+            if len(content) > MAX_PARTS:
+                raise InvalidInput(f"{where}.content: expected at most {MAX_PARTS} parts")
             parts = []
             for j, part in enumerate(content):
                 if (

@@ -394,6 +394,11 @@ class GrpcFrontend:
         try:
             if self.guard is not None:
                 self.guard.grpc("ModelStreamInfer", request, context)
+            for key, value in (context.invocation_metadata() or ()) if context else ():
+                if key == "x-request-id":  # (as for ModelInfer: the access log's id)
+                    timings.request_id = checked_request_id(str(value))
+                elif key == "traceparent":
+                    timings.traceparent = str(value)[:128]
             text, params, empty_final = _generation_request(request, mv)
             gen = await generation.prepare_async(
                 dp, request.model_name, timings, params, prompt=text,
