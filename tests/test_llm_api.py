@@ -749,3 +749,11 @@ def test_grpc_stream_access_log_carries_the_request_id(llm_server: RunningServer
     while "request_id=grpc-stream-id-42" not in llm_server.log():
         assert time.monotonic() < deadline, llm_server.log()[-2000:]
         time.sleep(0.05)
+
+
+def test_a_refused_request_counts_under_its_model(llm_server: RunningServer) -> None:
+    before = _metric(llm_server, "rtserve_requests_total", model=MODEL, outcome="client_error")
+    doc = {"model": MODEL, "prompt": "the cat", "max_tokens": 100_000}  # over max_model_len
+    assert _post(llm_server, "/v1/completions", doc)[0] == 400
+    after = _metric(llm_server, "rtserve_requests_total", model=MODEL, outcome="client_error")
+    assert after == before + 1

@@ -11,6 +11,7 @@ finished, failed, or closed by its consumer (a client that went away).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -206,8 +207,13 @@ def refused(
     model: str = "",
     mv: ModelVersion | None = None,
 ) -> RTServeError:
-    """Record a request refused before its generation started; returns its error."""
+    """Record a request refused before its generation started; returns its error. It is
+    counted under ``model`` when that model is loaded (a bad request to a served model is
+    that model's client error, not an unrouted request)."""
     err = as_error(error, "generation request")
+    if mv is None and model:
+        with contextlib.suppress(RTServeError):
+            mv = dataplane.registry.get_loaded(model)
     request = InferRequest(mv.name if mv else model[:100], mv.version if mv else "", [])
     request.timings = timings
     dataplane.observe(request, mv, err, _now())
