@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -301,3 +302,95 @@ def _cpu_s(pid: int) -> float:
 def _max_batch(s: RunningServer, model: str) -> int:
     with urllib.request.urlopen(f"{s.base}/v2/models/{model}/config", timeout=10) as r:
         return int(json.loads(r.read())["max_batch_size"])
+
+
+def _ready(s: RunningServer) -> int:
+    try:
+        with urllib.request.urlopen(f"{s.base}/v2/health/ready", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_bad_values_found_deep_in_a_section_are_refused_before_loading(
+    server: RunningServer,
+) -> None:
+    # A cache value checked only once the model was built leaked the built model, listed it
+    # as failed and made the server not ready.
+    ready = _ready(server)
+    for config, needle in (
+        ({"response_cache": {"memory": {"ttl_s": -1}}}, "response_cache.memory.ttl_s"),
+        ({"onnxruntime": {"intra_op_threads": 0}}, "onnxruntime.intra_op_threads: expected an integer >= 1"),
+    ):  # fmt: skip
+        status, doc = load(server, "b", config)
+        assert status == 400 and needle in doc["error"], doc
+    assert [r["reason"] for r in index(server) if r["name"] == "b"] == ["not loaded"]
+    assert _ready(server) == ready
+
+
+def test_unloading_an_ensembles_step_names_it_and_keeps_the_server_ready(
+    server: RunningServer,
+) -> None:
+    repo = _repo_of(server)
+    build_scale(repo / "ustep" / "1" / "model.onnx", 3.0)
+    write_config(repo, "ustep", {"max_batch_size": 4})
+    write_config(repo, "uens", _ensemble("ustep"))
+    for name in ("ustep", "uens"):
+        status, doc = post(server.base, LOAD.format(name))
+        assert status == 200, doc
+    ready = _ready(server)
+    assert post(server.base, "/v2/repository/models/ustep/unload")[0] == 200
+    try:
+        rows = [r for r in index(server) if r["name"] == "uens"]
+        assert rows and rows[0]["state"] == "UNAVAILABLE"
+        assert rows[0]["reason"] == "step model 'ustep' was unloaded"
+        assert _ready(server) == ready  # unloaded on purpose: not a failure
+    finally:
+        assert post(server.base, LOAD.format("ustep"))[0] == 200
+    assert infer(server.base, "uens") == 3.0
+
+
+SLOW_LOAD_PY = """
+import time
+
+class Model:
+    def load(self, context):
+        time.sleep(2.0)
+
+    def infer(self, inputs):
+        return {"y": inputs["x"] * 2}
+"""
+
+
+def test_a_first_load_in_progress_is_listed_loading_and_keeps_the_server_ready(
+    tmp_path: Path,
+) -> None:
+    import threading
+
+    from tests.models import write_python_model
+
+    repo = build_repo(tmp_path / "repo")
+    config = {
+        "backend": "python",
+        "max_batch_size": 4,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
+    }
+    write_python_model(repo, "slow", config, SLOW_LOAD_PY)
+    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit", "--load-model", "a")
+    try:
+        answer: list[int] = []
+        loader = threading.Thread(
+            target=lambda: answer.append(post(s.base, LOAD.format("slow"))[0])
+        )
+        loader.start()
+        deadline = time.monotonic() + 10
+        while not [r for r in index(s) if r["name"] == "slow" and r["state"] == "LOADING"]:
+            assert time.monotonic() < deadline and loader.is_alive(), index(s)
+            time.sleep(0.05)
+        assert _ready(s) == 200
+        loader.join(30)
+        assert answer == [200]
+        assert infer(s.base, "slow") == 2.0
+    finally:
+        s.stop()

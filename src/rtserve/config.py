@@ -309,6 +309,10 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
     cache = f.get("response_cache")
     if cache is not None and not isinstance(cache, dict | bool):
         raise f.fail("response_cache", "a mapping (or false)", cache)
+    if isinstance(cache, dict):  # checked now, not after the model loaded and warmed up
+        from rtserve.cache.config import CacheConfig
+
+        CacheConfig.from_dict(cache, where)
     instance_count = f.integer("instance_count", 1, minimum=1)
     if backend == "ensemble":
         # An ensemble has no queue of its own: objectives and levels live on its step models.

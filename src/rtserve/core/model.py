@@ -216,6 +216,11 @@ async def build_runtime_version(
                 f"{version_dir}: slo: timing batches for the latency objective failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+    try:
+        cache = ctx.cache_for(config, version, runtime.outputs)
+    except Exception:
+        runtime.close()
+        raise
     batching = config.dynamic_batching
     policy: SchedulingPolicy = (
         WindowPolicy(
@@ -251,7 +256,7 @@ async def build_runtime_version(
         inputs={s.name: s for s in runtime.inputs},
         outputs={s.name: s for s in runtime.outputs},
         runtime=runtime,
-        cache=ctx.cache_for(config, version, runtime.outputs),
+        cache=cache,
         # Up to 4x what the model accepts is still decoded, so that the dataplane can name
         # the mismatch (batch size, shape); far beyond that is refused before parsing.
         decode_limits=limits_for_model(

@@ -29,6 +29,7 @@ class ModelEntry:
     latest: str = ""
     error: str = ""  # why the last load failed ("" if it did not)
     source: ModelSource | None = None
+    loading: bool = False  # its versions are being built
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,7 @@ class ModelRegistry:
             log.error("model %s not loaded: %s", source.name, entry.error)
             return entry
         built: dict[str, ModelVersion] = {}
+        entry.loading = True
         try:
             self._check_cycle(source.config)
             for version, path in source.versions.items():
@@ -83,6 +85,8 @@ class ModelRegistry:
             entry.error = self.redact(str(exc))
             log.error("model %s not loaded: %s", source.name, exc)
             return entry
+        finally:
+            entry.loading = False
         old = entry.versions
         for mv in built.values():
             mv.ready = True
@@ -167,11 +171,15 @@ class ModelRegistry:
     def index(self) -> list[IndexEntry]:
         rows: list[IndexEntry] = []
         for entry in self.models.values():
-            if entry.error:
+            if entry.loading and not entry.versions:
+                rows.append(IndexEntry(entry.name, "", "LOADING"))
+            elif entry.error:
                 rows.append(IndexEntry(entry.name, "", "UNAVAILABLE", entry.error))
+            gone = self._unloaded_steps(entry)
             for v in entry.versions.values():
+                reason = "" if v.ready or not gone else f"step model '{gone}' was unloaded"
                 rows.append(
-                    IndexEntry(entry.name, v.version, "READY" if v.ready else "UNAVAILABLE")
+                    IndexEntry(entry.name, v.version, "READY" if v.ready else "UNAVAILABLE", reason)
                 )
         rows.extend(
             IndexEntry(name, "", "UNAVAILABLE", "unloaded") for name in sorted(self.unloaded)
@@ -202,7 +210,16 @@ class ModelRegistry:
             name: entry.error or "not ready"
             for name, entry in self.models.items()
             if not any(mv.ready for mv in entry.versions.values())
+            and not entry.loading  # (a first load in progress is not a failure)
+            and not self._unloaded_steps(entry)  # (its step was unloaded on purpose)
         }
+
+    def _unloaded_steps(self, entry: ModelEntry) -> str:
+        """An ensemble's step model that was unloaded on purpose ("" if none)."""
+        source = entry.source
+        if source is None or source.config is None or source.config.backend != "ensemble":
+            return ""
+        return next((m for m in step_models(source.config) if m in self.unloaded), "")
 
     def set_ready(self, ready: bool) -> None:
         for mv in self.loaded_versions():

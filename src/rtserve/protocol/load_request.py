@@ -53,10 +53,10 @@ def _refuse(path: str, expected: str, value: Any) -> InvalidInput:
     return InvalidInput(f"{WHERE}.{path}: expected {expected}, got {_shown(value)}")
 
 
-def _integer(maximum: int | Callable[[], int] | None = None) -> Check:
+def _integer(maximum: int | Callable[[], int] | None = None, minimum: int = 0) -> Check:
     def check(value: Any, path: str) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise _refuse(path, "an integer >= 0", value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise _refuse(path, f"an integer >= {minimum}", value)
         limit = maximum() if callable(maximum) else maximum
         if limit is not None and value > limit:
             raise _refuse(path, f"an integer <= {limit} over the network", value)
@@ -113,7 +113,8 @@ NETWORK_FIELDS: Schema = {
     },
     "instance_count": _integer(usable_cpus),
     "onnxruntime": {
-        "intra_op_threads": _integer(usable_cpus),
+        # (0, ONNX Runtime's "one per core", would dodge the thread check below)
+        "intra_op_threads": _integer(usable_cpus, minimum=1),
         "inter_op_threads": _integer(usable_cpus),
         "graph_optimization_level": _string,
         "execution": _string,
