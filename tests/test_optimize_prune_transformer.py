@@ -239,3 +239,29 @@ def test_optimize_builds_and_measures_the_pruned_encoder_and_its_int8(
     assert pruned is not None and pruned.size_bytes < result.measurements[0].size_bytes
     assert "heads 8 -> 4" in " ".join(pruned.notes)
     assert 0.0 < pruned.metrics["cosine_mean"] <= 1.0 + 1e-6
+
+
+def test_a_model_with_different_heads_per_layer_prunes_again() -> None:
+    from rtserve.optimize.prune_transformer import keep_heads
+
+    model = Embedder()
+    data = tokens(16, 1)
+    keep_heads(encoder_layers(model)[0], [0, 1])  # layer 0: 2 heads, layer 1: 4
+    assert [la.heads for la in encoder_layers(model)] == [2, HEADS]
+    pruned, _ = prune_encoder(model, data, heads=0.5, ffn=0.25)  # (head norms of 2 and 4)
+    assert sum(la.heads for la in encoder_layers(pruned)) == (2 + HEADS) // 2
+    assert _run(pruned, data).shape == (16, HIDDEN)
+
+
+def test_shared_layers_and_other_architectures_are_refused_by_name() -> None:
+    from transformers import DistilBertConfig, DistilBertModel
+
+    shared = Embedder()
+    shared.inner.encoder.layer[1] = shared.inner.encoder.layer[0]  # ALBERT-style sharing
+    with pytest.raises(OptimizeError, match="used at several depths"):
+        prune_encoder(shared, tokens(8, 1), heads=0.5, ffn=0.5)
+    distil = DistilBertModel(
+        DistilBertConfig(vocab_size=VOCAB, dim=HIDDEN, n_layers=1, n_heads=HEADS, hidden_dim=FFN)
+    )
+    with pytest.raises(OptimizeError, match=r"DistilBertModel .*no BERT-style encoder layer"):
+        encoder_layers(distil)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -131,9 +132,18 @@ def encoder_layers(model: torch.nn.Module) -> list[EncoderLayer]:
             )
         )  # fmt: skip
     if not layers:
+        inner = next((type(m).__name__ for m in model.modules() if hasattr(m, "config")), "")
+        name = f"{type(model).__name__} ({inner})" if inner else type(model).__name__
         raise OptimizeError(
-            f"{type(model).__name__} has no BERT-style encoder layer (attention.self.query/key/"
-            "value, attention.output.dense, intermediate.dense, output.dense) to prune"
+            f"{name} has no BERT-style encoder layer (attention.self.query/key/value, "
+            "attention.output.dense, intermediate.dense, output.dense) to prune; BERT, "
+            "RoBERTa, XLM-RoBERTa, ELECTRA and MiniLM have them"
+        )
+    uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    if any(uses[id(la.module)] > 1 for la in layers):
+        raise OptimizeError(
+            f"{type(model).__name__}: an encoder layer module is used at several depths "
+            "(shared weights, as in ALBERT); structured pruning needs one module per layer"
         )
     return layers
 
@@ -269,7 +279,11 @@ def head_norms(
         return torch.einsum("thd,ohd->tho", ctx, w).norm(dim=-1).sum(0)
 
     sums = _collect(model, inputs, [la.attn_out for la in layers], per_head, batch)
-    return np.stack([s / n for s, n in sums])
+    rows = [np.asarray(s / n, dtype=np.float64) for s, n in sums]
+    out = np.zeros((len(rows), max(len(r) for r in rows)))  # (layers may have fewer heads)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
 
 
 def _collect(
