@@ -257,6 +257,10 @@ def test_instances_are_independent(tmp_path: Path) -> None:
         ({"inputs": None}, r"config.yaml: inputs: required for backend python"),
         ({"python": {"isolation": "fork"}}, r"python.isolation: expected one of thread, process"),
         ({"python": {"batch_timeout_s": -1}}, r"python.batch_timeout_s: expected a number >= 0"),
+        (
+            {"python": {"load_timeout_s": 5}},
+            r"python.load_timeout_s: expected no value with isolation: thread",
+        ),
         ({"python": {"workers": 2}}, r"python.workers: unknown field"),
     ],
 )

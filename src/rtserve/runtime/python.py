@@ -64,6 +64,13 @@ class PythonOptions:
 def parse_options(config: ModelConfig) -> PythonOptions:
     f = _Fields(config.backend_options, config.source, "python")
     isolation = f.string("isolation", "thread", ("thread", "process"))
+    if isolation == "thread" and "load_timeout_s" in f.data:  # (it would be ignored)
+        raise f.fail(
+            "load_timeout_s",
+            "no value with isolation: thread (a thread's load() cannot be stopped; use "
+            "isolation: process)",
+            f.data["load_timeout_s"],
+        )
     opts = PythonOptions(
         isolation=isolation,
         batch_timeout_s=f.number("batch_timeout_s", 30.0 if isolation == "process" else 0.0),
