@@ -95,9 +95,7 @@ def prepare(
     """Resolve, encode and check a request (``prompt``: text or token ids; ``messages``: a
     chat); raises the ``RTServeError`` it is refused with (the caller records it with
     ``refused``). Tokenizes on the calling thread: :func:`prepare_async` for long text."""
-    _check_priority(priority)
-    mv = dataplane.resolve(model, version, timings)
-    llm = generative(mv)
+    mv, llm = _target(dataplane, model, version, timings, priority)
     ids = _encode(llm, prompt, messages)
     return _checked(mv, llm, ids, params, timings, request_id, priority, messages is not None)
 
@@ -121,9 +119,7 @@ async def prepare_async(
             version=version, request_id=request_id, priority=priority,
         )  # fmt: skip
     global _reading
-    _check_priority(priority)
-    mv = dataplane.resolve(model, version, timings)
-    llm = generative(mv)
+    mv, llm = _target(dataplane, model, version, timings, priority)
     if _reading >= MAX_READING:
         raise Overloaded(
             f"{MAX_READING} long prompts are being read; retry later (or send shorter ones)"
@@ -162,9 +158,14 @@ def inline(prompt: Any, messages: Any) -> bool:
     return True
 
 
-def _check_priority(priority: Any) -> None:
+def _target(
+    dataplane: DataPlane, model: str, version: str, timings: Timings, priority: Any
+) -> tuple[ModelVersion, LlmEngine]:
+    """The generative model version a request names (its priority checked first)."""
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidInput(f"priority: expected an integer, got {shown(repr(priority))}")
+    mv = dataplane.resolve(model, version, timings)
+    return mv, generative(mv)
 
 
 def _encode(llm: LlmEngine, prompt: Any, messages: Any) -> list[int]:

@@ -157,9 +157,14 @@ class GenerativeRoutes:
             model = request.model
             if self.guard is not None:
                 self.guard.http_model(raw.headers, model)
+            asked = _asked(request, timings)
             if not generation.inline(request.prompt, request.messages):
-                return Pending(lambda: self._openai_later(request, kind, timings))
-            gen = generation.prepare(dp, model, timings, request.params, **_asked(request, timings))
+                return _prepared_later(
+                    lambda: generation.prepare_async(dp, model, timings, request.params, **asked),
+                    lambda gen: self._openai_reply(request, kind, timings, gen),
+                    lambda exc: self._openai_refused(exc, kind, timings, model),
+                )
+            gen = generation.prepare(dp, model, timings, request.params, **asked)
         except Exception as exc:
             return self._openai_refused(exc, kind, timings, model)
         return self._openai_reply(request, kind, timings, gen)
@@ -168,18 +173,6 @@ class GenerativeRoutes:
         error = generation.refused(self.dataplane, timings, exc, model)
         status, body, headers = openai.error_answer(error, kind)
         return status, body, _with_id(headers, timings)
-
-    async def _openai_later(
-        self, request: openai.OpenAIRequest, kind: str, timings: Timings
-    ) -> Answer | Streamed:
-        """A long prompt: tokenized off the event loop, then answered as any other."""
-        try:
-            gen = await generation.prepare_async(
-                self.dataplane, request.model, timings, request.params, **_asked(request, timings)
-            )
-        except Exception as exc:
-            return self._openai_refused(exc, kind, timings, request.model)
-        return await settle(self._openai_reply(request, kind, timings, gen))
 
     def _openai_reply(
         self, request: openai.OpenAIRequest, kind: str, timings: Timings, gen: generation.Generation
@@ -231,14 +224,18 @@ class GenerativeRoutes:
             timings = _timings(raw)
             model, version, streamed = _generate_target(raw.path)
             text, params = parse_triton(raw.body)
+            asked: dict[str, Any] = {
+                "prompt": text,
+                "version": version,
+                "request_id": timings.request_id,
+            }
             if not generation.inline(text, None):
-                return Pending(
-                    lambda: self._triton_later(model, version, text, params, timings, streamed)
+                return _prepared_later(
+                    lambda: generation.prepare_async(dp, model, timings, params, **asked),
+                    lambda gen: self._triton_reply(gen, timings, streamed),
+                    lambda exc: self._triton_refused(exc, timings, model),
                 )
-            gen = generation.prepare(
-                dp, model, timings, params, prompt=text, version=version,
-                request_id=timings.request_id,
-            )  # fmt: skip
+            gen = generation.prepare(dp, model, timings, params, **asked)
         except Exception as exc:
             return self._triton_refused(exc, timings, model)
         return self._triton_reply(gen, timings, streamed)
@@ -246,20 +243,6 @@ class GenerativeRoutes:
     def _triton_refused(self, exc: Exception, timings: Timings, model: str) -> Answer:
         status, body, headers = http_error(generation.refused(self.dataplane, timings, exc, model))
         return status, body, _with_id(headers, timings)
-
-    async def _triton_later(
-        self, model: str, version: str, text: Any, params: SamplingParams, timings: Timings,
-        streamed: bool,
-    ) -> Answer | Streamed:  # fmt: skip
-        """A long prompt: tokenized off the event loop, then answered as any other."""
-        try:
-            gen = await generation.prepare_async(
-                self.dataplane, model, timings, params, prompt=text, version=version,
-                request_id=timings.request_id,
-            )  # fmt: skip
-        except Exception as exc:
-            return self._triton_refused(exc, timings, model)
-        return await settle(self._triton_reply(gen, timings, streamed))
 
     def _triton_reply(self, gen: generation.Generation, timings: Timings, streamed: bool) -> Reply:
         dp = self.dataplane
@@ -294,6 +277,24 @@ class GenerativeRoutes:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         conn.on_lost = task.cancel
+
+
+def _prepared_later(
+    prepare: Callable[[], Awaitable[generation.Generation]],
+    reply: Callable[[generation.Generation], Reply],
+    refuse: Callable[[Exception], Answer],
+) -> Pending:
+    """A long prompt's answer: ``prepare`` tokenizes it off the event loop, then ``reply``
+    answers as for any other prompt (or ``refuse`` does)."""
+
+    async def answer() -> Answer | Streamed:
+        try:
+            gen = await prepare()
+        except Exception as exc:
+            return refuse(exc)
+        return await settle(reply(gen))
+
+    return Pending(answer)
 
 
 def _asked(request: openai.OpenAIRequest, timings: Timings) -> dict[str, Any]:
