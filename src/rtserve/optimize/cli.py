@@ -91,7 +91,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise OptimizeError(
             "give at least one --input NAME:DIMS[:DTYPE] (batch >= 2 for the example)"
         )
-    _at_least(args, {"given_rows": 1})
+    at_least(args, {"given_rows": 1})
     _number(args, "tolerance", 0.0, math.inf, False)
     out = pathlib.Path(args.out)
     if out.is_dir():
@@ -238,10 +238,11 @@ def check_folder(path: pathlib.Path, flag: str) -> None:
             return
 
 
-def _at_least(args: argparse.Namespace, names: dict[str, int]) -> None:
+def at_least(args: argparse.Namespace, names: dict[str, int]) -> None:
+    """Each option ``--name`` (unset: None, its default applies) at least its bound."""
     for name, low in names.items():
         value = getattr(args, name)
-        if value < low:
+        if value is not None and value < low:
             flag = "--" + name.replace("_", "-")
             raise OptimizeError(f"{flag}: expected an integer >= {low}, got {value}")
 
@@ -259,7 +260,7 @@ def _number(args: argparse.Namespace, name: str, low: float, high: float, low_op
 
 def _check_optimize_args(args: argparse.Namespace) -> None:
     """Every value checked before the run starts (a late usage error wastes minutes)."""
-    _at_least(args, {
+    at_least(args, {
         "iterations": 1, "threads": 1, "max_batch_size": 0, "seq_len": 1, "num_heads": 0,
         "hidden_size": 0, "fine_tune_epochs": 0, "distill_epochs": 1, "qat_epochs": 1,
         "qat_float_first": 0,

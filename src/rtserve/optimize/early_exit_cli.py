@@ -37,11 +37,6 @@ def _probability(text: str) -> float:
     return value
 
 
-def _at_least(option: str, value: int | None, low: int) -> None:
-    if value is not None and value < low:
-        raise OptimizeError(f"{option}: expected an integer >= {low}, got {value}")
-
-
 def _name(text: str | None, default: str) -> str:
     """``--name``: one plain path component (the folder under ``--out``)."""
     if text is None:
@@ -78,9 +73,9 @@ def _check(args: argparse.Namespace) -> pathlib.Path:
             if getattr(args, option) is not None:
                 flag = "--" + option.replace("_", "-")
                 raise OptimizeError(f"{flag}: expected only with digits-cnn, not with {args.model}")
-    for option, low in (("channels", 1), ("blocks", 1), ("epochs", 1), ("stage1_epochs", 1)):
-        _at_least("--" + option.replace("_", "-"), getattr(args, option), low)
-    _at_least("--threads", args.threads, 1)
+    from rtserve.optimize.cli import at_least
+
+    at_least(args, {"channels": 1, "blocks": 1, "epochs": 1, "stage1_epochs": 1, "threads": 1})
     if not 0 <= args.seed <= MAX_SEED:
         raise OptimizeError(f"--seed: expected an integer from 0 to {MAX_SEED}, got {args.seed}")
     if args.exits is not None:

@@ -424,14 +424,11 @@ def _example_for_onnx(path: pathlib.Path, batch: int) -> dict[str, np.ndarray]:
 
 
 def cmd_export_edge(args: argparse.Namespace) -> int:
-    from rtserve.optimize.cli import _load_module, _parse_shape
+    from rtserve.optimize.cli import _load_module, _parse_shape, at_least
 
     if args.int8 and not args.calibration:
         raise OptimizeError("--int8 needs --calibration (an .npz keyed by input name)")
-    if args.batch < 1:
-        raise OptimizeError(f"--batch: expected an integer >= 1, got {args.batch}")
-    if args.iterations < 1:
-        raise OptimizeError(f"--iterations: expected an integer >= 1, got {args.iterations}")
+    at_least(args, {"batch": 1, "iterations": 1})
     threads = _thread_counts(args.threads)
     if args.converter_python and not os.access(args.converter_python, os.X_OK | os.R_OK):
         raise OptimizeError(f"--converter-python {args.converter_python}: not an executable")
