@@ -244,3 +244,26 @@ def test_export_usage_errors(
                  "--out", str(out), *extra])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and needle in err and "Traceback" not in err, err
+
+
+def test_optimize_fails_when_no_asked_variant_could_be_built(
+    mlp_files: dict[str, pathlib.Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--variants int8-static` without calibration data builds nothing the user asked for:
+    exit 1 with the reason, not a published FP32 copy and exit 0."""
+    from rtserve.cli import main
+
+    d = mlp_files["dir"]
+    code = main(["optimize", str(mlp_files["model"]), "--eval", str(mlp_files["eval"]),
+                 "--out", str(d / "repo" / "m"), "--work", str(d / "work"), "--no-progress",
+                 "--variants", "int8-static", "--iterations", "2"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 1, captured.err
+    assert "none of --variants int8-static could be built (int8-static:" in captured.err
+    assert not (d / "repo" / "m").exists()
+    assert "`int8-static` not built:" in (d / "work" / "report.md").read_text()
+    # one of two asked is enough to publish
+    code = main(["optimize", str(mlp_files["model"]), "--eval", str(mlp_files["eval"]),
+                 "--out", str(d / "repo" / "m"), "--work", str(d / "work"), "--no-progress",
+                 "--variants", "int8-static,int8-dynamic", "--iterations", "2"])  # fmt: skip
+    assert code == 0 and (d / "repo" / "m" / "config.yaml").exists()

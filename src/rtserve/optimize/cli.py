@@ -210,6 +210,14 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     (work / "report.md").write_text(table + f"\n![accuracy vs latency]({png.name})\n")
     print(table)
     print(f"report: {work / 'report.md'} and {png}")
+    asked = list(options.variants) if args.variants else []
+    if asked and all(v in result.skipped for v in asked):
+        print(
+            f"error: none of --variants {args.variants} could be built "
+            f"({'; '.join(f'{v}: {result.skipped[v]}' for v in asked)}); nothing written",
+            file=sys.stderr,
+        )
+        return 1
     if result.chosen is None:
         print(
             f"error: no variant stays within --max-accuracy-drop {args.max_accuracy_drop}; nothing written",

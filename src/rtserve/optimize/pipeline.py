@@ -129,6 +129,7 @@ class OptimizeResult:
     excluded_nodes: dict[str, list[str]] = field(default_factory=dict)
     noise_band: float = 0.0
     choice_note: str = ""  # why the baseline was kept over a faster variant, if it was
+    skipped: dict[str, str] = field(default_factory=dict)  # variant -> why it was not built
 
     def get(self, name: str) -> Measurement | None:
         return next((m for m in self.measurements if m.name == name), None)
@@ -141,7 +142,10 @@ class OptimizeResult:
             self.measurements, self.baseline, self.reference_score, self.max_accuracy_drop,
             self.chosen.name if self.chosen else None, self.noise_band,
         )  # fmt: skip
-        return text + (f"\n{self.choice_note}\n" if self.choice_note else "")
+        text += f"\n{self.choice_note}\n" if self.choice_note else ""
+        for name, why in self.skipped.items():
+            text += f"\n- `{name}` not built: {why}"
+        return text + ("\n" if self.skipped else "")
 
 
 @dataclass
@@ -711,6 +715,7 @@ def run_optimize(
                 if name == "fp32":
                     raise
                 log(f"variant {name} skipped: {exc.message}")
+                result.skipped[name] = exc.message
             bar.advance(task_id)
         bar.update(
             task_id, description=f"{model_path.name}: latency, {opts.rounds} alternating rounds"
