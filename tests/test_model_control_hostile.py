@@ -394,3 +394,66 @@ def test_a_first_load_in_progress_is_listed_loading_and_keeps_the_server_ready(
         assert infer(s.base, "slow") == 2.0
     finally:
         s.stop()
+
+
+GATED_LOAD_PY = """
+import os, time
+
+class Model:
+    def load(self, context):
+        gate = os.path.join(os.path.dirname(__file__), "..", "..", "gate")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def infer(self, inputs):
+        return {"y": inputs["x"] * 2}
+"""
+
+
+def test_a_load_that_hangs_holds_up_only_its_own_model(tmp_path: Path) -> None:
+    """While one model's load blocks, other models load, serve and unload; a second load of
+    the blocked model waits for it, and an ensemble over it waits too."""
+    import threading
+
+    from tests.models import write_python_model
+
+    repo = build_repo(tmp_path / "repo")
+    config = {
+        "backend": "python",
+        "max_batch_size": 4,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
+    }
+    write_python_model(repo, "stuck", config, GATED_LOAD_PY)
+    write_config(repo, "over_stuck", _ensemble("stuck"))
+    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit", "--load-model", "a")
+    answers: dict[str, int] = {}
+
+    def load_in_background(name: str) -> threading.Thread:
+        t = threading.Thread(
+            target=lambda: answers.update({name: post(s.base, LOAD.format(name))[0]})
+        )
+        t.start()
+        return t
+
+    try:
+        stuck = load_in_background("stuck")
+        deadline = time.monotonic() + 10
+        while not [r for r in index(s) if r["name"] == "stuck" and r["state"] == "LOADING"]:
+            assert time.monotonic() < deadline, index(s)
+            time.sleep(0.05)
+        ensemble = load_in_background("over_stuck")
+        started = time.monotonic()
+        assert post(s.base, LOAD.format("b"))[0] == 200
+        assert infer(s.base, "b") == 2.0
+        assert post(s.base, "/v2/repository/models/a/unload")[0] == 200
+        assert time.monotonic() - started < 20
+        assert stuck.is_alive() and ensemble.is_alive() and not answers
+        (repo / "gate").write_text("")
+        stuck.join(30)
+        ensemble.join(30)
+        assert answers == {"stuck": 200, "over_stuck": 200}
+        assert infer(s.base, "over_stuck") == 2.0
+    finally:
+        s.stop()

@@ -10,7 +10,9 @@ Modes (``--model-control-mode``):
 
 A (re)load is zero-downtime: the registry warms the new versions beside the old ones and
 switches when they are ready; a failed load keeps the old versions serving and the index
-says why. A load request's config (``protocol/load_request.py``) is merged over the model's
+says why. Loads and unloads of different models run side by side (one lock a model; a load
+holds its ensemble steps' locks too), so a model whose load hangs holds up only itself.
+A load request's config (``protocol/load_request.py``) is merged over the model's
 config.yaml; an error it causes is the request's (400, nothing changes). Loading an ensemble
 loads the models its steps call that are not loaded (as Triton does). With ``--workers N``
 the loads and unloads that succeeded are recorded in a shared journal that every worker
@@ -24,6 +26,7 @@ import contextlib
 import fcntl
 import logging
 import os
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +131,7 @@ class ModelControl:
         # Shared by the workers of one server (explicit mode).
         self.journal = Journal(journal) if journal is not None else None
         self._prints: dict[str, tuple[Any, ...]] = {}
-        self._lock = asyncio.Lock()
+        self._locks: dict[str, asyncio.Lock] = {}  # one a model name (of the repository)
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ start / stop
@@ -150,8 +153,8 @@ class ModelControl:
         if "*" in names:
             names = tuple(s.name for s in scan(self.root))
         sources = [self._source(n) for n in names]
-        async with self._lock:
-            for source in sorted(sources, key=_is_ensemble):  # step models first
+        for source in sorted(sources, key=_is_ensemble):  # step models first
+            async with self._holding(self._touched(source)):
                 if self._serving(source.name):
                     continue  # loaded already as the step of an ensemble
                 try:
@@ -174,14 +177,15 @@ class ModelControl:
         """Load (or reload) a model; ``config``: a checked load request config, merged over
         config.yaml. Raises ``LoadFailed`` (or ``InvalidInput``) naming the reason."""
         self._explicit_only("load")
-        async with self._lock:
-            await self._load_source(self._source(name, config))
+        source = self._source(name, config)
+        async with self._holding(self._touched(source)):
+            await self._load_source(source)
             if self.journal is not None:
                 self.journal.record("load", name, config)
 
     async def unload(self, name: str) -> None:
         self._explicit_only("unload")
-        async with self._lock:
+        async with self._holding([name]):
             if name not in self.registry.models:
                 raise ModelNotFound(f"unknown model '{shown(name)}' (not loaded)")
             await self._unload(name)
@@ -189,6 +193,29 @@ class ModelControl:
                 self.journal.record("unload", name)
 
     # ------------------------------------------------------------------ internals
+    @contextlib.asynccontextmanager
+    async def _holding(self, names: Iterable[str]) -> AsyncIterator[None]:
+        """Hold the locks of ``names``, taken in sorted order (no two loads deadlock)."""
+        async with contextlib.AsyncExitStack() as stack:
+            for name in sorted(set(names)):
+                await stack.enter_async_context(self._locks.setdefault(name, asyncio.Lock()))
+            yield
+
+    def _touched(self, source: ModelSource, chain: tuple[str, ...] = ()) -> set[str]:
+        """The models a load of ``source`` may (re)load: itself and, for an ensemble, the
+        step models in the repository, their own steps too."""
+        names = {source.name}
+        if source.config is None or source.config.backend != "ensemble":
+            return names
+        for step in step_models(source.config):
+            if step in names or step in chain or "/" in step or not (self.root / step).is_dir():
+                continue
+            try:
+                names |= self._touched(self._source(step), (*chain, source.name))
+            except RTServeError:
+                names.add(step)
+        return names
+
     def _explicit_only(self, what: str) -> None:
         if self.mode != "explicit":
             raise InvalidInput(
@@ -231,7 +258,7 @@ class ModelControl:
         return entry is not None and bool(entry.versions)
 
     async def _load_source(self, source: ModelSource) -> None:
-        """Load the models an ensemble's steps call, then the source (the lock is held)."""
+        """Load the models an ensemble's steps call, then the source (their locks are held)."""
         await self._load_steps(source, [source.name])
         entry = await self.registry.load(source)
         self._prints[source.name] = _fingerprint(source.path)
@@ -260,7 +287,7 @@ class ModelControl:
                 )
 
     async def _unload(self, name: str) -> None:
-        """Unload (the lock is held)."""
+        """Unload (its lock is held)."""
         if name in self.registry.models:
             await self.registry.unload(name)
         self._prints.pop(name, None)
@@ -283,12 +310,12 @@ class ModelControl:
             fp = _fingerprint(self.root / name)
             if self._prints.get(name) != fp:
                 log.info("model control: %s changed on disk; loading", name)
-                async with self._lock:
+                async with self._holding([name]):
                     await self.registry.load(read_model(self.root / name))
                     self._prints[name] = fp
         for name in [n for n in list(self.registry.models) if n not in names]:
             log.info("model control: %s removed from disk; unloading", name)
-            async with self._lock:
+            async with self._holding([name]):
                 await self._unload(name)
             self.registry.unloaded.discard(name)  # gone from the repository: not listed
 
@@ -297,10 +324,12 @@ class ModelControl:
         assert self.journal is not None
         for name, entry in self.journal.new_entries():
             try:
-                async with self._lock:
-                    if entry["op"] == "load":
-                        await self._load_source(self._source(name, entry.get("config")))
-                    else:
+                if entry["op"] == "load":
+                    source = self._source(name, entry.get("config"))
+                    async with self._holding(self._touched(source)):
+                        await self._load_source(source)
+                else:
+                    async with self._holding([name]):
                         await self._unload(name)
             except RTServeError as exc:
                 log.error("model control: %s of %s failed: %s", entry["op"], name, exc)
