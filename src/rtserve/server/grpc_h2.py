@@ -22,6 +22,7 @@ import logging
 import ssl
 import struct
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable
 from contextlib import aclosing
@@ -65,6 +66,9 @@ _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b
 _NOT_METADATA = frozenset(
     {b"te", b"content-type", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"}
 )
+# Request messages may be compressed (answers never are, as gRPC allows): zlib wbits.
+_ENCODINGS = {b"identity": 0, b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
+_ACCEPTED = b"identity,deflate,gzip"
 _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 
 
@@ -86,7 +90,7 @@ def header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
 
 _TABLE_SIZE_ZERO = b"\x20"  # dynamic table size update to 0: this encoder never indexes
 _RESPONSE_HEAD = b"\x88" + header_block(
-    [(b"content-type", b"application/grpc"), (b"grpc-accept-encoding", b"identity")]
+    [(b"content-type", b"application/grpc"), (b"grpc-accept-encoding", _ACCEPTED)]
 )
 _OK = _literal(b"grpc-status", b"0")
 
@@ -112,8 +116,28 @@ def _metadata_bytes(metadata: Any) -> list[tuple[bytes, bytes]]:
 
 
 class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str, metadata: Any) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, metadata: Any = None) -> None:
         self.code, self.details, self.metadata = code, details, metadata
+
+
+class _Compressed(bytes):
+    """A request message as it came, compressed with the call's grpc-encoding."""
+
+
+def _inflate(data: bytes, wbits: int, limit: int) -> bytes:
+    """``data`` decompressed, at most ``limit`` bytes; raises ``_Abort`` as grpcio fails
+    the call (RESOURCE_EXHAUSTED if larger, INTERNAL if not valid)."""
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(data, limit + 1)
+    except zlib.error:
+        raise _Abort(grpc.StatusCode.INTERNAL, "could not decompress the message") from None
+    if len(out) > limit:
+        details = f"Received message larger than max (over {limit} bytes decompressed)"
+        raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+    if not d.eof:
+        raise _Abort(grpc.StatusCode.INTERNAL, "could not decompress the message")
+    return out
 
 
 class Call:
@@ -154,7 +178,7 @@ class _Stream:
     __slots__ = (
         "id", "method", "call", "task", "buf", "message", "queue", "held", "waiter",
         "recv_window", "send_window", "remote_closed", "local_closed", "pending",
-        "pending_bytes", "drained", "timer",
+        "pending_bytes", "drained", "timer", "encoding",
     )  # fmt: skip
 
     def __init__(self, stream_id: int, send_window: int) -> None:
@@ -175,6 +199,7 @@ class _Stream:
         self.pending_bytes = 0
         self.drained: asyncio.Future[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.encoding = 0  # zlib wbits of the request's grpc-encoding (0: identity)
 
 
 class _Requests:
@@ -197,6 +222,9 @@ class _Requests:
         data = st.queue.popleft()
         st.held -= len(data) + 5
         self.conn.credit(st)
+        if isinstance(data, _Compressed):
+            limit = self.conn.server.max_message
+            data = await asyncio.to_thread(_inflate, data, st.encoding, limit)
         return self.parse(data)
 
 
@@ -520,10 +548,9 @@ class Connection(asyncio.Protocol):
         buf = st.buf
         while len(buf) >= 5:
             compressed, size = _GRPC_PREFIX.unpack_from(buf)
-            if compressed:
-                self._status(
-                    st, grpc.StatusCode.UNIMPLEMENTED, "compressed messages: not supported"
-                )
+            if compressed and not st.encoding:
+                details = "a compressed message without grpc-encoding"
+                self._status(st, grpc.StatusCode.INTERNAL, details)
                 return False
             if size > self.server.max_message:
                 limit = self.server.max_message
@@ -534,6 +561,8 @@ class Connection(asyncio.Protocol):
                 break
             data = bytes(buf[5 : size + 5])
             del buf[: size + 5]
+            if compressed:  # inflated by the handler's task, on a thread (a bomb takes time)
+                data = _Compressed(data)
             assert st.method is not None
             if st.method.streaming:
                 st.queue.append(data)
@@ -581,7 +610,7 @@ class Connection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ calls
     def _start(self, st: _Stream, headers: list[Any], ended: bool) -> None:
-        path = ctype = timeout = None
+        path = ctype = timeout = encoding = None
         method_ok = False
         metadata: list[tuple[str, str | bytes]] = []
         for name, value in headers:
@@ -594,6 +623,8 @@ class Connection(asyncio.Protocol):
                 ctype = value
             elif name == b"grpc-timeout":
                 timeout = value
+            elif name == b"grpc-encoding":
+                encoding = value
             elif name not in _NOT_METADATA:
                 if name.endswith(b"-bin"):
                     metadata.append((name.decode("latin-1"), _unbase64(value)))
@@ -611,6 +642,14 @@ class Connection(asyncio.Protocol):
         if self.server.calls >= self.server.max_calls:
             self._status(st, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many calls in progress")
             return
+        if encoding is not None:
+            wbits = _ENCODINGS.get(encoding.strip().lower())
+            if wbits is None:
+                name = encoding.decode("latin-1", "replace")[:40]
+                details = f"grpc-encoding {name!r}: not supported (identity, deflate, gzip)"
+                self._status(st, grpc.StatusCode.UNIMPLEMENTED, details)
+                return
+            st.encoding = wbits
         deadline = None
         if timeout is not None:
             seconds = _timeout(timeout)
@@ -632,6 +671,9 @@ class Connection(asyncio.Protocol):
         call = st.call
         assert call is not None
         try:
+            if isinstance(data, _Compressed):
+                limit = self.server.max_message
+                data = await asyncio.to_thread(_inflate, data, st.encoding, limit)
             reply = await method.fn(method.parse(data), call)
             body = method.serialize(reply)
         except _Abort as exc:
