@@ -139,6 +139,37 @@ def test_fp16_json_tensor_is_accepted(server: RunningServer) -> None:
     assert r.json()["outputs"][0]["data"] == [0.5, 1.5, 2.5]
 
 
+def test_bytes_that_are_not_utf8_into_an_onnx_string_input_are_a_400(
+    server: RunningServer,
+) -> None:
+    """ONNX Runtime's string tensors take text: raw bytes that are not UTF-8 are the
+    client's error (they were a 500 from inside the runtime), and the server keeps serving."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.http)
+    inputs = []
+    for t, arr in {
+        "FP32": np.ones((1, 3), np.float32), "FP16": np.ones((1, 3), np.float16),
+        "FP64": np.ones((1, 3)), "INT8": np.ones((1, 3), np.int8),
+        "INT16": np.ones((1, 3), np.int16), "INT32": np.ones((1, 3), np.int32),
+        "INT64": np.ones((1, 3), np.int64), "UINT8": np.ones((1, 3), np.uint8),
+        "BOOL": np.ones((1, 3), bool),
+        "BYTES": np.array([[b"ok", b"\xff\xfe\x00bin", b""]], dtype=object),
+    }.items():  # fmt: skip
+        inputs.append(httpclient.InferInput(f"in_{t}", list(arr.shape), t))
+        inputs[-1].set_data_from_numpy(arr, binary_data=True)
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("dtypes", inputs)
+    assert info.value.status() == "400"
+    assert "input 'in_BYTES': element 1 is not UTF-8 text" in info.value.message()
+    inputs[-1].set_data_from_numpy(np.array([[b"ok", "h\u00e9".encode(), b""]], dtype=object))
+    out = client.infer("dtypes", inputs).as_numpy("out_BYTES")
+    assert out.tolist() == [[b"ok", "h\u00e9".encode(), b""]]
+    assert_still_serving(server)
+
+
 def _grpc_infer(server: RunningServer, request: pb.ModelInferRequest) -> grpc.RpcError:
     with grpc.insecure_channel(server.grpc) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)

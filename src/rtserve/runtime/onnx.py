@@ -287,7 +287,7 @@ class OnnxRuntimeModel:
         if self._string_inputs:
             feeds = dict(feeds)
             for name in self._string_inputs:
-                feeds[name] = _to_str_array(feeds[name])
+                feeds[name] = _to_str_array(feeds[name], name)
         try:
             results = self._runs[instance](self._output_names, feeds)
         except InvalidArgument as exc:  # the data, not the model (shapes were checked)
@@ -302,15 +302,20 @@ class OnnxRuntimeModel:
         self._runs.clear()
 
 
-def _to_str_array(arr: np.ndarray) -> np.ndarray:
-    """BYTES tensors hold bytes; onnxruntime's string tensors want str."""
+def _to_str_array(arr: np.ndarray, name: str) -> np.ndarray:
+    """BYTES tensors hold bytes; onnxruntime's string tensors take UTF-8 text (its Python
+    API has no way to pass other bytes), so anything else is the client's error."""
     out = np.empty(arr.shape, dtype=object)
     flat_in = arr.reshape(-1)
     flat_out = out.reshape(-1)
     for i, item in enumerate(flat_in):
-        flat_out[i] = (
-            item.decode("utf-8", "surrogateescape") if isinstance(item, bytes) else str(item)
-        )
+        try:
+            flat_out[i] = item.decode() if isinstance(item, bytes) else str(item)
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(
+                f"input '{name}': element {i} is not UTF-8 text ({exc.reason} at byte "
+                f"{exc.start}); this model's string tensors take UTF-8"
+            ) from None
     return out
 
 
