@@ -232,5 +232,10 @@ def test_grpc_stream_infer(server: RunningServer) -> None:
         client.stop_stream()
     answers = {r.get_response().id: r.as_numpy("y").tolist() for r, e in got if e is None}
     assert answers == {str(i): [[float(i)] * 4] for i in range(5)}
+    # one answer a request, flagged final as Triton flags it (clients read until the flag)
+    flags = [
+        r.get_response().parameters["triton_final_response"].bool_param for r, e in got if e is None
+    ]
+    assert flags == [True] * 5
     errors = [e for _, e in got if e is not None]
     assert len(errors) == 1 and "shape [1, 3]" in str(errors[0])

@@ -354,6 +354,7 @@ class GrpcFrontend:
             if self.guard is not None:
                 self.guard.grpc("ModelStreamInfer", _check(request), context)
             message, _ = await self._infer(request, None)
+            message.parameters["triton_final_response"].bool_param = True  # (as Triton)
             reply = pb.ModelStreamInferResponse(infer_response=message)
         except asyncio.CancelledError:
             raise
