@@ -239,7 +239,7 @@ def test_graphs_that_cannot_be_served_as_they_are_are_refused_by_name(tmp_path: 
             result = client.infer("any-rank-declared", [inp])
             np.testing.assert_array_equal(result.as_numpy("y"), np.maximum(x, 0))
         log = s.log()
-        assert "'S' has unsupported type seq(tensor(float))" in log
+        assert "'S' has type seq(tensor(float)), which the V2 protocol cannot carry" in log
         assert "input 'x' has no shape (any rank)" in log
         assert "labels.y: cannot read missing.txt" in log
         assert "labels.z: the model has no output 'z'" in log
@@ -313,3 +313,78 @@ def test_labels_from_a_config_file_name_the_top_classes(
     got = [v.decode().split(":")[2] for v in result.as_numpy("probabilities").reshape(-1)]
     best = np.argmax(model.predict_proba(rows), axis=1)
     assert got == [IRIS_NAMES[i] for i in best]
+
+
+def test_batching_is_chosen_only_along_a_real_batch_axis(tmp_path: Path) -> None:
+    """Without max_batch_size in the config the server batches only where the first
+    dimension is one batch axis: a time-major export ([seq, batch, ...]) and first
+    dimensions named apart are served one request at a time, and each concurrent caller
+    gets what ONNX Runtime gives for its request alone. A rank-0 tensor with batching
+    configured is refused at load, naming it."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    repo = tmp_path / "repo"
+    w = helper.make_tensor("w", TensorProto.FLOAT, [3, 3], np.eye(3, dtype=np.float32).ravel() * 2)
+    time_major = helper.make_graph(  # y[t] = y[t-1] + 2 x[t]: rows of dim 0 depend on each other
+        [helper.make_node("MatMul", ["x", "w"], ["h"]),
+         helper.make_node("CumSum", ["h", "axis"], ["y"])],
+        "time-major",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["seq", "batch", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["seq", "batch", 3])],
+        [w, helper.make_tensor("axis", TensorProto.INT64, [], [0])],
+    )  # fmt: skip
+    _save(repo / "time-major" / "1", time_major)
+    column_sums = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x", "axes"], ["m"], keepdims=0)],
+        "column-sums",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])],
+        [helper.make_tensor_value_info("m", TensorProto.FLOAT, ["K"])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [0])],
+    )
+    _save(repo / "column-sums" / "1", column_sums)
+    x_rows = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2])
+    scalar_in = helper.make_graph(
+        [helper.make_node("Div", ["x", "t"], ["y"])], "scalar-in",
+        [x_rows, helper.make_tensor_value_info("t", TensorProto.FLOAT, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+    )  # fmt: skip
+    scalar_out = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0)], "scalar-out",
+        [x_rows], [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])],
+    )  # fmt: skip
+    for name, graph in (("scalar-in", scalar_in), ("scalar-out", scalar_out)):
+        _save(repo / name / "1", graph)
+        (repo / name / "config.yaml").write_text("max_batch_size: 8\n")
+    s = start_server(repo, tmp_path / "work", *RELAXED)
+    try:
+        with thttp.InferenceServerClient(s.http) as client:
+            assert not client.is_model_ready("scalar-in")
+            assert not client.is_model_ready("scalar-out")
+            assert client.get_model_config("time-major")["max_batch_size"] == 0
+            assert client.get_model_config("column-sums")["max_batch_size"] == 0
+        log = s.log()
+        assert "max_batch_size: 't' is a scalar (rank 0) in the model" in log
+        assert "max_batch_size: 'total' is a scalar (rank 0) in the model" in log
+        assert "'y' names its dimension 1 'batch'" in log or "'x' names its dimension 1" in log
+        sessions = {
+            n: ort.InferenceSession(str(repo / n / "1" / "model.onnx"))
+            for n in ("time-major", "column-sums")
+        }
+        rng = np.random.default_rng(0)
+        cases = [("time-major", rng.random((4, 1, 3), np.float32)) for _ in range(8)]
+        cases += [("column-sums", rng.random((1, 2), np.float32)) for _ in range(8)]
+
+        def call(case: tuple[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+            name, x = case
+            with thttp.InferenceServerClient(s.http) as c:
+                inp = thttp.InferInput("x", list(x.shape), "FP32")
+                inp.set_data_from_numpy(x)
+                got = c.infer(name, [inp]).as_numpy("y" if name == "time-major" else "m")
+            return got, sessions[name].run(None, {"x": x})[0]
+
+        with ThreadPoolExecutor(8) as pool:
+            for got, want in pool.map(call, cases * 2):
+                np.testing.assert_allclose(got, want, rtol=1e-6)
+    finally:
+        s.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ def available_providers(wanted: tuple[str, ...]) -> list[str]:
     return [*chosen, "CPUExecutionProvider"]
 
 
-def _graph_specs(args: list[Any], batched: bool) -> list[TensorSpec]:
+def _graph_specs(args: list[Any], batched: bool, where: str) -> list[TensorSpec]:
     specs = []
     for arg in args:
         dims = [d if isinstance(d, int) and d >= 0 else -1 for d in (arg.shape or [])]
@@ -70,7 +71,10 @@ def _graph_specs(args: list[Any], batched: bool) -> list[TensorSpec]:
             dims = dims[1:]
         datatype = _ORT_TYPES.get(arg.type)
         if datatype is None:
-            raise ConfigError(f"tensor {arg.name!r} has unsupported type {arg.type}")
+            raise ConfigError(
+                f"{where}: tensor {arg.name!r} has type {arg.type}, which the V2 protocol "
+                "cannot carry (tensors of numbers, bools or strings only)"
+            )
         specs.append(TensorSpec(arg.name, datatype, tuple(dims)))
     return specs
 
@@ -121,10 +125,49 @@ def _refuse_unknown_rank(path: Path, config: ModelConfig) -> None:
             )
 
 
-def _batchable(session: ort.InferenceSession) -> bool:
-    """Every input and output has a dynamic first dimension: requests can be stacked."""
+# Dimension names that exporters make up (ORT's shape inference, torch's unnamed axes):
+# they say nothing about which axis is the batch.
+_MADE_UP_DIM = re.compile(r"unk__\d+|.+_dynamic_axes_\d+")
+
+
+def _batchable(session: ort.InferenceSession) -> str:
+    """Why requests cannot be stacked along the first dimension of every input and output
+    ("" if they can): a fixed or missing first dimension, first dimensions named apart
+    (``seq`` and ``batch``: not one axis), or a later dimension named as the batch (a
+    time-major ``[seq, batch, ...]`` export)."""
     args = [*session.get_inputs(), *session.get_outputs()]
-    return all(a.shape and not (isinstance(a.shape[0], int) and a.shape[0] > 0) for a in args)
+    for a in args:
+        if not a.shape:
+            return f"{a.name!r} has no first dimension"
+        if isinstance(a.shape[0], int) and a.shape[0] > 0:
+            return f"{a.name!r} has a fixed first dimension {a.shape[0]}"
+    named = {
+        a.name: a.shape[0]
+        for a in args
+        if isinstance(a.shape[0], str) and not _MADE_UP_DIM.fullmatch(a.shape[0])
+    }
+    if len(set(named.values())) > 1:
+        shown = ", ".join(f"{n!r}: {d!r}" for n, d in list(named.items())[:4])
+        return f"the first dimensions have different names ({shown})"
+    for a in args:
+        for i, d in enumerate(a.shape[1:], 1):
+            if isinstance(d, str) and "batch" in d.lower():
+                return f"{a.name!r} names its dimension {i} {d!r}"
+    return ""
+
+
+def _scalars(path: Path) -> list[str]:
+    """Inputs and outputs the graph declares rank 0 (ORT shows unknown rank the same)."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    initializers = {t.name for t in graph.initializer}
+    return [
+        arg.name
+        for arg in [*graph.input, *graph.output]
+        if arg.name not in initializers
+        and arg.type.HasField("tensor_type")
+        and arg.type.tensor_type.HasField("shape")
+        and not arg.type.tensor_type.shape.dim
+    ]
 
 
 def _reconcile(
@@ -236,10 +279,25 @@ class OnnxRuntimeModel:
         s0 = sessions[0]
         max_batch = config.max_batch_size
         if max_batch == AUTO_BATCH:
-            max_batch = DEFAULT_MAX_BATCH if _batchable(s0) else 0
+            why_not = _batchable(s0)
+            max_batch = 0 if why_not else DEFAULT_MAX_BATCH
+            if why_not:
+                log.info(
+                    "%s: served without batching (max_batch_size 0): %s; set max_batch_size "
+                    "in config.yaml if requests stack along the first dimension", path, why_not,
+                )  # fmt: skip
         batched = max_batch > 0
-        graph_inputs = _graph_specs(s0.get_inputs(), batched)
-        graph_outputs = _graph_specs(s0.get_outputs(), batched)
+        graph_inputs = _graph_specs(s0.get_inputs(), batched, str(path))
+        graph_outputs = _graph_specs(s0.get_outputs(), batched, str(path))
+        if batched and path.suffix == ".onnx":
+            scalars = [a.name for a in [*s0.get_inputs(), *s0.get_outputs()] if not a.shape]
+            scalars = [n for n in _scalars(path) if n in scalars] if scalars else []
+            if scalars:
+                raise ConfigError(
+                    f"{config.source}: max_batch_size: {scalars[0]!r} is a scalar (rank 0) "
+                    "in the model; batching stacks requests along a first dimension it "
+                    "does not have (set max_batch_size: 0)"
+                )
         if batched:
             for arg in [*s0.get_inputs(), *s0.get_outputs()]:
                 first = arg.shape[0] if arg.shape else None
