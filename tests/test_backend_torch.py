@@ -297,6 +297,17 @@ def test_served_wrong_input_is_a_4xx_and_the_server_keeps_serving(
     good = thttp.InferInput("x", [2, 8], "FP32")
     good.set_data_from_numpy(np.zeros((2, 8), np.float32))
     assert client.infer("net", [good, ids]).as_numpy("scores").shape == (2, 3)
+    # a token id past the embedding table: the client's 400, no TorchScript traceback
+    big = thttp.InferInput("ids", [2, 5], "INT64")
+    big.set_data_from_numpy(np.full((2, 5), 99, np.int64))
+    for model in ("net", "net_script"):
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(model, [good, big])
+        message = info.value.message()
+        assert info.value.status() == "400", message
+        assert "refused the input" in message and "index out of range" in message
+        assert "Traceback" not in message and ".py" not in message, message
+        assert client.infer(model, [good, ids]).as_numpy("scores").shape == (2, 3)
 
 
 def test_instances_share_weights_and_answer_alike(tmp_path: Path) -> None:

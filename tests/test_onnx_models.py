@@ -388,3 +388,73 @@ def test_batching_is_chosen_only_along_a_real_batch_axis(tmp_path: Path) -> None
                 np.testing.assert_allclose(got, want, rtol=1e-6)
     finally:
         s.stop()
+
+
+def test_open_dimensions_that_refuse_ones_still_load_and_serve(tmp_path: Path) -> None:
+    """Warmup fills open dimensions with 1, then 32: a CNN with open height and width
+    refuses a 1x1 image and loads with 32x32; a model that refuses both loads untimed with
+    a warning naming the way out; `warmup: {iterations: 0}` skips warmup. Each serves
+    requests of its real sizes as ONNX Runtime answers them."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    repo = tmp_path / "repo"
+    k = helper.make_tensor("k", TensorProto.FLOAT, [1, 1, 3, 3], np.full(9, 0.1, np.float32))
+    cnn = helper.make_graph(
+        [helper.make_node("Conv", ["x", "k"], ["c1"]),
+         helper.make_node("MaxPool", ["c1"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+         helper.make_node("Conv", ["p", "k"], ["y"])],
+        "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1, "oh", "ow"])],
+        [k],
+    )  # fmt: skip
+    _save(repo / "cnn" / "1", cnn)
+    sevens = helper.make_graph(  # rows of 49 values only: neither 1 nor 32 fits
+        [helper.make_node("Reshape", ["x", "s"], ["y"])],
+        "sevens",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 7, 7])],
+        [helper.make_tensor("s", TensorProto.INT64, [3], [-1, 7, 7])],
+    )
+    _save(repo / "sevens" / "1", sevens)
+    _save(repo / "sevens-off" / "1", sevens)
+    (repo / "sevens-off" / "config.yaml").write_text("warmup: {iterations: 0}\n")
+    from tests.models import build_scale
+
+    build_scale(repo / "loose" / "1" / "model.onnx", 2.0)  # x [batch, 4], declared [-1]
+    (repo / "loose" / "config.yaml").write_text(
+        "max_batch_size: 4\ninputs: [{name: x, datatype: FP32, shape: [-1]}]\n"
+    )
+    s = start_server(repo, tmp_path / "work", *RELAXED)
+    try:
+        from tritonclient.utils import InferenceServerException
+
+        with thttp.InferenceServerClient(s.http) as client:  # ORT's reason, indices and all
+            inp = thttp.InferInput("x", [1, 5], "FP32")
+            inp.set_data_from_numpy(np.ones((1, 5), np.float32))
+            with pytest.raises(InferenceServerException) as info:
+                client.infer("loose", [inp])
+            assert info.value.status() == "400"
+            assert "for the following indices; index: 1 Got: 5 Expected: 4" in str(info.value)
+        rng = np.random.default_rng(1)
+        cases = {
+            "cnn": rng.random((2, 1, 20, 24), np.float32),
+            "sevens": rng.random((3, 49), np.float32),
+            "sevens-off": rng.random((1, 49), np.float32),
+        }
+        with thttp.InferenceServerClient(s.http) as client:
+            for name, x in cases.items():
+                assert client.is_model_ready(name), name
+                inp = thttp.InferInput("x", list(x.shape), "FP32")
+                inp.set_data_from_numpy(x)
+                got = client.infer(name, [inp]).as_numpy("y")
+                session = ort.InferenceSession(str(repo / name / "1" / "model.onnx"))
+                np.testing.assert_allclose(got, session.run(None, {"x": x})[0], rtol=1e-6)
+        log = s.log()
+        assert "model sevens: warmup skipped: the model refused zeros" in log
+        assert "Set warmup: {iterations: 0}" in log
+        assert "model cnn: warmup skipped" not in log
+        assert "model sevens-off: warmup skipped" not in log
+    finally:
+        s.stop()

@@ -59,7 +59,7 @@ def _child(repository: str, model: str | None, spawned: float) -> dict[str, Any]
     t2 = time.perf_counter()
     warmed: list[float] = []
 
-    def timed_warmup(*args: Any) -> int:
+    def timed_warmup(*args: Any) -> Any:
         start = time.perf_counter()
         try:
             return warmup(*args)

@@ -154,5 +154,12 @@ def runtime_message(exc: BaseException, limit: int = 400) -> str:
     text = str(exc).strip()
     if "Status Message:" in text:  # ONNX Runtime: what is wrong comes after the node name
         text = text.split("Status Message:", 1)[1].strip()
-    line = text.splitlines()[0] if text else type(exc).__name__
+    lines = [t.strip() for t in text.splitlines() if t.strip()] or [type(exc).__name__]
+    if "Traceback of TorchScript" in text:  # TorchScript: the error is the last line
+        lines = lines[-1:]
+    line = lines[0]
+    for more in lines[1:4]:  # ONNX Runtime's "... for the following indices" lists them next
+        if not more.startswith("index:"):
+            break
+        line += "; " + more
     return line if len(line) <= limit else line[:limit] + "..."

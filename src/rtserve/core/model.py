@@ -196,20 +196,27 @@ async def build_runtime_version(
         runtime.close()
         raise
     try:
-        batch_ns = await loop.run_in_executor(None, warmup, runtime, config)
+        warmed = await loop.run_in_executor(None, warmup, runtime, config)
     except Exception as exc:
         runtime.close()
         raise ConfigError(f"{version_dir}: warmup failed: {type(exc).__name__}: {exc}") from exc
     mode = config.onnxruntime.execution
     inline = may_inline and (
         mode == "inline"
-        or (mode == "auto" and runtime.instance_count == 1 and batch_ns < INLINE_MAX_BATCH_NS)
+        or (
+            mode == "auto"
+            and runtime.instance_count == 1
+            and warmed.batch_ns is not None
+            and warmed.batch_ns < INLINE_MAX_BATCH_NS
+        )
     )
     metrics = ctx.metrics.model(config.name, version)
     controller = None
     if config.slo is not None:
         try:  # timed batches up to max_batch_size: a model may fail where warmup did not
-            controller = await loop.run_in_executor(None, slo_controller, runtime, config)
+            controller = await loop.run_in_executor(
+                None, slo_controller, runtime, config, warmed.fill
+            )
         except Exception as exc:
             runtime.close()
             raise ConfigError(
@@ -265,8 +272,9 @@ async def build_runtime_version(
         labels=labels,
         row_parameters=tuple(getattr(runtime, "row_parameters", ())),
     )
+    timed = "not timed" if warmed.batch_ns is None else f"{warmed.batch_ns / 1e6:.3f} ms"
     log.info(
-        "loaded %s version %s (%s, %s, largest warmup batch %.3f ms)",
-        config.name, version, config.backend, "inline" if inline else "threaded", batch_ns / 1e6,
+        "loaded %s version %s (%s, %s, largest warmup batch %s)",
+        config.name, version, config.backend, "inline" if inline else "threaded", timed,
     )  # fmt: skip
     return mv

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from rtserve.config import AUTO_BATCH, DEFAULT_MAX_BATCH, ModelConfig, TensorSpec, _Fields
-from rtserve.errors import ConfigError, InferenceFailed
+from rtserve.errors import ConfigError, InferenceFailed, InvalidInput, runtime_message
 from rtserve.protocol.types import DATATYPE_TO_NUMPY
 from rtserve.runtime.early_exit import MODES, THRESHOLD, ExitRunner, threshold_parameter
 from rtserve.runtime.parameters import RowParameter
@@ -447,9 +447,15 @@ class TorchModel:
             raise
         except Exception as exc:
             log.exception("torch model %s: forward failed", self.name)
-            raise InferenceFailed(
-                f"torch model '{self.name}': {type(exc).__name__}: {exc}"
-            ) from None
+            message = runtime_message(exc)  # (a TorchScript traceback stays in the log)
+            if isinstance(exc, IndexError) or "index out of range" in message:
+                # an embedding index the table lacks: the request's ids (run alone, if batched)
+                raise InvalidInput(
+                    f"torch model '{self.name}' refused the input: {message}"
+                ) from None
+            if not message.partition(":")[0].endswith(("Error", "Exception")):
+                message = f"{type(exc).__name__}: {message}"
+            raise InferenceFailed(f"torch model '{self.name}': {message}") from None
         return check_outputs(host_outs, self.outputs, rows if batched else None, self.name)
 
     def _collect(self, result: Any) -> dict[str, torch.Tensor]:
