@@ -56,6 +56,12 @@ RPCS = {
     "RepositoryIndex": (False, False),
     "RepositoryModelLoad": (False, False),
     "RepositoryModelUnload": (False, False),
+    "SystemSharedMemoryStatus": (False, False),
+    "SystemSharedMemoryRegister": (False, False),
+    "SystemSharedMemoryUnregister": (False, False),
+    "CudaSharedMemoryStatus": (False, False),
+    "CudaSharedMemoryRegister": (False, False),
+    "CudaSharedMemoryUnregister": (False, False),
 }
 
 _TRITON_SIDE = r"""
@@ -418,6 +424,30 @@ def _cases() -> dict[str, Message]:
                 ),
             ]
         ),
+        "SystemSharedMemoryStatusRequest": pb.SystemSharedMemoryStatusRequest(name="in0"),
+        "SystemSharedMemoryStatusResponse": pb.SystemSharedMemoryStatusResponse(
+            regions={
+                "in0": pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                    name="in0", key="/input0", offset=16, byte_size=1024
+                )
+            }
+        ),
+        "SystemSharedMemoryRegisterRequest": pb.SystemSharedMemoryRegisterRequest(
+            name="in0", key="/input0", offset=16, byte_size=1024
+        ),
+        "SystemSharedMemoryUnregisterRequest": pb.SystemSharedMemoryUnregisterRequest(name="in0"),
+        "CudaSharedMemoryStatusRequest": pb.CudaSharedMemoryStatusRequest(name="c0"),
+        "CudaSharedMemoryStatusResponse": pb.CudaSharedMemoryStatusResponse(
+            regions={
+                "c0": pb.CudaSharedMemoryStatusResponse.RegionStatus(
+                    name="c0", device_id=1, byte_size=64
+                )
+            }
+        ),
+        "CudaSharedMemoryRegisterRequest": pb.CudaSharedMemoryRegisterRequest(
+            name="c0", raw_handle=b"\x01" * 64, device_id=1, byte_size=64
+        ),
+        "CudaSharedMemoryUnregisterRequest": pb.CudaSharedMemoryUnregisterRequest(name="c0"),
     }
 
 

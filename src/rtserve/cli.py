@@ -78,6 +78,8 @@ def _serve(args: argparse.Namespace) -> int:
             load_models=tuple(args.load_model) if args.load_model else None,
             strict_readiness=args.strict_readiness,
             exit_on_error=args.exit_on_error,
+            shared_memory=args.shared_memory,
+            shared_memory_max_regions=args.shared_memory_max_regions,
             **{f"http_{name}": getattr(args, f"http_{name}") for name in _HTTP_LIMITS},
             **{name: getattr(args, name) for name in _DECODE_LIMITS},
         )
@@ -176,6 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="true|false",
         help="stop at start, exit status 1, naming the model, when a model fails to load "
         "(default false)",
+    )
+    s.add_argument(
+        "--shared-memory",
+        choices=["none", "system"],
+        help="system: let clients pass tensors through files in /dev/shm (Triton's system "
+        "shared memory extension; needs --workers 1); none: off (default)",
+    )
+    s.add_argument(
+        "--shared-memory-max-regions",
+        type=int,
+        help="most shared memory regions registered at once (default 64)",
     )
     s.add_argument(
         "--workers", type=int, default=1, help="server processes sharing the ports (default 1)"

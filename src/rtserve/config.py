@@ -484,6 +484,10 @@ class ServerConfig:
     # with a non-zero exit when one fails to load (exit_on_error).
     strict_readiness: bool = True
     exit_on_error: bool = False
+    # Triton's system shared memory extension (rtserve.protocol.shared_memory): "none" (off)
+    # or "system" (clients may register files in /dev/shm); at most this many regions.
+    shared_memory: str = "none"
+    shared_memory_max_regions: int = 64
     # Set by ``--workers N`` for its workers: a directory they share (model control journal,
     # metrics snapshots) and each worker's index. Not a user setting.
     shared_dir: str = ""
@@ -552,6 +556,8 @@ def load_server_config(path: Path | None, **overrides: Any) -> ServerConfig:
         "tls_client_ca": f.string("tls_client_ca", ""),
         "strict_readiness": f.boolean("strict_readiness", True),
         "exit_on_error": f.boolean("exit_on_error", False),
+        "shared_memory": f.string("shared_memory", "none", ("none", "system")),
+        "shared_memory_max_regions": f.integer("shared_memory_max_regions", 64, minimum=1),
     }
     f.check_unknown()
     if not data.get("model_repository"):

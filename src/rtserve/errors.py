@@ -135,6 +135,28 @@ class NotSupported(RTServeError):
     grpc_code = grpc.StatusCode.UNIMPLEMENTED
 
 
+class SharedMemoryDisabled(RTServeError):
+    """A shared memory route or tensor parameter on a server started without
+    ``--shared-memory system``; names how to enable it."""
+
+    http_status = 400
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class AlreadyExists(RTServeError):
+    """A name that is already registered (a shared memory region), as Triton's ALREADY_EXISTS."""
+
+    http_status = 400
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class RegionNotFound(RTServeError):
+    """No shared memory region of that name is registered (its status was asked)."""
+
+    http_status = 404
+    grpc_code = grpc.StatusCode.NOT_FOUND
+
+
 class ConfigError(Exception):
     """A model or server config is invalid; the message names the file and the field."""
 

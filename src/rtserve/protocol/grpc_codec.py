@@ -27,6 +27,7 @@ from rtserve.protocol.limits import (
     shown,
     shown_name,
 )
+from rtserve.protocol.shared_memory import BYTE_SIZE, OFFSET, REGION, SharedMemoryRegions, disabled
 from rtserve.protocol.types import (
     DATATYPE_TO_NUMPY,
     InferRequest,
@@ -89,30 +90,41 @@ def parse_model_infer(data: bytes) -> pb.ModelInferRequest:
 
 
 def decode_model_infer(
-    request: pb.ModelInferRequest | bytes, limits: DecodeLimits = DEFAULT_LIMITS
+    request: pb.ModelInferRequest | bytes,
+    limits: DecodeLimits = DEFAULT_LIMITS,
+    shm: SharedMemoryRegions | None = None,
 ) -> InferRequest:
-    """Decode a ModelInferRequest (or its serialized bytes); raises 4xx RTServeErrors."""
+    """Decode a ModelInferRequest (or its serialized bytes); raises 4xx RTServeErrors.
+
+    ``shm``: the registered system shared memory regions (None: the extension is off, and
+    a tensor that names a region is refused)."""
     try:
         if isinstance(request, bytes | bytearray | memoryview):
             request = parse_model_infer(bytes(request))
-        return _decode(request, limits)
+        return _decode(request, limits, shm)
     except RTServeError as exc:
         # Drop the decoder's frames (and the arrays they hold) from the error.
         raise exc.with_traceback(None) from None
 
 
-def _decode(request: pb.ModelInferRequest, limits: DecodeLimits) -> InferRequest:
+def _decode(
+    request: pb.ModelInferRequest, limits: DecodeLimits, shm: SharedMemoryRegions | None
+) -> InferRequest:
     check_name(request.model_name, "model_name")
     check_name(request.model_version, "model_version")
     check_name(request.id, "id", MAX_ID_CHARS)
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
-        raise InvalidInput(
-            f"raw_input_contents: {len(raw)} entries for {len(request.inputs)} inputs "
-            "(expected one per input)"
-        )
+        # Inputs in shared memory have no raw contents (as in Triton).
+        in_shm = sum(1 for inp in request.inputs if REGION in inp.parameters)
+        if len(raw) != len(request.inputs) - in_shm:
+            raise InvalidInput(
+                f"raw_input_contents: {len(raw)} entries for {len(request.inputs) - in_shm} "
+                "inputs (expected one per input not in shared memory)"
+            )
     budget = ElementBudget(limits)
     inputs: list[Tensor] = []
+    next_raw = 0
     for i, inp in enumerate(request.inputs):
         name = inp.name
         if not name:
@@ -133,12 +145,28 @@ def _decode(request: pb.ModelInferRequest, limits: DecodeLimits) -> InferRequest
             raise InvalidInput(f"{where}.shape: dimensions must be >= 0, got {list(shape)}")
         count = math.prod(shape)
         budget.charge(where, shape, count, datatype == "BYTES")
-        if raw:
+        if inp.parameters and REGION in inp.parameters:
+            if inp.HasField("contents") and inp.contents.ListFields():
+                raise InvalidInput(
+                    f"{where}: both contents and parameters.{REGION} given (send one)"
+                )
+            if shm is None:
+                raise disabled(where)
+            arr = shm.read_input(
+                parameters_to_dict(inp.parameters),
+                datatype,
+                shape,
+                count,
+                where,
+                limits.max_bytes_elements,
+            )
+        elif raw:
             if inp.HasField("contents") and inp.contents.ListFields():
                 raise InvalidInput(
                     f"{where}: both contents and raw_input_contents given (send one or the other)"
                 )
-            buf = raw[i]
+            buf = raw[next_raw]
+            next_raw += 1
             if datatype == "BYTES":
                 arr = decode_bytes_elements(
                     memoryview(buf), count, f"{where}.raw_input_contents", count
@@ -156,15 +184,31 @@ def _decode(request: pb.ModelInferRequest, limits: DecodeLimits) -> InferRequest
         else:
             arr = _from_contents(inp, datatype, count, where)
         inputs.append(Tensor(name, datatype, shape, arr.reshape(shape)))
+    if next_raw != len(raw) and raw:
+        raise InvalidInput(
+            f"raw_input_contents: {len(raw)} entries for {next_raw} inputs not in shared "
+            f"memory (an input in a {REGION} has no raw contents)"
+        )
     outputs = None
     if request.outputs:
         outputs = []
         for i, o in enumerate(request.outputs):
             top = 0
+            region = None
             if "classification" in o.parameters:
                 value = parameters_to_dict(o.parameters).get("classification")
                 top = classification_count(value, f"outputs[{i}].parameters.classification")
-            outputs.append(RequestedOutput(check_name(o.name, f"outputs[{i}].name"), None, top))
+            if REGION in o.parameters:
+                where = f"output {shown_name(o.name)}"
+                if shm is None:
+                    raise disabled(where)
+                if top:
+                    raise InvalidInput(
+                        f"{where}: has parameters.{REGION} and classification (send one)"
+                    )
+                region = shm.output_region(parameters_to_dict(o.parameters), where)
+            name = check_name(o.name, f"outputs[{i}].name")
+            outputs.append(RequestedOutput(name, None, top, region))
     return InferRequest(
         model_name=request.model_name,
         model_version=request.model_version,
@@ -201,14 +245,26 @@ def _from_contents(inp: Any, datatype: str, count: int, where: str) -> np.ndarra
     return wide.astype(DATATYPE_TO_NUMPY[datatype], copy=False)
 
 
-def encode_model_infer(response: InferResponse) -> pb.ModelInferResponse:
+def encode_model_infer(
+    response: InferResponse, in_shared_memory: dict[str, dict[str, Any]] | None = None
+) -> pb.ModelInferResponse:
+    """The response message. ``in_shared_memory``: the outputs already written into shared
+    memory regions, by name: each carries these parameters and empty raw contents (one
+    entry per output, as Triton sends)."""
     msg = pb.ModelInferResponse(
         model_name=response.model_name, model_version=response.model_version, id=response.id
     )
     for t in response.outputs:
         arr = t.data
-        msg.outputs.add(name=t.name, datatype=t.datatype, shape=arr.shape)
-        if t.datatype == "BYTES":
+        out = msg.outputs.add(name=t.name, datatype=t.datatype, shape=arr.shape)
+        if in_shared_memory is not None and t.name in in_shared_memory:
+            shm_params = in_shared_memory[t.name]
+            out.parameters[REGION].string_param = shm_params[REGION]
+            out.parameters[BYTE_SIZE].int64_param = shm_params[BYTE_SIZE]
+            if OFFSET in shm_params:
+                out.parameters[OFFSET].int64_param = shm_params[OFFSET]
+            msg.raw_output_contents.append(b"")
+        elif t.datatype == "BYTES":
             msg.raw_output_contents.append(encode_bytes_elements(arr))
         else:
             msg.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())

@@ -41,6 +41,11 @@ from rtserve.protocol.limits import (
     shown,
     shown_name,
 )
+from rtserve.protocol.shared_memory import (
+    REGION,
+    SharedMemoryRegions,
+    disabled,
+)
 from rtserve.protocol.types import (
     DATATYPE_TO_NUMPY,
     InferRequest,
@@ -386,8 +391,12 @@ def decode_infer_request(
     model_name: str,
     model_version: str,
     limits: DecodeLimits = DEFAULT_LIMITS,
+    shm: SharedMemoryRegions | None = None,
 ) -> InferRequest:
-    """Decode a V2 inference request body; raises InvalidInput / PayloadTooLarge (4xx)."""
+    """Decode a V2 inference request body; raises InvalidInput / PayloadTooLarge (4xx).
+
+    ``shm``: the registered system shared memory regions (None: the extension is off, and
+    a tensor that names a region is refused)."""
     if header_length is None:
         header_length = len(body)
     elif header_length < 0 or header_length > len(body):
@@ -445,6 +454,21 @@ def decode_infer_request(
         if params is not None:
             params = _check_parameters(params, f"{where}.parameters", limits)
             size = params.get("binary_data_size")
+            if REGION in params:
+                if "data" in item or size is not None:
+                    raise _fail(
+                        where,
+                        f"has parameters.{REGION} and also "
+                        f"{'data' if 'data' in item else 'parameters.binary_data_size'} "
+                        "(send one)",
+                    )
+                if shm is None:
+                    raise disabled(where)
+                arr = shm.read_input(
+                    params, datatype, shape, count, where, limits.max_bytes_elements
+                )
+                inputs.append(Tensor(name, datatype, shape, arr))
+                continue
         if size is not None:
             if "data" in item:
                 raise _fail(where, "has both 'data' and parameters.binary_data_size (send one)")
@@ -500,13 +524,24 @@ def decode_infer_request(
             op = out.get("parameters")
             flag = None
             top = 0
+            region = None
             if op is not None:
                 op = _check_parameters(op, f"outputs[{i}].parameters", limits)
                 flag = op.get("binary_data")
                 if "classification" in op:
                     where = f"outputs[{i}].parameters.classification"
                     top = classification_count(op["classification"], where)
-            outputs.append(RequestedOutput(out["name"], flag if type(flag) is bool else None, top))
+                if REGION in op:
+                    where = f"output {shown_name(out['name'])}"
+                    if shm is None:
+                        raise disabled(where)
+                    if flag is True or top:
+                        other = "binary_data: true" if flag is True else "classification"
+                        raise _fail(where, f"has parameters.{REGION} and {other} (send one)")
+                    region = shm.output_region(op, where)
+            outputs.append(
+                RequestedOutput(out["name"], flag if type(flag) is bool else None, top, region)
+            )
     req_id = doc.get("id", "")
     return InferRequest(
         model_name=model_name,
@@ -529,9 +564,15 @@ def _non_finite_as_strings(arr: np.ndarray[Any, Any]) -> list[Any]:
 
 
 def encode_infer_response(
-    response: InferResponse, request: InferRequest
+    response: InferResponse,
+    request: InferRequest,
+    in_shared_memory: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[bytes, int | None]:
-    """The response body and, when it carries binary tensors, the JSON header's length."""
+    """The response body and, when it carries binary tensors, the JSON header's length.
+
+    ``in_shared_memory``: the outputs already written into shared memory regions, by name:
+    each is answered with its name, datatype and shape only, as Triton does (Triton's C++
+    client reads any output ``parameters`` as binary data's)."""
     binary_default = request.parameters.get("binary_data_output") is True
     flags: dict[str, bool | None] = (
         {o.name: o.binary for o in request.outputs} if request.outputs else {}
@@ -543,6 +584,9 @@ def encode_infer_response(
         flag = flags.get(t.name)
         as_binary = binary_default if flag is None else flag
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": arr.shape}
+        if in_shared_memory is not None and t.name in in_shared_memory:
+            outs.append(entry)  # in shared memory: no data, no parameters (as Triton)
+            continue
         if as_binary:
             blob = (
                 encode_bytes_elements(arr)

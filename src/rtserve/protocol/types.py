@@ -50,6 +50,9 @@ class RequestedOutput:
     # The classification extension: the top N classes of this output, as "value:index[:label]"
     # strings, instead of the tensor (0: the tensor).
     classification: int = 0
+    # The system shared memory extension: where in a registered region to write this output
+    # (a ``protocol.shared_memory.OutputRegion``; None: in the response).
+    shared_memory: Any = None
 
 
 def classification_count(value: Any, where: str) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 from multiprocessing import shared_memory
 from typing import Any
@@ -124,6 +125,21 @@ def read(buf: memoryview, layout: Layout, copy: bool) -> dict[str, np.ndarray]:
             pos += length
         out[name] = items.reshape(shape)
     return out
+
+
+def segment_tag(instance: int) -> str:
+    """The name prefix of a model instance's segments: ``rts<pid>i<instance>``, then ``in_`` or
+    ``out_`` and a random suffix (``Segment``)."""
+    return f"rts{os.getpid()}i{instance}"
+
+
+_SERVER_SEGMENT = re.compile(r"rts[0-9]+i[0-9]+")
+
+
+def is_server_segment(name: str) -> bool:
+    """Whether ``name`` (a file in /dev/shm) has the form of the server's own segments:
+    clients may not register them as shared memory regions."""
+    return _SERVER_SEGMENT.match(name) is not None
 
 
 class Segment:

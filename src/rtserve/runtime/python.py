@@ -359,7 +359,7 @@ class _ProcessInstance:
         self._unique = unique
         self._context = context
         self._options = options
-        tag = f"rts{os.getpid()}i{context.instance}"
+        tag = _shm.segment_tag(context.instance)
         self._in = _shm.Segment(tag + "in")
         self._out = _shm.Segment(tag + "out")
         self._mp = multiprocessing.get_context("spawn")

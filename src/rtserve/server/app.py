@@ -30,6 +30,7 @@ from rtserve.config import ServerConfig
 from rtserve.engine import Engine
 from rtserve.errors import ConfigError
 from rtserve.observability.logs import configure_logging
+from rtserve.protocol.shared_memory import SharedMemoryRegions
 from rtserve.server.grpc import GrpcFrontend, GrpcServers, start_grpc_server
 from rtserve.server.grpc_h2 import GrpcH2Server, start_grpc_h2
 from rtserve.server.http1 import HttpLimits, HttpServer
@@ -72,18 +73,25 @@ class Server:
         self.dataplane = engine.dataplane
         self.control = engine.control
         guard = _guard(config)
+        self.shm = (
+            SharedMemoryRegions(config.shared_memory_max_regions, config.max_request_bytes)
+            if config.shared_memory == "system"
+            else None
+        )
         self.http = HttpFrontend(
             self.dataplane,
             config.max_request_bytes,
             control=self.control,
             guard=guard,
             max_decompressed_bytes=config.max_decompressed_bytes,
+            shm=self.shm,
         )
         self.grpc = GrpcFrontend(
             self.dataplane,
             config.max_request_bytes,
             control=self.control,
             guard=guard,
+            shm=self.shm,
         )
         engine.add_activity(self._http_idle_clients)
         engine.add_activity(self._grpc_recent)
@@ -162,6 +170,8 @@ class Server:
 
         await self._drain(http_server, grpc_server)
         await http_server.close()
+        if self.shm is not None:
+            self.shm.close()
         await self.control.stop()
         try:
             await asyncio.wait_for(self.registry.stop(), STOP_MODELS_S)
@@ -286,6 +296,13 @@ def _run(server: Server) -> None:
 
 def serve(config: ServerConfig, ports_file: Path | None = None, workers: int = 1) -> int:
     configure_logging(config.log_level, config.log_format)
+    if workers > 1 and config.shared_memory != "none":
+        # Each worker would hold its own regions: one registered through a connection to one
+        # worker would be unknown to the worker that gets the inference request.
+        raise ConfigError(
+            f"shared_memory: {config.shared_memory} needs --workers 1 (regions registered "
+            f"with one of {workers} worker processes would be unknown to the others)"
+        )
     if workers <= 1:
         _run(Server(config, ports_file))
         return 0

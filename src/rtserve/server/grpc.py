@@ -30,7 +30,7 @@ from rtserve.core import generation
 from rtserve.core.control import ModelControl
 from rtserve.core.dataplane import DataPlane
 from rtserve.core.model import ModelVersion
-from rtserve.errors import InvalidInput, RTServeError, as_error
+from rtserve.errors import InvalidInput, RegionNotFound, RTServeError, as_error
 from rtserve.llm.params import SamplingParams
 from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
@@ -43,6 +43,7 @@ from rtserve.protocol.grpc_codec import (
 )
 from rtserve.protocol.limits import MAX_ID_CHARS
 from rtserve.protocol.load_request import config_from_grpc
+from rtserve.protocol.shared_memory import CUDA_UNSUPPORTED, SharedMemoryRegions, disabled
 from rtserve.protocol.types import InferRequest, Timings
 from rtserve.server.errors import grpc_error, grpc_trailers
 from rtserve.server.security import Guard
@@ -110,9 +111,12 @@ class GrpcFrontend:
         max_message_bytes: int,
         control: ModelControl | None = None,
         guard: Guard | None = None,
+        shm: SharedMemoryRegions | None = None,
     ) -> None:
+        """``shm``: the system shared memory regions (None: the extension is off)."""
         self.control = control
         self.guard = guard
+        self.shm = shm
         self.dataplane = dataplane
         self.max_message_bytes = max_message_bytes
         self.in_flight = 0
@@ -226,6 +230,52 @@ class GrpcFrontend:
         await self.control.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
+    # ------------------------------------------------------------------ shared memory
+    def _regions(self, what: str) -> SharedMemoryRegions:
+        if self.shm is None:
+            raise disabled(what)
+        return self.shm
+
+    @_unary
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        response = pb.SystemSharedMemoryStatusResponse()
+        for r in self._regions("SystemSharedMemoryStatus").status(request.name):
+            response.regions[r.name].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                    name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size
+                )
+            )
+        return response
+
+    @_unary
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        shm = self._regions("SystemSharedMemoryRegister")
+        shm.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_unary
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self._regions("SystemSharedMemoryUnregister").unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    # CUDA shared memory, answered as Triton built without GPU support: no region exists.
+    @_unary
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        if request.name:
+            raise RegionNotFound(
+                f"no CUDA shared memory region '{request.name:.100}' is registered "
+                f"({CUDA_UNSUPPORTED})"
+            )
+        return pb.CudaSharedMemoryStatusResponse()
+
+    @_unary
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        raise InvalidInput(f"{CUDA_UNSUPPORTED}: cannot register CUDA region '{request.name:.100}'")
+
+    @_unary
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     # ------------------------------------------------------------------ inference
     async def _infer(self, message: Any, context: Any) -> Any:
         """Check the call, hand it to the dataplane (which decodes it once the model is
@@ -253,10 +303,14 @@ class GrpcFrontend:
             finally:
                 del error  # not held by this frame, which its traceback holds (a cycle)
 
+        decoded: list[InferRequest] = []
+
         def decode(mv: Any) -> InferRequest:
-            request = decode_model_infer(message, mv.decode_limits)
+            request = decode_model_infer(message, mv.decode_limits, self.shm)
             if remaining is not None and "timeout" not in request.parameters:
                 request.parameters["timeout"] = max(1.0, remaining * 1e6)
+            if request.outputs:
+                decoded.append(request)  # its outputs may go to shared memory
             return request
 
         try:
@@ -265,7 +319,10 @@ class GrpcFrontend:
             log.debug("gRPC request cancelled by its client (model %.100s)", message.model_name)
             raise
         try:
-            return encode_model_infer(response), timings
+            in_shm = None
+            if self.shm is not None and decoded:
+                in_shm = self.shm.write_outputs(decoded[0].outputs or (), response.outputs)
+            return encode_model_infer(response, in_shm), timings
         except Exception as exc:
             raise as_error(exc, "inference response") from None
 

@@ -20,7 +20,14 @@ from rtserve.core.control import ModelControl
 from rtserve.core.dataplane import DataPlane
 from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.core.model import ModelVersion
-from rtserve.errors import InvalidInput, PayloadTooLarge, RouteNotFound, RTServeError, as_error
+from rtserve.errors import (
+    InvalidInput,
+    PayloadTooLarge,
+    RegionNotFound,
+    RouteNotFound,
+    RTServeError,
+    as_error,
+)
 from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
 from rtserve.protocol.http_codec import (
@@ -29,6 +36,12 @@ from rtserve.protocol.http_codec import (
     json_header_length,
 )
 from rtserve.protocol.load_request import MAX_LOAD_BODY_BYTES, config_from_body
+from rtserve.protocol.shared_memory import (
+    CUDA_UNSUPPORTED,
+    Region,
+    SharedMemoryRegions,
+    disabled,
+)
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
 from rtserve.server.errors import JSON_TYPE, http_error
 from rtserve.server.generative import GenerativeRoutes, is_generative_route
@@ -40,6 +53,10 @@ from rtserve.server.stats import statistics_json
 Headers = list[tuple[bytes, bytes]]
 _OCTET = (b"content-type", b"application/octet-stream")
 _now = time.perf_counter_ns
+# The shared memory extensions' routes: /v2/{kind}/[region/{name}/]{action}.
+_SHM_KINDS = ("systemsharedmemory", "cudasharedmemory")
+_SHM_ACTIONS = {"status": b"GET", "register": b"POST", "unregister": b"POST"}
+_SHM_BODY_BYTES = 64 * 1024  # a register request's {"key", "offset", "byte_size"}
 
 
 def _json(status: int, doc: Any) -> tuple[int, bytes, Headers]:
@@ -78,6 +95,39 @@ def _config_override(body: bytes) -> dict[str, Any] | None:
 
 def _tensors(tensors: Any) -> list[dict[str, Any]]:
     return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in tensors]
+
+
+def _region_json(region: Region) -> dict[str, Any]:
+    return {
+        "name": region.name,
+        "key": region.key,
+        "offset": region.offset,
+        "byte_size": region.byte_size,
+    }
+
+
+def _register_body(body: bytes) -> dict[str, Any]:
+    try:
+        doc = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        doc = None
+    if type(doc) is not dict:
+        raise InvalidInput(
+            'register request body: expected a JSON object {"key", "offset", "byte_size"}'
+        )
+    return doc
+
+
+def _cuda_shared_memory(action: str, name: str) -> tuple[int, bytes, Headers]:
+    """CUDA shared memory, answered as Triton built without GPU support: no region exists
+    (status lists none, unregister has nothing to do), registering one is refused."""
+    if action == "register":
+        raise InvalidInput(f"{CUDA_UNSUPPORTED}: cannot register CUDA region '{name:.100}'")
+    if action == "status" and name:
+        raise RegionNotFound(
+            f"no CUDA shared memory region '{name:.100}' is registered ({CUDA_UNSUPPORTED})"
+        )
+    return _json(200, []) if action == "status" else (200, b"", [JSON_TYPE])
 
 
 def metadata_json(meta: ModelInfo) -> dict[str, Any]:
@@ -124,9 +174,12 @@ class HttpFrontend:
         control: ModelControl | None = None,
         guard: Guard | None = None,
         max_decompressed_bytes: int = 64 * 1024 * 1024,
+        shm: SharedMemoryRegions | None = None,
     ) -> None:
-        """``guard``: authentication and rate limits (None: open, as by default)."""
+        """``guard``: authentication and rate limits (None: open, as by default); ``shm``:
+        the system shared memory regions (None: the extension is off, as by default)."""
         self.guard = guard
+        self.shm = shm
         self.dataplane = dataplane
         self.max_request_bytes = max_request_bytes
         self.max_decompressed_bytes = max_decompressed_bytes
@@ -156,6 +209,8 @@ class HttpFrontend:
             return MAX_LOAD_BODY_BYTES  # a load body has a config file's size limit
         if is_generative_route(path):
             return None
+        if path.startswith(("/v2/systemsharedmemory/", "/v2/cudasharedmemory/")):
+            return _SHM_BODY_BYTES
         if not path.startswith("/v2/repository/"):
             raise RouteNotFound(f"no route for POST {path[:200]}")
         return None
@@ -234,6 +289,7 @@ class HttpFrontend:
             name,
             version,
             mv.decode_limits,
+            self.shm,
         )
 
     def _start_decompress(self, conn: Connection, raw: Request, encoding: bytes) -> None:
@@ -264,9 +320,14 @@ class HttpFrontend:
         timings = request.timings
         if response is not None:
             try:
-                body, json_length = encode_infer_response(response, request)
+                in_shm = None
+                if self.shm is not None and request.outputs:
+                    in_shm = self.shm.write_outputs(request.outputs, response.outputs)
+                body, json_length = encode_infer_response(response, request, in_shm)
             except (TypeError, ValueError) as exc:
                 error = InvalidInput(f"could not encode the response: {exc}")
+            except RTServeError as exc:
+                error = exc
             else:
                 timing = (b"server-timing", server_timing(timings, _now()).encode())
                 if json_length is None:
@@ -348,6 +409,35 @@ class HttpFrontend:
             status, body, headers = http_error(exc)
         conn.respond(status, body, headers)
 
+    # ------------------------------------------------------------------ shared memory
+    def _shared_memory(
+        self, method: bytes, rest: list[str], body: bytes
+    ) -> tuple[int, bytes, Headers] | None:
+        """``/v2/{systemsharedmemory,cudasharedmemory}/[region/{name}/]{status,register,
+        unregister}`` (None: no such route)."""
+        kind, tail = rest[0], rest[1:]
+        if len(tail) == 3 and tail[0] == "region":
+            name, action = tail[1], tail[2]
+        elif len(tail) == 1:
+            name, action = "", tail[0]
+        else:
+            return None
+        if _SHM_ACTIONS.get(action) != method or (action == "register" and not name):
+            return None
+        if kind == "cudasharedmemory":
+            return _cuda_shared_memory(action, name)
+        shm = self.shm
+        if shm is None:
+            raise disabled(f"{method.decode()} /v2/{'/'.join(rest)[:200]}")
+        if action == "status":
+            return _json(200, [_region_json(r) for r in shm.status(name)])
+        if action == "register":
+            doc = _register_body(body)
+            shm.register(name, doc.get("key"), doc.get("offset", 0), doc.get("byte_size"))
+        else:
+            shm.unregister(name)
+        return 200, b"", [JSON_TYPE]
+
     # ------------------------------------------------------------------ other routes
     def _route(self, request: Request) -> tuple[int, bytes, Headers]:
         method = request.method
@@ -388,6 +478,10 @@ class HttpFrontend:
             )
         if method == b"GET" and rest == ["models", "stats"]:
             return _json(200, {"model_stats": statistics_json(dp.statistics(None))})
+        if rest and rest[0] in _SHM_KINDS:
+            answer = self._shared_memory(method, rest, request.body)
+            if answer is not None:
+                return answer
         if len(rest) >= 2 and rest[0] == "models":
             name = rest[1]
             tail = rest[2:]

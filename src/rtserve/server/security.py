@@ -191,6 +191,17 @@ def grpc_credentials(
 
 _OPEN_GRPC = ("ServerLive", "ServerReady", "ModelReady")
 _ADMIN_GRPC = ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
+# Any valid key, as their HTTP routes (/v2/systemsharedmemory/..., /v2/cudasharedmemory/...):
+# their request's ``name`` is a region's, not a model's.
+_ANY_KEY_GRPC = (
+    "ServerMetadata",
+    "SystemSharedMemoryStatus",
+    "SystemSharedMemoryRegister",
+    "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryStatus",
+    "CudaSharedMemoryRegister",
+    "CudaSharedMemoryUnregister",
+)
 
 
 class Guard:
@@ -249,7 +260,7 @@ class Guard:
         credential = grpc_credential(context)
         if method in _ADMIN_GRPC:
             auth.check_admin(credential)
-        elif method == "ServerMetadata":
+        elif method in _ANY_KEY_GRPC:
             auth.check_any(credential)
         elif method == "ModelStatistics" and not getattr(request, "name", ""):
             auth.check_admin(credential)
