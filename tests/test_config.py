@@ -69,8 +69,10 @@ version_policy: {specific: [1, 3]}
         ("name: other", "name: expected the directory name 'm'"),
         (
             "version_policy: newest",
-            "version_policy: expected all, latest or {specific: [versions]}",
+            "version_policy: expected all, latest, {latest: {num_versions: N}}",
         ),
+        ("version_policy: {specific: []}", "version_policy: expected specific: a non-empty"),
+        ("version_policy: {latest: {num_versions: 0}}", "latest.num_versions: an integer >= 1"),
         ("batch: 3", "batch: unknown field"),
         ("- 1\n- 2", "config: expected a mapping"),
     ],
@@ -125,3 +127,18 @@ def test_server_config_file_and_flags(tmp_path: Path) -> None:
     path.write_text("model_repository: /models\nports: 1\n")
     with pytest.raises(ConfigError, match="ports: unknown field"):
         load_server_config(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "policy", "versions"),
+    [
+        ("version_policy: {latest: {num_versions: 2}}", "latest", (2,)),
+        ("version_policy: {latest: {}}", "latest", (1,)),
+        ("version_policy: latest", "latest", (1,)),
+        ("version_policy: {specific: {versions: [2, 3]}}", "specific", (2, 3)),
+        ("version_policy: {all: {}}", "all", ()),
+    ],
+)
+def test_version_policies_in_tritons_form_too(text: str, policy: str, versions: tuple) -> None:
+    cfg = parse(text)
+    assert (cfg.version_policy, cfg.versions) == (policy, versions)

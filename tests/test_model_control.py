@@ -387,3 +387,28 @@ def test_explicit_mode_index_lists_every_model_in_the_repository(tmp_path: Path)
         assert states == {"a": "READY", "b": "READY"}
     finally:
         s.stop()
+
+
+def test_a_load_with_a_triton_version_policy_serves_those_versions(tmp_path: Path) -> None:
+    """tritonclient's load_model(config=...) with version_policy as Triton writes it."""
+    import json
+
+    repo = scale_repo(tmp_path / "repo", {"a": 2.0})
+    for v, factor in ((2, 3.0), (3, 4.0)):
+        build_scale(repo / "a" / str(v) / "model.onnx", factor)
+    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit", "--load-model", "a")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        for policy, ready in (
+            ({"latest": {"num_versions": 2}}, {"2", "3"}),
+            ({"specific": {"versions": [1]}}, {"1"}),
+            ({"all": {}}, {"1", "2", "3"}),
+        ):
+            client.load_model("a", config=json.dumps({"version_policy": policy}))
+            served = {v for v in ("1", "2", "3") if client.is_model_ready("a", v)}
+            assert served == ready, policy
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("a", config=json.dumps({"version_policy": {"specific": []}}))
+        assert "version_policy: expected specific: a non-empty list" in info.value.message()
+    finally:
+        s.stop()

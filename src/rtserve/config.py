@@ -200,7 +200,8 @@ class ModelConfig:
     onnxruntime: OrtOptions = field(default_factory=OrtOptions)
     warmup: Warmup = field(default_factory=Warmup)
     version_policy: str = "all"  # all | latest | specific
-    versions: tuple[int, ...] = ()  # for version_policy specific
+    # version_policy specific: those versions; latest: (n,), the n highest (default 1)
+    versions: tuple[int, ...] = ()
     response_cache: dict[str, Any] | bool | None = None  # parsed by rtserve.cache.CacheConfig
     slo: SLO | None = None
     priority_levels: int = 0  # 0: no priorities; else request priority 1 (highest) .. N
@@ -241,6 +242,43 @@ def _tensor_specs(value: Any, where: str, key: str) -> tuple[TensorSpec, ...] | 
         f.check_unknown()
         specs.append(TensorSpec(name, datatype, tuple(shape)))
     return tuple(specs)
+
+
+VERSION_POLICIES = (
+    "all, latest, {latest: {num_versions: N}}, {specific: [versions]} or "
+    "{specific: {versions: [...]}}"
+)
+
+
+def version_policy(value: Any) -> tuple[str, tuple[int, ...]]:
+    """(policy, versions) of a ``version_policy`` value, ours or Triton's form
+    (``{latest: {num_versions: 2}}``, ``{specific: {versions: [1]}}``, ``{all: {}}``);
+    raises ValueError saying what was expected."""
+    if value in ("all", "latest"):
+        return str(value), (1,) if value == "latest" else ()
+    if not isinstance(value, dict) or len(value) != 1:
+        raise ValueError(VERSION_POLICIES)
+    ((kind, arg),) = value.items()
+    if kind == "all" and arg in ({}, None):
+        return "all", ()
+    if kind == "latest" and (
+        arg in ({}, None) or isinstance(arg, dict) and set(arg) <= {"num_versions"}
+    ):
+        n = (arg or {}).get("num_versions", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1 << 20:
+            raise ValueError("latest.num_versions: an integer >= 1")
+        return "latest", (n,)
+    if kind == "specific":
+        if isinstance(arg, dict) and set(arg) == {"versions"}:
+            arg = arg["versions"]
+        if (
+            not isinstance(arg, list)
+            or not arg
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in arg)
+        ):
+            raise ValueError("specific: a non-empty list of version numbers >= 1")
+        return "specific", tuple(arg)
+    raise ValueError(VERSION_POLICIES)
 
 
 def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
@@ -296,15 +334,10 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
     wu.check_unknown()
 
     policy_value = f.get("version_policy", "all")
-    versions: tuple[int, ...] = ()
-    if isinstance(policy_value, dict) and set(policy_value) == {"specific"}:
-        vp = _Fields(policy_value, where, "version_policy")
-        versions = tuple(vp.int_list("specific"))
-        policy = "specific"
-    elif policy_value in ("all", "latest"):
-        policy = str(policy_value)
-    else:
-        raise f.fail("version_policy", "all, latest or {specific: [versions]}", policy_value)
+    try:
+        policy, versions = version_policy(policy_value)
+    except ValueError as exc:
+        raise f.fail("version_policy", str(exc), policy_value) from None
 
     cache = f.get("response_cache")
     if cache is not None and not isinstance(cache, dict | bool):

@@ -51,7 +51,7 @@ def read_model(
         source.config = config
         versions = version_dirs(model_dir)
         if config.version_policy == "latest":
-            versions = versions[-1:]
+            versions = versions[-config.versions[0] :]
         elif config.version_policy == "specific":
             missing = set(config.versions) - set(versions)
             if missing:

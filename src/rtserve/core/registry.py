@@ -150,7 +150,8 @@ class ModelRegistry:
         if entry is None:
             raise ModelNotFound(f"unknown model '{shown(name)}'")
         if not entry.versions:
-            raise ModelNotReady(f"model '{name}' is not available: {entry.error}")
+            why = entry.error or ("it is loading" if entry.loading else "no version is loaded")
+            raise ModelNotReady(f"model '{name}' is not available: {why}")
         mv = entry.versions.get(version or entry.latest)
         if mv is None:
             raise ModelNotFound(

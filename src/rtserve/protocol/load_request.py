@@ -22,7 +22,13 @@ from typing import Any
 
 import orjson
 
-from rtserve.config import AUTO_BATCH, DEFAULT_MAX_BATCH, MAX_CONFIG_BYTES, ModelConfig
+from rtserve.config import (
+    AUTO_BATCH,
+    DEFAULT_MAX_BATCH,
+    MAX_CONFIG_BYTES,
+    ModelConfig,
+    version_policy,
+)
 from rtserve.config import shown_value as _shown
 from rtserve.errors import InvalidInput, PayloadTooLarge
 from rtserve.protocol.limits import shown
@@ -93,10 +99,10 @@ def _int_list(maximum: int | None = MAX_NETWORK_BATCH) -> Check:
 
 
 def _version_policy(value: Any, path: str) -> None:
-    if isinstance(value, dict) and set(value) == {"specific"}:
-        _int_list(None)(value["specific"], f"{path}.specific")
-    elif value not in ("all", "latest"):
-        raise _refuse(path, "all, latest or {specific: [versions]}", value)
+    try:
+        version_policy(value)
+    except ValueError as exc:
+        raise _refuse(path, str(exc), value) from None
 
 
 Schema = Mapping[str, Any]  # field -> Check, FILE_ONLY or a nested Schema
