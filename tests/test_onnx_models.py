@@ -458,3 +458,39 @@ def test_open_dimensions_that_refuse_ones_still_load_and_serve(tmp_path: Path) -
         assert "model sevens-off: warmup skipped" not in log
     finally:
         s.stop()
+
+
+def test_inputs_that_share_a_named_dimension_must_agree_there(tmp_path: Path) -> None:
+    """ids [N, S] and mask [N, S]: lengths 3 and 5 are the client's 400 naming both
+    inputs and the dimension (ONNX Runtime failed deep in the graph: a 500)."""
+    from onnx import TensorProto, helper
+    from tritonclient.utils import InferenceServerException
+
+    repo = tmp_path / "repo"
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["ids", "mask"], ["y"])],
+        "seq",
+        [helper.make_tensor_value_info("ids", TensorProto.FLOAT, ["N", "S"]),
+         helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["N", "S"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "S"])],
+    )  # fmt: skip
+    _save(repo / "seq" / "1", graph)
+    s = start_server(repo, tmp_path / "work", *RELAXED)
+    try:
+        with thttp.InferenceServerClient(s.http) as client:
+            inputs = [
+                thttp.InferInput("ids", [1, 3], "FP32"),
+                thttp.InferInput("mask", [1, 5], "FP32"),
+            ]
+            inputs[0].set_data_from_numpy(np.ones((1, 3), np.float32))
+            inputs[1].set_data_from_numpy(np.ones((1, 5), np.float32))
+            with pytest.raises(InferenceServerException) as info:
+                client.infer("seq", inputs)
+            assert info.value.status() == "400"
+            assert "inputs 'ids' and 'mask' share the model's dimension 'S'" in str(info.value)
+            assert "got 3 and 5" in str(info.value)
+            inputs[1] = thttp.InferInput("mask", [1, 3], "FP32")
+            inputs[1].set_data_from_numpy(np.full((1, 3), 2, np.float32))
+            assert client.infer("seq", inputs).as_numpy("y").tolist() == [[2.0, 2.0, 2.0]]
+    finally:
+        s.stop()

@@ -156,6 +156,17 @@ def _batchable(session: ort.InferenceSession) -> str:
     return ""
 
 
+def _shared_dims(args: list[Any]) -> list[tuple[str, list[tuple[str, int]]]]:
+    """The dimension names that several inputs share (``seq`` of ``input_ids`` and
+    ``attention_mask``), with the (input, axis) pairs that carry each."""
+    groups: dict[str, list[tuple[str, int]]] = {}
+    for a in args:
+        for axis, d in enumerate(a.shape or []):
+            if isinstance(d, str) and not _MADE_UP_DIM.fullmatch(d):
+                groups.setdefault(d, []).append((a.name, axis))
+    return [(d, members) for d, members in groups.items() if len({n for n, _ in members}) > 1]
+
+
 def _scalars(path: Path) -> list[str]:
     """Inputs and outputs the graph declares rank 0 (ORT shows unknown rank the same)."""
     graph = onnx.load(str(path), load_external_data=False).graph
@@ -248,6 +259,7 @@ class OnnxRuntimeModel:
         self._runs = [s.run for s in sessions]
         self._string_inputs = [i.name for i in inputs if i.datatype == "BYTES"]
         self._string_outputs = [o.name for o in outputs if o.datatype == "BYTES"]
+        self._shared_dims = _shared_dims(sessions[0].get_inputs())
 
     @classmethod
     def load(cls, config: ModelConfig, version_dir: Path) -> OnnxRuntimeModel:
@@ -342,6 +354,15 @@ class OnnxRuntimeModel:
         return sessions
 
     def run(self, instance: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        for dim, members in self._shared_dims:
+            sizes = [(n, feeds[n].shape[a]) for n, a in members if n in feeds]
+            if len({size for _, size in sizes}) > 1:  # (ORT would fail deep in the graph)
+                names = " and ".join(repr(n) for n, _ in sizes[:4])
+                got = " and ".join(str(size) for _, size in sizes[:4])
+                raise InvalidInput(
+                    f"inputs {names} share the model's dimension {dim!r} and must agree "
+                    f"there, got {got}"
+                )
         if self._string_inputs:
             feeds = dict(feeds)
             for name in self._string_inputs:
