@@ -36,3 +36,55 @@ def test_perf_analyzer_runs_without_errors(
     rows = csv.read_text().strip().splitlines()
     assert rows[0].startswith("Concurrency,Inferences/Second")
     assert float(rows[1].split(",")[1]) > 0
+
+
+@pytest.mark.slow
+def test_perf_analyzer_runs_a_model_of_one_value_a_row(
+    perf_analyzer_env: dict[str, str], tmp_path: Path
+) -> None:
+    """x [batch] -> y [batch]: the config says dims [1] (Triton's form), so the metadata says
+    [-1, 1] and requests shaped [B, 1] are taken as [B] (perf_analyzer could not shape its
+    input before); [B] is still accepted."""
+    import numpy as np
+    import onnx
+    import tritonclient.http as thttp
+    from onnx import TensorProto, helper
+
+    from tests.conftest import start_server
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "rows",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (tmp_path / "repo" / "rows" / "1").mkdir(parents=True)
+    onnx.save(model, str(tmp_path / "repo" / "rows" / "1" / "model.onnx"))
+    (tmp_path / "repo" / "rows" / "config.yaml").write_text("max_batch_size: 8\n")
+    s = start_server(tmp_path / "repo", tmp_path / "s")
+    try:
+        client = thttp.InferenceServerClient(s.http)
+        assert client.get_model_metadata("rows")["inputs"][0]["shape"] == [-1, 1]
+        assert client.get_model_config("rows")["input"][0]["dims"] == [1]
+        for shape in ([3, 1], [3]):
+            inp = thttp.InferInput("x", shape, "FP32")
+            inp.set_data_from_numpy(np.array([-1.0, 2.0, 3.0], np.float32).reshape(shape))
+            assert client.infer("rows", [inp]).as_numpy("y").tolist() == [0.0, 2.0, 3.0]
+        binary = PERF_ANALYZER if PERF_ANALYZER.exists() else shutil.which("perf_analyzer")
+        assert binary
+        for protocol, url in (("http", s.http), ("grpc", s.grpc)):
+            cmd = [
+                str(binary), "-m", "rows", "-u", url, "-i", protocol, "-b", "2",
+                "--concurrency-range", "2", "--measurement-mode", "count_windows",
+                "--measurement-request-count", "100", "--stability-percentage", "999",
+                "--max-trials", "3",
+            ]  # fmt: skip
+            result = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=120, env=perf_analyzer_env
+            )
+            output = result.stdout + result.stderr
+            assert result.returncode == 0 and "Throughput:" in output, output
+    finally:
+        s.stop()

@@ -233,8 +233,9 @@ class DataPlane:
             name=mv.name,
             versions=tuple(self.registry.entry(mv.name).versions),
             platform=mv.platform,
-            inputs=tuple(
-                TensorInfo(s.name, s.datatype, (*batch, *s.shape)) for s in mv.inputs.values()
+            inputs=tuple(  # (one value a row: [-1, 1], the config's dims, as Triton says)
+                TensorInfo(s.name, s.datatype, (*batch, *(s.shape or batch and (1,))))
+                for s in mv.inputs.values()
             ),
             outputs=tuple(
                 TensorInfo(s.name, s.datatype, (*batch, *s.shape)) for s in mv.outputs.values()
@@ -563,7 +564,12 @@ class DataPlane:
                 )
             shape = t.shape
             expected = spec.shape
+            data = t.data
             if max_batch > 0:
+                if not expected and len(shape) == 2 and shape[1] == 1:
+                    # one value a row, sent as the config's dims [1] (Triton's reshape [])
+                    shape = shape[:1]
+                    data = data.reshape(shape)
                 if len(shape) != len(expected) + 1 or shape[0] < 1:
                     raise InvalidInput(
                         f"input '{t.name}': shape {list(shape)} does not match the model's "
@@ -593,7 +599,7 @@ class DataPlane:
                     raise InvalidInput(
                         f"input '{t.name}': shape {list(shape)} does not match the model's {shown}"
                     )
-            feeds[t.name] = t.data
+            feeds[t.name] = data
         if len(feeds) != len(specs):
             missing = [n for n in specs if n not in feeds]
             raise InvalidInput(
