@@ -74,6 +74,7 @@ version_policy: {specific: [1, 3]}
         ("version_policy: {specific: []}", "version_policy: expected specific: a non-empty"),
         ("version_policy: {latest: {num_versions: 0}}", "latest.num_versions: an integer >= 1"),
         ("batch: 3", "batch: unknown field"),
+        ("torch: {device: cpu}", "torch: options of backend torch, but the backend is onnxruntime"),
         ("- 1\n- 2", "config: expected a mapping"),
     ],
 )

@@ -387,6 +387,12 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
         raise f.fail("steps", "no steps unless backend is ensemble", steps)
     if backend == "ensemble" and (not isinstance(steps, list) or not steps):
         raise f.fail("steps", "a non-empty list of steps (backend ensemble)", steps)
+    other = [b for b in ("python", "torch", "llm", "litert") if b != backend and b in f.data]
+    if other:  # (the section of another backend: say so, not just "unknown field")
+        raise ConfigError(
+            f"{where}: {other[0]}: options of backend {other[0]}, but the backend is "
+            f"{backend} (set backend: {other[0]}, or remove the section)"
+        )
     f.check_unknown()
     return ModelConfig(
         name=name,
