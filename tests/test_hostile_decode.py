@@ -326,6 +326,13 @@ def test_non_finite_outputs_are_written_as_strings_that_numpy_reads_back() -> No
     assert data == [1.5, "NaN", "Infinity", "-Infinity"]
     back = np.array(data, dtype=np.float32)  # what tritonclient's as_numpy does
     np.testing.assert_array_equal(back, y)
+    # and an FP input takes them back; other strings are still refused
+    got = decode(body_of(tensor(datatype="FP32", shape=[4], data=data))).inputs[0].data
+    np.testing.assert_array_equal(got, y)
+    with pytest.raises(InvalidInput, match="data"):
+        decode(body_of(tensor(datatype="FP32", shape=[2], data=[1.0, "nan"])))
+    with pytest.raises(InvalidInput, match="data"):
+        decode(body_of(tensor(datatype="INT32", shape=[1], data=["NaN"])))
 
 
 # ---------------------------------------------------------------- bounded error messages

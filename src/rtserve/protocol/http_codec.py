@@ -15,7 +15,7 @@ list, refusing non-numbers and out-of-range values as it goes) and ``np.frombuff
 
 Non-finite floats in JSON outputs are written as the strings ``"NaN"``, ``"Infinity"``
 and ``"-Infinity"`` (JSON has no such numbers; ``numpy`` and tritonclient read these
-strings back as floats).
+strings back as floats); FP inputs take the same strings, so an answer can be sent back.
 """
 
 from __future__ import annotations
@@ -188,6 +188,9 @@ def _bad_element(flat: list[Any], datatype: str, where: str) -> InvalidInput:
     return _fail(f"{where}.data", f"expected {kind}")
 
 
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
 def _pack(
     flat: list[Any], datatype: str, where: str, header: tuple[bytes, int] | None = None
 ) -> np.ndarray[Any, Any]:
@@ -221,6 +224,11 @@ def _pack(
                 _struct(code, rest).pack_into(out, (n - rest) * size, *flat[n - rest :])
             suspect = datatype != "BOOL" and bool(((arr == 0) | (arr == 1)).any())
     except (struct.error, OverflowError, TypeError):
+        if datatype in _FLOATS and any(type(v) is str for v in flat):
+            # "NaN" / "Infinity" / "-Infinity", as JSON answers spell them: read back
+            fixed = [_NON_FINITE.get(v, v) if type(v) is str else v for v in flat]
+            if not any(type(v) is str for v in fixed):
+                return _pack(fixed, datatype, where, header)
         raise _bad_element(flat, datatype, where) from None
     # JSON true/false pack as 1/0: only when such values occur, look at the types.
     if suspect and header is not None:
