@@ -162,6 +162,66 @@ def test_completions_with_logprobs_and_echo(client: openai.OpenAI) -> None:
     assert echoed.choices[0].text == "the cat sat" + choice.text
 
 
+def test_completions_echo_scores_the_prompt(client: openai.OpenAI) -> None:
+    """echo + logprobs: the prompt's tokens first (the first scored by nothing), offsets in
+    the echoed text; token ids echo as their text; max_tokens 0 answers the prompt scored."""
+    prompt = "the cat sat"
+    out = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.text_offset
+    assert lp.top_logprobs is not None
+    assert choice.text.startswith(prompt) and "".join(lp.tokens) == choice.text
+    n = out.usage.prompt_tokens if out.usage else 0
+    assert len(lp.tokens) == n + 3 and "".join(lp.tokens[:n]) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(text for text in lp.top_logprobs[1:])  # (1 alternative: a non-empty dict)
+    for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+        assert choice.text[offset : offset + len(token)] == token
+    assert lp.text_offset[n] == len(prompt)
+
+    ids = client.completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=2, temperature=0, echo=True
+    )
+    assert ids.choices[0].text.startswith(_decoded_ids([5, 6, 7]))
+
+    scored = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0
+    )
+    assert scored.choices[0].text == prompt and scored.usage is not None
+    assert scored.usage.completion_tokens == 0
+    slp = scored.choices[0].logprobs
+    assert slp is not None and slp.token_logprobs == lp.token_logprobs[:n]
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+
+
+def _decoded_ids(ids: list[int]) -> str:
+    from tests.llm_models import build_tokenizer
+
+    text: str = build_tokenizer().decode(ids, skip_special_tokens=True)
+    return text
+
+
+def test_chat_logprob_bytes_decode_to_their_tokens(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Repeat: 😀😃"}], max_tokens=8,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and logprobs.content
+    for entry in logprobs.content:
+        assert entry.bytes is not None
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+        for alt in entry.top_logprobs:
+            assert alt.bytes is not None
+            assert bytes(alt.bytes).decode("utf-8", "replace") == alt.token
+
+
 def test_models_listing(client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -189,6 +249,34 @@ def _error_of(exc: openai.APIStatusError) -> dict[str, Any]:
         ({"messages": [{"role": "user", "content": "cat " * 600}]}, "messages", "max_model_len"),
         ({"temperature": 9}, "temperature", "[0, 2]"),
         ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        # fields of other servers that would change the answer: refused, never ignored
+        ({"extra_body": {"min_tokens": 3}}, "min_tokens", "not supported"),
+        ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty", "not supported"),
+        ({"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice", "not supported"),
+        ({"top_logprobs": 2}, "top_logprobs", "absent unless logprobs is true"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "unless stream"),
+        ({"modalities": ["audio"]}, "modalities", "not supported"),
+        ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids", "token ids"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{}"},
+                            }
+                        ],
+                    },
+                ]
+            },
+            "messages[1].tool_calls",
+            "not supported",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(
@@ -205,6 +293,52 @@ def test_bad_requests_get_openai_errors(
     # The server keeps serving.
     ok = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
     assert ok.choices[0].message.content is not None
+
+
+def test_sampling_edges_are_honoured_and_harm_no_other_request(
+    client: openai.OpenAI, llm_repo: Path
+) -> None:
+    """A temperature too small to divide by is greedy (it made NaN logits that failed every
+    sequence in flight); stop_token_ids end the answer at that token; max_completion_tokens
+    wins over max_tokens (as vLLM); tool_choice "none" asks for nothing to be done."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import transformers
+
+    def chat(**kwargs: Any) -> Any:
+        request: dict[str, Any] = {"model": MODEL, "messages": CHAT, "max_tokens": 12}
+        request.update(kwargs)
+        return client.chat.completions.create(**request)
+
+    greedy = chat(temperature=0)
+    with ThreadPoolExecutor(4) as pool:
+        victims = [pool.submit(chat, temperature=0, max_tokens=24) for _ in range(3)]
+        tiny = [pool.submit(chat, temperature=t) for t in (1e-40, 1e-30, 1e-6)]
+        for f in tiny:
+            assert f.result().choices[0].message.content == greedy.choices[0].message.content
+        for f in victims:
+            assert f.result().choices[0].finish_reason in ("length", "stop")
+    seeded: dict[str, Any] = {"model": MODEL, "prompt": "the cat", "max_tokens": 12, "seed": 7}
+    answer = client.completions.create(**seeded, logprobs=0, extra_body={"ignore_eos": True})
+    tokens = answer.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(llm_repo / MODEL / "1")
+    k, stop_id = next(
+        (k, ids[0])
+        for k in range(1, len(tokens))
+        if len(ids := tokenizer.encode(tokens[k], add_special_tokens=False)) == 1
+        and all(tokenizer.encode(t, add_special_tokens=False) != ids for t in tokens[:k])
+    )
+    stopped = client.completions.create(
+        **seeded, extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]}
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == "".join(tokens[:k])
+    both = chat(
+        temperature=0, max_tokens=2, max_completion_tokens=5, extra_body={"ignore_eos": True}
+    )
+    assert both.usage is not None and both.usage.completion_tokens == 5
+    none = chat(temperature=0, tool_choice="none")
+    assert none.choices[0].message.content == greedy.choices[0].message.content
 
 
 def test_unknown_model_is_404_in_openai_shape(client: openai.OpenAI) -> None:

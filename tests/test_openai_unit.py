@@ -27,8 +27,8 @@ def test_chat_defaults_and_stream_options() -> None:
     assert req.params.max_tokens is None  # a chat runs to the model's length by default
     req = oa.parse_request(_chat(stream=True, stream_options={"include_usage": True}), oa.CHAT)
     assert req.stream and req.include_usage
-    req = oa.parse_request(_chat(stream_options={"include_usage": True}), oa.CHAT)
-    assert not req.include_usage  # usage chunks only exist in a stream
+    with pytest.raises(InvalidInput, match="stream_options: expected absent unless stream"):
+        oa.parse_request(_chat(stream_options={"include_usage": True}), oa.CHAT)  # (as OpenAI)
 
 
 @pytest.mark.parametrize(
@@ -92,15 +92,22 @@ def test_error_documents() -> None:
 class Events:
     """Generation events as the engine yields them, recording whether it was closed."""
 
-    def __init__(self, texts: list[str], fail: bool = False) -> None:
-        self.texts, self.fail, self.closed = texts, fail, False
+    def __init__(
+        self, texts: list[str], fail: bool = False, prompt: list[TokenLogprob] | None = None
+    ) -> None:
+        self.texts, self.fail, self.closed, self.prompt = texts, fail, False, prompt
 
     async def run(self) -> AsyncGenerator[GenerationEvent, None]:
         try:
+            offset = 0
             for i, text in enumerate(self.texts):
                 last = i == len(self.texts) - 1
-                lp = [TokenLogprob(text, -0.5, [(text, -0.5), ("x", -2.0)])]
-                yield GenerationEvent(text, [i], 4, i + 1, "length" if last else None, lp)
+                lp = [TokenLogprob(text, -0.5, [(text, -0.5), ("x", -2.0)], offset=offset)]
+                offset += len(text)
+                event = GenerationEvent(text, [i], 4, i + 1, "length" if last else None, lp)
+                if i == 0:
+                    event.prompt_logprobs = self.prompt
+                yield event
             if self.fail:
                 raise InvalidInput("stop: something went wrong")
         finally:
@@ -158,17 +165,78 @@ def test_closing_the_stream_closes_the_generation() -> None:
     assert events.closed
 
 
+PROMPT_LOGPROBS = [TokenLogprob("p", None), TokenLogprob("q", -1.5, [("r", -1.0)], offset=1)]
+
+
 def test_complete_gathers_text_and_logprobs() -> None:
-    body = json.dumps({"model": "m", "prompt": "p", "logprobs": 1, "echo": True}).encode()
+    """With echo, the prompt's tokens come first (the first one scored by nothing), and
+    offsets are measured in the echoed text."""
+    body = json.dumps({"model": "m", "prompt": "pq", "logprobs": 1, "echo": True}).encode()
     req = oa.parse_request(body, oa.TEXT)
-    doc = asyncio.run(oa.complete(req, Events(["ab", "c"]).run(), "p"))
+    doc = asyncio.run(oa.complete(req, Events(["ab", "c"], prompt=PROMPT_LOGPROBS).run(), "pq"))
     choice = doc["choices"][0]
-    assert choice["text"] == "pabc" and choice["finish_reason"] == "length"
-    assert choice["logprobs"]["tokens"] == ["ab", "c"]
-    assert choice["logprobs"]["text_offset"] == [0, 2]
+    assert choice["text"] == "pqabc" and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["p", "q", "ab", "c"]
+    assert lp["token_logprobs"] == [None, -1.5, -0.5, -0.5]
+    assert lp["top_logprobs"] == [
+        None,
+        {"r": -1.0},
+        {"ab": -0.5, "x": -2.0},
+        {"c": -0.5, "x": -2.0},
+    ]
+    assert lp["text_offset"] == [0, 1, 2, 4]
     assert doc["usage"] == {
         "prompt_tokens": 4,
         "completion_tokens": 2,
         "total_tokens": 6,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
+
+
+def test_echo_with_max_tokens_0_answers_the_prompt_scored() -> None:
+    doc = {"model": "m", "prompt": "pq", "max_tokens": 0, "echo": True, "logprobs": 0}
+    req = oa.parse_request(json.dumps(doc).encode(), oa.TEXT)
+    assert req.score_only and req.params.max_tokens == 1  # (one token made, left out)
+    out = asyncio.run(oa.complete(req, Events(["ab"], prompt=PROMPT_LOGPROBS).run(), "pq"))
+    choice = out["choices"][0]
+    assert choice["text"] == "pq" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["p", "q"]
+    assert out["usage"]["completion_tokens"] == 0 and out["usage"]["total_tokens"] == 4
+    req = oa.parse_request(json.dumps({**doc, "stream": True}).encode(), oa.TEXT)
+    events = Events(["ab"], prompt=PROMPT_LOGPROBS)
+    frames = _frames(asyncio.run(_all(oa.stream(req, events.run(), "pq"))))
+    choices = [f["choices"][0] for f in frames[:-1]]
+    assert "".join(c["text"] for c in choices) == "pq"
+    assert choices[0]["logprobs"]["tokens"] == ["p", "q"] and choices[-1]["finish_reason"]
+    for fields in ({"max_tokens": 0}, {"max_tokens": 0, "echo": False}):
+        with pytest.raises(InvalidInput, match="^max_tokens: .*echo"):
+            oa.parse_request(json.dumps({"model": "m", "prompt": "p", **fields}).encode(), oa.TEXT)
+
+
+def test_streamed_echo_with_logprobs_sends_the_prompt_scored_first() -> None:
+    body = {"model": "m", "prompt": "pq", "logprobs": 1, "echo": True, "stream": True}
+    req = oa.parse_request(json.dumps(body).encode(), oa.TEXT)
+    events = Events(["ab", "c"], prompt=PROMPT_LOGPROBS)
+    frames = _frames(asyncio.run(_all(oa.stream(req, events.run(), "pq"))))
+    choices = [f["choices"][0] for f in frames[:-1]]
+    assert [c["text"] for c in choices] == ["pq", "ab", "c"]
+    assert choices[0]["logprobs"]["text_offset"] == [0, 1]
+    assert [c["logprobs"]["text_offset"] for c in choices[1:]] == [[2], [4]]
+
+
+def test_chat_logprob_bytes_are_the_tokens_own() -> None:
+    """Part of a character: the text reads U+FFFD, the bytes are the token's; completions'
+    top alternatives that read the same keep the most likely."""
+    split = TokenLogprob(
+        "\ufffd", -0.1, [("\ufffd", -0.1), ("\ufffd", -3.0)], b"\xf0\x9f", [b"\xf0\x9f", b"\xe2"]
+    )
+    req = oa.parse_request(_chat(logprobs=True, top_logprobs=2), oa.CHAT)
+    entry = oa.Shaper(req).chunk("", [split], None)["choices"][0]["logprobs"]["content"][0]
+    assert entry["token"] == "\ufffd" and entry["bytes"] == [0xF0, 0x9F]
+    assert [t["bytes"] for t in entry["top_logprobs"]] == [[0xF0, 0x9F], [0xE2]]
+    req = oa.parse_request(
+        json.dumps({"model": "m", "prompt": "p", "logprobs": 2}).encode(), oa.TEXT
+    )
+    lp = oa.Shaper(req).chunk("", [split], None)["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{"\ufffd": -0.1}]

@@ -221,9 +221,12 @@ def refused(
     return err
 
 
-async def events(dataplane: DataPlane, gen: Generation) -> AsyncGenerator[GenerationEvent, None]:
+async def events(
+    dataplane: DataPlane, gen: Generation, *, prompt_logprobs: bool = False
+) -> AsyncGenerator[GenerationEvent, None]:
     """The generation's events. Closing this iterator early (``aclose``, or cancelling the
-    task that awaits it) aborts the sequence; the request is recorded once at the end."""
+    task that awaits it) aborts the sequence; the request is recorded once at the end.
+    ``prompt_logprobs``: the first event carries the prompt's (``LlmEngine.generate``)."""
     timings = gen.timings
     timings.enqueued = _now()
     error: RTServeError | None = ClientClosed("the client went away before the answer ended")
@@ -233,6 +236,7 @@ async def events(dataplane: DataPlane, gen: Generation) -> AsyncGenerator[Genera
         request_id=gen.request_id,
         priority=gen.priority,
         checked=True,  # (by prepare)
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         async for event in stream:

@@ -23,14 +23,15 @@ from typing import Any
 import numpy as np
 
 from rtserve.errors import InferenceFailed, InvalidInput, ObjectiveRefused, Overloaded, ShuttingDown
-from rtserve.llm.detok import Detokenizer
+from rtserve.llm.detok import Detokenizer, text_offsets
 from rtserve.llm.kv import BlockPool
 from rtserve.llm.metrics import LlmMetrics, token_objectives
 from rtserve.llm.options import LlmOptions
-from rtserve.llm.params import GenerationEvent, SamplingParams
+from rtserve.llm.params import GenerationEvent, SamplingParams, TokenLogprob
 from rtserve.llm.runner import ModelRunner, release_openmp
-from rtserve.llm.sampler import logprobs_of, new_generator, sample
+from rtserve.llm.sampler import logprobs_of, new_generator, prompt_logprobs, sample
 from rtserve.llm.scheduler import FINISHED, Scheduler, Sequence, Step
+from rtserve.llm.tokens import TokenBytes
 
 log = logging.getLogger(__name__)
 _now = time.perf_counter_ns
@@ -91,12 +92,21 @@ class LlmEngine:
         self.options = options
         self.runner = ModelRunner(version_dir, options)
         self.tokenizer = self.runner.tokenizer
+        self.token_bytes = TokenBytes(self.tokenizer)  # (logprobs' token text and bytes)
         self.max_model_len = self.runner.max_model_len
+        self.pool = BlockPool(self.runner.num_blocks, options.block_size, options.prefix_caching)
+        capacity = self.pool.num_blocks * self.pool.block_size
+        if capacity < self.max_model_len:  # (no sequence could grow to the model's length)
+            log.warning(
+                "llm %s: the KV pool holds %d tokens, fewer than max_model_len %d: "
+                "max_model_len is %d (raise llm.kv_cache_bytes to serve longer contexts)",
+                name, capacity, self.max_model_len, capacity,
+            )  # fmt: skip
+            self.max_model_len = capacity
         # No prompt that fits max_model_len tokens is longer than this many characters (no
         # token's text is longer than its vocabulary entry): longer text is refused before
         # the tokenizer spends time and memory on it.
         self.max_prompt_chars = self.max_model_len * longest_token(self.tokenizer) + 4096
-        self.pool = BlockPool(self.runner.num_blocks, options.block_size, options.prefix_caching)
         self.scheduler = Scheduler(self.pool, options.max_num_seqs, options.max_num_batched_tokens)
         self.metrics = LlmMetrics(name, version, objectives=token_objectives(options.slo))
         self.metrics.gauges = self._gauges
@@ -247,11 +257,14 @@ class LlmEngine:
         request_id: str = "",
         priority: int = 0,
         checked: bool = False,
+        prompt_logprobs: bool = False,
     ) -> AsyncGenerator[GenerationEvent, None]:
         """The events of one generation, on the caller's event loop. Leaving the loop
         early (``aclose``, cancellation) aborts the sequence. ``checked``: the caller ran
         ``check_prompt`` (and admitted the request) already, before answering with a
-        stream's status line; a second admission here could refuse it after that."""
+        stream's status line; a second admission here could refuse it after that.
+        ``prompt_logprobs`` (with ``params.logprobs``): the first event also carries each
+        prompt token's logprob (the prompt runs whole, without the prefix cache)."""
         if not checked:
             self.check_prompt(len(prompt_ids), params)
         vocab = self.runner.vocab_size
@@ -274,6 +287,9 @@ class LlmEngine:
             generator=new_generator(params, self.runner.device),
             sink=(loop, queue),
         )
+        if prompt_logprobs and params.logprobs is not None:
+            text, raw = self.token_bytes(prompt_ids[0])  # (nothing predicts the first)
+            seq.prompt_logprobs = [TokenLogprob(text, None, [], raw, [])]
         self._submit(seq)
         done = False
         try:
@@ -404,8 +420,11 @@ class LlmEngine:
             for i, s in enumerate(sampling)
             if not s.params.greedy or s.params.logprobs is not None
         ]
-        logits = self.runner.forward(step, rows, exact)
-        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        scoring, extra = _prompt_rows(step)
+        logits = self.runner.forward(step, rows, exact, extra)
+        tokens = sample(
+            logits[: len(rows)], [s.params for s in sampling], [s.generator for s in sampling]
+        )
         sched.after_step(step)
         elapsed = time.perf_counter() - started
         self._step_started = 0.0
@@ -413,11 +432,19 @@ class LlmEngine:
         self.steps += 1
         end = _now()
         for row, (seq, token) in enumerate(zip(sampling, tokens, strict=True)):
+            start = len(seq.detok.text)  # (where this token's text will begin)
             self._append(seq, token, end)
             if seq.params.logprobs is not None:
                 seq.new_logprobs.append(
-                    logprobs_of(logits[row], token, seq.params.logprobs, self.tokenizer)
+                    logprobs_of(logits[row], token, seq.params.logprobs, self.token_bytes, start)
                 )
+        row = len(rows)
+        for seq, targets in scoring:
+            scored = logits[row : row + len(targets)]
+            top = seq.params.logprobs or 0
+            assert seq.prompt_logprobs is not None
+            seq.prompt_logprobs += prompt_logprobs(scored, targets, top, self.token_bytes)
+            row += len(targets)
         self._emit(sampling, step)
 
     def _append(self, seq: Sequence, token: int, now: int) -> None:
@@ -431,8 +458,8 @@ class LlmEngine:
             self.metrics.observe("itl", (now - seq.last_token_ns) / 1e9)
         seq.last_token_ns = now
         p = seq.params
-        if token in self.runner.eos_ids and not p.ignore_eos:
-            seq.finish_reason = "stop"
+        if (token in self.runner.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish_reason = "stop"  # (the token's text is not part of the answer)
             return
         if seq.detok.add(token):
             seq.finish_reason = "stop"
@@ -454,16 +481,28 @@ class LlmEngine:
                 prompt_tokens=seq.num_prompt,
                 completion_tokens=seq.generated,
                 finish_reason=reason,
-                logprobs=seq.new_logprobs or None,
+                logprobs=_settled_logprobs(seq, reason is not None) or None,
                 cached_tokens=seq.cached_tokens,
+                prompt_logprobs=self._scored_prompt(seq),
             )
             seq.new_tokens = []
-            seq.new_logprobs = []
             loop, queue = seq.sink
             by_loop[loop].append((queue, event))
         for loop, events in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
                 loop.call_soon_threadsafe(_deliver, events)
+
+    def _scored_prompt(self, seq: Sequence) -> list[TokenLogprob] | None:
+        """The prompt's logprobs, once all are computed and not yet handed out, with the
+        offsets of their text."""
+        scored = seq.prompt_logprobs
+        if scored is None or seq.prompt_logprobs_sent or seq.scoring_prompt:
+            return None
+        seq.prompt_logprobs_sent = True
+        offsets = text_offsets(self.tokenizer, seq.tokens[: seq.num_prompt])
+        for entry, offset in zip(scored, offsets, strict=True):
+            entry.offset = offset
+        return scored
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq)
@@ -523,6 +562,40 @@ def _send(seq: Sequence, error: BaseException) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, error)
 
 
+def _prompt_rows(step: Step) -> tuple[list[tuple[Sequence, list[int]]], list[tuple[int, int, int]]]:
+    """The step's prompt positions whose logits score the next prompt token, for sequences
+    whose prompt logprobs are asked for: (sequence, the tokens scored) and the runner's
+    (item, start, count)."""
+    scoring: list[tuple[Sequence, list[int]]] = []
+    extra: list[tuple[int, int, int]] = []
+    for item, (seq, n) in enumerate(step.items):
+        if not seq.scoring_prompt:
+            continue
+        assert seq.prompt_logprobs is not None
+        lo = max(seq.computed, len(seq.prompt_logprobs) - 1)  # (after a preemption: the rest)
+        hi = min(seq.computed + n, seq.num_prompt - 1)
+        if hi > lo:
+            scoring.append((seq, seq.tokens[lo + 1 : hi + 1]))
+            extra.append((item, lo - seq.computed, hi - lo))
+    return scoring, extra
+
+
+def _settled_logprobs(seq: Sequence, final: bool) -> list[TokenLogprob]:
+    """The logprobs a step's event hands out: those of tokens whose text was handed out
+    (a stop string can no longer cut it), or all of them at the end unless a stop string
+    cut the text (the tokens past the cut are dropped)."""
+    pending = seq.new_logprobs
+    if not seq.params.stop or (final and not seq.detok.stopped):
+        seq.new_logprobs = []
+        return pending
+    emitted = seq.detok.emitted
+    settled = 0
+    while settled < len(pending) and pending[settled].offset < emitted:
+        settled += 1
+    seq.new_logprobs = [] if final else pending[settled:]
+    return pending[:settled]
+
+
 def _deliver(events: list[tuple[asyncio.Queue[Any], GenerationEvent]]) -> None:
     for queue, event in events:
         queue.put_nowait(event)
@@ -559,6 +632,9 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
             raise InvalidInput(
                 f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}"[:200]
             )
+        if m.get("tool_calls") or m.get("function_call"):
+            key = "tool_calls" if m.get("tool_calls") else "function_call"
+            raise InvalidInput(f"{where}.{key}: not supported (rtserve does not call tools)")
         content = m.get("content")
         if isinstance(content, list):
             if len(content) > MAX_PARTS:

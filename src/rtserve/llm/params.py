@@ -17,6 +17,18 @@ from rtserve.errors import InvalidInput
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 64
+# Below this a temperature is greedy: dividing logits by it overflows float32.
+MIN_TEMPERATURE = 1e-5
+# Fields other servers take that would change the answer and rtserve does not honour, with
+# the value that means "not used": any other value is refused, never silently ignored.
+NOT_HONOURED: dict[str, Any] = {
+    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0,
+    "min_tokens": 0, "logit_bias": None, "bad_words": None, "allowed_token_ids": None,
+    "guided_choice": None, "guided_json": None, "guided_regex": None, "guided_grammar": None,
+    "use_beam_search": False, "length_penalty": 1, "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +48,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @classmethod
     def from_mapping(
@@ -70,12 +83,18 @@ class SamplingParams:
                 raise fail(key, f"an integer in [{lo}, {hi}]")
             return int(value)
 
-        max_tokens = integer("max_tokens", 1, 1 << 20)
-        if max_tokens is None and "max_completion_tokens" in data:
-            max_tokens = integer("max_completion_tokens", 1, 1 << 20)
-        elif max_tokens is None and "max_new_tokens" in data:  # Triton generate's name
+        for key, neutral in NOT_HONOURED.items():
+            value = data.get(key)
+            if value is not None and value != neutral and value != [] and value != {}:
+                shown = "absent" if neutral is None else f"{neutral} or absent"
+                raise fail(key, f"{shown} (not supported by rtserve)")
+        # (OpenAI's newer name first, as vLLM; null is as absent: the route's default)
+        max_tokens = integer("max_completion_tokens", 1, 1 << 20)
+        if max_tokens is None:
+            max_tokens = integer("max_tokens", 1, 1 << 20)
+        if max_tokens is None:  # Triton generate's name
             max_tokens = integer("max_new_tokens", 1, 1 << 20)
-        if max_tokens is None and "max_tokens" not in data:
+        if max_tokens is None:
             max_tokens = default_max_tokens
         stop = data.get("stop")
         if stop is None:
@@ -96,6 +115,13 @@ class SamplingParams:
             raise fail("ignore_eos", "true or false")
         seed = integer("seed", -(1 << 63), (1 << 63) - 1)
         logprobs = _logprobs(data, fail)
+        ids = data.get("stop_token_ids")
+        if ids is not None and (
+            not isinstance(ids, list)
+            or len(ids) > MAX_STOP_TOKEN_IDS
+            or any(type(t) is not int or not 0 <= t < 1 << 31 for t in ids)
+        ):
+            raise fail("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids")
         return cls(
             max_tokens=max_tokens,
             temperature=number("temperature", 1.0, 0.0, 2.0),
@@ -105,13 +131,14 @@ class SamplingParams:
             stop=stops,
             ignore_eos=ignore_eos,
             logprobs=logprobs,
+            stop_token_ids=tuple(ids or ()),
         )
 
 
 # Every name ``SamplingParams.from_mapping`` reads (``Engine.generate`` refuses others).
 SAMPLING_NAMES = frozenset({
     "max_tokens", "max_completion_tokens", "max_new_tokens", "temperature", "top_p", "top_k",
-    "seed", "stop", "ignore_eos", "logprobs", "top_logprobs",
+    "seed", "stop", "ignore_eos", "logprobs", "top_logprobs", "stop_token_ids",
 })  # fmt: skip
 
 
@@ -119,6 +146,8 @@ def _logprobs(data: Mapping[str, Any], fail: Any) -> int | None:
     """OpenAI chat: ``logprobs: bool`` + ``top_logprobs: int``; completions: ``logprobs: int``."""
     value = data.get("logprobs")
     if value is None or value is False:
+        if data.get("top_logprobs") not in (None, 0):
+            raise fail("top_logprobs", "absent unless logprobs is true")
         return None
     if value is True:
         top = data.get("top_logprobs", 0)
@@ -132,11 +161,18 @@ def _logprobs(data: Mapping[str, Any], fail: Any) -> int | None:
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """The chosen token's log-probability and the top alternatives (token text, logprob)."""
+    """The chosen token's log-probability (None: a prompt's first token, which nothing
+    predicts) and the top alternatives (token text, logprob). ``token`` is the token's bytes
+    decoded leniently (part of a character reads U+FFFD); ``raw`` and ``top_raw`` are the
+    bytes (None: the text's UTF-8); ``offset``: where the token's text starts in the text of
+    its generation (or of its prompt), in characters."""
 
     token: str
-    logprob: float
+    logprob: float | None
     top: list[tuple[str, float]] = field(default_factory=list)
+    raw: bytes | None = None
+    top_raw: list[bytes] | None = None
+    offset: int = 0
 
 
 @dataclass(slots=True)
@@ -152,6 +188,8 @@ class GenerationEvent:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Each prompt token's logprob, on the first event of a request that asked for them.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -171,13 +171,29 @@ class ModelRunner:
         return ctx, ids, positions, last
 
     @torch.inference_mode()
-    def forward(self, step: Step, rows: list[int], exact: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        step: Step,
+        rows: list[int],
+        exact: list[int] | None = None,
+        extra: list[tuple[int, int, int]] | None = None,
+    ) -> torch.Tensor:
         """Run the step; the logits [len(rows), vocab] at the last token of the items
         numbered ``rows`` (those that sample a token). ``exact``: the rows (indices into
         ``rows``) whose every logit is used (sampling, logprobs); the others are only
-        argmax'd, which lets a ``ScreenedHead`` skip most of the vocabulary (None: all)."""
+        argmax'd, which lets a ``ScreenedHead`` skip most of the vocabulary (None: all).
+        ``extra``: (item, start, count) for more rows after those, exact: the logits at
+        ``count`` tokens of item ``item`` from its ``start``-th in this step (a prompt's
+        logprobs)."""
         ctx, ids, positions, last = self._context(step)
-        keep = torch.tensor([last[r] for r in rows], dtype=torch.long, device=self.device)
+        kept = [last[r] for r in rows]
+        if extra:
+            more = range(len(kept), len(kept) + sum(count for _, _, count in extra))
+            exact = None if exact is None else [*exact, *more]
+            for item, start, count in extra:
+                first = last[item] - step.items[item][1] + 1 + start
+                kept.extend(range(first, first + count))
+        keep = torch.tensor(kept, dtype=torch.long, device=self.device)
         if self.screened_head is not None:
             self.screened_head.exact_rows = exact
         attention.set_step(ctx)

@@ -4,11 +4,10 @@ sequence reproducible whatever else shares its batch)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from rtserve.llm.params import SamplingParams, TokenLogprob
+from rtserve.llm.tokens import TokenBytes
 
 
 def new_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -34,6 +33,10 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, g: torch.Generator | No
         drop = cumulative - sorted_probs >= p.top_p  # keep the smallest set reaching top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        # logits the model made non-finite: this row's most likely token, never an error
+        # that would fail every sequence in the step
+        return int(torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf"))).item())
     return int(torch.multinomial(probs, 1, generator=g).item())
 
 
@@ -50,14 +53,32 @@ def sample(
     ]
 
 
-def logprobs_of(logits: torch.Tensor, token: int, top: int, tokenizer: Any) -> TokenLogprob:
-    """The chosen token's log-probability under the model and the ``top`` most likely."""
+def logprobs_of(
+    logits: torch.Tensor, token: int, top: int, texts: TokenBytes, offset: int = 0
+) -> TokenLogprob:
+    """The chosen token's log-probability under the model and the ``top`` most likely;
+    ``offset``: where the token's text starts."""
     lp = torch.log_softmax(logits.float(), dim=-1)
+    return _entry(lp, token, top, texts, offset)
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, targets: list[int], top: int, texts: TokenBytes
+) -> list[TokenLogprob]:
+    """Each row of ``logits`` [rows, vocab] scoring the token that follows it (``targets``)
+    and the ``top`` most likely there (offsets are set by the caller)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return [_entry(lp[i], t, top, texts, 0) for i, t in enumerate(targets)]
+
+
+def _entry(lp: torch.Tensor, token: int, top: int, texts: TokenBytes, offset: int) -> TokenLogprob:
     alternatives: list[tuple[str, float]] = []
+    raws: list[bytes] = []
     if top:
         values, ids = torch.topk(lp, top)
-        alternatives = [
-            (tokenizer.decode([i]), float(v))
-            for v, i in zip(values.tolist(), ids.tolist(), strict=True)
-        ]
-    return TokenLogprob(tokenizer.decode([token]), float(lp[token]), alternatives)
+        for v, i in zip(values.tolist(), ids.tolist(), strict=True):
+            text, raw = texts(i)
+            alternatives.append((text, float(v)))
+            raws.append(raw)
+    text, raw = texts(token)
+    return TokenLogprob(text, float(lp[token]), alternatives, raw, raws, offset)

@@ -54,7 +54,10 @@ class Sequence:
     scheduled_ns: int = 0
     finish_reason: str | None = None
     new_tokens: list[int] = field(default_factory=list)  # since the last event
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet handed out
+    # Asked for: each prompt token's logprob, computed as the prompt's chunks run.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs_sent: bool = False
     preemptions: int = 0
 
     @property
@@ -64,6 +67,12 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.len_to_compute > 1
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Its prompt's logprobs are asked for and not all computed yet."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) < self.num_prompt
 
     @property
     def len_to_compute(self) -> int:
@@ -177,6 +186,9 @@ class Scheduler:
         """Take cached blocks for the sequence's leading full blocks (at least one token
         is left to compute: its logits give the next token)."""
         if seq.blocks or not self.pool.prefix_caching:
+            return
+        if seq.scoring_prompt:  # (it runs whole: each prompt position's logits are needed)
+            seq.admitted = True
             return
         bs = self.pool.block_size
         usable = (len(seq.tokens) - 1) // bs

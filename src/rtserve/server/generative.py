@@ -178,8 +178,13 @@ class GenerativeRoutes:
         self, request: openai.OpenAIRequest, kind: str, timings: Timings, gen: generation.Generation
     ) -> Reply:
         dp = self.dataplane
-        prompt_text = request.prompt if request.echo and isinstance(request.prompt, str) else ""
-        events = generation.events(dp, gen)
+        prompt_text = ""
+        if request.echo:  # (token ids echo as their text)
+            prompt = request.prompt
+            tokenizer = gen.llm.tokenizer
+            prompt_text = prompt if isinstance(prompt, str) else _decoded(tokenizer, gen.prompt_ids)
+        scored = request.echo and request.params.logprobs is not None
+        events = generation.events(dp, gen, prompt_logprobs=scored)
         if request.stream:
             chunks = openai.stream(request, events, prompt_text)
             return Streamed(_with_id(openai.SSE_HEADERS, timings), chunks)
@@ -315,6 +320,11 @@ def _later(timings: Timings, answer: Callable[[], Awaitable[Answer]]) -> Pending
         return status, body, _with_id(headers, timings)
 
     return Pending(run)
+
+
+def _decoded(tokenizer: Any, ids: list[int]) -> str:
+    text: str = tokenizer.decode(ids, skip_special_tokens=True)
+    return text
 
 
 def parse_triton(body: bytes) -> tuple[str, SamplingParams]:

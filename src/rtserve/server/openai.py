@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -34,19 +34,18 @@ SSE_HEADERS: Headers = [
     (b"x-accel-buffering", b"no"),  # proxies (nginx) must not hold events back
 ]
 DONE = b"data: [DONE]\n\n"
-# A field the engine cannot honour, and the value that means "not used".
+# A field the engine cannot honour, and the value that means "not used" (sampling fields
+# are checked with the sampling parameters: ``llm.params.NOT_HONOURED``).
 _UNUSED: dict[str, Any] = {
     "tools": None,
-    "tool_choice": None,
+    "tool_choice": "none",
     "functions": None,
-    "function_call": None,
-    "logit_bias": None,
+    "function_call": "none",
     "suffix": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
     "best_of": 1,
     "audio": None,
     "prediction": None,
+    "modalities": ["text"],
 }
 _FIELD = re.compile(r"([A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*(?:\[\d+\])?)*): ")
 
@@ -64,6 +63,7 @@ class OpenAIRequest:
     include_usage: bool = False
     echo: bool = False
     priority: int = 0
+    score_only: bool = False  # echo with max_tokens 0: the prompt, scored, and no answer
 
 
 def _fail(field: str, expected: str, value: Any) -> InvalidInput:
@@ -96,17 +96,27 @@ def parse_request(body: bytes, kind: str) -> OpenAIRequest:
     options = doc.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _fail("stream_options", "an object such as {include_usage: true}", options)
+    if options is not None and not stream:
+        raise _fail("stream_options", "absent unless stream is true", options)
     include_usage = (
         stream and options is not None and _flag(options, "include_usage", "stream_options.")
     )
     priority = doc.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise _fail("priority", "an integer", priority)
+    # Completions' echo with max_tokens 0 scores the prompt (lm-evaluation-harness): one
+    # token is generated and left out of the answer, as vLLM does.
+    score_only = kind == TEXT and type(doc.get("max_tokens")) is int and doc["max_tokens"] == 0
+    if score_only and not _flag(doc, "echo"):
+        raise _fail("max_tokens", "an integer >= 1 (0 only with echo: the prompt scored)", 0)
     request = OpenAIRequest(
         kind,
         model,
         # Chat answers run to the model's length by default (OpenAI's); completions 16 tokens.
-        SamplingParams.from_mapping(doc, default_max_tokens=None if kind == CHAT else 16),
+        SamplingParams.from_mapping(
+            {**doc, "max_tokens": 1} if score_only else doc,
+            default_max_tokens=None if kind == CHAT else 16,
+        ),
         stream=stream,
         include_usage=include_usage,
         priority=priority,
@@ -119,6 +129,7 @@ def parse_request(body: bytes, kind: str) -> OpenAIRequest:
     else:
         request.prompt = _prompt(doc.get("prompt"))
         request.echo = _flag(doc, "echo")
+        request.score_only = score_only
     return request
 
 
@@ -135,7 +146,7 @@ def _check_unused(doc: dict[str, Any]) -> None:
     for key, unused in _UNUSED.items():
         value = doc.get(key)
         if value is not None and value != unused and value != [] and value != {}:
-            shown = "absent" if unused is None else f"{unused} or absent"
+            shown = "absent" if unused is None else f"{orjson.dumps(unused).decode()} or absent"
             raise _fail(key, f"{shown} (not supported by rtserve)", value)
 
 
@@ -168,7 +179,6 @@ class Shaper:
         chat = request.kind == CHAT
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.offset = 0  # characters of completion text so far (completions' text_offset)
 
     def _doc(self, chunk: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
         if self.request.kind == CHAT:
@@ -223,25 +233,47 @@ class Shaper:
             return None
         if self.request.kind == CHAT:
             return {"content": [_chat_logprob(t) for t in items]}
-        offsets = []
-        for t in items:
-            offsets.append(self.offset)
-            self.offset += len(t.token)
         return {
             "tokens": [t.token for t in items],
             "token_logprobs": [t.logprob for t in items],
-            "top_logprobs": [dict(t.top) for t in items],
-            "text_offset": offsets,
+            "top_logprobs": [_top_by_text(t) for t in items],
+            "text_offset": [t.offset for t in items],
         }
 
 
-def _chat_logprob(t: TokenLogprob) -> dict[str, Any]:
-    def one(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+def _top_by_text(t: TokenLogprob) -> dict[str, float] | None:
+    """Completions' ``{text: logprob}`` of the alternatives; of those whose text reads the
+    same (parts of characters, U+FFFD), the most likely. None for a prompt's first token."""
+    if t.logprob is None:
+        return None
+    top: dict[str, float] = {}
+    for token, logprob in t.top:
+        top.setdefault(token, logprob)
+    return top
 
-    entry = one(t.token, t.logprob)
-    entry["top_logprobs"] = [one(tok, lp) for tok, lp in t.top]
+
+def _chat_logprob(t: TokenLogprob) -> dict[str, Any]:
+    def one(token: str, logprob: float | None, raw: bytes | None) -> dict[str, Any]:
+        data = token.encode() if raw is None else raw
+        return {"token": token, "logprob": logprob, "bytes": list(data)}
+
+    entry = one(t.token, t.logprob, t.raw)
+    raws = t.top_raw if t.top_raw is not None else [None] * len(t.top)
+    entry["top_logprobs"] = [one(tok, lp, raw) for (tok, lp), raw in zip(t.top, raws, strict=True)]
     return entry
+
+
+def _shifted(items: list[TokenLogprob] | None, chars: int) -> list[TokenLogprob] | None:
+    """``items`` with their text offsets moved ``chars`` on (past an echoed prompt)."""
+    if not chars or not items:
+        return items
+    return [replace(t, offset=t.offset + chars) for t in items]
+
+
+def _scored(last: GenerationEvent | None) -> GenerationEvent | None:
+    """The last event of a prompt scored without an answer (``echo``, ``max_tokens`` 0):
+    the token generated to get there is not counted."""
+    return None if last is None else replace(last, completion_tokens=0, finish_reason="length")
 
 
 def _finish_reason(last: GenerationEvent | None) -> str:
@@ -266,14 +298,21 @@ async def complete(
     ``prompt_text``: what ``echo`` puts before the completion."""
     shaper = Shaper(request)
     texts = [prompt_text] if request.echo else []
+    base = len(prompt_text) if request.echo else 0
     logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
     last = None
     async with aclosing(events):
         async for event in events:
+            last = event
+            if logprobs is not None and event.prompt_logprobs:  # (first, when echoed)
+                logprobs.extend(event.prompt_logprobs)
+            if request.score_only:
+                continue
             texts.append(event.text)
             if logprobs is not None and event.logprobs:
-                logprobs.extend(event.logprobs)
-            last = event
+                logprobs.extend(_shifted(event.logprobs, base) or ())
+    if request.score_only:
+        last = _scored(last)
     return shaper.response("".join(texts), logprobs, last)
 
 
@@ -290,17 +329,29 @@ async def stream(
     status line has gone out). Closing this iterator closes ``events`` (aborting them)."""
     shaper = Shaper(request)
     chat = request.kind == CHAT
+    base = len(prompt_text) if request.echo else 0
+    # An echo with logprobs waits for the prompt's, which come with the first event.
+    echo_scored = request.echo and request.params.logprobs is not None
     last = None
     async with aclosing(events):
         try:
             if chat:
                 yield sse(shaper.chunk("", None, None, role=True))
-            elif request.echo:
+            elif request.echo and not echo_scored:
                 yield sse(shaper.chunk(prompt_text, None, None))
             async for event in events:
                 last = event
+                if echo_scored:
+                    echo_scored = False
+                    yield sse(shaper.chunk(prompt_text, event.prompt_logprobs or [], None))
+                if request.score_only:
+                    if event.finished:
+                        last = _scored(event)
+                        yield sse(shaper.chunk("", None, "length"))
+                    continue
                 if event.text or event.finished or event.logprobs:
-                    yield sse(shaper.chunk(event.text, event.logprobs, event.finish_reason))
+                    lps = _shifted(event.logprobs, base)
+                    yield sse(shaper.chunk(event.text, lps, event.finish_reason))
             if request.include_usage:
                 yield sse(shaper.usage_chunk(last))
         except Exception as exc:
