@@ -215,3 +215,46 @@ def test_tls_over_http_and_grpc_with_tritonclient(tmp_path: Path) -> None:
             urllib.request.urlopen(f"http://127.0.0.1:{s.http_port}/v2/health/live", timeout=5)
     finally:
         s.stop()
+
+
+def test_tls_handshakes_in_progress_count_towards_the_connection_caps(tmp_path: Path) -> None:
+    """Clients that connect and never send a ClientHello used to hold a descriptor each
+    without bound (the HTTP cap counted connections only after their handshake; gRPC had
+    no cap): now past the cap the next connections are closed at once, and when the
+    silent ones go, a real client is served again."""
+    import os
+    import socket
+
+    cert, key = make_cert(tmp_path)
+    ctx = ssl.create_default_context(cafile=str(cert))
+    s = start_server(
+        repo(tmp_path / "repo"), tmp_path / "s", "--tls-cert", str(cert), "--tls-key",
+        str(key), "--http-max-connections", "16", tls=ctx,
+    )  # fmt: skip
+    silent: list[socket.socket] = []
+    try:
+        fds = len(os.listdir(f"/proc/{s.proc.pid}/fd"))
+        for _ in range(40):
+            silent.append(socket.create_connection(("127.0.0.1", s.http_port), timeout=5))
+        time.sleep(0.5)
+        closed = 0
+        for sock in silent:
+            sock.settimeout(0.05)
+            try:
+                closed += sock.recv(1) == b""
+            except TimeoutError:
+                pass
+        assert closed >= 40 - 16, closed  # those past the cap: closed, no handshake
+        assert len(os.listdir(f"/proc/{s.proc.pid}/fd")) <= fds + 16 + 2
+        for sock in silent:
+            sock.close()
+        silent.clear()
+        time.sleep(0.5)
+        with urllib.request.urlopen(
+            f"https://127.0.0.1:{s.http_port}/v2/health/live", context=ctx, timeout=10
+        ) as r:
+            assert r.status == 200
+    finally:
+        for sock in silent:
+            sock.close()
+        s.stop()

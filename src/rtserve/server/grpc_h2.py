@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import resource
 import ssl
 import struct
 import time
@@ -33,6 +34,7 @@ import grpc
 from hpack import Decoder, HPACKError
 from hpack.hpack import encode_integer
 
+from rtserve.server.accept import TlsAcceptor
 from rtserve.server.errors import grpc_error, grpc_trailers
 from rtserve.server.grpc import SERVICE, GrpcFrontend, Method, service_methods
 
@@ -49,6 +51,7 @@ ENHANCE_YOUR_CALM = 11
 
 MAX_STREAMS = 1024  # concurrent streams per connection (SETTINGS_MAX_CONCURRENT_STREAMS)
 MAX_CALLS = 10_000  # calls in progress in this process; more are RESOURCE_EXHAUSTED
+MAX_CONNECTIONS = 10_000  # open connections (at most an eighth of the descriptor limit)
 MAX_RESETS = 10_000  # calls a client cancels per SWEEP_S before its connection is closed
 STREAM_WINDOW = 1 << 20  # what one stream may send ahead of the handler
 CONN_WINDOW = 16 << 20
@@ -265,6 +268,10 @@ class Connection(asyncio.Protocol):
     # ------------------------------------------------------------------ transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if len(self.server.connections) >= self.server.max_connections:
+            transport.abort()  # type: ignore[attr-defined]  # past the cap: closed at once
+            self.closed = True
+            return
         self.server.connections.add(self)
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and peer:
@@ -895,21 +902,33 @@ class GrpcH2Server:
         self.ssl = ssl_context
         self.calls = 0
         self.connections: set[Connection] = set()
+        # (a descriptor each; HTTP keeps three quarters of them: server.http1.HttpServer)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_connections = max(64, min(MAX_CONNECTIONS, soft // 8))
+        self.handshaking: set[TlsAcceptor] = set()  # TLS handshakes in progress
         self.loop = asyncio.get_running_loop()
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
         self._server = await self.loop.create_server(
-            lambda: Connection(self),
-            host,
-            port,
-            reuse_port=reuse_port or None,
-            ssl=self.ssl,
-            backlog=2048,
+            self._accepted, host, port, reuse_port=reuse_port or None, backlog=2048
         )
         self._sweeper = self.loop.create_task(self._sweep())
         return int(self._server.sockets[0].getsockname()[1])
+
+    def _accepted(self) -> asyncio.Protocol:
+        """A new connection's protocol; under TLS, one that runs the handshake first
+        (``server.accept``: handshakes in progress count towards the cap)."""
+        if self.ssl is None:
+            return Connection(self)
+        return TlsAcceptor(
+            self.ssl, PREFACE_S, lambda: Connection(self), self.handshaking, self.room
+        )
+
+    def room(self) -> bool:
+        """Whether one more connection fits ``max_connections``."""
+        return len(self.connections) + len(self.handshaking) < self.max_connections
 
     async def _sweep(self) -> None:
         """Close connections idle for IDLE_S, or without a preface after PREFACE_S."""

@@ -46,6 +46,7 @@ from rtserve.errors import (
     RTServeError,
     UriTooLong,
 )
+from rtserve.server.accept import TlsAcceptor
 from rtserve.server.errors import http_error
 from rtserve.server.paths import canonical_path
 
@@ -844,6 +845,7 @@ class HttpServer:
         self.clock = time.monotonic()
         self.connections: set[Connection] = set()
         self.busy_connections = 0  # connections with a request being answered
+        self.handshaking: set[TlsAcceptor] = set()  # TLS handshakes in progress
         self.draining = False
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -863,21 +865,28 @@ class HttpServer:
             self.max_connections = room
         loop = asyncio.get_running_loop()
         if sock is not None:
-            self._server = await loop.create_server(
-                lambda: Connection(self), sock=sock, backlog=_BACKLOG, ssl=self.ssl
-            )
+            self._server = await loop.create_server(self._accepted, sock=sock, backlog=_BACKLOG)
         else:
             self._server = await loop.create_server(
-                lambda: Connection(self),
-                host,
-                port,
-                reuse_address=True,
-                backlog=_BACKLOG,
-                ssl=self.ssl,
+                self._accepted, host, port, reuse_address=True, backlog=_BACKLOG
             )
         self._sweeper = loop.create_task(self._sweep())
         sock = self._server.sockets[0]
         return int(sock.getsockname()[1])
+
+    def _accepted(self) -> asyncio.Protocol:
+        """A new connection's protocol. Plain connections past ``max_connections`` get
+        their 503 in ``connection_made``; under TLS the handshakes in progress count too,
+        and past the cap a connection is closed before its handshake (``server.accept``)."""
+        if self.ssl is None:
+            return Connection(self)
+        return TlsAcceptor(
+            self.ssl, min(10.0, self.limits.header_timeout_s), lambda: Connection(self),
+            self.handshaking, self._room,
+        )  # fmt: skip
+
+    def _room(self) -> bool:
+        return len(self.connections) + len(self.handshaking) < self.max_connections
 
     @property
     def busy(self) -> bool:
