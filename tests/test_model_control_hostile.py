@@ -457,3 +457,19 @@ def test_a_load_that_hangs_holds_up_only_its_own_model(tmp_path: Path) -> None:
         assert infer(s.base, "over_stuck") == 2.0
     finally:
         s.stop()
+
+
+def test_unloading_unknown_names_keeps_no_state(server: RunningServer) -> None:
+    """Each unknown name is a 404 and leaves nothing behind (a lock per name was kept)."""
+    import http.client
+
+    before = int(Path(f"/proc/{server.proc.pid}/status").read_text().split("VmRSS:")[1].split()[0])
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
+    for i in range(3000):
+        conn.request("POST", f"/v2/repository/models/{i:05d}{'x' * 4000}/unload")
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 404
+    conn.close()
+    after = int(Path(f"/proc/{server.proc.pid}/status").read_text().split("VmRSS:")[1].split()[0])
+    assert after - before < 8 * 1024, f"RSS grew {after - before} KiB"

@@ -185,6 +185,8 @@ class ModelControl:
 
     async def unload(self, name: str) -> None:
         self._explicit_only("unload")
+        if name not in self.registry.models:  # (before a lock is made for the name)
+            raise ModelNotFound(f"unknown model '{shown(name)}' (not loaded)")
         async with self._holding([name]):
             if name not in self.registry.models:
                 raise ModelNotFound(f"unknown model '{shown(name)}' (not loaded)")
@@ -196,10 +198,15 @@ class ModelControl:
     @contextlib.asynccontextmanager
     async def _holding(self, names: Iterable[str]) -> AsyncIterator[None]:
         """Hold the locks of ``names``, taken in sorted order (no two loads deadlock)."""
+        names = sorted(set(names))
         async with contextlib.AsyncExitStack() as stack:
-            for name in sorted(set(names)):
+            for name in names:
                 await stack.enter_async_context(self._locks.setdefault(name, asyncio.Lock()))
             yield
+        for name in names:  # (no lock kept for a name nobody waits on: a bounded dict)
+            lock = self._locks.get(name)
+            if lock is not None and not lock.locked() and not getattr(lock, "_waiters", None):
+                del self._locks[name]
 
     def _touched(self, source: ModelSource, chain: tuple[str, ...] = ()) -> set[str]:
         """The models a load of ``source`` may (re)load: itself and, for an ensemble, the
