@@ -45,6 +45,11 @@ class Model:
             raise ValueError("a bad row")
         if mode == b"exit":
             sys.exit(3)
+        if mode == b"interrupt":
+            raise KeyboardInterrupt
+        if mode == b"none_tag":
+            return {"Y": x, "LEN": np.zeros((len(x), 1), np.int64),
+                    "TAG": np.full((len(x), 1), None, object), "PID": np.zeros((len(x), 1), np.int64)}
         if mode == b"os_exit":
             os._exit(7)
         if mode == b"segv":
@@ -154,6 +159,10 @@ def test_sys_exit_fails_only_its_batch(runtime: PythonModel) -> None:
     with pytest.raises(InferenceFailed, match="SystemExit: 3"):
         runtime.run(0, feeds_for(1, b"exit"))
     assert runtime.run(0, feeds_for(1))["LEN"].tolist() == [[2]]
+    # KeyboardInterrupt from user code is its batch's error too (it wedged the instance)
+    with pytest.raises(InferenceFailed, match="KeyboardInterrupt"):
+        runtime.run(0, feeds_for(1, b"interrupt"))
+    assert runtime.run(0, feeds_for(1))["LEN"].tolist() == [[2]]
 
 
 def test_a_hang_is_cut_by_the_batch_timeout(runtime: PythonModel) -> None:
@@ -170,6 +179,7 @@ def test_a_hang_is_cut_by_the_batch_timeout(runtime: PythonModel) -> None:
         (b"wrong_dtype", r"output 'Y': expected datatype FP32 \(float32\), got float64"),
         (b"missing", r"missing \['LEN', 'TAG', 'PID'\]"),
         (b"rows", r"output 'Y': expected 3 rows along dimension 0"),
+        (b"none_tag", r"expected bytes in a BYTES tensor, got NoneType"),
     ],
 )
 def test_outputs_are_checked_against_the_declaration(

@@ -317,6 +317,21 @@ def check_step(config: ModelConfig, step: Step, mv: ModelVersion) -> None:
 
 
 # ---------------------------------------------------------------------- running
+def _check_shape(
+    arr: np.ndarray, spec: TensorSpec, batched: bool, ensemble: str, label: str, tensor: str
+) -> None:
+    """A tensor's shape at run time against the declared one (-1: any size there)."""
+    dims = arr.shape[1:] if batched else arr.shape
+    if len(dims) != len(spec.shape) or any(
+        want != -1 and got != want for got, want in zip(dims, spec.shape, strict=False)
+    ):
+        shown = [-1, *spec.shape] if batched else list(spec.shape)
+        raise InferenceFailed(
+            f"ensemble '{ensemble}' {label}: tensor '{tensor}' has shape {list(arr.shape)}, "
+            f"where {shown} is declared (a step produced a shape its consumer does not take)"
+        )
+
+
 def _step_error(ensemble: str, step: Step, exc: BaseException) -> RTServeError:
     """The step's error with the step named; its class (and so its status) is kept."""
     prefix = f"ensemble '{ensemble}' {step.label}: "
@@ -414,11 +429,18 @@ class EnsembleScheduler:
                 f"ensemble '{self.name}' {step.label} is not available: {exc.message}"
             ) from None
         if self._checked.get(step.index) is not mv:
+            # A reload may change names, types, shapes or batching (a smaller
+            # max_batch_size would never take the ensemble's batches): all checked again.
             try:
-                check_step(self._config, step, mv)
-            except ConfigError as exc:
+                models = {
+                    s.index: mv if s.index == step.index else self._lookup(s.model, s.version)
+                    for s in self._plan.steps
+                }
+                check_against_models(self._config, self._plan, models)
+            except (ConfigError, RTServeError) as exc:
+                why = str(exc).removeprefix(f"{self._config.source}: ")  # (no server paths)
                 raise ModelNotReady(
-                    f"ensemble '{self.name}' {step.label} no longer fits the ensemble: {exc}"
+                    f"ensemble '{self.name}' {step.label} no longer fits the ensemble: {why}"
                 ) from None
             self._checked[step.index] = mv
         return mv
@@ -471,6 +493,9 @@ class EnsembleScheduler:
                     for name, tensor in step.outputs.items():
                         tensors[tensor] = outputs[name]
             result = {name: tensors[name] for name in self._outputs}
+            batched = self._config.max_batch_size > 0
+            for spec in self._config.outputs or ():
+                _check_shape(result[spec.name], spec, batched, self.name, "output", spec.name)
         except BaseException as exc:
             if not future.done():
                 future.set_exception(exc)
@@ -497,6 +522,9 @@ class EnsembleScheduler:
         mv = self.step_model(step)
         t = Timings(received=_now())
         feeds = {name: tensors[tensor] for name, tensor in step.inputs.items()}
+        batched = self._config.max_batch_size > 0
+        for name, tensor in step.inputs.items():  # (a producer's -1 dims are only known now)
+            _check_shape(feeds[name], mv.inputs[name], batched, self.name, step.label, tensor)
         if mv.row_parameters:  # the request's value (checked by the ensemble), else the step's
             given = {}
             for p in mv.row_parameters:

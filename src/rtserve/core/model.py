@@ -244,6 +244,7 @@ async def build_runtime_version(
         policy,
         batched=config.max_batch_size > 0,
         inline=inline,
+        max_rows=max(0, config.max_batch_size),
         on_batch=metrics.observe_batch,
         stats=metrics.scheduler,
     )

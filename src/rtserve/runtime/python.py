@@ -161,9 +161,8 @@ def _unload(model: Any, name: str) -> None:
 def _call_infer(model: Any, feeds: Tensors) -> Tensors:
     try:
         result = model.infer(feeds)
-    except BaseException as exc:  # SystemExit too: user code must not stop the server
-        if isinstance(exc, KeyboardInterrupt):
-            raise
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt too: user code must not
+        # stop the server or its instance (the server's own signals never raise here)
         raise _UserError(f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
     if not isinstance(result, dict):
         raise _UserError(f"infer returned {type(result).__name__}, expected a dict of arrays")
@@ -210,7 +209,10 @@ def check_outputs(
                     f"model '{model}' output {spec.name!r}: expected BYTES "
                     f"(an object array of bytes), got dtype {arr.dtype}"
                 )
-            arr = _bytes_inputs({spec.name: arr}, [spec.name])[spec.name]
+            try:
+                arr = _bytes_inputs({spec.name: arr}, [spec.name])[spec.name]
+            except TypeError as exc:  # an element that is not bytes or str
+                raise InferenceFailed(f"model '{model}' output {spec.name!r}: {exc}") from None
         elif arr.dtype != DATATYPE_TO_NUMPY[spec.datatype]:
             raise InferenceFailed(
                 f"model '{model}' output {spec.name!r}: expected datatype {spec.datatype} "

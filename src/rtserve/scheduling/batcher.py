@@ -24,6 +24,7 @@ from rtserve.errors import (
     DeadlineExceeded,
     InferenceFailed,
     InstanceFailed,
+    InvalidInput,
     RTServeError,
     ShuttingDown,
 )
@@ -55,12 +56,17 @@ class Batcher:
         on_batch: BatchObserver | None = None,
         clock: Callable[[], int] = time.perf_counter_ns,
         stats: SchedulerStats | None = None,
+        max_rows: int = 0,
     ) -> None:
         """``policy``: decides admission and batches (bound to this batcher here);
         ``clock``: nanoseconds, injectable so tests need no sleeps."""
         self.name = name
         self._runtime = runtime
         self._batched = batched
+        # More rows than a batch may hold would wait at the head of the queue for ever,
+        # and everything behind it (the dataplane refuses them; callers that bypass it,
+        # as an ensemble's steps, are refused here). 0: not checked.
+        self._max_rows = max_rows
         self.inline = inline
         self.instance_count = runtime.instance_count
         self._on_batch = on_batch
@@ -141,6 +147,11 @@ class Batcher:
         ending (expired, cancelled, refused) reaches it as a done callback, as usual."""
         if self.closing:
             raise ShuttingDown(f"model '{self.name}' is shutting down")
+        if self._max_rows and rows > self._max_rows:
+            raise InvalidInput(
+                f"model '{self.name}': a request of {rows} rows exceeds its max_batch_size "
+                f"{self._max_rows}"
+            )
         loop = self.loop
         assert loop is not None, "batcher not started"
         shape_key = tuple(a.shape[1:] for a in feeds.values()) if self._ragged else None
@@ -256,7 +267,8 @@ class Batcher:
                 feeds = {n: np.concatenate([p.feeds[n] for p in batch]) for n in names}
             outputs = self._runtime.run(instance, feeds)
             return outputs, None, start, self._now(), None
-        except Exception as exc:  # the model's failure is reported to each request
+        except BaseException as exc:  # the model's failure is reported to each request
+            exc = _as_exception(exc)
             end = self._now()
             if len(batch) == 1 or isinstance(exc, InstanceFailed):
                 return None, exc, start, end, None  # (a hung or dead instance: not the data)
@@ -272,8 +284,8 @@ class Batcher:
                 continue
             try:
                 alone.append((self._runtime.run(instance, p.feeds), None, self._now() - began))
-            except Exception as exc:
-                alone.append((None, exc, self._now() - began))
+            except BaseException as exc:
+                alone.append((None, _as_exception(exc), self._now() - began))
         return None, None, start, end, alone
 
     def _compute_threaded(self, batch: list[Request], instance: int) -> None:
@@ -365,3 +377,13 @@ class Batcher:
     def _notify_drained(self) -> None:
         if self._drained is not None and not self._drained.done() and not self.busy:
             self._drained.set_result(None)
+
+
+def _as_exception(exc: BaseException) -> Exception:
+    """A runtime's failure as an error for its requests: a ``SystemExit`` or
+    ``KeyboardInterrupt`` from a model's own code must not end the batcher (its requests,
+    and every later one, would wait for ever)."""
+    if isinstance(exc, Exception):
+        return exc
+    log.error("model code raised %s", type(exc).__name__, exc_info=exc)
+    return InferenceFailed(f"the model raised {type(exc).__name__}")

@@ -1,0 +1,100 @@
+"""An ensemble checks what only run time shows: a step model reloaded with other batching,
+and tensors whose -1 dimensions came out other than the next step declares."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as thttp
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import start_server
+from tests.models import build_scale, write_config, write_python_model
+
+WIDE_PY = """
+import numpy as np
+
+class Model:
+    def infer(self, inputs):
+        x = inputs["X"]
+        return {"W": np.concatenate([x, x[:, :3]], axis=1)}  # 7 columns, declared [-1]
+"""
+
+SUM_PY = """
+import numpy as np
+
+class Model:
+    def infer(self, inputs):
+        return {"S": inputs["W"].sum(axis=1, keepdims=True)}
+"""
+
+
+def _rows(n: int) -> list[thttp.InferInput]:
+    x = thttp.InferInput("x", [n, 4], "FP32")
+    x.set_data_from_numpy(np.ones((n, 4), np.float32))
+    return [x]
+
+
+def test_a_step_reloaded_with_smaller_batches_is_refused_not_wedged(tmp_path: Path) -> None:
+    """The step's max_batch_size drops below the ensemble's: the ensemble answers 503 naming
+    the step (a 4-row batch waited for ever, and every request to the step behind it)."""
+    repo = tmp_path / "repo"
+    build_scale(repo / "scale" / "1" / "model.onnx", 2.0)
+    write_config(repo, "scale", {"max_batch_size": 4})
+    write_config(repo, "chain", {
+        "backend": "ensemble", "max_batch_size": 4,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
+        "steps": [{"model": "scale", "inputs": {"x": "x"}, "outputs": {"y": "y"}}],
+    })  # fmt: skip
+    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit", "--load-model", "*")
+    try:
+        client = thttp.InferenceServerClient(s.http, network_timeout=20)
+        assert client.infer("chain", _rows(4)).as_numpy("y").tolist() == [[2.0] * 4] * 4
+        client.load_model("scale", config=json.dumps({"max_batch_size": 2}))
+        started = time.monotonic()
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("chain", _rows(4))
+        assert info.value.status() == "503"
+        message = info.value.message()
+        assert "steps[0] (model 'scale') no longer fits the ensemble: max_batch_size: 4 " in message
+        assert "exceeds the max_batch_size 2" in message and str(tmp_path) not in message
+        assert client.infer("scale", _rows(2)).as_numpy("y").shape == (2, 4)
+        assert time.monotonic() - started < 10
+    finally:
+        s.stop()
+
+
+def test_a_tensor_of_another_width_than_its_consumer_declares_is_a_500(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    py = {"backend": "python", "max_batch_size": 4}
+    write_python_model(repo, "wide", {
+        **py, "inputs": [{"name": "X", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "W", "datatype": "FP32", "shape": [-1]}],
+    }, WIDE_PY)  # fmt: skip
+    write_python_model(repo, "sum4", {
+        **py, "inputs": [{"name": "W", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "S", "datatype": "FP32", "shape": [1]}],
+    }, SUM_PY)  # fmt: skip
+    write_config(repo, "pipe", {
+        "backend": "ensemble", "max_batch_size": 4,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "s", "datatype": "FP32", "shape": [1]}],
+        "steps": [
+            {"model": "wide", "inputs": {"X": "x"}, "outputs": {"W": "w"}},
+            {"model": "sum4", "inputs": {"W": "w"}, "outputs": {"S": "s"}},
+        ],
+    })  # fmt: skip
+    s = start_server(repo, tmp_path / "s")
+    try:
+        client = thttp.InferenceServerClient(s.http)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("pipe", _rows(1))
+        assert info.value.status() == "500"
+        assert "tensor 'w' has shape [1, 7], where [-1, 4] is declared" in info.value.message()
+    finally:
+        s.stop()
