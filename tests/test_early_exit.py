@@ -203,7 +203,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSe
     write(repo, net)
     cached = write(repo, net, name="exits_cached")
     config = yaml.safe_load((cached / "config.yaml").read_text())
-    config["response_cache"] = {"memory": {"max_bytes": 1_000_000, "ttl_s": 60}}
+    config["response_cache"] = {"memory": {"max_bytes": 1_000_000, "ttl_s": 60}, "round_floats": 0}
     (cached / "config.yaml").write_text(yaml.safe_dump(config))
     write(repo, net, name="exits_quiet")  # never asked: its exit counts stay 0
     ensemble = {
@@ -326,6 +326,11 @@ def test_the_response_cache_keys_on_the_threshold(served: tuple[RunningServer, E
         assert status == 200, answer
         layers.append(outputs_of(answer)[1].tolist())
     assert layers == [[1] * 4, [3] * 4, [1] * 4, [3] * 4]
+    # round_floats rounds the inputs, never the threshold: 0.49 is not 0 (it was)
+    for threshold in (0, 0.49, 0, 0.49):
+        _, want = post(server, x, {"exit_threshold": threshold}, model="exits")
+        _, got = post(server, x, {"exit_threshold": threshold}, model="exits_cached")
+        assert outputs_of(got)[1].tolist() == outputs_of(want)[1].tolist(), threshold
 
 
 def test_metrics_count_exits_per_layer(served: tuple[RunningServer, ExitNet]) -> None:

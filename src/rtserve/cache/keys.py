@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rtserve.protocol.bytes_codec import encode_bytes_elements
-from rtserve.protocol.types import DATATYPE_TO_NUMPY, RequestedOutput, Tensor
+from rtserve.protocol.types import DATATYPE_TO_NUMPY, ROW_PARAMETER, RequestedOutput, Tensor
 
 KEY_FORMAT = b"rtserve-cache-key/1"
 _FLOAT_DATATYPES = frozenset({"FP16", "FP32", "FP64"})
@@ -51,7 +51,11 @@ def cache_key(
             update(_U64.pack(data.size))
             update(encode_bytes_elements(data))
             continue
-        if round_floats is not None and t.datatype in _FLOAT_DATATYPES:
+        if (
+            round_floats is not None
+            and t.datatype in _FLOAT_DATATYPES
+            and not (t.parameters and t.parameters.get(ROW_PARAMETER))
+        ):
             data = np.round(data, round_floats) + data.dtype.type(0.0)
         expected = DATATYPE_TO_NUMPY.get(t.datatype)
         if expected is not None and data.dtype != expected:

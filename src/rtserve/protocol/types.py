@@ -32,6 +32,11 @@ DATATYPE_TO_NUMPY: dict[str, np.dtype[Any]] = {
 NUMPY_TO_DATATYPE: dict[np.dtype[Any], str] = {v: k for k, v in DATATYPE_TO_NUMPY.items()}
 
 
+# Tensor.parameters key of an input the server added from a request parameter (a row
+# parameter, ``exit_threshold``): the response cache keys on it exactly.
+ROW_PARAMETER = "rtserve_row_parameter"
+
+
 @dataclass(slots=True)
 class Tensor:
     """A named tensor: V2 datatype, full shape (batch dimension included) and its data."""

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from rtserve.errors import InvalidInput
-from rtserve.protocol.types import InferRequest, Tensor
+from rtserve.protocol.types import ROW_PARAMETER, InferRequest, Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,5 +72,6 @@ def add_row_parameters(
     out = row_feeds(params, request.parameters, feeds, rows)
     for p in params:
         arr = out[p.name]
-        request.inputs.append(Tensor(p.name, "FP32", arr.shape, arr))
+        # (marked: the cache's round_floats must not merge two thresholds' answers)
+        request.inputs.append(Tensor(p.name, "FP32", arr.shape, arr, {ROW_PARAMETER: True}))
     return out
