@@ -98,3 +98,31 @@ def test_a_tensor_of_another_width_than_its_consumer_declares_is_a_500(tmp_path:
         assert "tensor 'w' has shape [1, 7], where [-1, 4] is declared" in info.value.message()
     finally:
         s.stop()
+
+
+def test_a_cached_ensemble_answers_from_its_steps_live_versions(tmp_path: Path) -> None:
+    """A step reloaded with a new version: the ensemble's cached answers of the old one are
+    not served (they were, from memory and from Redis, until their TTL)."""
+    repo = tmp_path / "repo"
+    build_scale(repo / "scale" / "1" / "model.onnx", 2.0)
+    write_config(repo, "scale", {"max_batch_size": 4, "version_policy": "latest"})
+    write_config(repo, "chain", {
+        "backend": "ensemble", "max_batch_size": 4,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
+        "steps": [{"model": "scale", "inputs": {"x": "x"}, "outputs": {"y": "y"}}],
+        "response_cache": {"memory": {"max_bytes": 1_000_000, "ttl_s": 600}},
+    })  # fmt: skip
+    s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit", "--load-model", "*")
+    try:
+        client = thttp.InferenceServerClient(s.http)
+        for _ in range(2):  # the second from the cache
+            assert client.infer("chain", _rows(1)).as_numpy("y").tolist() == [[2.0] * 4]
+        build_scale(repo / "scale" / "2" / "model.onnx", 100.0)
+        client.load_model("scale")
+        for _ in range(2):
+            assert client.infer("chain", _rows(1)).as_numpy("y").tolist() == [[100.0] * 4]
+        hits = [line for line in client.get_inference_statistics("chain")["model_stats"][0:1]]
+        assert hits[0]["inference_stats"]["cache_hit"]["count"] == 2
+    finally:
+        s.stop()

@@ -89,6 +89,9 @@ class ResponseCache:
             raise ValueError(f"model {model_name!r}: response cache config has no tier enabled")
         self.model_name = model_name
         self.version = version
+        # What else the answers depend on, asked per request (an ensemble: its steps' live
+        # versions, so a reloaded step never serves the old answers); None: nothing.
+        self.salt: Callable[[], str] | None = None
         self._round = config.round_floats
         self._metrics = m = metrics.for_model(model_name, version)
         self._memory: MemoryCache[_Stored] | None = None
@@ -140,7 +143,8 @@ class ResponseCache:
         params = request.parameters
         if params and OPT_OUT_PARAMETER in params and not wants_cache(params[OPT_OUT_PARAMETER]):
             return None, None
-        key = cache_key(self.model_name, self.version, request.inputs, request.outputs, self._round)
+        version = self.version if self.salt is None else f"{self.version}+{self.salt()}"
+        key = cache_key(self.model_name, version, request.inputs, request.outputs, self._round)
         memory = self._memory
         if memory is not None:
             stored = memory.get(key)

@@ -25,8 +25,10 @@ step model that is reloaded is picked up; the ensemble is ready only while every
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
+import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -332,6 +334,22 @@ def _check_shape(
         )
 
 
+def _version_print(mv: ModelVersion) -> str:
+    """A short digest of a loaded version: its name, version, config and the names, sizes
+    and times of its files (a nested ensemble: its own steps' too)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{mv.name}\0{mv.version}\0{mv.config!r}".encode())
+    directory = Path(mv.config.source).parent / mv.version
+    with contextlib.suppress(OSError):
+        for p in sorted(directory.rglob("*")):
+            if "__pycache__" not in p.parts and p.is_file():
+                st = p.stat()
+                h.update(f"{p.relative_to(directory)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    if isinstance(mv.scheduler, EnsembleScheduler):
+        h.update(mv.scheduler.cache_salt().encode())
+    return h.hexdigest()
+
+
 def _step_error(ensemble: str, step: Step, exc: BaseException) -> RTServeError:
     """The step's error with the step named; its class (and so its status) is kept."""
     prefix = f"ensemble '{ensemble}' {step.label}: "
@@ -365,6 +383,24 @@ class EnsembleScheduler:
         self._tasks: set[asyncio.Task[None]] = set()
         self._drained: asyncio.Future[None] | None = None
         self._closing = False
+        self._prints: dict[int, tuple[ModelVersion, str]] = {}  # step -> (version, its print)
+
+    def cache_salt(self) -> str:
+        """What the ensemble's answers depend on besides its inputs: each step's live
+        version (name, version, config, files), for the response cache's key. The same in
+        every worker that loaded the same files; a step reloaded with other ones changes it."""
+        parts = []
+        for step in self._plan.steps:
+            try:
+                mv = self._lookup(step.model, step.version)
+            except RTServeError:
+                return ""  # (the request fails when its step runs)
+            memo = self._prints.get(step.index)
+            if memo is None or memo[0] is not mv:
+                memo = (mv, _version_print(mv))
+                self._prints[step.index] = memo
+            parts.append(memo[1])
+        return ",".join(parts)
 
     @property
     def queue_depth(self) -> int:
@@ -590,6 +626,9 @@ async def build_ensemble_version(
     metrics = ctx.metrics.model(config.name, version)
     scheduler = EnsembleScheduler(config, plan, ctx.lookup, dict(models), metrics.observe_batch)
     metrics.track_queue_depth(lambda: scheduler.queue_depth)
+    cache = ctx.cache_for(config, version, tuple(config.outputs or ()))
+    if cache is not None:
+        cache.salt = scheduler.cache_salt
     return EnsembleVersion(
         name=config.name,
         version=version,
@@ -600,6 +639,6 @@ async def build_ensemble_version(
         inputs={s.name: s for s in config.inputs or ()},
         outputs={s.name: s for s in config.outputs or ()},
         runtime=None,
-        cache=ctx.cache_for(config, version, tuple(config.outputs or ())),
+        cache=cache,
         row_parameters=tuple(forwarded.values()),
     )
