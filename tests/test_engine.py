@@ -273,3 +273,51 @@ def test_engine_settings_are_checked_like_the_config_file(
 
     with pytest.raises(ConfigError, match=needle):
         Engine.from_repository(repo, **settings)
+
+
+def test_uint64_lists_keep_their_values_and_bad_ones_are_named() -> None:
+    """numpy reads [2**64 - 1, 1] as float64: the list is read exactly instead."""
+    from rtserve.engine import _from_list
+
+    got = _from_list("u", [[2**64 - 1, 1], [2**63, 0]], "UINT64")
+    assert got.dtype == np.uint64 and got.tolist() == [[2**64 - 1, 1], [2**63, 0]]
+    with pytest.raises(InvalidInput, match="inputs.u: expected UINT64 values"):
+        _from_list("u", [2**64, 1], "UINT64")
+    with pytest.raises(InvalidInput, match=r"inputs.i: expected INT64 values \(integers\)"):
+        _from_list("i", [2**63, 1.5], "INT64")
+
+
+def test_a_stopped_engine_is_not_restarted_and_a_fork_gets_an_error(repo: Path) -> None:
+    """start() after stop() said nothing and served nothing; a SyncEngine used in a forked
+    child waited for ever on a loop thread that is not there."""
+    import os
+
+    async def run() -> None:
+        engine = Engine.from_repository(repo)
+        await engine.start()
+        await engine.stop()
+        with pytest.raises(RuntimeError, match="cannot be started again after stop"):
+            await engine.start()
+
+    asyncio.run(run())
+    sync = Engine.from_repository(repo).sync().start()
+    try:
+        x = {"x": np.ones((1, 4), np.float32)}
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: an error at once, then exit
+            try:
+                sync.infer("scale", x)
+                os.write(write, b"answered")
+            except RuntimeError as exc:
+                os.write(write, str(exc).encode()[:200])
+            finally:
+                os._exit(0)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        message = os.read(read, 300).decode()
+        os.close(read)
+        assert status == 0 and "in a forked process create and start a new Engine" in message
+        assert sync.infer("scale", x)["y"].tolist() == [[2.0] * 4]  # the parent's still serves
+    finally:
+        sync.stop()

@@ -182,6 +182,32 @@ def test_each_event_shape_infers(serverless: ModuleType, shape: dict[str, Any]) 
         assert headers["x-request-id"] in ("req-1", "req-2")
 
 
+def test_a_forked_child_starts_its_own_engine(serverless: ModuleType) -> None:
+    """A pre-fork worker: the parent's engine thread is not in the child, which waited for
+    ever on it; the child now loads its own."""
+    import signal
+
+    body = json.dumps({"inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32",
+                                   "data": ROWS}]})  # fmt: skip
+    event = _event(HTTP_V2, body)
+    assert _call(serverless, event)[0] == 200
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(60)  # (a hang ends the child, not the test run)
+        try:
+            status = serverless.handler(event, None)["statusCode"]
+            os.write(write, str(status).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    answer = os.read(read, 16)
+    os.close(read)
+    assert answer == b"200"
+    assert _call(serverless, event)[0] == 200
+
+
 def test_base64_json_body(serverless: ModuleType) -> None:
     body = base64.b64encode(V2_BODY.encode()).decode()
     status, _, doc = _call(serverless, _event(HTTP_V2, body, isBase64Encoded=True))

@@ -19,6 +19,7 @@ and errors are the typed ``rtserve.errors`` the servers map to statuses.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping, Sequence
@@ -37,7 +38,7 @@ from rtserve.core.dataplane import DataPlane, statistics_of
 from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.core.model import BuildContext, ModelVersion
 from rtserve.core.registry import ModelRegistry
-from rtserve.errors import InvalidInput
+from rtserve.errors import InvalidInput, ShuttingDown
 from rtserve.llm.params import SAMPLING_NAMES, GenerationEvent, SamplingParams
 from rtserve.observability.metrics import Metrics
 from rtserve.observability.tracing import Tracer
@@ -108,9 +109,14 @@ def _from_list(name: str, value: Any, datatype: str | None) -> np.ndarray:
     elif kind == "b":  # (as in JSON: true / false are not numbers)
         raise InvalidInput(f"{fail}, got booleans")
     elif target.kind in "iu":
-        if kind == "f":
-            raise InvalidInput(f"{fail} (integers), got {raw.dtype} values")
         info = np.iinfo(target)
+        if kind == "f":  # (numpy reads ints past 2**63 mixed with smaller ones as floats)
+            exact = np.asarray(value, dtype=object)
+            if exact.shape != raw.shape or not all(type(v) is int for v in exact.flat):
+                raise InvalidInput(f"{fail} (integers), got {raw.dtype} values")
+            if min(exact.flat) < info.min or max(exact.flat) > info.max:
+                raise InvalidInput(f"{fail}, which range from {info.min} to {info.max}")
+            return exact.astype(target)
         if raw.min() < info.min or raw.max() > info.max:
             raise InvalidInput(f"{fail}, which range from {info.min} to {info.max}")
     elif kind == "f" or kind in "iu":
@@ -197,6 +203,7 @@ class Engine:
             journal=shared / "model-control.jsonl" if shared is not None else None,
         )
         self.started = False
+        self._stopped = False  # (an engine is started once)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
 
     def add_activity(self, source: Callable[[], bool]) -> None:
@@ -220,6 +227,8 @@ class Engine:
         """Load and warm up the models (those that fail are listed by ``models()``)."""
         if self._loop is not None:
             raise RuntimeError("the engine is already started")
+        if self._stopped:
+            raise RuntimeError("an Engine cannot be started again after stop(); create a new one")
         self._loop = asyncio.get_running_loop()
         try:
             await self.control.start()
@@ -239,11 +248,22 @@ class Engine:
                 "loop use Engine.sync(), or asyncio.run_coroutine_threadsafe on that loop"
             )
 
-    async def stop(self) -> None:
-        """Answer what was accepted, then release the models."""
+    async def stop(self, grace_period_s: float | None = None) -> None:
+        """Answer what was accepted, then release the models. Generations still running
+        after ``grace_period_s`` (default: the ``grace_period_s`` setting) end with
+        ``ShuttingDown``; other models' batches in progress are waited for."""
         self._check_loop()
+        self._stopped = True
         self.dataplane.begin_drain()
+        grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
+        deadline = time.monotonic() + grace
         while any(mv.scheduler.busy for mv in self.registry.loaded_versions()):
+            if time.monotonic() >= deadline:
+                error = ShuttingDown(f"stopped: generation cut after the {grace:g} s grace period")
+                for mv in self.registry.loaded_versions():
+                    if mv.llm is not None:
+                        mv.llm.abort_all(error)
+                break
             await asyncio.sleep(0.005)
         await self.control.stop()
         await self.registry.stop()
@@ -386,11 +406,18 @@ class SyncEngine:
         self.engine = engine
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._loop is None:
             coro.close()
             raise RuntimeError("the engine is not started: use `with engine.sync() as e:`")
+        if os.getpid() != self._pid:  # (forked: the loop's thread is not in this process)
+            coro.close()
+            raise RuntimeError(
+                f"this engine was started in process {self._pid}; in a forked process "
+                "create and start a new Engine"
+            )
         future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
         return future.result()
 
@@ -398,6 +425,7 @@ class SyncEngine:
         if self._loop is not None:
             raise RuntimeError("the engine is already started")
         loop = self._loop = asyncio.new_event_loop()
+        self._pid = os.getpid()
         self._thread = threading.Thread(target=loop.run_forever, name="rtserve-engine", daemon=True)
         self._thread.start()
         try:
@@ -410,6 +438,9 @@ class SyncEngine:
     def stop(self) -> None:
         loop, thread = self._loop, self._thread
         if loop is None or thread is None:
+            return
+        if os.getpid() != self._pid:  # a forked copy: the parent's engine is not ours to stop
+            self._loop = self._thread = None
             return
         try:
             if self.engine.started:

@@ -105,6 +105,16 @@ _lock = threading.Lock()
 _runtime: _Runtime | None = None
 
 
+def _forked() -> None:
+    """In a forked child the parent's engine thread does not exist: start afresh there."""
+    global _lock, _runtime
+    _lock = threading.Lock()
+    _runtime = None
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _started() -> _Runtime:
     """The process's runtime, started on first use (models loaded and warmed once)."""
     global _runtime

@@ -320,6 +320,16 @@ class LlmEngine:
             self._aborts.append(seq)
         self._wake.set()
 
+    def abort_all(self, error: BaseException) -> None:
+        """End every sequence now (a stop past its grace period): each consumer gets
+        ``error``; the loop frees their blocks."""
+        with self._lock:
+            pending = self._incoming + list(self.scheduler.waiting) + self.scheduler.running
+            self._aborts.extend(pending)
+        for seq in pending:
+            _send(seq, error)
+        self._wake.set()
+
     # ---------------------------------------------------------------- the loop
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"llm-{self.name}", daemon=True)
