@@ -98,6 +98,10 @@ def test_sampling_ratio_zero_exports_nothing_for_new_traces(tmp_path: Path) -> N
     try:
         for _ in range(5):
             post_infer(s.base, {})
+        # a malformed or all-zero parent is no parent: the ratio still decides (any client
+        # could force a full trace of every request before)
+        for bad in ("garbage", f"00-{'0' * 32}-{CLIENT_SPAN}-01", "00-xyz"):
+            post_infer(s.base, {"traceparent": bad})
     finally:
         s.stop()
         receiver.close()

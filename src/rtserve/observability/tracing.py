@@ -65,10 +65,14 @@ class Tracer:
         end_ns: int,
     ) -> str:
         """Emit the request's spans; returns its trace id (hex), or "" if not sampled."""
-        if not t.traceparent and (self.ratio <= 0.0 or random.random() >= self.ratio):
-            return ""
         trace = self._trace
-        parent = self.propagator.extract({"traceparent": t.traceparent}) if t.traceparent else None
+        parent = None
+        if t.traceparent:  # only a valid parent decides; a malformed one is as none
+            parent = self.propagator.extract({"traceparent": t.traceparent})
+            if not trace.get_current_span(parent).get_span_context().is_valid:
+                parent = None
+        if parent is None and (self.ratio <= 0.0 or random.random() >= self.ratio):
+            return ""
         span = self.tracer.start_span(
             f"infer {model}",
             context=parent,
