@@ -452,8 +452,14 @@ def test_llm_metrics_merge_across_two_workers(llm_server: RunningServer) -> None
     types = re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE)
     assert len(types) == len({name for name, _ in types}), "a family declared twice"
     declared = dict(types)
-    assert declared["rtserve_llm_prompt_tokens"] == "histogram"
+    assert declared["rtserve_llm_request_prompt_tokens"] == "histogram"
     assert declared["rtserve_llm_prompt_tokens_total"] == "counter"
+    # one family a name in Prometheus' model too (a counter's family drops "_total": the
+    # per-request histograms shared the counters' names before)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = [f.name for f in text_string_to_metric_families(text)]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
     if PROMTOOL := shutil.which("promtool"):
         r = subprocess.run(
             [PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
@@ -468,7 +474,7 @@ def test_llm_metrics_merge_across_two_workers(llm_server: RunningServer) -> None
     assert grew("rtserve_llm_requests_finished_total", reason="length") == sent
     assert grew("rtserve_llm_time_to_first_token_seconds_count") == sent
     assert grew("rtserve_llm_generation_tokens_total") == 6 * sent
-    assert grew("rtserve_llm_prompt_tokens_total") == grew("rtserve_llm_prompt_tokens_sum") > 0
+    assert grew("rtserve_llm_prompt_tokens_total") == grew("rtserve_llm_request_prompt_tokens_sum") > 0
     assert sample_value(text, "rtserve_llm_kv_blocks_capacity", model=LLM) == 2 * POOL_BLOCKS
     assert sample_value(text, "rtserve_llm_kv_blocks_used", model=LLM) == 0
     assert sample_value(

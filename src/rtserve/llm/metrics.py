@@ -42,8 +42,8 @@ HISTOGRAMS = {
     "itl": ("rtserve_llm_inter_token_latency_seconds", "Time between tokens", TOKEN_LATENCY),
     "e2e": ("rtserve_llm_request_seconds", "Arrival to last token", REQUEST_LATENCY),
     "queue": ("rtserve_llm_queue_seconds", "Arrival to first scheduled", REQUEST_LATENCY),
-    "prompt": ("rtserve_llm_prompt_tokens", "Prompt tokens per request", TOKEN_COUNTS),
-    "generated": ("rtserve_llm_generation_tokens", "Generated tokens per request", TOKEN_COUNTS),
+    "prompt": ("rtserve_llm_request_prompt_tokens", "Prompt tokens per request", TOKEN_COUNTS),
+    "generated": ("rtserve_llm_request_generation_tokens", "Generated tokens per request", TOKEN_COUNTS),
 }
 
 
