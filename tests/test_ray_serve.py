@@ -473,3 +473,30 @@ def test_client_gone_stops_the_sequence_through_ray(llm: LlmApps, stream: bool) 
     assert _metric(base, "rtserve_llm_generation_tokens_total") - generated < 500
     ok = httpx.post(f"{base}/v1/completions", json={"model": LLM, "prompt": "a"}, timeout=30)
     assert ok.status_code == 200
+
+
+def test_an_unhealthy_replica_names_its_failed_models(tmp_path: Path) -> None:
+    """Ray's deploy error repeats the health check's: it names the model and why."""
+    import asyncio
+
+    from rtserve import Engine
+    from rtserve.ray import RTServeDeployment
+
+    build_scale(tmp_path / "repo" / "ok" / "1" / "model.onnx", 2.0)
+    (tmp_path / "repo" / "broken" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "broken" / "1" / "model.onnx").write_bytes(b"not a model")
+
+    async def run() -> str:
+        replica = RTServeDeployment.__new__(RTServeDeployment)
+        replica.engine = Engine.from_repository(tmp_path / "repo")
+        await replica.engine.start()
+        try:
+            with pytest.raises(RuntimeError) as info:
+                replica.check_health()
+            return str(info.value)
+        finally:
+            await replica.engine.stop()
+
+    message = asyncio.run(run())
+    assert message.startswith("rtserve engine is not ready: broken (") and "ok (" not in message
+    assert "could not load the model" in message

@@ -209,7 +209,15 @@ class RTServeDeployment:
     def check_health(self) -> None:
         """Ray's replica health check: failing models make the replica unhealthy."""
         if not self.engine.ready():
-            raise RuntimeError("rtserve engine is not ready (a model failed or it is stopping)")
+            failed = [
+                f"{m.name} ({m.reason[:300]})" if m.reason else m.name
+                for m in self.engine.models()
+                if m.state != "READY"
+            ]
+            raise RuntimeError(
+                "rtserve engine is not ready: "
+                + ("; ".join(failed[:5]) if failed else "it is stopping")
+            )
 
     async def __del__(self) -> None:
         """Answer what was accepted, then release the models (Ray calls this at shutdown)."""
