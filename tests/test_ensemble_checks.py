@@ -126,3 +126,34 @@ def test_a_cached_ensemble_answers_from_its_steps_live_versions(tmp_path: Path) 
         assert hits[0]["inference_stats"]["cache_hit"]["count"] == 2
     finally:
         s.stop()
+
+
+def test_statistics_count_compute_per_request_and_batches_per_batch(tmp_path: Path) -> None:
+    """As Triton's: success, queue and compute_* count requests (each reports its batch's
+    compute time; perf_analyzer divides by the request count); batch_stats and
+    execution_count count batches."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    repo = tmp_path / "repo"
+    build_scale(repo / "scale" / "1" / "model.onnx", 2.0)
+    write_config(
+        repo, "scale", {"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_us": 50_000}}
+    )
+    s = start_server(repo, tmp_path / "s")
+    try:
+
+        def one(_: int) -> None:
+            thttp.InferenceServerClient(s.http).infer("scale", _rows(1))
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(one, range(8)))
+        stats = thttp.InferenceServerClient(s.http).get_inference_statistics("scale")
+        model = stats["model_stats"][0]
+        inference = model["inference_stats"]
+        assert inference["success"]["count"] == 8
+        for key in ("queue", "compute_input", "compute_infer", "compute_output"):
+            assert inference[key]["count"] == 8, key
+        batches = sum(int(b["compute_infer"]["count"]) for b in model["batch_stats"])
+        assert batches == int(model["execution_count"]) < 8
+    finally:
+        s.stop()

@@ -153,7 +153,6 @@ class ModelMetrics:
         stats = self.stats
         stats.execution_count += 1
         stats.last_inference_ms = time.time_ns() // 1_000_000
-        stats.compute_infer.add(compute_ns)
         by_size = stats.batch_sizes.get(rows)
         if by_size is None:
             by_size = stats.batch_sizes[rows] = StatDuration()
@@ -172,7 +171,11 @@ class ModelMetrics:
         if t.batch_start:
             queued = t.batch_start - t.enqueued
             self.queue.observe(queued * 1e-9)
-            self.compute.observe((t.batch_end - t.batch_start) * 1e-9)
+            computed = t.batch_end - t.batch_start
+            self.compute.observe(computed * 1e-9)
+            # per request, as success and queue are (Triton's statistics): each request
+            # of a batch reports the batch's compute time; batch_stats count batches
+            stats.compute_infer.add(computed)
             stats.queue.add(queued)
             if t.cache:
                 stats.cache_miss.add(total)
