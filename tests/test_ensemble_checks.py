@@ -157,3 +157,55 @@ def test_statistics_count_compute_per_request_and_batches_per_batch(tmp_path: Pa
         assert batches == int(model["execution_count"]) < 8
     finally:
         s.stop()
+
+
+INPLACE_PY = """
+import time
+
+class Model:
+    def infer(self, inputs):
+        x = inputs["X"]
+        x *= 10  # in place: its own copy, not its sibling's input
+        return {"Y": x}
+"""
+
+LATER_COPY_PY = """
+import time
+
+class Model:
+    def infer(self, inputs):
+        time.sleep(0.05)  # reads its input after the sibling wrote to its own
+        return {"Y": inputs["X"].copy()}
+"""
+
+
+def test_a_step_writing_its_input_in_place_does_not_change_its_siblings(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    signature = {
+        "backend": "python", "max_batch_size": 4,
+        "inputs": [{"name": "X", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "Y", "datatype": "FP32", "shape": [4]}],
+    }  # fmt: skip
+    write_python_model(repo, "inplace", signature, INPLACE_PY)
+    write_python_model(repo, "later", signature, LATER_COPY_PY)
+    write_config(repo, "fan", {
+        "backend": "ensemble", "max_batch_size": 4,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "a", "datatype": "FP32", "shape": [4]},
+                    {"name": "b", "datatype": "FP32", "shape": [4]},
+                    {"name": "x_out", "datatype": "FP32", "shape": [4]}],
+        "steps": [
+            {"model": "inplace", "inputs": {"X": "x"}, "outputs": {"Y": "a"}},
+            {"model": "later", "inputs": {"X": "x"}, "outputs": {"Y": "b"}},
+            {"model": "later", "inputs": {"X": "a"}, "outputs": {"Y": "x_out"}},
+        ],
+    })  # fmt: skip
+    s = start_server(repo, tmp_path / "s")
+    try:
+        x = thttp.InferInput("x", [1, 4], "FP32")
+        x.set_data_from_numpy(np.array([[1, 2, 3, 4]], np.float32))
+        result = thttp.InferenceServerClient(s.http).infer("fan", [x])
+        assert result.as_numpy("a").tolist() == [[10.0, 20.0, 30.0, 40.0]]
+        assert result.as_numpy("b").tolist() == [[1.0, 2.0, 3.0, 4.0]]
+    finally:
+        s.stop()

@@ -319,6 +319,10 @@ def check_step(config: ModelConfig, step: Step, mv: ModelVersion) -> None:
 
 
 # ---------------------------------------------------------------------- running
+# Runtimes that never write their inputs (the others run user code on them).
+_READ_ONLY_PLATFORMS = frozenset({"onnxruntime_onnx", "litert_tflite", "ensemble"})
+
+
 def _check_shape(
     arr: np.ndarray, spec: TensorSpec, batched: bool, ensemble: str, label: str, tensor: str
 ) -> None:
@@ -384,6 +388,13 @@ class EnsembleScheduler:
         self._drained: asyncio.Future[None] | None = None
         self._closing = False
         self._prints: dict[int, tuple[ModelVersion, str]] = {}  # step -> (version, its print)
+        # Tensors that more than one step reads, or that the ensemble answers: a step whose
+        # code may write its inputs in place (Python, torch) gets its own copy of them.
+        readers: dict[str, int] = {}
+        for s in plan.steps:
+            for tensor in s.inputs.values():
+                readers[tensor] = readers.get(tensor, 0) + 1
+        self._shared = {t for t, n in readers.items() if n > 1} | set(self._outputs)
 
     def cache_salt(self) -> str:
         """What the ensemble's answers depend on besides its inputs: each step's live
@@ -558,6 +569,10 @@ class EnsembleScheduler:
         mv = self.step_model(step)
         t = Timings(received=_now())
         feeds = {name: tensors[tensor] for name, tensor in step.inputs.items()}
+        if mv.platform not in _READ_ONLY_PLATFORMS:
+            for name, tensor in step.inputs.items():
+                if tensor in self._shared:
+                    feeds[name] = feeds[name].copy()
         batched = self._config.max_batch_size > 0
         for name, tensor in step.inputs.items():  # (a producer's -1 dims are only known now)
             _check_shape(feeds[name], mv.inputs[name], batched, self.name, step.label, tensor)
