@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol import grpc_service_pb2_grpc as pb_grpc
-from tests.conftest import start_server
+from tests.conftest import RunningServer, start_server
 from tests.models import build_scale
 from tests.v2 import x_input
 
@@ -84,6 +84,16 @@ def test_http_needs_a_valid_token_for_the_model_and_health_stays_open(secured) -
     assert status == 200 and b"rtserve_requests_total" in body
     status, body, _ = http_get(f"{s.base}/v2/models/a/config", {"Authorization": f"Bearer {USER}"})
     assert status == 200 and json.loads(body)["name"] == "a"
+    # the refused inferences are counted under their model, as on gRPC (they left no trace)
+    line = next(
+        x for x in body_of_metrics(s).splitlines()
+        if x.startswith('rtserve_requests_total{model="a",outcome="client_error"')
+    )  # fmt: skip
+    assert float(line.rsplit(" ", 1)[1]) == 2  # no key, a wrong key
+
+
+def body_of_metrics(s: RunningServer) -> str:
+    return http_get(f"{s.base}/metrics", {"x-api-key": ADMIN})[1].decode()
 
 
 def test_grpc_needs_a_valid_token_in_metadata(secured) -> None:  # type: ignore[no-untyped-def]

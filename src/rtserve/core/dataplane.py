@@ -334,6 +334,17 @@ class DataPlane:
         refusal, a body that does not decode) through ``sink``, and record it."""
         self._deliver(sink, InferRequest(model, version, [], timings=timings), mv, None, error)
 
+    def record_refusal(
+        self, timings: Timings, error: RTServeError, model: str = "", version: str = ""
+    ) -> None:
+        """Record a request a frontend refused itself (a key, a rate limit): counted under
+        its model when that is loaded (else as unrouted) and in the access log."""
+        mv = None
+        entry = self.registry.models.get(model)
+        if entry is not None and entry.versions:
+            mv = entry.versions.get(version or entry.latest)
+        self.observe(InferRequest(model, version, [], timings=timings), mv, error, _now())
+
     async def infer(
         self, model: str, version: str, timings: Timings, decode: Decode
     ) -> InferResponse:

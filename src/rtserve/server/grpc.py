@@ -297,7 +297,10 @@ class GrpcFrontend:
                 remaining = context.time_remaining()
         except Exception as exc:
             error = as_error(exc, "inference request")
-            dp.refuse(_unsent, timings, error)
+            if isinstance(message, _Malformed):
+                dp.refuse(_unsent, timings, error)
+            else:  # (counted and logged under the model it names, as over HTTP)
+                dp.record_refusal(timings, error, message.model_name, message.model_version)
             try:
                 raise error from None
             finally:

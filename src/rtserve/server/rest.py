@@ -198,7 +198,7 @@ class HttpFrontend:
         server answers a refusal at once and closes, so a refused client cannot make it
         buffer an upload."""
         if self.guard is not None:
-            self.guard.http(path, headers, _peer(conn))
+            self._guarded(conn, path, headers)
         if method != b"POST":
             return None
         if path.endswith("/infer"):
@@ -215,10 +215,25 @@ class HttpFrontend:
             raise RouteNotFound(f"no route for POST {path[:200]}")
         return None
 
+    def _guarded(self, conn: Connection, path: str, headers: dict[bytes, bytes]) -> None:
+        """The guard's check; an inference refused (no key, a rate limit) is recorded as
+        every other request is: counted under its model and access-logged."""
+        assert self.guard is not None
+        try:
+            self.guard.http(path, headers, _peer(conn))
+        except RTServeError as exc:
+            if path.endswith("/infer"):
+                try:
+                    name, version = _infer_target(path)
+                except RTServeError:
+                    name = version = ""
+                self.dataplane.record_refusal(Timings(received=_now()), exc, name, version)
+            raise
+
     def handle(self, conn: Connection, request: Request) -> None:
         if self.guard is not None and not request.checked:
             try:
-                self.guard.http(request.path, request.headers, _peer(conn))
+                self._guarded(conn, request.path, request.headers)
             except Exception as exc:
                 v1 = request.path.startswith("/v1/")  # the OpenAI API's own error shape
                 status, body, headers = error_answer(exc) if v1 else http_error(exc)
