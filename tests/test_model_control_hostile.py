@@ -350,6 +350,14 @@ def test_unloading_an_ensembles_step_names_it_and_keeps_the_server_ready(
     assert infer(server.base, "uens") == 3.0
 
 
+# A Python model of the scale models' signature (x -> y, FP32 [4], batched).
+PYTHON_XY = {
+    "backend": "python",
+    "max_batch_size": 4,
+    "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+    "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
+}
+
 SLOW_LOAD_PY = """
 import time
 
@@ -370,13 +378,7 @@ def test_a_first_load_in_progress_is_listed_loading_and_keeps_the_server_ready(
     from tests.models import write_python_model
 
     repo = build_repo(tmp_path / "repo")
-    config = {
-        "backend": "python",
-        "max_batch_size": 4,
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
-        "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
-    }
-    write_python_model(repo, "slow", config, SLOW_LOAD_PY)
+    write_python_model(repo, "slow", PYTHON_XY, SLOW_LOAD_PY)
     s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit", "--load-model", "a")
     try:
         answer: list[int] = []
@@ -419,13 +421,7 @@ def test_a_load_that_hangs_holds_up_only_its_own_model(tmp_path: Path) -> None:
     from tests.models import write_python_model
 
     repo = build_repo(tmp_path / "repo")
-    config = {
-        "backend": "python",
-        "max_batch_size": 4,
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
-        "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
-    }
-    write_python_model(repo, "stuck", config, GATED_LOAD_PY)
+    write_python_model(repo, "stuck", PYTHON_XY, GATED_LOAD_PY)
     write_config(repo, "over_stuck", _ensemble("stuck"))
     s = start_server(repo, tmp_path / "s", "--model-control-mode", "explicit", "--load-model", "a")
     answers: dict[str, int] = {}
