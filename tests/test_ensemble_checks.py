@@ -137,7 +137,12 @@ def test_statistics_count_compute_per_request_and_batches_per_batch(tmp_path: Pa
     repo = tmp_path / "repo"
     build_scale(repo / "scale" / "1" / "model.onnx", 2.0)
     write_config(
-        repo, "scale", {"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_us": 50_000}}
+        repo,
+        "scale",
+        {
+            "max_batch_size": 8,
+            "dynamic_batching": {"max_queue_delay_us": 100_000, "adaptive_delay": False},
+        },
     )
     s = start_server(repo, tmp_path / "s")
     try:
