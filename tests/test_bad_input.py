@@ -75,6 +75,8 @@ def test_unknown_model_and_version_are_404(server: RunningServer) -> None:
     assert r.status_code == 404 and "unknown model 'no-such-model'" in r.json()["error"]
     r = httpx.post(f"{server.base}/v2/models/scale/versions/9/infer", json=GOOD)
     assert r.status_code == 404 and "unknown version '9'" in r.json()["error"]
+    r = httpx.post(f"{server.base}/v2/models/scale/versions/01/infer", json=GOOD)
+    assert r.status_code == 200, r.text  # "01" is version 1 (Triton reads versions as integers)
     assert httpx.get(f"{server.base}/v2/models/no-such-model").status_code == 404
     assert_still_serving(server)
 

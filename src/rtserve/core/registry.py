@@ -153,6 +153,8 @@ class ModelRegistry:
             why = entry.error or ("it is loading" if entry.loading else "no version is loaded")
             raise ModelNotReady(f"model '{name}' is not available: {why}")
         mv = entry.versions.get(version or entry.latest)
+        if mv is None and version.isdigit() and version.isascii():
+            mv = entry.versions.get(str(int(version)))  # "01" is version 1, as Triton reads it
         if mv is None:
             raise ModelNotFound(
                 f"unknown version '{shown(version)}' of model '{name}' "
