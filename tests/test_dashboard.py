@@ -474,7 +474,9 @@ def test_llm_metrics_merge_across_two_workers(llm_server: RunningServer) -> None
     assert grew("rtserve_llm_requests_finished_total", reason="length") == sent
     assert grew("rtserve_llm_time_to_first_token_seconds_count") == sent
     assert grew("rtserve_llm_generation_tokens_total") == 6 * sent
-    assert grew("rtserve_llm_prompt_tokens_total") == grew("rtserve_llm_request_prompt_tokens_sum") > 0
+    assert (
+        grew("rtserve_llm_prompt_tokens_total") == grew("rtserve_llm_request_prompt_tokens_sum") > 0
+    )
     assert sample_value(text, "rtserve_llm_kv_blocks_capacity", model=LLM) == 2 * POOL_BLOCKS
     assert sample_value(text, "rtserve_llm_kv_blocks_used", model=LLM) == 0
     assert sample_value(

@@ -43,7 +43,11 @@ HISTOGRAMS = {
     "e2e": ("rtserve_llm_request_seconds", "Arrival to last token", REQUEST_LATENCY),
     "queue": ("rtserve_llm_queue_seconds", "Arrival to first scheduled", REQUEST_LATENCY),
     "prompt": ("rtserve_llm_request_prompt_tokens", "Prompt tokens per request", TOKEN_COUNTS),
-    "generated": ("rtserve_llm_request_generation_tokens", "Generated tokens per request", TOKEN_COUNTS),
+    "generated": (
+        "rtserve_llm_request_generation_tokens",
+        "Generated tokens per request",
+        TOKEN_COUNTS,
+    ),
 }
 
 
