@@ -300,6 +300,10 @@ def test_health_metadata_and_config_routes(serverless: ModuleType) -> None:
     v1 = _event(REST_V1, httpMethod="GET", path="/v2/models/scale/ready")
     assert _call(serverless, v1)[:3:2] == (200, {"name": "scale", "ready": True})
     assert _call(serverless, _get("/v2/nothing"))[0] == 404
+    head = _get("/v2/health/ready")
+    head["requestContext"]["http"]["method"] = "HEAD"
+    out = serverless.handler(head, None)
+    assert out["statusCode"] == 200 and out["body"] == ""  # HEAD: no body
 
 
 # ---------------------------------------------------------------------- generative models

@@ -320,6 +320,8 @@ async def _answer(rt: _Runtime, ev: HttpEvent) -> Answer:
             status, body, headers = await gather(rt.generative.reply(request))
         else:
             status, body, headers = rt.frontend._route(request)
+        if ev.method == b"HEAD":  # (the GET's status and headers, no body)
+            body = b""
         return status, _text_headers(headers), body
     except Exception as exc:
         return _error(exc)
