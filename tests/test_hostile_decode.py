@@ -566,3 +566,17 @@ def test_limits_for_a_static_model_refuse_oversized_json_before_parsing() -> Non
     assert peak < len(body)  # refused before orjson built the list
     ok = body_of(tensor(shape=[32, 256], data=[0.5] * (32 * 256)))
     assert decode_infer_request(ok, None, "m", "", limits).inputs[0].data.shape == (32, 256)
+
+
+def test_binary_data_flags_must_be_booleans() -> None:
+    """`"yes"` was ignored (a JSON answer where the client asked for binary, or the reverse)."""
+    body = orjson.dumps({"inputs": [tensor()], "parameters": {"binary_data_output": "yes"}})
+    with pytest.raises(InvalidInput, match="parameters.binary_data_output: expected true or false"):
+        decode(body)
+    body = orjson.dumps(
+        {"inputs": [tensor()], "outputs": [{"name": "y", "parameters": {"binary_data": 1}}]}
+    )
+    with pytest.raises(InvalidInput, match=r"outputs\[0\].parameters.binary_data: expected true"):
+        decode(body)
+    body = orjson.dumps({"inputs": [tensor()], "parameters": {"binary_data_output": True}})
+    assert decode(body).parameters["binary_data_output"] is True

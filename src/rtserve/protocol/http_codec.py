@@ -519,6 +519,8 @@ def decode_infer_request(
         )
     params = doc.get("parameters")
     params = {} if params is None else _check_parameters(params, "parameters", limits)
+    if "binary_data_output" in params and type(params["binary_data_output"]) is not bool:
+        raise _fail("parameters.binary_data_output", "expected true or false")
     outputs = None
     raw_outputs = doc.get("outputs")
     if raw_outputs is not None:
@@ -536,6 +538,8 @@ def decode_infer_request(
             if op is not None:
                 op = _check_parameters(op, f"outputs[{i}].parameters", limits)
                 flag = op.get("binary_data")
+                if flag is not None and type(flag) is not bool:
+                    raise _fail(f"outputs[{i}].parameters.binary_data", "expected true or false")
                 if "classification" in op:
                     where = f"outputs[{i}].parameters.classification"
                     top = classification_count(op["classification"], where)
