@@ -112,6 +112,13 @@ def test_grpc_needs_a_valid_token_in_metadata(secured) -> None:  # type: ignore[
         client.get_model_repository_index(headers={"authorization": f"Bearer {USER}"})
     index = client.get_model_repository_index(headers={"authorization": f"Bearer {ADMIN}"})
     assert {m.name for m in index.models} == {"a", "b"}
+    # a model's readiness needs its key on both protocols (open over gRPC, it told anyone
+    # which models exist); the server's own probes stay open
+    assert client.is_server_ready()
+    with pytest.raises(InferenceServerException, match="missing credentials"):
+        client.is_model_ready("a")
+    assert client.is_model_ready("a", headers={"authorization": f"Bearer {USER}"})
+    assert http_get(f"{s.base}/v2/models/a/ready")[0] == 401
 
 
 def test_rate_limit_answers_429_with_retry_after_and_other_clients_are_unaffected(

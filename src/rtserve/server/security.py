@@ -189,7 +189,9 @@ def grpc_credentials(
     )
 
 
-_OPEN_GRPC = ("ServerLive", "ServerReady", "ModelReady")
+# (ModelReady needs the model's key, as HTTP's /v2/models/{m}/ready: open, it told any
+# client which models exist)
+_OPEN_GRPC = ("ServerLive", "ServerReady")
 _ADMIN_GRPC = ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
 # Any valid key, as their HTTP routes (/v2/systemsharedmemory/..., /v2/cudasharedmemory/...):
 # their request's ``name`` is a region's, not a model's.
