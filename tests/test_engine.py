@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -321,3 +322,39 @@ def test_a_stopped_engine_is_not_restarted_and_a_fork_gets_an_error(repo: Path) 
         assert sync.infer("scale", x)["y"].tolist() == [[2.0] * 4]  # the parent's still serves
     finally:
         sync.stop()
+
+
+def test_stop_ends_generations_past_the_grace_period(tmp_path: Path) -> None:
+    """A generation that would run for long holds stop() only for the grace period, then
+    ends with ShuttingDown (a short one beside it completed)."""
+    from rtserve.errors import ShuttingDown
+    from tests.llm_models import build_llm
+
+    build_llm(tmp_path, "tiny")
+
+    async def run() -> tuple[list[str], float]:
+        engine = Engine.from_repository(tmp_path)
+        await engine.start()
+        outcomes: list[str] = []
+
+        async def consume(max_tokens: int) -> None:
+            try:
+                async for _ in engine.generate(
+                    "tiny", "the cat", max_tokens=max_tokens, ignore_eos=True, temperature=0
+                ):
+                    pass
+                outcomes.append("done")
+            except ShuttingDown:
+                outcomes.append("cut")
+
+        long = asyncio.create_task(consume(500))
+        await asyncio.create_task(consume(3))  # a short one, alongside
+        assert not long.done()
+        started = time.monotonic()
+        await engine.stop(grace_period_s=0.02)
+        await long
+        return sorted(outcomes), time.monotonic() - started
+
+    outcomes, took = asyncio.run(run())
+    assert outcomes == ["cut", "done"]
+    assert took < 10, took
