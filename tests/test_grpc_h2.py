@@ -5,11 +5,13 @@ the server keeps serving."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import time
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -459,3 +461,37 @@ def test_a_rapid_reset_flood_closes_only_that_connection(server: RunningServer) 
     finally:
         c.close()
     still_serves(server)
+
+
+def test_connections_past_the_grpc_cap_are_closed_at_once(tmp_path: Path) -> None:
+    """The gRPC port had no connection cap: idle clients could take every descriptor. It
+    holds at most an eighth of the descriptor limit (75 of 600 here); past it a connection
+    is closed at once, and once they go a client is served again."""
+    import shutil
+
+    if shutil.which("prlimit") is None:
+        pytest.skip("prlimit (util-linux) is needed to lower the descriptor limit")
+    root = tmp_path / "repo"
+    build_scale(root / "scale" / "1" / "model.onnx", 2.0)
+    (root / "scale" / "config.yaml").write_text("max_batch_size: 4\n")
+    s = start_server(root, tmp_path / "s", prefix=("prlimit", "--nofile=600:600"))
+    held: list[socket.socket] = []
+    try:
+        for _ in range(100):
+            held.append(socket.create_connection(("127.0.0.1", s.grpc_port), timeout=5))
+        time.sleep(0.5)
+        closed = 0
+        for sock in held:
+            sock.settimeout(0.05)
+            with contextlib.suppress(TimeoutError):
+                closed += sock.recv(1 << 16) == b""
+        assert closed >= 100 - 75, closed
+        for sock in held:
+            sock.close()
+        held.clear()
+        time.sleep(0.5)
+        still_serves(s)
+    finally:
+        for sock in held:
+            sock.close()
+        s.stop()
