@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -70,9 +72,19 @@ def test_a_request_becomes_a_span_tree_that_continues_the_clients_trace(tmp_path
     try:
         status, _, _ = post_infer(s.base, {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"})
         assert status == 200
+        # a model the server does not have: its name stays out of span names (a bounded set)
+        unknown = urllib.request.Request(
+            f"{s.base}/v2/models/no-such-{'x' * 20}/infer", b"{}",
+            {"traceparent": f"00-{'1' * 32}-{CLIENT_SPAN}-01"}, method="POST",
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(unknown, timeout=10)
     finally:
         s.stop()  # flushes the exporter
         receiver.close()
+    assert not [span for span in receiver.spans if "no-such" in span.name]
+    assert [span for span in receiver.spans if span.name == "infer"]
+    receiver.spans[:] = [span for span in receiver.spans if span.trace_id.hex() != "1" * 32]
     by_name = {span.name: span for span in receiver.spans}
     root = by_name["infer a"]
     assert root.trace_id.hex() == TRACE_ID and root.parent_span_id.hex() == CLIENT_SPAN

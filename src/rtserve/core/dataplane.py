@@ -464,6 +464,7 @@ class DataPlane:
                 status,
                 error.message if error is not None else "",
                 end_ns,
+                routed=mv is not None,
             )
         if self.access_log:
             access_line(request.timings, model, version, status, rows, end_ns, trace_id)

@@ -63,8 +63,11 @@ class Tracer:
         status: int,
         error: str,
         end_ns: int,
+        routed: bool = True,
     ) -> str:
-        """Emit the request's spans; returns its trace id (hex), or "" if not sampled."""
+        """Emit the request's spans; returns its trace id (hex), or "" if not sampled.
+        ``routed``: ``model`` is a served model (else the client's name for one, kept as an
+        attribute but not in the span's name: span names stay a bounded set)."""
         trace = self._trace
         parent = None
         if t.traceparent:  # only a valid parent decides; a malformed one is as none
@@ -74,7 +77,7 @@ class Tracer:
         if parent is None and (self.ratio <= 0.0 or random.random() >= self.ratio):
             return ""
         span = self.tracer.start_span(
-            f"infer {model}",
+            f"infer {model}" if routed else "infer",
             context=parent,
             kind=trace.SpanKind.SERVER,
             start_time=self._at(t.received),
