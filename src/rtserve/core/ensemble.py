@@ -327,10 +327,7 @@ def _check_shape(
     arr: np.ndarray, spec: TensorSpec, batched: bool, ensemble: str, label: str, tensor: str
 ) -> None:
     """A tensor's shape at run time against the declared one (-1: any size there)."""
-    dims = arr.shape[1:] if batched else arr.shape
-    if len(dims) != len(spec.shape) or any(
-        want != -1 and got != want for got, want in zip(dims, spec.shape, strict=False)
-    ):
+    if not _shapes_agree(arr.shape[1:] if batched else arr.shape, spec.shape):
         shown = [-1, *spec.shape] if batched else list(spec.shape)
         raise InferenceFailed(
             f"ensemble '{ensemble}' {label}: tensor '{tensor}' has shape {list(arr.shape)}, "

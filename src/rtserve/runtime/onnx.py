@@ -130,6 +130,11 @@ def _refuse_unknown_rank(path: Path, config: ModelConfig) -> None:
 _MADE_UP_DIM = re.compile(r"unk__\d+|.+_dynamic_axes_\d+")
 
 
+def _dim_name(d: Any) -> str | None:
+    """A dimension's name when the exporter gave it one that means something, else None."""
+    return d if isinstance(d, str) and not _MADE_UP_DIM.fullmatch(d) else None
+
+
 def _batchable(session: ort.InferenceSession) -> str:
     """Why requests cannot be stacked along the first dimension of every input and output
     ("" if they can): a fixed or missing first dimension, first dimensions named apart
@@ -141,11 +146,7 @@ def _batchable(session: ort.InferenceSession) -> str:
             return f"{a.name!r} has no first dimension"
         if isinstance(a.shape[0], int) and a.shape[0] > 0:
             return f"{a.name!r} has a fixed first dimension {a.shape[0]}"
-    named = {
-        a.name: a.shape[0]
-        for a in args
-        if isinstance(a.shape[0], str) and not _MADE_UP_DIM.fullmatch(a.shape[0])
-    }
+    named = {a.name: first for a in args if (first := _dim_name(a.shape[0])) is not None}
     if len(set(named.values())) > 1:
         shown = ", ".join(f"{n!r}: {d!r}" for n, d in list(named.items())[:4])
         return f"the first dimensions have different names ({shown})"
@@ -162,8 +163,9 @@ def _shared_dims(args: list[Any]) -> list[tuple[str, list[tuple[str, int]]]]:
     groups: dict[str, list[tuple[str, int]]] = {}
     for a in args:
         for axis, d in enumerate(a.shape or []):
-            if isinstance(d, str) and not _MADE_UP_DIM.fullmatch(d):
-                groups.setdefault(d, []).append((a.name, axis))
+            name = _dim_name(d)
+            if name is not None:
+                groups.setdefault(name, []).append((a.name, axis))
     return [(d, members) for d, members in groups.items() if len({n for n, _ in members}) > 1]
 
 
