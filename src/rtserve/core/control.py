@@ -131,7 +131,9 @@ class ModelControl:
         # Shared by the workers of one server (explicit mode).
         self.journal = Journal(journal) if journal is not None else None
         self._prints: dict[str, tuple[Any, ...]] = {}
-        self._locks: dict[str, asyncio.Lock] = {}  # one a model name (of the repository)
+        # One lock a model name, with how many holders and waiters it has: dropped when
+        # none is left (names come from clients; the dict stays as small as what is held).
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ start / stop
@@ -185,8 +187,6 @@ class ModelControl:
 
     async def unload(self, name: str) -> None:
         self._explicit_only("unload")
-        if name not in self.registry.models:  # (before a lock is made for the name)
-            raise ModelNotFound(f"unknown model '{shown(name)}' (not loaded)")
         async with self._holding([name]):
             if name not in self.registry.models:
                 raise ModelNotFound(f"unknown model '{shown(name)}' (not loaded)")
@@ -199,14 +199,23 @@ class ModelControl:
     async def _holding(self, names: Iterable[str]) -> AsyncIterator[None]:
         """Hold the locks of ``names``, taken in sorted order (no two loads deadlock)."""
         names = sorted(set(names))
-        async with contextlib.AsyncExitStack() as stack:
+        locks = []
+        for name in names:
+            lock, users = self._locks.get(name) or (asyncio.Lock(), 0)
+            self._locks[name] = (lock, users + 1)
+            locks.append(lock)
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                for lock in locks:
+                    await stack.enter_async_context(lock)
+                yield
+        finally:
             for name in names:
-                await stack.enter_async_context(self._locks.setdefault(name, asyncio.Lock()))
-            yield
-        for name in names:  # (no lock kept for a name nobody waits on: a bounded dict)
-            lock = self._locks.get(name)
-            if lock is not None and not lock.locked() and not getattr(lock, "_waiters", None):
-                del self._locks[name]
+                lock, users = self._locks[name]
+                if users == 1:
+                    del self._locks[name]
+                else:
+                    self._locks[name] = (lock, users - 1)
 
     def _touched(self, source: ModelSource, chain: tuple[str, ...] = ()) -> set[str]:
         """The models a load of ``source`` may (re)load: itself and, for an ensemble, the
