@@ -7,6 +7,7 @@ Both run off the event loop, before the version serves.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -87,11 +88,14 @@ def _working_fill(runtime: Runtime, config: ModelConfig, rows: int, batched: boo
         return 1
     errors = []
     for fill in GUESSES:
-        feeds = example_batch(runtime.inputs, rows, batched, fill)
-        if sum(a.size for a in feeds.values()) > MAX_GUESSED_ELEMENTS:
+        elements = sum(
+            math.prod(d if d >= 0 else fill for d in spec.shape) * (rows if batched else 1)
+            for spec in runtime.inputs
+        )
+        if elements > MAX_GUESSED_ELEMENTS:  # (counted before anything is allocated)
             break
         try:
-            runtime.run(0, feeds)
+            runtime.run(0, example_batch(runtime.inputs, rows, batched, fill))
         except Exception as exc:
             errors.append(f"{fill}: {type(exc).__name__}: {str(exc)[:300]}")
             continue
