@@ -225,10 +225,7 @@ class _Requests:
         data = st.queue.popleft()
         st.held -= len(data) + 5
         self.conn.credit(st)
-        if isinstance(data, _Compressed):
-            limit = self.conn.server.max_message
-            data = await asyncio.to_thread(_inflate, data, st.encoding, limit)
-        return self.parse(data)
+        return self.parse(await self.conn.message(st, data))
 
 
 class ConnectionError_(Exception):
@@ -582,6 +579,13 @@ class Connection(asyncio.Protocol):
                 st.message = data
         return True
 
+    async def message(self, st: _Stream, data: bytes) -> bytes:
+        """A request message as the handler parses it: a compressed one inflated on a
+        thread (a bomb takes time), within the message limit."""
+        if isinstance(data, _Compressed):
+            return await asyncio.to_thread(_inflate, data, st.encoding, self.server.max_message)
+        return data
+
     def credit(self, st: _Stream) -> None:
         """Give the client back the window of what the handler took (and of partial
         messages, bounded by the message limit), never of requests still queued."""
@@ -678,10 +682,7 @@ class Connection(asyncio.Protocol):
         call = st.call
         assert call is not None
         try:
-            if isinstance(data, _Compressed):
-                limit = self.server.max_message
-                data = await asyncio.to_thread(_inflate, data, st.encoding, limit)
-            reply = await method.fn(method.parse(data), call)
+            reply = await method.fn(method.parse(await self.message(st, data)), call)
             body = method.serialize(reply)
         except _Abort as exc:
             self._status(st, exc.code, exc.details, exc.metadata)
