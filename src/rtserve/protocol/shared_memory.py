@@ -54,6 +54,19 @@ _ENABLE = "start the server with --shared-memory system (or shared_memory: syste
 CUDA_UNSUPPORTED = "CUDA shared memory is not supported by this server"
 
 
+def cuda_refusal(action: str, name: str) -> RTServeError | None:
+    """CUDA shared memory, answered as Triton built without GPU support: no region exists.
+    Registering one is refused, so is the status of a named one; the rest (a status of
+    all, an unregister) has nothing to do: None."""
+    if action == "register":
+        return InvalidInput(f"{CUDA_UNSUPPORTED}: cannot register CUDA region '{name:.100}'")
+    if action == "status" and name:
+        return RegionNotFound(
+            f"no CUDA shared memory region '{name:.100}' is registered ({CUDA_UNSUPPORTED})"
+        )
+    return None
+
+
 def disabled(where: str) -> SharedMemoryDisabled:
     """The refusal of a shared memory request on a server that does not allow it."""
     return SharedMemoryDisabled(f"{where}: system shared memory is disabled; to use it, {_ENABLE}")

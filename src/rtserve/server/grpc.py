@@ -30,7 +30,7 @@ from rtserve.core import generation
 from rtserve.core.control import ModelControl
 from rtserve.core.dataplane import DataPlane
 from rtserve.core.model import ModelVersion
-from rtserve.errors import InvalidInput, RegionNotFound, RTServeError, as_error
+from rtserve.errors import InvalidInput, RTServeError, as_error
 from rtserve.llm.params import SamplingParams
 from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
@@ -43,7 +43,7 @@ from rtserve.protocol.grpc_codec import (
 )
 from rtserve.protocol.limits import MAX_ID_CHARS
 from rtserve.protocol.load_request import config_from_grpc
-from rtserve.protocol.shared_memory import CUDA_UNSUPPORTED, SharedMemoryRegions, disabled
+from rtserve.protocol.shared_memory import SharedMemoryRegions, cuda_refusal, disabled
 from rtserve.protocol.types import InferRequest, Timings
 from rtserve.server.errors import grpc_error, grpc_trailers
 from rtserve.server.security import Guard
@@ -258,19 +258,19 @@ class GrpcFrontend:
         self._regions("SystemSharedMemoryUnregister").unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    # CUDA shared memory, answered as Triton built without GPU support: no region exists.
+    # CUDA shared memory, answered as Triton built without GPU support (cuda_refusal).
     @_unary
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        if request.name:
-            raise RegionNotFound(
-                f"no CUDA shared memory region '{request.name:.100}' is registered "
-                f"({CUDA_UNSUPPORTED})"
-            )
+        refusal = cuda_refusal("status", request.name)
+        if refusal is not None:
+            raise refusal
         return pb.CudaSharedMemoryStatusResponse()
 
     @_unary
     async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
-        raise InvalidInput(f"{CUDA_UNSUPPORTED}: cannot register CUDA region '{request.name:.100}'")
+        refusal = cuda_refusal("register", request.name)
+        assert refusal is not None
+        raise refusal
 
     @_unary
     async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:

@@ -23,7 +23,6 @@ from rtserve.core.model import ModelVersion
 from rtserve.errors import (
     InvalidInput,
     PayloadTooLarge,
-    RegionNotFound,
     RouteNotFound,
     RTServeError,
     as_error,
@@ -37,9 +36,9 @@ from rtserve.protocol.http_codec import (
 )
 from rtserve.protocol.load_request import MAX_LOAD_BODY_BYTES, config_from_body
 from rtserve.protocol.shared_memory import (
-    CUDA_UNSUPPORTED,
     Region,
     SharedMemoryRegions,
+    cuda_refusal,
     disabled,
 )
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
@@ -119,14 +118,10 @@ def _register_body(body: bytes) -> dict[str, Any]:
 
 
 def _cuda_shared_memory(action: str, name: str) -> tuple[int, bytes, Headers]:
-    """CUDA shared memory, answered as Triton built without GPU support: no region exists
-    (status lists none, unregister has nothing to do), registering one is refused."""
-    if action == "register":
-        raise InvalidInput(f"{CUDA_UNSUPPORTED}: cannot register CUDA region '{name:.100}'")
-    if action == "status" and name:
-        raise RegionNotFound(
-            f"no CUDA shared memory region '{name:.100}' is registered ({CUDA_UNSUPPORTED})"
-        )
+    """CUDA shared memory (``shared_memory.cuda_refusal``): status lists no region."""
+    refusal = cuda_refusal(action, name)
+    if refusal is not None:
+        raise refusal
     return _json(200, []) if action == "status" else (200, b"", [JSON_TYPE])
 
 
