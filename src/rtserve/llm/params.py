@@ -7,6 +7,7 @@ error is an ``InvalidInput`` naming the field and what was expected.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,6 +30,17 @@ NOT_HONOURED: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1, "truncate_prompt_tokens": None,
     "prompt_logprobs": None,
 }  # fmt: skip
+
+
+def not_neutral(data: Mapping[str, Any], neutral: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first field of ``neutral`` that ``data`` sets to a value other than the one that
+    means "not used" (absent, null, [] and {} are not used too), with what was expected;
+    None if there is none."""
+    for key, unused in neutral.items():
+        value = data.get(key)
+        if value is not None and value != unused and value != [] and value != {}:
+            return key, "absent" if unused is None else f"{json.dumps(unused)} or absent"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +95,9 @@ class SamplingParams:
                 raise fail(key, f"an integer in [{lo}, {hi}]")
             return int(value)
 
-        for key, neutral in NOT_HONOURED.items():
-            value = data.get(key)
-            if value is not None and value != neutral and value != [] and value != {}:
-                shown = "absent" if neutral is None else f"{neutral} or absent"
-                raise fail(key, f"{shown} (not supported by rtserve)")
+        used = not_neutral(data, NOT_HONOURED)
+        if used is not None:
+            raise fail(used[0], f"{used[1]} (not supported by rtserve)")
         # (OpenAI's newer name first, as vLLM; null is as absent: the route's default)
         max_tokens = integer("max_completion_tokens", 1, 1 << 20)
         if max_tokens is None:

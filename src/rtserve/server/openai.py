@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from rtserve.errors import InvalidInput, ModelNotFound, Overloaded, as_error
-from rtserve.llm.params import GenerationEvent, SamplingParams, TokenLogprob
+from rtserve.llm.params import GenerationEvent, SamplingParams, TokenLogprob, not_neutral
 from rtserve.server.errors import http_error
 
 Headers = list[tuple[bytes, bytes]]
@@ -143,11 +143,10 @@ def _flag(doc: dict[str, Any], key: str, where: str = "") -> bool:
 
 
 def _check_unused(doc: dict[str, Any]) -> None:
-    for key, unused in _UNUSED.items():
-        value = doc.get(key)
-        if value is not None and value != unused and value != [] and value != {}:
-            shown = "absent" if unused is None else f"{orjson.dumps(unused).decode()} or absent"
-            raise _fail(key, f"{shown} (not supported by rtserve)", value)
+    used = not_neutral(doc, _UNUSED)
+    if used is not None:
+        key, expected = used
+        raise _fail(key, f"{expected} (not supported by rtserve)", doc[key])
 
 
 def _check_response_format(value: Any) -> None:
