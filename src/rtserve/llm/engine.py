@@ -95,14 +95,6 @@ class LlmEngine:
         self.token_bytes = TokenBytes(self.tokenizer)  # (logprobs' token text and bytes)
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_blocks, options.block_size, options.prefix_caching)
-        capacity = self.pool.num_blocks * self.pool.block_size
-        if capacity < self.max_model_len:  # (no sequence could grow to the model's length)
-            log.warning(
-                "llm %s: the KV pool holds %d tokens, fewer than max_model_len %d: "
-                "max_model_len is %d (raise llm.kv_cache_bytes to serve longer contexts)",
-                name, capacity, self.max_model_len, capacity,
-            )  # fmt: skip
-            self.max_model_len = capacity
         # No prompt that fits max_model_len tokens is longer than this many characters (no
         # token's text is longer than its vocabulary entry): longer text is refused before
         # the tokenizer spends time and memory on it.

@@ -93,6 +93,13 @@ class ModelRunner:
                 f"{self.block_size} tokens ({per_token} bytes per token for this model)"
             )
         slots = self.num_blocks * self.block_size
+        if slots < self.max_model_len:  # (no sequence could grow to the model's length)
+            log.warning(
+                "llm %s: the KV pool holds %d tokens, fewer than max_model_len %d: "
+                "max_model_len is %d (raise llm.kv_cache_bytes to serve longer contexts)",
+                version_dir, slots, self.max_model_len, slots,
+            )  # fmt: skip
+            self.max_model_len = slots
         shape = (self.num_blocks, self.block_size, kv_heads, head_dim)
         self.k_cache = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)
