@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -113,6 +115,19 @@ def start_server(
         proc.kill()  # never leave a server behind
         proc.wait(10)
         raise
+
+
+def hold_connections(port: int, count: int) -> tuple[list[socket.socket], int]:
+    """``count`` idle TCP connections to ``port`` (the caller closes them), and how many the
+    server closed at once (read as end of file within 50 ms each, after half a second)."""
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(count)]
+    time.sleep(0.5)
+    closed = 0
+    for sock in held:
+        sock.settimeout(0.05)
+        with contextlib.suppress(TimeoutError):
+            closed += sock.recv(1 << 16) == b""
+    return held, closed
 
 
 def rss_mb(pid: int) -> float:

@@ -5,7 +5,6 @@ the server keeps serving."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import struct
 import time
@@ -29,7 +28,7 @@ from h2.events import (
 from h2.settings import SettingCodes
 
 from rtserve.protocol import grpc_service_pb2 as pb
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, hold_connections, start_server
 from tests.models import build_scale
 
 SERVICE = "/inference.GRPCInferenceService/"
@@ -477,14 +476,7 @@ def test_connections_past_the_grpc_cap_are_closed_at_once(tmp_path: Path) -> Non
     s = start_server(root, tmp_path / "s", prefix=("prlimit", "--nofile=600:600"))
     held: list[socket.socket] = []
     try:
-        for _ in range(100):
-            held.append(socket.create_connection(("127.0.0.1", s.grpc_port), timeout=5))
-        time.sleep(0.5)
-        closed = 0
-        for sock in held:
-            sock.settimeout(0.05)
-            with contextlib.suppress(TimeoutError):
-                closed += sock.recv(1 << 16) == b""
+        held, closed = hold_connections(s.grpc_port, 100)
         assert closed >= 100 - 75, closed
         for sock in held:
             sock.close()

@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol import grpc_service_pb2_grpc as pb_grpc
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, hold_connections, start_server
 from tests.models import build_scale
 from tests.v2 import x_input
 
@@ -239,7 +239,6 @@ def test_tls_handshakes_in_progress_count_towards_the_connection_caps(tmp_path: 
     without bound (the HTTP cap counted connections only after their handshake; gRPC had
     no cap): now past the cap the next connections are closed at once, and when the
     silent ones go, a real client is served again."""
-    import contextlib
     import os
     import socket
 
@@ -252,14 +251,7 @@ def test_tls_handshakes_in_progress_count_towards_the_connection_caps(tmp_path: 
     silent: list[socket.socket] = []
     try:
         fds = len(os.listdir(f"/proc/{s.proc.pid}/fd"))
-        for _ in range(40):
-            silent.append(socket.create_connection(("127.0.0.1", s.http_port), timeout=5))
-        time.sleep(0.5)
-        closed = 0
-        for sock in silent:
-            sock.settimeout(0.05)
-            with contextlib.suppress(TimeoutError):
-                closed += sock.recv(1) == b""
+        silent, closed = hold_connections(s.http_port, 40)
         assert closed >= 40 - 16, closed  # those past the cap: closed, no handshake
         assert len(os.listdir(f"/proc/{s.proc.pid}/fd")) <= fds + 16 + 2
         for sock in silent:
