@@ -339,10 +339,10 @@ class DataPlane:
     ) -> None:
         """Record a request a frontend refused itself (a key, a rate limit): counted under
         its model when that is loaded (else as unrouted) and in the access log."""
-        mv = None
-        entry = self.registry.models.get(model)
-        if entry is not None and entry.versions:
-            mv = entry.versions.get(version or entry.latest)
+        try:
+            mv: ModelVersion | None = self.registry.get_loaded(model, version)
+        except RTServeError:
+            mv = None
         self.observe(InferRequest(model, version, [], timings=timings), mv, error, _now())
 
     async def infer(
