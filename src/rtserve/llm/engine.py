@@ -312,11 +312,15 @@ class LlmEngine:
             self._aborts.append(seq)
         self._wake.set()
 
+    def _every_sequence(self) -> list[Sequence]:
+        """Submitted, waiting and running sequences (``_lock`` held)."""
+        return self._incoming + list(self.scheduler.waiting) + self.scheduler.running
+
     def abort_all(self, error: BaseException) -> None:
         """End every sequence now (a stop past its grace period): each consumer gets
         ``error``; the loop frees their blocks."""
         with self._lock:
-            pending = self._incoming + list(self.scheduler.waiting) + self.scheduler.running
+            pending = self._every_sequence()
             self._aborts.extend(pending)
         for seq in pending:
             _send(seq, error)
@@ -527,7 +531,7 @@ class LlmEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
-            pending = self._incoming + list(self.scheduler.waiting) + self.scheduler.running
+            pending = self._every_sequence()
             self._incoming = []
         for seq in pending:
             _send(seq, error)
