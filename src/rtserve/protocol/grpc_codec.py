@@ -23,6 +23,7 @@ from rtserve.protocol.limits import (
     MAX_NDIM,
     DecodeLimits,
     ElementBudget,
+    check_bools,
     check_name,
     shown,
     shown_name,
@@ -179,8 +180,8 @@ def _decode(
                         f"of {datatype} needs {expected}"
                     )
                 arr = np.frombuffer(buf, dtype=dtype, count=count)
-                if datatype == "BOOL" and count and bool((arr.view(np.uint8) > 1).any()):
-                    raise InvalidInput(f"{where}: BOOL raw contents hold bytes other than 0 and 1")
+                if datatype == "BOOL":
+                    check_bools(arr, where, "raw contents hold bytes")
         else:
             arr = _from_contents(inp, datatype, count, where)
         inputs.append(Tensor(name, datatype, shape, arr.reshape(shape)))

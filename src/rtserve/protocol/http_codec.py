@@ -37,6 +37,7 @@ from rtserve.protocol.limits import (
     MAX_NDIM,
     DecodeLimits,
     ElementBudget,
+    check_bools,
     check_name,
     shown,
     shown_name,
@@ -504,8 +505,8 @@ def decode_infer_request(
                         f"({expected} bytes)",
                     )
                 arr = np.frombuffer(chunk, dtype=dtype, count=count).reshape(shape)
-                if datatype == "BOOL" and count and bool((arr.view(np.uint8) > 1).any()):
-                    raise _fail(where, "BOOL binary data holds bytes other than 0 and 1")
+                if datatype == "BOOL":
+                    check_bools(arr, where, "binary data holds bytes")
                 if not arr.flags.aligned:
                     arr = arr.copy()
         else:

@@ -126,3 +126,10 @@ class ElementBudget:
                     f"{self.bytes_elements} BYTES elements, over the limit of "
                     f"{limits.max_bytes_elements} (max_bytes_elements)"
                 )
+
+
+def check_bools(arr: Any, where: str, what: str) -> None:
+    """BOOL data read as raw bytes (binary data, raw contents, shared memory) holds only the
+    bytes 0 and 1 (numpy would take any byte as a bool); ``what`` names where it came from."""
+    if arr.size and bool((arr.view("u1") > 1).any()):
+        raise InvalidInput(f"{where}: BOOL {what} other than 0 and 1")

@@ -38,7 +38,7 @@ from rtserve.errors import (
     SharedMemoryFull,
 )
 from rtserve.protocol.bytes_codec import decode_bytes_elements, encode_bytes_elements
-from rtserve.protocol.limits import MAX_ID_CHARS, shown
+from rtserve.protocol.limits import MAX_ID_CHARS, check_bools, shown
 from rtserve.protocol.types import DATATYPE_TO_NUMPY, RequestedOutput, Tensor
 from rtserve.runtime._shm import is_server_segment
 
@@ -316,10 +316,8 @@ class SharedMemoryRegions:
         arr = np.empty(count, dtype=dtype)
         if count:
             region.read_into(arr.view(np.uint8).data, offset, where)
-        if datatype == "BOOL" and count and bool((arr.view(np.uint8) > 1).any()):
-            raise InvalidInput(
-                f"{where}: BOOL data in shared memory holds bytes other than 0 and 1"
-            )
+        if datatype == "BOOL":
+            check_bools(arr, where, "data in shared memory holds bytes")
         return arr.reshape(shape)
 
     def output_region(self, params: dict[str, Any], where: str) -> OutputRegion:
