@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -150,6 +151,20 @@ def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     )
     yield s
     s.stop()
+
+
+def run_perf_analyzer(args: list[str], env: dict[str, str]) -> str:
+    """Run the tritonclient wheel's perf_analyzer with ``args`` (``env``: the
+    ``perf_analyzer_env`` fixture); its output, once it exited 0 having measured."""
+    beside = Path(sys.executable).parent / "perf_analyzer"
+    binary = beside if beside.exists() else shutil.which("perf_analyzer")
+    assert binary, "perf_analyzer not installed (pip install 'tritonclient[all]==2.51.0')"
+    result = subprocess.run(
+        [str(binary), *args], capture_output=True, text=True, timeout=120, env=env
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "Throughput:" in output, output
+    return output
 
 
 @pytest.fixture(scope="session")

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import RunningServer
-
-PERF_ANALYZER = Path(sys.executable).parent / "perf_analyzer"
+from tests.conftest import RunningServer, run_perf_analyzer
 
 
 @pytest.mark.slow
@@ -19,20 +14,16 @@ PERF_ANALYZER = Path(sys.executable).parent / "perf_analyzer"
 def test_perf_analyzer_runs_without_errors(
     server: RunningServer, perf_analyzer_env: dict[str, str], protocol: str, tmp_path: Path
 ) -> None:
-    binary = PERF_ANALYZER if PERF_ANALYZER.exists() else shutil.which("perf_analyzer")
-    assert binary, "perf_analyzer not installed (pip install 'tritonclient[all]==2.51.0')"
     url = server.http if protocol == "http" else server.grpc
     csv = tmp_path / "result.csv"
-    cmd = [
-        str(binary), "-m", "mlp", "-u", url, "-i", protocol,
+    args = [
+        "-m", "mlp", "-u", url, "-i", protocol,
         "--concurrency-range", "4", "--input-data", "zero",
         "--measurement-mode", "count_windows", "--measurement-request-count", "300",
         "--stability-percentage", "999", "--max-trials", "3", "-f", str(csv),
     ]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=perf_analyzer_env)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    assert "Throughput:" in output and "error" not in output.lower()
+    output = run_perf_analyzer(args, perf_analyzer_env)
+    assert "error" not in output.lower()
     rows = csv.read_text().strip().splitlines()
     assert rows[0].startswith("Concurrency,Inferences/Second")
     assert float(rows[1].split(",")[1]) > 0
@@ -72,19 +63,13 @@ def test_perf_analyzer_runs_a_model_of_one_value_a_row(
             inp = thttp.InferInput("x", shape, "FP32")
             inp.set_data_from_numpy(np.array([-1.0, 2.0, 3.0], np.float32).reshape(shape))
             assert client.infer("rows", [inp]).as_numpy("y").tolist() == [0.0, 2.0, 3.0]
-        binary = PERF_ANALYZER if PERF_ANALYZER.exists() else shutil.which("perf_analyzer")
-        assert binary
         for protocol, url in (("http", s.http), ("grpc", s.grpc)):
-            cmd = [
-                str(binary), "-m", "rows", "-u", url, "-i", protocol, "-b", "2",
+            args = [
+                "-m", "rows", "-u", url, "-i", protocol, "-b", "2",
                 "--concurrency-range", "2", "--measurement-mode", "count_windows",
                 "--measurement-request-count", "100", "--stability-percentage", "999",
                 "--max-trials", "3",
             ]  # fmt: skip
-            result = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=120, env=perf_analyzer_env
-            )
-            output = result.stdout + result.stderr
-            assert result.returncode == 0 and "Throughput:" in output, output
+            run_perf_analyzer(args, perf_analyzer_env)
     finally:
         s.stop()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -28,9 +27,8 @@ from rtserve.errors import InvalidInput, PayloadTooLarge
 from rtserve.protocol.shared_memory import SharedMemoryRegions
 from rtserve.protocol.types import RequestedOutput, Tensor
 from rtserve.server.security import Auth, Forbidden, Grant, Guard, Unauthenticated
-from tests.conftest import ROOT, RunningServer, post_json, start_server
+from tests.conftest import ROOT, RunningServer, post_json, run_perf_analyzer, start_server
 
-PERF_ANALYZER = Path(sys.executable).parent / "perf_analyzer"
 PREFIX = f"rtserve_test_{os.getpid()}"
 MLP_IN = 256 * 4
 MLP_OUT = 10 * 4
@@ -522,21 +520,17 @@ def test_shared_memory_routes_need_a_key_like_other_routes() -> None:
 def test_perf_analyzer_runs_with_system_shared_memory(
     shm_server: RunningServer, perf_analyzer_env: dict[str, str], protocol: str, tmp_path: Path
 ) -> None:
-    binary = PERF_ANALYZER if PERF_ANALYZER.exists() else shutil.which("perf_analyzer")
-    assert binary, "perf_analyzer not installed (pip install 'tritonclient[all]==2.51.0')"
     url = shm_server.http if protocol == "http" else shm_server.grpc
     csv = tmp_path / "result.csv"
-    cmd = [
-        str(binary), "-m", "mlp", "-u", url, "-i", protocol, "--shared-memory", "system",
+    args = [
+        "-m", "mlp", "-u", url, "-i", protocol, "--shared-memory", "system",
         "--output-shared-memory-size", "1024", "--concurrency-range", "2",
         "--input-data", "random", "--measurement-mode", "count_windows",
         "--measurement-request-count", "200", "--stability-percentage", "999",
         "--max-trials", "3", "-f", str(csv),
     ]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=perf_analyzer_env)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    assert "Throughput:" in output and "error" not in output.lower()
+    output = run_perf_analyzer(args, perf_analyzer_env)
+    assert "error" not in output.lower()
     assert float(csv.read_text().strip().splitlines()[1].split(",")[1]) > 0
     # perf_analyzer unregisters what it registered.
     with urllib.request.urlopen(f"{shm_server.base}/v2/systemsharedmemory/status") as r:
