@@ -26,6 +26,7 @@ import grpc
 import yaml
 
 from rtserve.errors import ConfigError, Overloaded, RTServeError
+from rtserve.llm.options import PRIORITY_MAX, PRIORITY_MIN
 from rtserve.protocol.limits import shown
 
 
@@ -56,6 +57,9 @@ class Grant:
     token: bytes
     models: frozenset[str]  # "*" = every model
     admin: bool
+    # The most urgent generation ``priority`` this key may ask for (lower runs first);
+    # None: the model's ``llm.min_priority`` (0 unless configured).
+    min_priority: int | None = None
 
 
 def _token_value(entry: dict[str, object], where: str, i: int) -> str:
@@ -75,6 +79,20 @@ def _token_value(entry: dict[str, object], where: str, i: int) -> str:
     return value
 
 
+def _min_priority(value: object, where: str, i: int) -> int | None:
+    """A key's ``min_priority``: an integer in [PRIORITY_MIN, PRIORITY_MAX] (lower runs first)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+        PRIORITY_MIN <= value <= PRIORITY_MAX
+    ):
+        raise ConfigError(
+            f"{where}: keys[{i}].min_priority: expected an integer in [{PRIORITY_MIN}, "
+            f"{PRIORITY_MAX}] (the most urgent priority the key may ask for), got {value!r:.40}"
+        )
+    return value
+
+
 class Auth:
     def __init__(self, grants: list[Grant], open_metrics: bool = False) -> None:
         self.grants = grants
@@ -82,8 +100,8 @@ class Auth:
 
     @classmethod
     def from_file(cls, path: Path) -> Auth:
-        """``keys: [{name, token | token_env | token_file, models: [..] | "*", admin}]``,
-        ``open_metrics: false``."""
+        """``keys: [{name, token | token_env | token_file, models: [..] | "*", admin,
+        min_priority}]``, ``open_metrics: false``."""
         where = str(path)
         try:
             text = path.read_text()
@@ -111,6 +129,7 @@ class Auth:
                     _token_value(entry, where, i).encode(),
                     allowed,
                     bool(entry.get("admin", False)),
+                    _min_priority(entry.get("min_priority"), where, i),
                 )
             )
         return cls(grants, bool(doc.get("open_metrics", False)))
