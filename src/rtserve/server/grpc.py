@@ -46,7 +46,7 @@ from rtserve.protocol.load_request import config_from_grpc
 from rtserve.protocol.shared_memory import SharedMemoryRegions, cuda_refusal, disabled
 from rtserve.protocol.types import InferRequest, Timings
 from rtserve.server.errors import grpc_error, grpc_trailers
-from rtserve.server.security import Guard
+from rtserve.server.security import _ADMIN_GRPC, _OPEN_GRPC, Guard, Unauthenticated
 from rtserve.server.stats import inference_stats
 
 _now = time.perf_counter_ns
@@ -86,6 +86,33 @@ def _check(request: Any) -> Any:
 
 
 Handler = Callable[[Any, Any, Any], Awaitable[Any]]
+
+
+_CREDENTIALS = ("authorization", "x-api-key")
+
+
+def check_call_headers(
+    guard: Guard | None, method: str | None, metadata: list[tuple[str, str | bytes]]
+) -> None:
+    """Refuse a call from its headers, before its message is read or inflated: the key must
+    be valid (an admin's for the admin methods; the model named in the message is checked
+    by the handler). ``method``: None for an unknown one, which gets the same refusal as a
+    known one (it is not revealed before authentication). Raises ``Unauthenticated`` or
+    ``Forbidden``; also for a credential sent twice (either could be meant)."""
+    auth = guard.auth if guard is not None else None
+    if auth is None or method in _OPEN_GRPC:
+        return
+    found: dict[str, str] = {}
+    for key, value in metadata:
+        if key in _CREDENTIALS:
+            if key in found:
+                raise Unauthenticated(f"duplicate '{key}' metadata: send the credential once")
+            found[key] = str(value)
+    credential = found.get("authorization") or found.get("x-api-key")  # (as grpc_credential)
+    if method in _ADMIN_GRPC:
+        auth.check_admin(credential)
+    else:
+        auth.check_any(credential)
 
 
 def _unary(fn: Handler) -> Handler:

@@ -7,11 +7,18 @@ comes from the ``hpack`` library; frames, flow control and gRPC's length-prefixe
 are here. Answers are encoded without HPACK's dynamic table (literals, never indexed), so
 they need no encoder state and the constant header block is built once.
 
-Bounds (a client is hostile): streams per connection (``MAX_STREAMS``), calls in progress
-(``MAX_CALLS``), header blocks (``MAX_HEADER_BYTES``), messages (``max_message_bytes``,
-checked from the 5-byte prefix before the body is buffered), and per stream the received
-messages not yet taken by the handler (one stream window: HTTP/2 flow control holds the
-client). Idle connections and ones that never finish the preface are closed.
+Bounds (a client is hostile), each decided before its cost is paid: a call is authenticated
+from its headers, before its message is read or inflated; streams per connection
+(``MAX_STREAMS``), calls in progress (``MAX_CALLS``, ``MAX_CALLS_PER_ADDRESS``), header
+blocks (``MAX_HEADER_BYTES``), messages (``max_message_bytes``, checked from the 5-byte
+prefix before the body is buffered); requests received and not yet taken by a handler, per
+connection and per server (``CONN_BUFFER``, ``SERVER_BUFFER``: past them a partial message
+gets no more window); a request that makes no progress for ``REQUEST_STALL_S`` is ended;
+frames that make no progress (pings, priorities, settings, window updates that unblock
+nothing, empty data, resets) spend a per-connection budget (``CALM_BURST``, ``CALM_RATE``)
+that calls and answers refill, and past it the connection gets GOAWAY ``ENHANCE_YOUR_CALM``.
+Answers waiting for window are woken in proportion to what can be sent. Idle connections
+and ones that never finish the preface are closed.
 """
 
 from __future__ import annotations
@@ -34,9 +41,10 @@ import grpc
 from hpack import Decoder, HPACKError
 from hpack.hpack import encode_integer
 
+from rtserve.errors import RTServeError
 from rtserve.server.accept import TlsAcceptor
 from rtserve.server.errors import grpc_error, grpc_trailers
-from rtserve.server.grpc import SERVICE, GrpcFrontend, Method, service_methods
+from rtserve.server.grpc import SERVICE, GrpcFrontend, Method, check_call_headers, service_methods
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +60,31 @@ ENHANCE_YOUR_CALM = 11
 MAX_STREAMS = 1024  # concurrent streams per connection (SETTINGS_MAX_CONCURRENT_STREAMS)
 MAX_CALLS = 10_000  # calls in progress in this process; more are RESOURCE_EXHAUSTED
 MAX_CONNECTIONS = 10_000  # open connections (at most an eighth of the descriptor limit)
-MAX_RESETS = 10_000  # calls a client cancels per SWEEP_S before its connection is closed
+MAX_CALLS_PER_ADDRESS = MAX_CALLS // 4  # calls in progress from one client address
+MAX_RESETS = 10_000  # streams reset per SWEEP_S (by the client or for its errors), then GOAWAY
 STREAM_WINDOW = 1 << 20  # what one stream may send ahead of the handler
-CONN_WINDOW = 16 << 20
+CONN_WINDOW = 16 << 20  # granted once a call on the connection passed authentication
+# Requests received and not yet taken by a handler (partial and whole messages): past
+# CONN_BUFFER on a connection only its oldest partial message is given more window; past
+# SERVER_BUFFER (at least twice the message limit) for all connections together, none is.
+CONN_BUFFER = 4 << 20
+SERVER_BUFFER = 256 << 20
+REQUEST_STALL_S = 5.0  # a request (headers, or a partial message) without progress is ended
+# Frames without progress (PING, PRIORITY, SETTINGS, WINDOW_UPDATE, RST_STREAM, GOAWAY,
+# CONTINUATION, empty or tiny DATA, refused calls) spend a connection's budget: CALM_BURST at
+# once, CALM_RATE more per second; each accepted call earns CALL_CREDIT, each answer frame one.
+CALM_BURST = 1000
+CALM_RATE = 100.0
+CALL_CREDIT = 4
+MIN_SEND = 512  # an answer waits for this much window, unless the window holds all of it
+TINY_DATA = 64  # a DATA frame this small that completes no message is no progress
 MAX_HEADER_BYTES = 16 << 10  # one header block, and the decoded header list
 MAX_FRAME = 16384  # the largest frame we accept (the protocol's default)
 MAX_OUT_PENDING = 1 << 20  # answer bytes a stream handler may queue before it waits
 IDLE_S = 300.0
 PREFACE_S = 10.0
 SWEEP_S = 5.0
+TICK_S = 1.0  # how often stalled requests are looked for
 
 _FRAME = struct.Struct(">BHBBL")
 _U32 = struct.Struct(">L")
@@ -181,7 +205,8 @@ class _Stream:
     __slots__ = (
         "id", "method", "call", "task", "buf", "message", "queue", "held", "waiter",
         "recv_window", "send_window", "remote_closed", "local_closed", "pending",
-        "pending_bytes", "drained", "timer", "encoding",
+        "pending_bytes", "drained", "timer", "encoding", "buffered", "unreleased", "since",
+        "queued",
     )  # fmt: skip
 
     def __init__(self, stream_id: int, send_window: int) -> None:
@@ -203,6 +228,10 @@ class _Stream:
         self.drained: asyncio.Future[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.encoding = 0  # zlib wbits of the request's grpc-encoding (0: identity)
+        self.buffered = 0  # request bytes held for the handler (buf, message, queue)
+        self.unreleased = 0  # bytes received, not yet given back to the connection's window
+        self.since = 0.0  # loop time of the request's last progress
+        self.queued = False  # in Connection.ready
 
 
 class _Requests:
@@ -223,8 +252,7 @@ class _Requests:
             st.waiter = asyncio.get_running_loop().create_future()
             await st.waiter
         data = st.queue.popleft()
-        st.held -= len(data) + 5
-        self.conn.credit(st)
+        self.conn.taken(st, len(data) + 5)
         return self.parse(await self.conn.message(st, data))
 
 
@@ -256,11 +284,18 @@ class Connection(asyncio.Protocol):
         self.peer_max_frame = 16384
         self.send_window = 65535  # connection-level, what the peer lets us send
         self.recv_unacked = 0
-        self.recv_window = CONN_WINDOW
-        self.blocked: set[_Stream] = set()  # streams with data waiting for window
+        self.recv_window = 65535
+        self.update_at = 32768  # given back in WINDOW_UPDATEs of at least this much
+        self.granted = False  # CONN_WINDOW granted
+        self.buffered = 0  # request bytes held for handlers (_Stream.buffered, summed)
+        self.leader: _Stream | None = None  # the partial message let past CONN_BUFFER
+        self.blocked: set[_Stream] = set()  # streams with answer data waiting for window
+        self.ready: deque[_Stream] = deque()  # of those, the ones the connection's window holds
         self.hdr: tuple[int, int, bytearray] | None = None  # a header block being continued
-        self.resets = 0  # streams the client reset since the last sweep
-        self.created = self.active = time.monotonic()
+        self.resets = 0  # streams reset (by the client or for its errors) since the last sweep
+        self.address = ""  # the client's IP address
+        self.now = self.created = self.active = self.calm_at = self.loop.time()
+        self.calm: float = CALM_BURST  # frames without progress still allowed
 
     # ------------------------------------------------------------------ transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -272,13 +307,22 @@ class Connection(asyncio.Protocol):
         self.server.connections.add(self)
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and peer:
-            host = str(peer[0])
+            host = self.address = str(peer[0])
             self.peer = f"ipv6:[{host}]:{peer[1]}" if ":" in host else f"ipv4:{host}:{peer[1]}"
         settings = b"".join(
             struct.pack(">HL", k, v)
             for k, v in ((3, MAX_STREAMS), (4, STREAM_WINDOW), (6, MAX_HEADER_BYTES))
         )
         self.send(frame(SETTINGS, 0, 0, settings))
+        if not self.server.authenticating:
+            self._grant()
+
+    def _grant(self) -> None:
+        """The connection's full window: at once without keys, else after a call passed them
+        (until then a client has the protocol's 64 KiB)."""
+        self.granted = True
+        self.update_at = CONN_WINDOW // 4
+        self.recv_window += CONN_WINDOW - 65535
         self.send(frame(WINDOW_UPDATE, 0, 0, _U32.pack(CONN_WINDOW - 65535)))
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -288,6 +332,7 @@ class Connection(asyncio.Protocol):
             self._drop(st)
         self.streams.clear()
         self.blocked.clear()
+        self.ready.clear()
 
     def pause_writing(self) -> None:
         if self.transport is not None:
@@ -331,7 +376,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
-        self.active = time.monotonic()
+        self.now = self.loop.time()
         buf = self.buf
         buf += data
         try:
@@ -380,27 +425,46 @@ class Connection(asyncio.Protocol):
         elif kind == SETTINGS:
             self._settings(flags, sid, payload)
         elif kind == WINDOW_UPDATE:
+            self._idle_frame()  # (the answer frames it lets out earn it back)
             self._window_update(sid, payload)
         elif kind == PING:
+            self._idle_frame()
             if len(payload) != 8 or sid:
                 raise ConnectionError_(FRAME_SIZE_ERROR, "bad PING")
             if not flags & ACK:
                 self.send(frame(PING, ACK, 0, bytes(payload)))
         elif kind == RST_STREAM:
+            self._idle_frame()
             if len(payload) != 4 or not sid:
                 raise ConnectionError_(PROTOCOL_ERROR, "bad RST_STREAM")
             st = self.streams.pop(sid, None)
             if st is not None:
                 self._drop(st)
-                self.resets += 1
-                if self.resets > MAX_RESETS:  # "rapid reset": calls started and cancelled
-                    raise ConnectionError_(ENHANCE_YOUR_CALM, "too many cancelled calls")
+                self._count_reset()
         elif kind == GOAWAY:
+            self._idle_frame()
             self.go_away()
         elif kind == PUSH_PROMISE:
             raise ConnectionError_(PROTOCOL_ERROR, "a client may not push")
-        elif kind == PRIORITY and (len(payload) != 5 or not sid):
-            raise ConnectionError_(PROTOCOL_ERROR, "bad PRIORITY")
+        else:  # PRIORITY, and frame types to ignore
+            self._idle_frame()
+            if kind == PRIORITY and (len(payload) != 5 or not sid):
+                raise ConnectionError_(PROTOCOL_ERROR, "bad PRIORITY")
+
+    def _idle_frame(self, cost: float = 1.0) -> None:
+        """A frame that makes no progress: spend the budget, refilled at CALM_RATE."""
+        self.calm -= cost
+        if self.calm < 0:
+            now = self.loop.time()
+            self.calm = min(CALM_BURST, self.calm + (now - self.calm_at) * CALM_RATE)
+            self.calm_at = now
+            if self.calm < 0:
+                raise ConnectionError_(ENHANCE_YOUR_CALM, "too many frames without progress")
+
+    def _count_reset(self) -> None:
+        self.resets += 1
+        if self.resets > MAX_RESETS:  # "rapid reset", and "made you reset"
+            raise ConnectionError_(ENHANCE_YOUR_CALM, "too many reset streams")
 
     @staticmethod
     def _unpad(flags: int, payload: memoryview) -> memoryview:
@@ -416,10 +480,12 @@ class Connection(asyncio.Protocol):
     def _settings(self, flags: int, sid: int, payload: memoryview) -> None:
         if sid:
             raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
+        self._idle_frame()
         if flags & ACK:
             return
         if len(payload) % 6:
             raise ConnectionError_(FRAME_SIZE_ERROR, "bad SETTINGS length")
+        grown = False
         for i in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HL", payload, i)
             if key == 1:
@@ -429,15 +495,19 @@ class Connection(asyncio.Protocol):
                     raise ConnectionError_(FLOW_CONTROL_ERROR, "window too large")
                 delta = value - self.peer_window
                 self.peer_window = value
+                self._idle_frame(len(self.streams) / 64)  # (a walk over every stream)
                 for st in self.streams.values():
                     st.send_window += delta
+                grown = delta > 0
             elif key == 5:
                 if not 16384 <= value <= 16777215:
                     raise ConnectionError_(PROTOCOL_ERROR, "bad MAX_FRAME_SIZE")
                 self.peer_max_frame = value
         self.send(frame(SETTINGS, ACK, 0))
-        if self.blocked:
-            self._pump()
+        if grown:
+            for st in list(self.blocked):
+                if not st.queued:
+                    self._drain(st)
 
     def _window_update(self, sid: int, payload: memoryview) -> None:
         if len(payload) != 4:
@@ -449,6 +519,8 @@ class Connection(asyncio.Protocol):
             self.send_window += increment
             if self.send_window > 0x7FFFFFFF:
                 raise ConnectionError_(FLOW_CONTROL_ERROR, "window too large")
+            if self.ready:
+                self._pump()
         else:
             st = self.streams.get(sid)
             if st is None:
@@ -457,8 +529,8 @@ class Connection(asyncio.Protocol):
             if not increment or st.send_window > 0x7FFFFFFF:
                 self._reset(st, PROTOCOL_ERROR if not increment else FLOW_CONTROL_ERROR)
                 return
-        if self.blocked:
-            self._pump()
+            if st.pending and not st.queued:
+                self._drain(st)  # only this stream can have been unblocked
 
     def _headers(self, flags: int, sid: int, payload: memoryview) -> None:
         if not sid or not sid & 1:
@@ -472,6 +544,7 @@ class Connection(asyncio.Protocol):
             self.hdr = (sid, flags, bytearray(block))
 
     def _continuation(self, flags: int, sid: int, payload: memoryview) -> None:
+        self._idle_frame()  # (an empty one would otherwise never reach MAX_HEADER_BYTES)
         if self.hdr is None:
             raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
         _, first_flags, block = self.hdr
@@ -489,15 +562,22 @@ class Connection(asyncio.Protocol):
             reason = f"header block: {type(exc).__name__}"
             raise ConnectionError_(COMPRESSION_ERROR, reason) from None
         st = self.streams.get(sid)
-        if st is not None:  # trailers from the client: the request side ends
-            if flags & END_STREAM:
+        if st is not None:  # trailers from the client: they must end the request, once
+            self._idle_frame()
+            if st.remote_closed:
+                self._reset(st, STREAM_CLOSED)
+            elif not flags & END_STREAM:
+                self._reset(st, PROTOCOL_ERROR)
+            else:
                 self._remote_end(st)
             return
         if sid <= self.last_stream:
+            self._idle_frame()
             return  # a stream we already closed (reset): ignore what was in flight
         self.last_stream = sid
         st = _Stream(sid, self.peer_window)
         if self.going_away or len(self.streams) >= MAX_STREAMS:
+            self._idle_frame()
             self.send(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
             return
         self.streams[sid] = st
@@ -508,25 +588,28 @@ class Connection(asyncio.Protocol):
         self.recv_window -= n
         if self.recv_window < 0:
             raise ConnectionError_(FLOW_CONTROL_ERROR, "connection window exceeded")
-        self.recv_unacked += n
-        if self.recv_unacked >= CONN_WINDOW // 4:
-            self.send(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.recv_unacked)))
-            self.recv_window += self.recv_unacked
-            self.recv_unacked = 0
+        ended = flags & END_STREAM
         st = self.streams.get(sid)
         if st is None or st.remote_closed:
             if sid > self.last_stream or not sid:
                 raise ConnectionError_(PROTOCOL_ERROR, "DATA on an idle stream")
-            return  # a stream closed or reset while the client was sending
+            if not n:
+                self._idle_frame()
+            self._conn_credit(n)  # a stream closed or reset while the client was sending
+            return
         st.recv_window -= n
+        st.unreleased += n
         if st.recv_window < 0:
             self._reset(st, FLOW_CONTROL_ERROR)
             return
         body = self._unpad(flags, payload)
         if st.local_closed:  # answered early (an error): discard the rest
-            if flags & END_STREAM:
+            self._release(st, n)
+            if ended:
                 self._remote_end(st)
             return
+        if body:
+            st.since = self.active = self.now
         method = st.method
         if (  # a unary call's one message in one frame, as clients send it: not buffered
             not st.buf
@@ -538,33 +621,44 @@ class Connection(asyncio.Protocol):
             compressed, size = _GRPC_PREFIX.unpack_from(body)
             if len(body) == size + 5 and not compressed and size <= self.server.max_message:
                 st.message = bytes(body[5:])
-                if flags & END_STREAM:
+                if ended:
                     self._remote_end(st)
+                else:
+                    self._buffer(st, size)
                 return
+        size = len(body)
         st.buf += body
-        if self._messages(st) and flags & END_STREAM:
+        self._buffer(st, size)
+        taken = self._messages(st)
+        if taken < 0:
+            return
+        if not taken and not ended and size < TINY_DATA:
+            self._idle_frame()
+        if ended:
             self._remote_end(st)
-        elif not st.local_closed and not flags & END_STREAM:
+        elif not st.local_closed:
             self.credit(st)
 
-    def _messages(self, st: _Stream) -> bool:
-        """Take whole messages out of the stream's buffer; False if the call was failed."""
+    def _messages(self, st: _Stream) -> int:
+        """Take whole messages out of the stream's buffer: how many, -1 if the call failed."""
         buf = st.buf
+        taken = 0
         while len(buf) >= 5:
             compressed, size = _GRPC_PREFIX.unpack_from(buf)
             if compressed and not st.encoding:
                 details = "a compressed message without grpc-encoding"
                 self._status(st, grpc.StatusCode.INTERNAL, details)
-                return False
+                return -1
             if size > self.server.max_message:
                 limit = self.server.max_message
                 details = f"Received message larger than max ({size} vs. {limit})"
                 self._status(st, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
-                return False
+                return -1
             if len(buf) < size + 5:
                 break
             data = bytes(buf[5 : size + 5])
             del buf[: size + 5]
+            taken += 1
             if compressed:  # inflated by the handler's task, on a thread (a bomb takes time)
                 data = _Compressed(data)
             assert st.method is not None
@@ -574,10 +668,11 @@ class Connection(asyncio.Protocol):
                 self._wake(st)
             elif st.message is not None:
                 self._status(st, grpc.StatusCode.UNIMPLEMENTED, "expected one request message")
-                return False
+                return -1
             else:
                 st.message = data
-        return True
+                self._buffer(st, -5)  # (the prefix, no longer held)
+        return taken
 
     async def message(self, st: _Stream, data: bytes) -> bytes:
         """A request message as the handler parses it: a compressed one inflated on a
@@ -586,15 +681,85 @@ class Connection(asyncio.Protocol):
             return await asyncio.to_thread(_inflate, data, st.encoding, self.server.max_message)
         return data
 
+    # ------------------------------------------------------------------ receive budgets
+    def _buffer(self, st: _Stream, n: int) -> None:
+        """``n`` more (or fewer) request bytes held for ``st``'s handler."""
+        st.buffered += n
+        self.buffered += n
+        self.server.buffered += n
+
+    def _room(self, st: _Stream) -> bool:
+        """Whether ``st``'s partial message may be given more window: within the budgets,
+        or, past CONN_BUFFER, as the connection's one message let through."""
+        server = self.server
+        if server.buffered > server.max_buffered:
+            return False
+        if self.buffered <= CONN_BUFFER:
+            return True
+        leader = self.leader
+        if leader is None or not leader.buf or leader.remote_closed or leader.local_closed:
+            self.leader = leader = st
+        return leader is st
+
     def credit(self, st: _Stream) -> None:
         """Give the client back the window of what the handler took (and of partial
-        messages, bounded by the message limit), never of requests still queued."""
+        messages, within the budgets), never of requests still queued."""
         if st.remote_closed or st.local_closed:
             return
         give = STREAM_WINDOW - st.held - st.recv_window
+        if st.buffered > st.held and not self._room(st):
+            give -= st.buffered - st.held  # the partial message waits for room
         if give >= STREAM_WINDOW // 4 or (give > 0 and st.held == 0 and st.buf):
             st.recv_window += give
             self.send(frame(WINDOW_UPDATE, 0, st.id, _U32.pack(give)))
+            self._release(st, give)
+
+    def taken(self, st: _Stream, n: int) -> None:
+        """A streaming call's handler took a message of ``n`` bytes (with its prefix)."""
+        st.held -= n
+        self._buffer(st, -n)
+        if st.remote_closed or st.local_closed:
+            self._release(st, n)
+        else:
+            self.credit(st)
+
+    def _release(self, st: _Stream, n: int) -> None:
+        """Give the connection's window back for ``n`` of the bytes received on ``st``."""
+        n = min(n, st.unreleased)
+        st.unreleased -= n
+        self._conn_credit(n)
+
+    def _conn_credit(self, n: int) -> None:
+        if n <= 0 or self.closed:
+            return
+        self.recv_unacked += n
+        if self.recv_unacked >= self.update_at:
+            self.send(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.recv_unacked)))
+            self.recv_window += self.recv_unacked
+            self.recv_unacked = 0
+
+    def stalled(self, now: float) -> None:
+        """End the calls whose request made no progress for REQUEST_STALL_S: headers and
+        no whole unary message, or a partial message."""
+        for st in list(self.streams.values()):
+            method = st.method
+            if st.remote_closed or st.local_closed or method is None:
+                continue
+            if (not method.streaming or st.buf) and now - st.since > REQUEST_STALL_S:
+                details = f"no request data for {REQUEST_STALL_S:g} s (REQUEST_STALL_S)"
+                self._status(st, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+                if st.task is not None:
+                    st.task.cancel()
+
+    def busy(self) -> bool:
+        """Whether a unary call's handler is running (its answer will come)."""
+        return any(
+            st.task is not None
+            and not st.task.done()
+            and st.method is not None
+            and not st.method.streaming
+            for st in self.streams.values()
+        )
 
     def _remote_end(self, st: _Stream) -> None:
         st.remote_closed = True
@@ -611,8 +776,12 @@ class Connection(asyncio.Protocol):
         elif st.message is None:
             self._status(st, grpc.StatusCode.UNIMPLEMENTED, "expected one request message")
         else:
-            st.task = self.loop.create_task(self._unary(st, method, st.message))
-            st.message = None
+            message, st.message = st.message, None
+            if st.buffered:
+                self._buffer(st, -st.buffered)
+            if st.unreleased:
+                self._release(st, st.unreleased)
+            st.task = self.loop.create_task(self._unary(st, method, message))
 
     @staticmethod
     def _wake(st: _Stream) -> None:
@@ -643,19 +812,37 @@ class Connection(asyncio.Protocol):
                     metadata.append((name.decode("latin-1"), value.decode("latin-1")))
         st.remote_closed = ended  # an error below answers a complete request
         if not method_ok or ctype is None or not ctype.startswith(b"application/grpc"):
+            self._idle_frame(2)
             self._http_refusal(st, b"415" if method_ok else b"405")
             return
-        method = self.server.methods.get(path or b"")
+        server = self.server
+        method = server.methods.get(path or b"")
+        if server.authenticating:  # before anything of the message is read
+            try:
+                check_call_headers(server.guard, method.name if method else None, metadata)
+            except RTServeError as exc:
+                self._idle_frame(2)
+                self._status(st, *grpc_error(exc))
+                return
+        if not self.granted:
+            self._grant()
         if method is None:
+            self._idle_frame(2)
             where = (path or b"").decode("latin-1", "replace")[:200]
             self._status(st, grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {where}")
             return
-        if self.server.calls >= self.server.max_calls:
+        if server.calls >= server.max_calls:
             self._status(st, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many calls in progress")
+            return
+        from_address = server.by_address.get(self.address, 0)
+        if from_address >= server.max_address_calls:
+            details = "too many calls in progress from this address"
+            self._status(st, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
             return
         if encoding is not None:
             wbits = _ENCODINGS.get(encoding.strip().lower())
             if wbits is None:
+                self._idle_frame(2)
                 name = encoding.decode("latin-1", "replace")[:40]
                 details = f"grpc-encoding {name!r}: not supported (identity, deflate, gzip)"
                 self._status(st, grpc.StatusCode.UNIMPLEMENTED, details)
@@ -665,13 +852,18 @@ class Connection(asyncio.Protocol):
         if timeout is not None:
             seconds = _timeout(timeout)
             if seconds is None:
+                self._idle_frame(2)
                 self._status(st, grpc.StatusCode.INTERNAL, "malformed grpc-timeout")
                 return
             deadline = time.monotonic() + seconds
             st.timer = self.loop.call_later(seconds, self._expire, st)
         st.method = method
         st.call = Call(metadata, self.peer, deadline)
-        self.server.calls += 1
+        server.calls += 1
+        server.by_address[self.address] = from_address + 1
+        st.since = self.active = self.now
+        calm = self.calm + CALL_CREDIT
+        self.calm = calm if calm < CALM_BURST else CALM_BURST
         st.remote_closed = False
         if method.streaming:
             st.task = self.loop.create_task(self._streaming(st, method))
@@ -680,7 +872,8 @@ class Connection(asyncio.Protocol):
 
     async def _unary(self, st: _Stream, method: Method, data: bytes) -> None:
         call = st.call
-        assert call is not None
+        if call is None or st.local_closed:  # ended before its handler ran
+            return
         try:
             reply = await method.fn(method.parse(await self.message(st, data)), call)
             body = method.serialize(reply)
@@ -706,7 +899,8 @@ class Connection(asyncio.Protocol):
 
     async def _streaming(self, st: _Stream, method: Method) -> None:
         call = st.call
-        assert call is not None
+        if call is None or st.local_closed:
+            return
         started = False
         try:
             async with aclosing(method.fn(_Requests(self, st, method.parse), call)) as replies:
@@ -752,6 +946,7 @@ class Connection(asyncio.Protocol):
         return _TABLE_SIZE_ZERO + block
 
     def _head(self, st: _Stream) -> None:
+        self.active = self.loop.time()
         self._out(st, frame(HEADERS, END_HEADERS, st.id, self._first(_RESPONSE_HEAD)), False)
 
     def _trailers(self, st: _Stream, block: bytes) -> None:
@@ -788,6 +983,7 @@ class Connection(asyncio.Protocol):
 
     def _data_out(self, st: _Stream, payload: bytes) -> None:
         n = len(payload)
+        self.active = self.loop.time()
         if (
             not st.pending
             and n <= st.send_window
@@ -797,41 +993,65 @@ class Connection(asyncio.Protocol):
             st.send_window -= n
             self.send_window -= n
             self.send(frame(DATA, 0, st.id, payload))
+            if self.calm < CALM_BURST:
+                self.calm += 1
             return
         st.pending.append((True, payload, False))
         st.pending_bytes += n
         self.blocked.add(st)
-        self._pump()
+        if not st.queued:
+            self._drain(st)
+
+    def _drain(self, st: _Stream) -> int:
+        """Send what the windows allow of ``st``'s queued answer (a DATA frame once the
+        window holds MIN_SEND bytes, or all that is left); while the connection's window is
+        what holds it, ``st`` waits in ``ready``. Returns the frames sent."""
+        pending = st.pending
+        sent = 0
+        while pending and not self.closed:
+            is_data, data, ends = pending[0]
+            if not is_data:
+                pending.popleft()
+                self.send(data)
+                sent += 1
+                if ends:
+                    self._closed_local(st)
+                continue
+            n = len(data)
+            room = min(st.send_window, self.send_window, self.peer_max_frame, n)
+            if room < n and room < MIN_SEND:
+                if st.send_window >= min(n, MIN_SEND) and not st.queued:
+                    st.queued = True
+                    self.ready.append(st)
+                break
+            st.send_window -= room
+            self.send_window -= room
+            st.pending_bytes -= room
+            self.send(frame(DATA, 0, st.id, data[:room] if room < n else data))
+            sent += 1
+            if room < n:
+                pending[0] = (True, data[room:], False)
+            else:
+                pending.popleft()
+        if not pending:
+            self.blocked.discard(st)
+        if st.drained is not None and st.pending_bytes <= MAX_OUT_PENDING // 2:
+            if not st.drained.done():
+                st.drained.set_result(None)
+            st.drained = None
+        if sent:
+            self.calm = min(CALM_BURST, self.calm + sent)
+        return sent
 
     def _pump(self) -> None:
-        """Send what the windows allow of the streams' queued answers."""
-        for st in list(self.blocked):
-            while st.pending and not self.closed:
-                is_data, data, ends = st.pending[0]
-                if not is_data:
-                    st.pending.popleft()
-                    self.send(data)
-                    if ends:
-                        self._closed_local(st)
-                    continue
-                room = min(st.send_window, self.send_window, self.peer_max_frame, len(data))
-                if room <= 0:
-                    break
-                chunk, rest = data[:room], data[room:]
-                st.send_window -= room
-                self.send_window -= room
-                st.pending_bytes -= room
-                self.send(frame(DATA, 0, st.id, chunk))
-                if rest:
-                    st.pending[0] = (True, rest, False)
-                else:
-                    st.pending.popleft()
-            if not st.pending:
-                self.blocked.discard(st)
-            if st.drained is not None and st.pending_bytes <= MAX_OUT_PENDING // 2:
-                if not st.drained.done():
-                    st.drained.set_result(None)
-                st.drained = None
+        """The connection's window grew: send the answers that waited for it, in turn,
+        until it is spent (work in proportion to the frames sent)."""
+        ready = self.ready
+        while ready and not self.closed:
+            st = ready.popleft()
+            st.queued = False
+            if st.pending and st.id in self.streams and not self._drain(st):
+                break  # (the window is spent; it waits again, at the back)
 
     def _closed_local(self, st: _Stream) -> None:
         """The answer's last frame was sent."""
@@ -850,16 +1070,30 @@ class Connection(asyncio.Protocol):
     def _end_call(self, st: _Stream) -> None:
         if st.call is not None:
             st.call = None
-            self.server.calls -= 1
+            server = self.server
+            server.calls -= 1
+            left = server.by_address[self.address] - 1
+            if left:
+                server.by_address[self.address] = left
+            else:
+                del server.by_address[self.address]
         if st.timer is not None:
             st.timer.cancel()
             st.timer = None
+        if st.buffered:
+            self._buffer(st, -st.buffered)
+        if st.unreleased:
+            self._release(st, st.unreleased)
+        if self.leader is st:
+            self.leader = None
         self.blocked.discard(st)
 
     def _drop(self, st: _Stream) -> None:
         """The client reset the stream or left: stop its handler."""
         st.local_closed = st.remote_closed = True
         self._end_call(st)
+        st.pending.clear()
+        st.pending_bytes = 0
         if st.task is not None and not st.task.done():
             st.task.cancel()
         self._wake(st)
@@ -867,9 +1101,11 @@ class Connection(asyncio.Protocol):
             st.drained.set_result(None)
 
     def _reset(self, st: _Stream, code: int) -> None:
+        """A stream error (the client broke the protocol on it): counts as a reset."""
         self.send(frame(RST_STREAM, 0, st.id, _U32.pack(code)))
         self.streams.pop(st.id, None)
         self._drop(st)
+        self._count_reset()
 
 
 def _unbase64(value: bytes) -> bytes:
@@ -900,8 +1136,14 @@ class GrpcH2Server:
         self.methods = _methods(frontend)
         self.max_message = frontend.max_message_bytes
         self.max_calls = max_calls
+        self.max_address_calls = max(1, max_calls * MAX_CALLS_PER_ADDRESS // MAX_CALLS)
         self.ssl = ssl_context
+        self.guard = frontend.guard
+        self.authenticating = self.guard is not None and self.guard.auth is not None
         self.calls = 0
+        self.by_address: dict[str, int] = {}  # calls in progress per client address
+        self.buffered = 0  # request bytes held for handlers, all connections
+        self.max_buffered = max(SERVER_BUFFER, 2 * (self.max_message + 5))
         self.connections: set[Connection] = set()
         # (a descriptor each; HTTP keeps three quarters of them: server.http1.HttpServer)
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -932,15 +1174,23 @@ class GrpcH2Server:
         return len(self.connections) + len(self.handshaking) < self.max_connections
 
     async def _sweep(self) -> None:
-        """Close connections idle for IDLE_S, or without a preface after PREFACE_S."""
+        """End stalled requests (each TICK_S); close connections without a preface after
+        PREFACE_S, or without progress for IDLE_S and no unary call running (each SWEEP_S)."""
+        ticks = 0
+        every = max(1, round(SWEEP_S / TICK_S))
         while True:
-            await asyncio.sleep(SWEEP_S)
-            now = time.monotonic()
+            await asyncio.sleep(TICK_S)
+            ticks += 1
+            now = self.loop.time()
             for conn in list(self.connections):
+                if conn.streams:
+                    conn.stalled(now)
+                if ticks % every:
+                    continue
                 conn.resets = 0
                 if not conn.preface_ok and now - conn.created > PREFACE_S:
                     conn.close(PROTOCOL_ERROR, "no preface")
-                elif not conn.streams and now - conn.active > IDLE_S:
+                elif now - conn.active > IDLE_S and not conn.busy():
                     conn.close(NO_ERROR, "idle")
 
     async def stop(self, grace: float | None) -> None:
