@@ -39,6 +39,7 @@ from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.core.model import BuildContext, ModelVersion
 from rtserve.core.registry import ModelRegistry
 from rtserve.errors import InvalidInput, ShuttingDown
+from rtserve.llm.options import PRIORITY_MIN
 from rtserve.llm.params import SAMPLING_NAMES, GenerationEvent, SamplingParams
 from rtserve.observability.metrics import Metrics
 from rtserve.observability.tracing import Tracer
@@ -365,6 +366,7 @@ class Engine:
                 version=version,
                 request_id=request_id,
                 priority=priority,
+                min_priority=PRIORITY_MIN,  # (the process's own code: any priority)
             )
         except Exception as exc:
             raise generation.refused(dp, timings, exc, model) from None

@@ -6,6 +6,12 @@ model, encode the prompt, check its length and the first-token objective), so a 
 a plain error status; ``events`` then runs it, keeps the token counts in the request's
 ``Timings``, and records the request once (metrics, access log, trace) however it ends:
 finished, failed, or closed by its consumer (a client that went away).
+
+A request's ``priority`` (lower runs first) is a privilege: within [PRIORITY_MIN,
+PRIORITY_MAX] (else 400), and no more urgent than its key allows (``min_priority`` in the
+auth file) or, for a key that sets none and without keys, its model's ``llm.min_priority``
+(0 by default: a request may only lower its own urgency), else 403. Its ``tenant`` (the key's
+name, or the client's address) is whose fair share of the batch and the queue it counts in.
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import grpc
+
 from rtserve.core.dataplane import DataPlane
 from rtserve.core.model import ModelVersion
 from rtserve.errors import ClientClosed, InvalidInput, Overloaded, RTServeError, as_error
+from rtserve.llm.options import PRIORITY_MAX, PRIORITY_MIN
 from rtserve.llm.params import GenerationEvent, SamplingParams
 from rtserve.protocol.limits import shown
 from rtserve.protocol.types import InferRequest, Timings
@@ -45,6 +54,14 @@ class Generation:
     timings: Timings
     request_id: str = ""
     priority: int = 0
+    tenant: str = ""
+
+
+class PriorityNotAllowed(RTServeError):
+    """A request asks for more urgency (a lower ``priority``) than its key is granted."""
+
+    http_status = 403
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
 
 
 def generative(mv: ModelVersion) -> LlmEngine:
@@ -91,13 +108,20 @@ def prepare(
     version: str = "",
     request_id: str = "",
     priority: int = 0,
+    tenant: str = "",
+    min_priority: int | None = None,
 ) -> Generation:
     """Resolve, encode and check a request (``prompt``: text or token ids; ``messages``: a
     chat); raises the ``RTServeError`` it is refused with (the caller records it with
-    ``refused``). Tokenizes on the calling thread: :func:`prepare_async` for long text."""
-    mv, llm = _target(dataplane, model, version, timings, priority)
+    ``refused``). Tokenizes on the calling thread: :func:`prepare_async` for long text.
+    ``tenant``: whose share it counts in; ``min_priority``: the most urgent priority the
+    request's key is granted (None: the model's ``llm.min_priority``)."""
+    mv, llm = _target(dataplane, model, version, timings, priority, min_priority)
     ids = _encode(llm, prompt, messages)
-    return _checked(mv, llm, ids, params, timings, request_id, priority, messages is not None)
+    gen = _checked(
+        mv, llm, ids, params, timings, request_id, priority, messages is not None, tenant
+    )
+    return gen
 
 
 async def prepare_async(
@@ -111,15 +135,18 @@ async def prepare_async(
     version: str = "",
     request_id: str = "",
     priority: int = 0,
+    tenant: str = "",
+    min_priority: int | None = None,
 ) -> Generation:
     """:func:`prepare`, with text longer than ``INLINE_CHARS`` tokenized on a worker thread."""
     if inline(prompt, messages):
         return prepare(
             dataplane, model, timings, params, prompt=prompt, messages=messages,
-            version=version, request_id=request_id, priority=priority,
+            version=version, request_id=request_id, priority=priority, tenant=tenant,
+            min_priority=min_priority,
         )  # fmt: skip
     global _reading
-    mv, llm = _target(dataplane, model, version, timings, priority)
+    mv, llm = _target(dataplane, model, version, timings, priority, min_priority)
     if _reading >= MAX_READING:
         raise Overloaded(
             f"{MAX_READING} long prompts are being read; retry later (or send shorter ones)"
@@ -133,7 +160,10 @@ async def prepare_async(
         raise
     finally:
         _reading -= 1
-    return _checked(mv, llm, ids, params, timings, request_id, priority, messages is not None)
+    gen = _checked(
+        mv, llm, ids, params, timings, request_id, priority, messages is not None, tenant
+    )
+    return gen
 
 
 def inline(prompt: Any, messages: Any) -> bool:
@@ -159,13 +189,32 @@ def inline(prompt: Any, messages: Any) -> bool:
 
 
 def _target(
-    dataplane: DataPlane, model: str, version: str, timings: Timings, priority: Any
+    dataplane: DataPlane,
+    model: str,
+    version: str,
+    timings: Timings,
+    priority: Any,
+    min_priority: int | None,
 ) -> tuple[ModelVersion, LlmEngine]:
-    """The generative model version a request names (its priority checked first)."""
+    """The generative model version a request names (its priority checked first: its range,
+    then against the floor its key or its model allows)."""
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidInput(f"priority: expected an integer, got {shown(repr(priority))}")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise InvalidInput(
+            f"priority: expected an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] "
+            f"(lower runs first), got {shown(repr(priority))}"
+        )
     mv = dataplane.resolve(model, version, timings)
-    return mv, generative(mv)
+    llm = generative(mv)
+    floor = llm.options.min_priority if min_priority is None else min_priority
+    if priority < floor:
+        granted = "this key is granted" if min_priority is not None else "the model allows"
+        raise PriorityNotAllowed(
+            f"priority: {priority} asks for more urgency than {granted}: expected at least "
+            f"{floor} (lower runs first)"
+        )
+    return mv, llm
 
 
 def _encode(llm: LlmEngine, prompt: Any, messages: Any) -> list[int]:
@@ -188,10 +237,11 @@ def _checked(
     request_id: str,
     priority: int,
     chat: bool,
+    tenant: str = "",
 ) -> Generation:
-    llm.check_prompt(len(ids), params, "messages" if chat else "prompt")
+    llm.check_prompt(len(ids), params, "messages" if chat else "prompt", tenant)
     timings.prompt_tokens = len(ids)
-    return Generation(mv, llm, ids, params, timings, request_id, priority)
+    return Generation(mv, llm, ids, params, timings, request_id, priority, tenant)
 
 
 def _token_ids(ids: list[Any], vocab: int) -> list[int]:
@@ -235,6 +285,7 @@ async def events(
         gen.params,
         request_id=gen.request_id,
         priority=gen.priority,
+        tenant=gen.tenant,
         checked=True,  # (by prepare)
         prompt_logprobs=prompt_logprobs,
     )

@@ -4,7 +4,9 @@ The loop runs while there is work: take new requests and aborts, schedule a step
 first, then prompt chunks, within the token budget and the token objective's limit), run
 it, sample, and hand each request its new text through the event loop it came from (one
 ``call_soon_threadsafe`` per loop per step). A consumer that stops iterating (a client
-that disconnected) aborts its sequence before the next step.
+that disconnected) aborts its sequence before the next step; one that leaves its events
+untaken for ``unread_timeout_s`` (a client that does not read its stream) has its sequence
+paused out of the batch until it takes them all.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from rtserve.llm.options import LlmOptions
 from rtserve.llm.params import GenerationEvent, SamplingParams, TokenLogprob
 from rtserve.llm.runner import ModelRunner, release_openmp
 from rtserve.llm.sampler import logprobs_of, new_generator, prompt_logprobs, sample
-from rtserve.llm.scheduler import FINISHED, Scheduler, Sequence, Step
+from rtserve.llm.scheduler import FINISHED, PAUSED, Scheduler, Sequence, Step
 from rtserve.llm.tokens import TokenBytes
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,11 @@ _now = time.perf_counter_ns
 MAX_MESSAGES = 1024
 MAX_PARTS = 1024  # text parts in one message's content
 ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class TenantQueueFull(ObjectiveRefused):
+    """One tenant's requests fill its part of the queue: its excess is refused (HTTP 429
+    with Retry-After, gRPC RESOURCE_EXHAUSTED); other tenants' requests are not."""
 
 
 class StepModel:
@@ -99,15 +106,25 @@ class LlmEngine:
         # token's text is longer than its vocabulary entry): longer text is refused before
         # the tokenizer spends time and memory on it.
         self.max_prompt_chars = self.max_model_len * longest_token(self.tokenizer) + 4096
-        self.scheduler = Scheduler(self.pool, options.max_num_seqs, options.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.pool,
+            options.max_num_seqs,
+            options.max_num_batched_tokens,
+            fair_share=options.fair_share,
+            weights=dict(options.tenant_weights),
+        )
         self.metrics = LlmMetrics(name, version, objectives=token_objectives(options.slo))
         self.metrics.gauges = self._gauges
         self.metrics.prefix = lambda: (self.pool.queries, self.pool.hits)
+        self.metrics.counts = self._counts
+        self.stalled = 0  # streams paused because their consumer did not take their events
+        self._next_stall_check = 0
         self.step_model = StepModel()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._incoming: list[Sequence] = []
         self._aborts: list[Sequence] = []
+        self._resumes: list[Sequence] = []
         self._stopping = False
         self._failed: BaseException | None = None
         self.on_failed: Callable[[], None] | None = None  # the step loop ended by an error
@@ -175,8 +192,11 @@ class LlmEngine:
                 f"({self.max_model_len}) to leave room for an answer"
             )
 
-    def check_prompt(self, n_prompt: int, params: SamplingParams, field: str = "prompt") -> None:
-        """Refuse what can never run (too long) or would miss the first-token objective."""
+    def check_prompt(
+        self, n_prompt: int, params: SamplingParams, field: str = "prompt", tenant: str = ""
+    ) -> None:
+        """Refuse what can never run (too long), would miss the first-token objective, or
+        finds the queue full (all of it, or ``tenant``'s part of it)."""
         self.check_length(n_prompt, field)
         limit = self.max_model_len
         if params.max_tokens is not None and n_prompt + params.max_tokens > limit:
@@ -194,6 +214,7 @@ class LlmEngine:
         if len(sched.waiting) >= self.options.max_waiting:
             self.metrics.refused += 1
             raise Overloaded(f"model {self.name}: {len(sched.waiting)} requests waiting", 1.0)
+        self._check_tenant_queue(tenant)
         slo = self.options.slo
         if slo is not None and slo.ttft_p99_ms > 0:
             wait = self.first_token_wait(n_prompt)
@@ -204,6 +225,22 @@ class LlmEngine:
                     f"over the objective ttft_p99_ms={slo.ttft_p99_ms:g}",
                     retry_after_s=max(1.0, wait - slo.ttft_p99_ms / 1000),
                 )
+
+    def _check_tenant_queue(self, tenant: str) -> None:
+        """Refuse a request of a tenant with ``max_waiting_per_tenant`` requests waiting
+        already (requests without a tenant, the in-process API's, are not counted)."""
+        bound = self.options.max_waiting_per_tenant
+        if not tenant or not self.options.fair_share or bound <= 0:
+            return
+        queued = list(self.scheduler.waiting) + list(self._incoming)  # (an estimate)
+        mine = sum(1 for s in queued if s.tenant == tenant)
+        if mine >= bound:
+            self.metrics.refused += 1
+            raise TenantQueueFull(
+                f"model {self.name}: {mine} requests of this client are waiting already "
+                f"(max_waiting_per_tenant={bound}); retry when some have started",
+                retry_after_s=1.0,
+            )
 
     def first_token_wait(self, n_prompt: int) -> float:
         """A slow case (not the mean) of the time until a new request's first token: the
@@ -248,6 +285,7 @@ class LlmEngine:
         *,
         request_id: str = "",
         priority: int = 0,
+        tenant: str = "",
         checked: bool = False,
         prompt_logprobs: bool = False,
     ) -> AsyncGenerator[GenerationEvent, None]:
@@ -256,9 +294,10 @@ class LlmEngine:
         ``check_prompt`` (and admitted the request) already, before answering with a
         stream's status line; a second admission here could refuse it after that.
         ``prompt_logprobs`` (with ``params.logprobs``): the first event also carries each
-        prompt token's logprob (the prompt runs whole, without the prefix cache)."""
+        prompt token's logprob (the prompt runs whole, without the prefix cache).
+        ``tenant``: whose fair share of the batch and the queue it counts in."""
         if not checked:
-            self.check_prompt(len(prompt_ids), params)
+            self.check_prompt(len(prompt_ids), params, tenant=tenant)
         vocab = self.runner.vocab_size
         if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidInput(f"prompt: expected token ids in [0, {vocab}), at least one")
@@ -276,6 +315,7 @@ class LlmEngine:
             priority=priority,
             arrival_ns=_now(),
             request_id=request_id,
+            tenant=tenant,
             generator=new_generator(params, self.runner.device),
             sink=(loop, queue),
         )
@@ -286,10 +326,13 @@ class LlmEngine:
         done = False
         try:
             while True:
+                if seq.status == PAUSED and queue.empty():
+                    self._resume(seq)  # (its events were all taken: the consumer reads again)
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
+                seq.taken += 1
                 if item.finished:
                     done = True
                 yield item
@@ -307,14 +350,21 @@ class LlmEngine:
             self._idle.clear()
         self._wake.set()
 
+    def _resume(self, seq: Sequence) -> None:
+        with self._lock:
+            self._resumes.append(seq)
+            self._idle.clear()
+        self._wake.set()
+
     def abort(self, seq: Sequence) -> None:
         with self._lock:
             self._aborts.append(seq)
         self._wake.set()
 
     def _every_sequence(self) -> list[Sequence]:
-        """Submitted, waiting and running sequences (``_lock`` held)."""
-        return self._incoming + list(self.scheduler.waiting) + self.scheduler.running
+        """Submitted, waiting, running and paused sequences (``_lock`` held)."""
+        sched = self.scheduler
+        return self._incoming + list(sched.waiting) + sched.running + sched.paused
 
     def abort_all(self, error: BaseException) -> None:
         """End every sequence now (a stop past its grace period): each consumer gets
@@ -365,8 +415,11 @@ class LlmEngine:
         try:
             while True:
                 self._take_requests()
-                if self._stopping and not self.scheduler.has_work():
-                    break
+                if self._stopping:
+                    for seq in list(self.scheduler.paused):  # admitted: they finish
+                        self.scheduler.resume(seq)
+                    if not self.scheduler.has_work():
+                        break
                 if not self.scheduler.has_work():
                     self._idle.set()
                     self._wake.wait()
@@ -393,6 +446,9 @@ class LlmEngine:
         with self._lock:
             incoming, self._incoming = self._incoming, []
             aborts, self._aborts = self._aborts, []
+            resumes, self._resumes = self._resumes, []
+        for seq in resumes:
+            self.scheduler.resume(seq)  # (a finished one is not paused: left alone)
         for seq in incoming:
             try:
                 self.scheduler.add(seq)
@@ -406,6 +462,7 @@ class LlmEngine:
 
     def _step(self) -> None:
         sched = self.scheduler
+        self._pause_unread()
         decodes = sum(1 for s in sched.running if not s.prefilling)
         step = sched.schedule(self.prefill_budget(decodes))
         if not step.items:
@@ -453,6 +510,31 @@ class LlmEngine:
             row += len(targets)
         self._emit(sampling, step)
 
+    def _pause_unread(self) -> None:
+        """Pause the sequences whose consumer has left an event untaken for
+        ``unread_timeout_s`` (checked a few times per timeout): their blocks and slot go to
+        others; taking its events resumes one (recomputed, as after a preemption)."""
+        timeout = self.options.unread_timeout_s
+        now = _now()
+        if timeout <= 0 or now < self._next_stall_check or self._stopping:
+            return
+        self._next_stall_check = now + int(min(timeout / 4, 1.0) * 1e9)
+        limit = now - int(timeout * 1e9)
+        sched = self.scheduler
+        for seq in [*sched.running, *sched.waiting]:
+            taken = seq.taken
+            if taken >= seq.delivered or seq.delivered_ns[taken] > limit:
+                continue
+            sched.pause(seq)
+            if seq.taken >= seq.delivered:  # it took them meanwhile: it would not resume
+                sched.resume(seq)
+                continue
+            self.stalled += 1
+            log.info(
+                "llm %s: paused a stream not read for %g s (request %s)",
+                self.name, timeout, seq.request_id or "-",
+            )  # fmt: skip
+
     def _append(self, seq: Sequence, token: int, now: int) -> None:
         seq.tokens.append(token)
         seq.new_tokens.append(token)
@@ -474,6 +556,7 @@ class LlmEngine:
 
     def _emit(self, sampled: list[Sequence], step: Step) -> None:
         by_loop: dict[Any, list[tuple[asyncio.Queue[Any], GenerationEvent]]] = defaultdict(list)
+        now = _now()
         for seq in sampled:
             reason = seq.finish_reason
             if reason is not None:
@@ -492,6 +575,8 @@ class LlmEngine:
                 prompt_logprobs=self._scored_prompt(seq),
             )
             seq.new_tokens = []
+            seq.delivered_ns.append(now)
+            seq.delivered += 1
             loop, queue = seq.sink
             by_loop[loop].append((queue, event))
         for loop, events in by_loop.items():
@@ -525,7 +610,8 @@ class LlmEngine:
 
     def _fail_scheduled(self, error: BaseException) -> None:
         """End every scheduled sequence with ``error`` and free its blocks."""
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+        sched = self.scheduler
+        for seq in [*sched.running, *sched.waiting, *sched.paused]:
             self._finish(seq, "abort")
             _send(seq, error)
 
@@ -540,8 +626,17 @@ class LlmEngine:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "paused": len(self.scheduler.paused),
             "kv_blocks_used": self.pool.num_used,
             "kv_blocks_total": self.pool.num_blocks,
+        }
+
+    def _counts(self) -> dict[str, int]:
+        sched = self.scheduler
+        return {
+            "preempted": sched.preemptions,
+            "fair_preempted": sched.fair_preemptions,
+            "stalled": self.stalled,
         }
 
     @property

@@ -35,6 +35,10 @@ GAUGES = {
         "KV blocks held by sequences (cached free blocks not counted)",
     ),
     "kv_blocks_total": ("rtserve_llm_kv_blocks_capacity", "KV blocks in the pool"),
+    "paused": (
+        "rtserve_llm_paused_sequences",
+        "Streams paused out of the batch because their client does not read them",
+    ),
 }
 
 HISTOGRAMS = {
@@ -60,11 +64,13 @@ class LlmMetrics:
     )
     finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     refused: int = 0
-    preemptions: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     gauges: Callable[[], dict[str, float]] = lambda: {}
     prefix: Callable[[], tuple[int, int]] = lambda: (0, 0)
+    # The engine's own counters, read when scraped: "preempted" (for KV blocks),
+    # "fair_preempted" (for another tenant's share), "stalled" (unread streams paused).
+    counts: Callable[[], dict[str, int]] = lambda: {}
     objectives: dict[str, float] = field(default_factory=dict)  # "ttft_p99" -> seconds
 
     def observe(self, name: str, value: float) -> None:
@@ -116,6 +122,17 @@ class LlmCollector(Collector):
             "preempted": CounterMetricFamily(
                 "rtserve_llm_preemptions", "Sequences preempted for KV blocks", labels=labels
             ),
+            "fair_preempted": CounterMetricFamily(
+                "rtserve_llm_fair_share_preemptions",
+                "Sequences preempted to give another tenant its share of the batch",
+                labels=labels,
+            ),
+            "stalled": CounterMetricFamily(
+                "rtserve_llm_stalled_streams",
+                "Streams paused out of the batch after their client left them unread "
+                "for unread_timeout_s",
+                labels=labels,
+            ),
             "queries": CounterMetricFamily(
                 "rtserve_llm_prefix_cache_queries", "Prefix-cache block lookups", labels=labels
             ),
@@ -136,11 +153,14 @@ class LlmCollector(Collector):
             for reason, count in m.finished.items():
                 finished.add_metric([*lv, reason], count)
             queries, hits = m.prefix()
+            counts = m.counts()
             values = {
                 "prompt": m.prompt_tokens,
                 "generated": m.generated_tokens,
                 "refused": m.refused,
-                "preempted": m.preemptions,
+                "preempted": counts.get("preempted", 0),
+                "fair_preempted": counts.get("fair_preempted", 0),
+                "stalled": counts.get("stalled", 0),
                 "queries": queries,
                 "hits": hits,
             }

@@ -8,6 +8,10 @@ from typing import Any
 from rtserve.errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
+# A request's ``priority`` (lower runs first; 0 unless asked): asked for outside this range,
+# it is refused (400); below the floor its key (or else its model's ``llm.min_priority``)
+# allows, refused with 403.
+PRIORITY_MIN, PRIORITY_MAX = -100, 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +38,12 @@ class LlmOptions:
     cpu_fused: bool = True  # Llama/Qwen2 layers and the greedy head on rtserve's kernels (CPU fp32)
     default_max_tokens: int = 256
     max_waiting: int = 1024  # requests queued beyond the running batch; more get a 503
+    # Fair share between tenants (API keys' names; without keys, client addresses).
+    fair_share: bool = True
+    tenant_weights: tuple[tuple[str, float], ...] = ()  # (tenant, weight); others weigh 1
+    max_waiting_per_tenant: int = 256  # one tenant's queued requests; more get a 429
+    unread_timeout_s: float = 30.0  # a stream unread this long is paused (0: never)
+    min_priority: int = 0  # the most urgent priority a request may ask without a key's grant
     slo: TokenSLO | None = None
 
     @classmethod
@@ -87,6 +97,19 @@ class LlmOptions:
         fused = data.get("cpu_fused", True)
         if not isinstance(fused, bool):
             raise ConfigError(f"{where}: llm.cpu_fused: expected true or false, got {fused!r}")
+        fair = data.get("fair_share", True)
+        if not isinstance(fair, bool):
+            raise ConfigError(f"{where}: llm.fair_share: expected true or false, got {fair!r}")
+        unread = data.get("unread_timeout_s", 30.0)
+        if (
+            isinstance(unread, bool)
+            or not isinstance(unread, int | float)
+            or not (0 <= unread <= 86400)
+        ):
+            raise ConfigError(
+                f"{where}: llm.unread_timeout_s: expected seconds in [0, 86400] "
+                f"(0: never pause an unread stream), got {unread!r}"
+            )
         block_size = integer("block_size", 1, 1024)
         options = cls(
             device=device,
@@ -103,9 +126,40 @@ class LlmOptions:
             threads=integer("threads", 0, 1024),
             default_max_tokens=integer("default_max_tokens", 1, 1 << 20),
             max_waiting=integer("max_waiting", 0, 1 << 20),
+            fair_share=fair,
+            tenant_weights=_weights(data.get("tenant_weights"), where),
+            max_waiting_per_tenant=integer("max_waiting_per_tenant", 0, 1 << 20),
+            unread_timeout_s=float(unread),
+            min_priority=integer("min_priority", PRIORITY_MIN, 0),
             slo=_token_slo(slo, where),
         )
         return options
+
+
+def _weights(value: Any, where: str) -> tuple[tuple[str, float], ...]:
+    """``tenant_weights: {tenant: weight}``: a tenant's share of the batch is its weight over
+    the sum of the weights of the tenants using the model (1 for those not named)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > 10_000:
+        raise ConfigError(
+            f"{where}: llm.tenant_weights: expected a mapping of tenant (key name or client "
+            f"address) to weight, got {value!r:.80}"
+        )
+    out = []
+    for name, weight in value.items():
+        if (
+            not isinstance(name, str)
+            or isinstance(weight, bool)
+            or not isinstance(weight, int | float)
+            or not 0.01 <= weight <= 1000
+        ):
+            raise ConfigError(
+                f"{where}: llm.tenant_weights.{name}: expected a weight in [0.01, 1000], "
+                f"got {weight!r:.40}"
+            )
+        out.append((name, float(weight)))
+    return tuple(sorted(out))
 
 
 def _token_slo(value: Any, where: str) -> TokenSLO | None:

@@ -6,12 +6,25 @@ the step's token budget. Blocks come from the pool; when a decoding sequence nee
 and none is free, the lowest-priority, latest sequence is preempted: its blocks are freed
 (its full blocks stay in the prefix cache) and it waits to be recomputed, keeping the tokens
 it has generated. Finished sequences free their blocks at once.
+
+Fair share: each sequence belongs to a tenant (an API key's name, or a client's address).
+While tenants wait, each tenant's quota of the running batch is ``max_num_seqs`` split by
+weight among the tenants with running or waiting sequences (at least one slot each); waiting
+sequences are admitted by priority, then from the tenant with the fewest running per weight;
+a tenant below its quota with no free slot (or no free block) takes one from the tenant
+furthest above its quota, whose newest sequence is preempted (never one more urgent than the
+waiter). A lone tenant uses every slot. The scheduler reads no clock: it is a function of its
+state, so tests drive it step by step.
+
+A stream whose consumer stopped reading is paused: out of the batch and the queue, its blocks
+freed, until it is resumed (then recomputed, as after a preemption).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +36,7 @@ from rtserve.llm.params import SamplingParams, TokenLogprob
 
 _ids = itertools.count()
 
-WAITING, RUNNING, FINISHED = 0, 1, 2
+WAITING, RUNNING, FINISHED, PAUSED = 0, 1, 2, 3
 
 
 @dataclass(eq=False, slots=True)
@@ -38,6 +51,7 @@ class Sequence:
     priority: int = 0  # lower runs first
     arrival_ns: int = 0
     request_id: str = ""
+    tenant: str = ""  # whose share of the batch it counts in
     generator: torch.Generator | None = None
     sink: Any = None  # where events go (the engine's)
     id: int = field(default_factory=lambda: next(_ids))
@@ -59,6 +73,11 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs_sent: bool = False
     preemptions: int = 0
+    # Events handed to the consumer (engine thread) and taken by it (its event loop), and
+    # when each was handed over: an event left untaken too long is a stream nobody reads.
+    delivered: int = 0
+    taken: int = 0
+    delivered_ns: list[int] = field(default_factory=list)
 
     @property
     def generated(self) -> int:
@@ -98,13 +117,50 @@ class Scheduler:
         pool: BlockPool,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        fair_share: bool = True,
+        weights: Mapping[str, float] | None = None,
     ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.fair_share = fair_share
+        self.weights = dict(weights or {})  # tenant -> weight (others: 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.preemptions = 0
+        self.paused: list[Sequence] = []
+        self.preemptions = 0  # for KV blocks
+        self.fair_preemptions = 0  # for another tenant's share
+
+    def tenant(self, seq: Sequence) -> str:
+        """The tenant ``seq`` counts under (one for all when fair share is off)."""
+        return seq.tenant if self.fair_share else ""
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def quotas(self) -> dict[str, int]:
+        """Each active tenant's share of the running batch: ``max_num_seqs`` split by weight
+        among the tenants with running or waiting sequences, at least one slot each."""
+        active = {self.tenant(s) for s in self.running} | {self.tenant(s) for s in self.waiting}
+        total = sum(self.weight(t) for t in active)
+        return {t: max(1, int(self.max_num_seqs * self.weight(t) / total)) for t in active}
+
+    def _running_counts(self) -> Counter[str]:
+        return Counter(self.tenant(s) for s in self.running)
+
+    def _victim(self, candidates: list[Sequence]) -> Sequence:
+        """Whom to preempt: the least urgent; of those, from the tenant with the most running
+        sequences per weight; of those, the newest."""
+        counts = self._running_counts()
+        return max(
+            candidates,
+            key=lambda s: (
+                s.priority,
+                counts[self.tenant(s)] / self.weight(self.tenant(s)),
+                s.arrival_ns,
+                s.id,
+            ),
+        )
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence, after those of the same or a higher priority."""
@@ -126,10 +182,52 @@ class Scheduler:
         When the sequences holding blocks cannot go on (half-computed prompts filled the
         pool), the lowest-priority, latest is preempted until one can."""
         while True:
+            self._rebalance()
             step = self._schedule(prefill_budget)
             if step.items or not self.running:
                 return step
-            self.preempt(max(self.running, key=lambda s: (s.priority, s.arrival_ns, s.id)))
+            self.preempt(self._victim(self.running))
+
+    def _rebalance(self) -> None:
+        """Preempt for tenants waiting below their quota when no slot (or no block) is free:
+        each time the newest sequence of the tenant furthest above its quota, never one more
+        urgent than the waiter's next sequence."""
+        if not self.waiting or not self.fair_share:
+            return
+        waiting = self._admission_order()
+        counts = self._running_counts()
+        if len(waiting.keys() | counts.keys()) < 2:
+            return  # a lone tenant uses every slot
+        quotas = self.quotas()
+        free_slots = self.max_num_seqs - len(self.running)
+        free_blocks = self.pool.num_free
+        order = sorted(waiting, key=lambda t: (waiting[t][0].priority, counts[t] / self.weight(t)))
+        for t in order:
+            # Its next sequences, up to its quota, each take a free slot or someone's.
+            for waiter in list(waiting[t])[: max(quotas[t] - counts[t], 0)]:
+                if free_slots > 0 and free_blocks > 0:
+                    free_slots -= 1
+                    free_blocks -= 1  # (its first chunk takes a block at least)
+                    continue
+                over = [
+                    s
+                    for s in self.running
+                    if counts[self.tenant(s)] > quotas[self.tenant(s)]
+                    and s.priority >= waiter.priority
+                ]
+                if not over:
+                    break
+                victim = self._victim(over)
+                counts[self.tenant(victim)] -= 1
+                free_blocks += len(victim.blocks) - 1
+                self.preempt(victim, fair=True)
+
+    def _admission_order(self) -> dict[str, deque[Sequence]]:
+        """The waiting sequences of each tenant, in queue order."""
+        queues: dict[str, deque[Sequence]] = {}
+        for s in self.waiting:
+            queues.setdefault(self.tenant(s), deque()).append(s)
+        return queues
 
     def _schedule(self, prefill_budget: int | None) -> Step:
         decoding = [s for s in self.running if not s.prefilling]
@@ -149,21 +247,46 @@ class Scheduler:
             if n:
                 items.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            self._admit(items, budget)
+        items.sort(key=lambda item: item[1] != 1)
+        decodes = sum(1 for _, n in items if n == 1)
+        return Step(items, decodes, sum(n for _, n in items) - decodes)
+
+    def _admit(self, items: list[tuple[Sequence, int]], budget: int) -> None:
+        """Admit waiting sequences while slots, blocks and the token budget allow: the most
+        urgent first; among equals, the next of the tenant with the fewest running per
+        weight; among those, in queue order."""
+        queues = self._admission_order()
+        order = {s.id: i for i, s in enumerate(self.waiting)}
+        counts = self._running_counts()
+        while queues and budget > 0 and len(self.running) < self.max_num_seqs:
+            tenant = min(
+                queues,
+                key=lambda t: (
+                    queues[t][0].priority,
+                    counts[t] / self.weight(t),
+                    order[queues[t][0].id],
+                ),
+            )
+            seq = queues[tenant][0]
             self._admit_prefix(seq)
             n = self._chunk(seq, budget)
             if n == 0:
                 self._release(seq)
                 break
-            self.waiting.popleft()
+            queues[tenant].popleft()
+            if not queues[tenant]:
+                del queues[tenant]
+            if self.waiting[0] is seq:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(seq)
+            counts[tenant] += 1
             seq.status = RUNNING
             self.running.append(seq)
             items.append((seq, n))
             budget -= n
-        items.sort(key=lambda item: item[1] != 1)
-        decodes = sum(1 for _, n in items if n == 1)
-        return Step(items, decodes, sum(n for _, n in items) - decodes)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Reserve blocks for as much of the sequence's remaining prompt as fits."""
@@ -207,21 +330,44 @@ class Scheduler:
         """Preempt the lowest-priority, latest running sequences until ``needy`` has its
         block (``needy`` itself may be the one preempted)."""
         while True:
-            victim = max(
-                (s for s in self.running if s.status == RUNNING),
-                key=lambda s: (s.priority, s.arrival_ns, s.id),
-            )
+            victim = self._victim([s for s in self.running if s.status == RUNNING])
             self.preempt(victim)
             if victim is needy or self._reserve(needy, 1):
                 return
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, fair: bool = False) -> None:
+        """Free a running sequence's blocks; it waits first in line to be recomputed.
+        ``fair``: for another tenant's share (else for KV blocks)."""
         self._release(seq)
         seq.status = WAITING
         seq.preemptions += 1
-        self.preemptions += 1
+        if fair:
+            self.fair_preemptions += 1
+        else:
+            self.preemptions += 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
+
+    def pause(self, seq: Sequence) -> None:
+        """Take a running or waiting sequence out of the batch and the queue, its blocks
+        freed, until :meth:`resume`."""
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+        elif seq.status == WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self._release(seq)
+        seq.status = PAUSED
+        self.paused.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """Queue a paused sequence again (it is recomputed when admitted)."""
+        if seq.status != PAUSED:
+            return
+        self.paused.remove(seq)
+        seq.status = WAITING
+        self.add(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.blocks)
@@ -250,5 +396,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq.status == PAUSED:
+            self.paused.remove(seq)
         self._release(seq)
         seq.status = FINISHED

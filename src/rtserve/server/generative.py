@@ -31,7 +31,7 @@ from rtserve.protocol.types import Timings
 from rtserve.server import openai
 from rtserve.server.errors import JSON_TYPE, http_error
 from rtserve.server.http1 import Connection, Request
-from rtserve.server.security import Guard
+from rtserve.server.security import Guard, http_credential
 
 Headers = list[tuple[bytes, bytes]]
 Answer = tuple[int, bytes, Headers]
@@ -122,7 +122,8 @@ class GenerativeRoutes:
 
     def handle(self, conn: Connection, request: Request) -> None:
         """Answer one request on these routes (the guard's route check has passed)."""
-        reply = self.reply(request)
+        peer = conn.transport.get_extra_info("peername") if conn.transport is not None else None
+        reply = self.reply(request, str(peer[0]) if peer else "")
         if isinstance(reply, Streamed):
             conn.respond_stream(200, reply.headers, reply.chunks)
         elif isinstance(reply, Pending):
@@ -130,12 +131,13 @@ class GenerativeRoutes:
         else:
             conn.respond(*reply)
 
-    def reply(self, request: Request) -> Reply:
-        """The reply to one request on these routes, for any transport."""
+    def reply(self, request: Request, peer: str = "") -> Reply:
+        """The reply to one request on these routes, for any transport (``peer``: the
+        client's address, whose share a generation counts in without keys)."""
         path = request.path
         method = b"GET" if request.method == b"HEAD" else request.method
         if path in ("/v1/chat/completions", "/v1/completions") and method == b"POST":
-            return self._openai(request, openai.CHAT if "chat" in path else openai.TEXT)
+            return self._openai(request, openai.CHAT if "chat" in path else openai.TEXT, peer)
         if path == "/v1/models" and method == b"GET":
             return 200, orjson.dumps(self._models(request)), [JSON_TYPE]
         if path.startswith("/v1/models/") and method == b"GET":
@@ -144,10 +146,19 @@ class GenerativeRoutes:
             return openai.error_answer(
                 RouteNotFound(f"no route for {method.decode()} {path[:200]}")
             )
-        return self._triton(request)
+        return self._triton(request, peer)
+
+    def _client(self, raw: Request, peer: str) -> dict[str, Any]:
+        """Whose fair share a generation counts in (its key's name; without keys, the
+        client's address) and the most urgent priority its key is granted."""
+        auth = self.guard.auth if self.guard is not None else None
+        if auth is None:
+            return {"tenant": peer}
+        grant = auth._grant(http_credential(raw.headers))  # (as the guard found it)
+        return {"tenant": grant.name, "min_priority": grant.min_priority}
 
     # ------------------------------------------------------------------ OpenAI
-    def _openai(self, raw: Request, kind: str) -> Reply:
+    def _openai(self, raw: Request, kind: str, peer: str = "") -> Reply:
         dp = self.dataplane
         timings = Timings(received=raw.received_ns)
         model = ""
@@ -157,7 +168,7 @@ class GenerativeRoutes:
             model = request.model
             if self.guard is not None:
                 self.guard.http_model(raw.headers, model)
-            asked = _asked(request, timings)
+            asked = {**_asked(request, timings), **self._client(raw, peer)}
             if not generation.inline(request.prompt, request.messages):
                 return _prepared_later(
                     lambda: generation.prepare_async(dp, model, timings, request.params, **asked),
@@ -219,7 +230,7 @@ class GenerativeRoutes:
         return 200, orjson.dumps(doc), [JSON_TYPE]
 
     # ------------------------------------------------------------------ Triton generate
-    def _triton(self, raw: Request) -> Reply:
+    def _triton(self, raw: Request, peer: str = "") -> Reply:
         dp = self.dataplane
         timings = Timings(received=raw.received_ns)
         model = ""
@@ -233,6 +244,7 @@ class GenerativeRoutes:
                 "prompt": text,
                 "version": version,
                 "request_id": timings.request_id,
+                **self._client(raw, peer),
             }
             if not generation.inline(text, None):
                 return _prepared_later(
