@@ -14,6 +14,8 @@ the answer is cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
@@ -38,6 +40,10 @@ Answer = tuple[int, bytes, Headers]
 _GENERATE = ("generate", "generate_stream")
 # Triton generate: request keys that are not sampling parameters.
 _TRITON_KEYS = ("text_input", "parameters", "id", "stream")
+# The kernel's send buffer of a connection streaming tokens (it grows to megabytes by
+# itself): a client that stops reading backs its stream up into the engine soon, which
+# pauses it (``llm.unread_timeout_s``) instead of decoding on into the kernel.
+STREAM_SEND_BUFFER = 128 << 10
 
 
 @dataclass(slots=True)
@@ -125,6 +131,7 @@ class GenerativeRoutes:
         peer = conn.transport.get_extra_info("peername") if conn.transport is not None else None
         reply = self.reply(request, str(peer[0]) if peer else "")
         if isinstance(reply, Streamed):
+            _bound_send_buffer(conn)
             conn.respond_stream(200, reply.headers, reply.chunks)
         elif isinstance(reply, Pending):
             self._answer_later(conn, reply)
@@ -286,6 +293,7 @@ class GenerativeRoutes:
         async def run() -> None:
             done = await pending.answer()
             if isinstance(done, Streamed):
+                _bound_send_buffer(conn)
                 conn.respond_stream(200, done.headers, done.chunks)
             else:
                 conn.respond(*done)
@@ -294,6 +302,13 @@ class GenerativeRoutes:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         conn.on_lost = task.cancel
+
+
+def _bound_send_buffer(conn: Connection) -> None:
+    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
 
 
 def _prepared_later(
