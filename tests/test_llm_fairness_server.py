@@ -9,7 +9,6 @@ import json
 import socket
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -151,9 +150,11 @@ def test_a_key_with_many_unread_streams_leaves_another_key_its_share(
         for sock in held:
             sock.close()
     wait_for(
-        lambda: metric(server, "rtserve_llm_running_sequences", "fair") == 0
-        and metric(server, "rtserve_llm_waiting_sequences", "fair") == 0
-        and metric(server, "rtserve_llm_kv_blocks_used", "fair") == 0,
+        lambda: (
+            metric(server, "rtserve_llm_running_sequences", "fair") == 0
+            and metric(server, "rtserve_llm_waiting_sequences", "fair") == 0
+            and metric(server, "rtserve_llm_kv_blocks_used", "fair") == 0
+        ),
         20,
         "closed streams end and free their blocks",
     )
@@ -204,8 +205,10 @@ def test_an_unread_stream_is_paused_out_of_its_slot_and_resumes_when_read(
     assert b'"finish_reason":"length"' in data
     assert data.count(b'"logprobs":{"content":[{') >= 600  # every token came, once resumed
     wait_for(
-        lambda: metric(server, "rtserve_llm_paused_sequences", "unread") == 0
-        and metric(server, "rtserve_llm_kv_blocks_used", "unread") == 0,
+        lambda: (
+            metric(server, "rtserve_llm_paused_sequences", "unread") == 0
+            and metric(server, "rtserve_llm_kv_blocks_used", "unread") == 0
+        ),
         10,
         "the stream ended and freed its blocks",
     )

@@ -390,6 +390,7 @@ class LlmEngine:
             if seed == 0:
                 self.step_model.clear()
         self.pool.queries = self.pool.hits = 0
+        self.scheduler.preemptions = self.scheduler.fair_preemptions = 0  # (serving's only)
         release_openmp()  # (the step loop runs on its own thread)
 
     def _warmup_round(self, prompt_len: int, new_tokens: int, seqs: int, seed: int) -> None:
