@@ -717,6 +717,7 @@ class Connection(asyncio.Protocol):
     def taken(self, st: _Stream, n: int) -> None:
         """A streaming call's handler took a message of ``n`` bytes (with its prefix)."""
         st.held -= n
+        st.since = self.loop.time()  # (the client may send again)
         self._buffer(st, -n)
         if st.remote_closed or st.local_closed:
             self._release(st, n)
@@ -740,10 +741,11 @@ class Connection(asyncio.Protocol):
 
     def stalled(self, now: float) -> None:
         """End the calls whose request made no progress for REQUEST_STALL_S: headers and
-        no whole unary message, or a partial message."""
+        no whole unary message, or a partial message (not while whole ones wait for the
+        handler: then the server holds the client)."""
         for st in list(self.streams.values()):
             method = st.method
-            if st.remote_closed or st.local_closed or method is None:
+            if st.remote_closed or st.local_closed or method is None or st.held:
                 continue
             if (not method.streaming or st.buf) and now - st.since > REQUEST_STALL_S:
                 details = f"no request data for {REQUEST_STALL_S:g} s (REQUEST_STALL_S)"
