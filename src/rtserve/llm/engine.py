@@ -523,8 +523,8 @@ class LlmEngine:
         limit = now - int(timeout * 1e9)
         sched = self.scheduler
         for seq in [*sched.running, *sched.waiting]:
-            taken = seq.taken
-            if taken >= seq.delivered or seq.delivered_ns[taken] > limit:
+            oldest = seq.oldest_untaken_ns()
+            if not oldest or oldest > limit:
                 continue
             sched.pause(seq)
             if seq.taken >= seq.delivered:  # it took them meanwhile: it would not resume
@@ -576,7 +576,8 @@ class LlmEngine:
                 prompt_logprobs=self._scored_prompt(seq),
             )
             seq.new_tokens = []
-            seq.delivered_ns.append(now)
+            seq.oldest_untaken_ns()  # (forgets the times of the events taken)
+            seq.untaken_ns.append(now)
             seq.delivered += 1
             loop, queue = seq.sink
             by_loop[loop].append((queue, event))

@@ -74,10 +74,20 @@ class Sequence:
     prompt_logprobs_sent: bool = False
     preemptions: int = 0
     # Events handed to the consumer (engine thread) and taken by it (its event loop), and
-    # when each was handed over: an event left untaken too long is a stream nobody reads.
+    # when each not yet taken was handed over: one left untaken too long is a stream nobody
+    # reads.
     delivered: int = 0
     taken: int = 0
-    delivered_ns: list[int] = field(default_factory=list)
+    untaken_ns: deque[int] = field(default_factory=deque)
+
+    def oldest_untaken_ns(self) -> int:
+        """When the oldest event its consumer has not taken was handed over (0: none); the
+        engine thread's (it forgets the times of the events taken)."""
+        untaken = self.untaken_ns
+        pending = self.delivered - self.taken
+        while len(untaken) > pending:
+            untaken.popleft()
+        return untaken[0] if untaken else 0
 
     @property
     def generated(self) -> int:
