@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 
 from rtserve.errors import InferenceFailed, InvalidInput, ObjectiveRefused, Overloaded, ShuttingDown
@@ -42,9 +43,12 @@ MAX_PARTS = 1024  # text parts in one message's content
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-class TenantQueueFull(ObjectiveRefused):
+class TenantQueueFull(Overloaded):
     """One tenant's requests fill its part of the queue: its excess is refused (HTTP 429
     with Retry-After, gRPC RESOURCE_EXHAUSTED); other tenants' requests are not."""
+
+    http_status = 429
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class StepModel:
