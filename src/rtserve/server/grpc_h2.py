@@ -70,6 +70,7 @@ CONN_WINDOW = 16 << 20  # granted once a call on the connection passed authentic
 CONN_BUFFER = 4 << 20
 SERVER_BUFFER = 256 << 20
 REQUEST_STALL_S = 5.0  # a request (headers, or a partial message) without progress is ended
+WINDOW_STALL_S = 30.0  # the same while it has no window to send in (the budgets hold it)
 # Frames without progress (PING, PRIORITY, SETTINGS, WINDOW_UPDATE, RST_STREAM, GOAWAY,
 # CONTINUATION, empty or tiny DATA, refused calls) spend a connection's budget: CALM_BURST at
 # once, CALM_RATE more per second; each accepted call earns CALL_CREDIT, each answer frame one.
@@ -742,13 +743,21 @@ class Connection(asyncio.Protocol):
     def stalled(self, now: float) -> None:
         """End the calls whose request made no progress for REQUEST_STALL_S: headers and
         no whole unary message, or a partial message (not while whole ones wait for the
-        handler: then the server holds the client)."""
+        handler: then the server holds the client); WINDOW_STALL_S while the stream or the
+        connection has no window left (the budgets hold the client)."""
+        open_window = self.recv_window > 0
         for st in list(self.streams.values()):
             method = st.method
             if st.remote_closed or st.local_closed or method is None or st.held:
                 continue
-            if (not method.streaming or st.buf) and now - st.since > REQUEST_STALL_S:
-                details = f"no request data for {REQUEST_STALL_S:g} s (REQUEST_STALL_S)"
+            if not method.streaming or st.buf:
+                if open_window and st.recv_window > 0:
+                    limit, name = REQUEST_STALL_S, "REQUEST_STALL_S"
+                else:
+                    limit, name = WINDOW_STALL_S, "WINDOW_STALL_S"
+                if now - st.since <= limit:
+                    continue
+                details = f"no request data for {limit:g} s ({name})"
                 self._status(st, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
                 if st.task is not None:
                     st.task.cancel()
