@@ -99,12 +99,15 @@ class Raw:
             out += frame(DATA, END_STREAM, sid, body)
         return sid, out
 
-    def frames(self, timeout: float = 0.2) -> list[tuple[int, int, int, bytes]]:
-        """The frames that arrive within ``timeout`` (or until the connection closes)."""
-        got = []
+    def frames(
+        self, timeout: float = 0.2, first: bool = False
+    ) -> list[tuple[int, int, int, bytes]]:
+        """The frames that arrive within ``timeout`` (or until the connection closes;
+        ``first``: until some arrive)."""
+        got: list[tuple[int, int, int, bytes]] = []
         self.sock.settimeout(timeout)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (first and got):
             try:
                 chunk = self.sock.recv(1 << 20)
             except (TimeoutError, OSError):
@@ -340,7 +343,7 @@ def unary_calls(port: int, calls: int = 20_000, key: str | None = USER) -> None:
             c.send(b"".join(c.call_frames("ModelInfer", body, key)[1] for _ in range(100)))
             ended = 0
             while ended < 100:
-                got = c.frames(5.0 if not ended else 1.0)
+                got = c.frames(5.0, first=True)
                 if not got:
                     raise RuntimeError("answers did not come")
                 ended += sum(1 for f in got if f[0] == HEADERS and f[1] & END_STREAM)
