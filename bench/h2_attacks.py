@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -368,11 +369,13 @@ def rss_mb(pid: int) -> float:
 
 
 class Victim:
-    """A valid client calling ``ServerLive`` (and sampling the server's RSS) in a thread."""
+    """A valid client calling ``ServerLive`` (and, given ``http``, the server's HTTP
+    ``/v2/health/live``), sampling the server's RSS, in a thread."""
 
-    def __init__(self, address: str, pid: int) -> None:
-        self.address, self.pid = address, pid
+    def __init__(self, address: str, pid: int, http: str | None = None) -> None:
+        self.address, self.pid, self.http = address, pid, http
         self.latencies: list[float] = []
+        self.http_latencies: list[float] = []
         self.errors: list[str] = []
         self.rss_peak = self.rss_base = rss_mb(pid)
         self._stop = threading.Event()
@@ -405,11 +408,18 @@ class Victim:
                     self.latencies.append(time.perf_counter() - t0)
                 except grpc.RpcError as exc:
                     self.errors.append(str(exc.code()))
+                if self.http is not None:
+                    t0 = time.perf_counter()
+                    try:
+                        with urllib.request.urlopen(f"{self.http}/v2/health/live", timeout=10):
+                            self.http_latencies.append(time.perf_counter() - t0)
+                    except OSError as exc:
+                        self.errors.append(f"HTTP: {exc}")
                 self.rss_peak = max(self.rss_peak, rss_mb(self.pid))
                 time.sleep(0.02)
 
-    def median(self) -> float:
-        s = sorted(self.latencies)
+    def median(self, http: bool = False) -> float:
+        s = sorted(self.http_latencies if http else self.latencies)
         return s[len(s) // 2] if s else float("inf")
 
 

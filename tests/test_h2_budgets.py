@@ -125,10 +125,12 @@ def executions(s: RunningServer, model: str) -> int:
 
 
 def served_meanwhile(victim: Victim) -> None:
-    """The valid client kept being answered, and memory stayed near its baseline."""
+    """The valid client kept being answered (gRPC and HTTP), and memory stayed near its
+    baseline."""
     assert not victim.errors, victim.errors[:3]
     assert len(victim.latencies) >= 3
     assert victim.median() < 0.5, sorted(victim.latencies)[-5:]
+    assert victim.median(http=True) < 0.5, sorted(victim.http_latencies)[-5:]
     assert victim.rss_peak - victim.rss_base < 100, (victim.rss_base, victim.rss_peak)
 
 
@@ -137,7 +139,7 @@ def test_calls_without_a_key_cost_their_headers_only(server: RunningServer) -> N
     """60 calls whose prefix declares 60 MiB, no key: each is refused UNAUTHENTICATED from
     its headers and reset; the connection never gets more than the protocol's 64 KiB window
     (it was 16 MiB at once, and 3.7 GB were buffered in 21 s)."""
-    with Victim(server.grpc, server.proc.pid) as victim:
+    with Victim(server.grpc, server.proc.pid, server.base) as victim:
         sent, got = partial_messages(server.grpc_port, streams=60, key=None, seconds=1.5)
     answers = statuses(got)
     assert len(answers) == 60
@@ -201,7 +203,7 @@ def test_partial_messages_are_bounded_per_connection(server: RunningServer) -> N
     window they get, never all of it. Past CONN_BUFFER only one message gets more window, so
     the connection holds at most its window, the budget and one message (it held 60 times
     the limit)."""
-    with Victim(server.grpc, server.proc.pid) as victim:
+    with Victim(server.grpc, server.proc.pid, server.base) as victim:
         sent, got = partial_messages(
             server.grpc_port, streams=60, key=USER, seconds=3.0, declared=LIMIT
         )
@@ -256,7 +258,7 @@ def test_header_only_calls_cannot_take_every_call_slot(server: RunningServer) ->
 @pytest.mark.parametrize("name", list(FLOODS))
 def test_a_flood_of_frames_without_progress_gets_goaway(server: RunningServer, name: str) -> None:
     setup, one = FLOODS[name]
-    with Victim(server.grpc, server.proc.pid) as victim:
+    with Victim(server.grpc, server.proc.pid, server.base) as victim:
         before = cpu_s(server.proc.pid)
         sent, got = flood(server.grpc_port, setup, one, 30_000)
         cpu = cpu_s(server.proc.pid) - before
@@ -269,7 +271,7 @@ def test_a_flood_of_frames_without_progress_gets_goaway(server: RunningServer, n
 def test_window_floods_with_answers_waiting_get_goaway(server: RunningServer, attack) -> None:  # type: ignore[no-untyped-def]
     """1000 answers wait for window; WINDOW_UPDATE(+1) or SETTINGS_INITIAL_WINDOW_SIZE
     flips wake them all per frame no more (that was 10.7 and 2.8 CPU s per MB)."""
-    with Victim(server.grpc, server.proc.pid) as victim:
+    with Victim(server.grpc, server.proc.pid, server.base) as victim:
         before = cpu_s(server.proc.pid)
         sent, got = attack(server.grpc_port)
         cpu = cpu_s(server.proc.pid) - before
