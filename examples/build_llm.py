@@ -49,10 +49,19 @@ llm:
   prefix_caching: true
 """
 
+# The sampling SmolLM2-Instruct's model card uses (``generate(..., temperature=0.2,
+# top_p=0.9, do_sample=True)``); the GGUF carries none, so the rebuilt directory's
+# generation_config.json gets it: requests that set no temperature/top_p sample this way
+# (rtserve honours a model's generation_config.json as vLLM does), not at OpenAI's 1.0.
+RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+
+# Greedy: even at 0.2 this 135M model starts "L'Étoile, la Marseillaise..." about one time in
+# three (its first token is a near tie: "The" -1.88 against "L" -1.97 in log-probability).
 EXAMPLE_REQUEST = {
     "model": MODEL_NAME,
     "messages": [{"role": "user", "content": "What is the capital of France?"}],
-    "max_tokens": 32,
+    "temperature": 0,
+    "max_tokens": 64,
     "stream": True,
 }
 
@@ -135,9 +144,19 @@ def build_llm_repository(out: Path = DEFAULT_OUT, cache: Path = CACHE) -> Path:
         if f.is_file() and not f.name.startswith("."):
             (version / f.name).unlink(missing_ok=True)
             _link_or_copy(f, version / f.name)
+    write_generation_config(version / "generation_config.json")
     (model_dir / "config.yaml").write_text(LLM_CONFIG)
     (model_dir / "example_request.json").write_text(json.dumps(EXAMPLE_REQUEST, indent=2) + "\n")
     return version
+
+
+def write_generation_config(path: Path) -> None:
+    """The converted generation_config.json (token ids) with the recommended sampling, as a
+    file of its own (not a link into the cache)."""
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    doc.update(RECOMMENDED_SAMPLING)
+    path.unlink(missing_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def check_answer(version: Path) -> str:

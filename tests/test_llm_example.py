@@ -41,3 +41,12 @@ def test_the_model_config_selects_the_llm_backend(version_dir: Path) -> None:
 def test_the_converted_weights_answer_a_chat_question(version_dir: Path) -> None:
     """Greedy, chat template applied: the dequantized weights are the real model's."""
     assert check_answer(version_dir) == "The capital of France is Paris."
+
+
+def test_the_example_carries_its_recommended_sampling(version_dir: Path) -> None:
+    """generation_config.json: SmolLM2-Instruct's card sampling, which requests that set no
+    temperature/top_p get; the token ids the conversion wrote are kept."""
+    doc = json.loads((version_dir / "generation_config.json").read_text())
+    assert doc["temperature"] == 0.2 and doc["top_p"] == 0.9 and doc["eos_token_id"] == 2
+    request = json.loads((version_dir.parent / "example_request.json").read_text())
+    assert request["temperature"] == 0 and request["max_tokens"] <= 64

@@ -239,6 +239,11 @@ def _checked(
     chat: bool,
     tenant: str = "",
 ) -> Generation:
+    # What the request left unset: the model's sampling (generation_config.json) and an
+    # answer of at most llm.default_max_tokens, within what the context leaves.
+    params = llm.sampling_defaults.apply(
+        params, len(ids), llm.max_model_len, llm.options.default_max_tokens
+    )
     llm.check_prompt(len(ids), params, "messages" if chat else "prompt", tenant)
     timings.prompt_tokens = len(ids)
     return Generation(mv, llm, ids, params, timings, request_id, priority, tenant)

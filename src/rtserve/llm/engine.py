@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 
 from rtserve.errors import InferenceFailed, InvalidInput, ObjectiveRefused, Overloaded, ShuttingDown
+from rtserve.llm.defaults import SamplingDefaults
 from rtserve.llm.detok import Detokenizer, text_offsets
 from rtserve.llm.kv import BlockPool
 from rtserve.llm.metrics import LlmMetrics, token_objectives
@@ -102,6 +103,8 @@ class LlmEngine:
         self.version = version
         self.options = options
         self.runner = ModelRunner(version_dir, options)
+        # What a request leaves unset: the model's generation_config.json, the length capped.
+        self.sampling_defaults = SamplingDefaults.load(version_dir)
         self.tokenizer = self.runner.tokenizer
         self.token_bytes = TokenBytes(self.tokenizer)  # (logprobs' token text and bytes)
         self.max_model_len = self.runner.max_model_len

@@ -28,7 +28,7 @@ class LlmOptions:
     dtype: str = "float32"
     max_num_seqs: int = 64
     max_model_len: int = 2048
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int = 0  # 0: sized from the model and the memory (llm/defaults.py)
     block_size: int = 16
     max_num_batched_tokens: int = 512
     prefix_caching: bool = True
@@ -116,7 +116,7 @@ class LlmOptions:
             dtype=dtype,
             max_num_seqs=integer("max_num_seqs", 1, 4096),
             max_model_len=integer("max_model_len", 2, 1 << 20),
-            kv_cache_bytes=integer("kv_cache_bytes", 1 << 16, 1 << 40),
+            kv_cache_bytes=_kv_bytes(data.get("kv_cache_bytes", 0), where),
             block_size=block_size,
             max_num_batched_tokens=integer("max_num_batched_tokens", block_size, 1 << 20),
             prefix_caching=prefix,
@@ -134,6 +134,20 @@ class LlmOptions:
             slo=_token_slo(slo, where),
         )
         return options
+
+
+def _kv_bytes(value: Any, where: str) -> int:
+    """``llm.kv_cache_bytes``: 0 (the default) sizes the pool from the model and memory."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not (value == 0 or 1 << 16 <= value <= 1 << 40)
+    ):
+        raise ConfigError(
+            f"{where}: llm.kv_cache_bytes: expected 0 (sized from the model and the memory) "
+            f"or bytes in [{1 << 16}, {1 << 40}], got {value!r}"
+        )
+    return int(value)
 
 
 def _weights(value: Any, where: str) -> tuple[tuple[str, float], ...]:

@@ -49,7 +49,8 @@ class SamplingParams:
 
     ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off;
     ``seed`` makes a sampled sequence reproducible; ``max_tokens`` None: up to the model's
-    length; ``logprobs`` None: none, else the chosen token's and that many top alternatives.
+    length (a request through the APIs that sets none gets the model's default length
+    instead, ``llm/defaults.py``); ``logprobs`` None: none, else the chosen token's and that many top alternatives.
     """
 
     max_tokens: int | None = 16
@@ -61,6 +62,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Of temperature, top_p, top_k: those the request left unset, which the model's own
+    # defaults (its generation_config.json, ``llm/defaults.py``) fill in; () when built
+    # directly (the values above are then what was meant).
+    unset: frozenset[str] = frozenset()
 
     @property
     def greedy(self) -> bool:
@@ -142,8 +147,12 @@ class SamplingParams:
             ignore_eos=ignore_eos,
             logprobs=logprobs,
             stop_token_ids=tuple(ids or ()),
+            unset=frozenset(k for k in MODEL_DEFAULTED if data.get(k) is None),
         )
 
+
+# The sampling fields a model's generation_config.json may set for requests that do not.
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k")
 
 # Every name ``SamplingParams.from_mapping`` reads (``Engine.generate`` refuses others).
 SAMPLING_NAMES = frozenset({

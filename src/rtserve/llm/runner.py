@@ -14,6 +14,7 @@ import torch
 from rtserve.errors import ConfigError
 from rtserve.llm import attention, kernels
 from rtserve.llm.attention import Chunk, StepContext
+from rtserve.llm.defaults import kv_pool_bytes
 from rtserve.llm.options import LlmOptions
 from rtserve.llm.scheduler import Step
 
@@ -86,10 +87,17 @@ class ModelRunner:
         element = torch.tensor([], dtype=self.dtype).element_size()
         per_token = 2 * layers * kv_heads * head_dim * element
         self.block_size = options.block_size
-        self.num_blocks = options.kv_cache_bytes // (per_token * self.block_size)
+        pool_bytes = options.kv_cache_bytes
+        if not pool_bytes:  # (not set: sized from the model and the memory, and logged)
+            pool_bytes, why = kv_pool_bytes(
+                per_token, self.max_model_len, options.max_num_seqs, self.block_size,
+                str(self.device),
+            )  # fmt: skip
+            log.info("llm %s: KV pool %d MiB (%s)", version_dir, pool_bytes >> 20, why)
+        self.num_blocks = pool_bytes // (per_token * self.block_size)
         if self.num_blocks < 1:
             raise ConfigError(
-                f"llm.kv_cache_bytes: {options.kv_cache_bytes} bytes hold no block of "
+                f"llm.kv_cache_bytes: {pool_bytes} bytes hold no block of "
                 f"{self.block_size} tokens ({per_token} bytes per token for this model)"
             )
         slots = self.num_blocks * self.block_size

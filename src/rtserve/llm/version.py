@@ -120,6 +120,14 @@ async def build_llm_version(
         from rtserve.llm.engine import LlmEngine
 
         engine = LlmEngine(config.name, version, version_dir, options)
+        described = engine.sampling_defaults.describe()
+        log.info(
+            "llm %s: requests that set none get %s; answers without max_tokens stop at %d "
+            "tokens (llm.default_max_tokens)",
+            config.name,
+            f"{described} (generation_config.json)" if described else "OpenAI's sampling",
+            options.default_max_tokens,
+        )
         engine.warmup()
         return engine
 
