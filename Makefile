@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+DEV_STAMP := $(VENV)/.dev-stamp
 REPO := examples/repository
 LLM_REPO := examples/llm-repository
 HOST ?= 127.0.0.1
@@ -10,22 +11,35 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 export LD_LIBRARY_PATH := $(CURDIR)/$(VENV)/lib/python3.11/site-packages/nvidia/cuda_runtime/lib:$(LD_LIBRARY_PATH)
 
-.PHONY: setup edge-converter system-deps examples run run-llm test test-modern test-fast lint format bench bench-quick bench-slo bench-generative optimize-report soak clean
+.PHONY: setup setup-serve setup-dev edge-converter system-deps examples run run-llm test test-modern test-fast lint format bench bench-quick bench-slo bench-generative optimize-report soak clean
 
-# litert-torch (PyTorch -> .tflite) in its own venv: its typing-extensions pin clashes with
-# the dev venv's packages. rtserve export-edge --format litert runs it as a subprocess.
+# litert-torch (PyTorch -> .tflite) in its own venv (2 GB): its typing-extensions pin clashes
+# with the dev venv's packages. rtserve export-edge --format litert runs it as a subprocess
+# (it says to run `make edge-converter` when it is missing); make setup (tests) installs it.
 LITERT_VENV := bench/.peers/litert
 LITERT_STAMP := $(LITERT_VENV)/.installed-stamp
 
+# Two levels in the one .venv. setup-serve (what `make run` needs): rtserve, the example
+# models' build (optimize, llm), their pipelines' steps and the README's clients (examples).
+# setup-dev (`make setup`; test, lint, bench, CI): the test and benchmark tools on top, the
+# LiteRT converter venv and the system packages (redis-server, wrk, chromium, promtool).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e '.[dev,optimize,tracing,llm,edge]'
+	$(BIN)/pip install -q -e '.[optimize,llm,examples]'
 	$(BIN)/pip install -q --no-deps efficientnet-lite-pytorch
 	$(BIN)/python -c 'from rtserve.llm import kernels; kernels.paged_decode()'  # build it once (g++)
 	touch $@
 
-setup: $(STAMP) $(LITERT_STAMP) system-deps
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[dev,optimize,tracing,llm,edge,examples]'
+	touch $@
+
+setup-serve: $(STAMP)
+
+setup-dev: $(DEV_STAMP) $(LITERT_STAMP) system-deps
+
+setup: setup-dev
 
 $(LITERT_STAMP):
 	test -x $(LITERT_VENV)/bin/python || $(PY) -m venv $(LITERT_VENV)
@@ -68,14 +82,14 @@ $(LLM_REPO)/.built: $(STAMP) examples/build_llm.py
 
 examples: $(REPO)/.built $(LLM_REPO)/.built
 
-run-llm: setup examples
+run-llm: setup-serve examples
 	@echo "Serving $(LLM_REPO) (Ctrl-C stops). Try, from another shell:"
 	@echo "  curl -sN http://$(HOST):$(HTTP_PORT)/v1/chat/completions -H 'Content-Type: application/json' -d @$(LLM_REPO)/smollm2/example_request.json"
 	$(BIN)/rtserve serve --model-repository $(LLM_REPO) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT)
 
 # make run serves both example repositories as one: links to every model in a third directory.
 SERVE_REPO := examples/serve-repository
-run: setup examples
+run: setup-serve examples
 	@rm -rf $(SERVE_REPO) && mkdir -p $(SERVE_REPO) && for d in $(REPO)/*/ $(LLM_REPO)/*/; do \
 	  ln -s "$$(realpath $$d)" $(SERVE_REPO)/$$(basename $$d); done
 	@echo "Serving $(REPO) and $(LLM_REPO) (Ctrl-C drains and stops). Try, from another shell:"
