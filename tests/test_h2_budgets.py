@@ -54,7 +54,7 @@ from rtserve.server.grpc_h2 import (
 from tests.conftest import RunningServer, start_server
 from tests.models import build_scale
 
-USER = "user-token-0123456789abcdef"  # models a and held
+USER = "user-token-0123456789abcdef"  # models a, big and held
 ADMIN = "admin-token-0123456789abcdef"
 LIMIT = 8 << 20  # --max-request-bytes
 UNAUTHENTICATED, PERMISSION_DENIED, RESOURCE_EXHAUSTED, UNIMPLEMENTED = "16", "7", "8", "12"
@@ -65,6 +65,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     root = tmp_path_factory.mktemp("repo")
     build_scale(root / "a" / "1" / "model.onnx", 2.0)
     (root / "a" / "config.yaml").write_text("max_batch_size: 4\n")
+    build_scale(root / "big" / "1" / "model.onnx", 2.0)
+    (root / "big" / "config.yaml").write_text("max_batch_size: 0\n")
     build_scale(root / "held" / "1" / "model.onnx", 3.0)  # a batch waits 1.5 s to fill
     (root / "held" / "config.yaml").write_text(
         "max_batch_size: 1024\n"
@@ -72,7 +74,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     )
     auth = root / "auth.yaml"
     auth.write_text(
-        f"keys:\n  - {{name: app, token: {USER}, models: [a, held]}}\n"
+        f"keys:\n  - {{name: app, token: {USER}, models: [a, big, held]}}\n"
         f"  - {{name: ops, token: {ADMIN}, admin: true}}\n"
     )
     s = start_server(
@@ -211,6 +213,31 @@ def test_partial_messages_are_bounded_per_connection(server: RunningServer) -> N
     assert sent <= CONN_WINDOW + CONN_BUFFER + LIMIT + (1 << 20), sent
     assert not statuses(got)  # held by flow control, not failed (WINDOW_STALL_S ends them)
     served_meanwhile(victim)
+
+
+def test_large_messages_sent_at_once_on_one_connection_all_pass(server: RunningServer) -> None:
+    """The other side of the budget: 16 calls of 4 MiB at once on one grpcio channel (64 MiB,
+    16 times CONN_BUFFER) each get their turn as the connection's leader, and all pass."""
+    import concurrent.futures
+
+    rows = 1 << 18  # 4 MiB of FP32
+    r = pb.ModelInferRequest(model_name="big")
+    r.inputs.add(name="x", datatype="FP32", shape=[rows, 4])
+    r.raw_input_contents.append(np.full((rows, 4), 1.5, np.float32).tobytes())
+    body = r.SerializeToString()
+    options = [("grpc.max_receive_message_length", LIMIT), ("grpc.max_send_message_length", LIMIT)]
+    with grpc.insecure_channel(server.grpc, options=options) as channel:
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
+        metadata = [("authorization", USER)]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            calls = [pool.submit(infer, body, metadata=metadata, timeout=25) for _ in range(16)]
+            replies = [c.result() for c in calls]
+    for reply in replies:
+        assert np.frombuffer(reply.raw_output_contents[0], np.float32)[:4].tolist() == [3.0] * 4
 
 
 def test_header_only_calls_cannot_take_every_call_slot(server: RunningServer) -> None:

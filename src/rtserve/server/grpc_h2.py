@@ -62,7 +62,10 @@ MAX_CALLS = 10_000  # calls in progress in this process; more are RESOURCE_EXHAU
 MAX_CONNECTIONS = 10_000  # open connections (at most an eighth of the descriptor limit)
 MAX_CALLS_PER_ADDRESS = MAX_CALLS // 4  # calls in progress from one client address
 MAX_RESETS = 10_000  # streams reset per SWEEP_S (by the client or for its errors), then GOAWAY
-STREAM_WINDOW = 1 << 20  # what one stream may send ahead of the handler
+# What one stream may send ahead of its handler: INITIAL_WINDOW (SETTINGS), and STREAM_WINDOW
+# for the connection's one partial message let through (``Connection.leader``).
+INITIAL_WINDOW = 64 << 10
+STREAM_WINDOW = 1 << 20
 CONN_WINDOW = 16 << 20  # granted once a call on the connection passed authentication
 # Requests received and not yet taken by a handler (partial and whole messages): past
 # CONN_BUFFER on a connection only its oldest partial message is given more window; past
@@ -207,7 +210,7 @@ class _Stream:
         "id", "method", "call", "task", "buf", "message", "queue", "held", "waiter",
         "recv_window", "send_window", "remote_closed", "local_closed", "pending",
         "pending_bytes", "drained", "timer", "encoding", "buffered", "unreleased", "since",
-        "queued",
+        "queued", "waits",
     )  # fmt: skip
 
     def __init__(self, stream_id: int, send_window: int) -> None:
@@ -220,7 +223,7 @@ class _Stream:
         self.queue: deque[bytes] = deque()  # a streaming call's requests not yet taken
         self.held = 0  # bytes in queue
         self.waiter: asyncio.Future[None] | None = None
-        self.recv_window = STREAM_WINDOW
+        self.recv_window = INITIAL_WINDOW
         self.send_window = send_window
         self.remote_closed = False
         self.local_closed = False
@@ -233,6 +236,7 @@ class _Stream:
         self.unreleased = 0  # bytes received, not yet given back to the connection's window
         self.since = 0.0  # loop time of the request's last progress
         self.queued = False  # in Connection.ready
+        self.waits = False  # in Connection.waiting
 
 
 class _Requests:
@@ -290,6 +294,7 @@ class Connection(asyncio.Protocol):
         self.granted = False  # CONN_WINDOW granted
         self.buffered = 0  # request bytes held for handlers (_Stream.buffered, summed)
         self.leader: _Stream | None = None  # the partial message let past CONN_BUFFER
+        self.waiting: deque[_Stream] = deque()  # partial messages waiting for room, in turn
         self.blocked: set[_Stream] = set()  # streams with answer data waiting for window
         self.ready: deque[_Stream] = deque()  # of those, the ones the connection's window holds
         self.hdr: tuple[int, int, bytearray] | None = None  # a header block being continued
@@ -312,7 +317,7 @@ class Connection(asyncio.Protocol):
             self.peer = f"ipv6:[{host}]:{peer[1]}" if ":" in host else f"ipv4:{host}:{peer[1]}"
         settings = b"".join(
             struct.pack(">HL", k, v)
-            for k, v in ((3, MAX_STREAMS), (4, STREAM_WINDOW), (6, MAX_HEADER_BYTES))
+            for k, v in ((3, MAX_STREAMS), (4, INITIAL_WINDOW), (6, MAX_HEADER_BYTES))
         )
         self.send(frame(SETTINGS, 0, 0, settings))
         if not self.server.authenticating:
@@ -639,6 +644,8 @@ class Connection(asyncio.Protocol):
             self._remote_end(st)
         elif not st.local_closed:
             self.credit(st)
+            if self.waiting and self.leader is st and not st.buf:
+                self._promote()  # its message is whole: another may lead
 
     def _messages(self, st: _Stream) -> int:
         """Take whole messages out of the stream's buffer: how many, -1 if the call failed."""
@@ -690,27 +697,33 @@ class Connection(asyncio.Protocol):
         self.server.buffered += n
 
     def _room(self, st: _Stream) -> bool:
-        """Whether ``st``'s partial message may be given more window: within the budgets,
-        or, past CONN_BUFFER, as the connection's one message let through."""
+        """Whether ``st``'s partial message may be given more window: as the connection's
+        one message let through (the leader, with STREAM_WINDOW), or within CONN_BUFFER;
+        never past SERVER_BUFFER."""
         server = self.server
         if server.buffered > server.max_buffered:
             return False
-        if self.buffered <= CONN_BUFFER:
-            return True
         leader = self.leader
         if leader is None or not leader.buf or leader.remote_closed or leader.local_closed:
             self.leader = leader = st
-        return leader is st
+        return leader is st or self.buffered <= CONN_BUFFER
 
     def credit(self, st: _Stream) -> None:
         """Give the client back the window of what the handler took (and of partial
-        messages, within the budgets), never of requests still queued."""
+        messages, within the budgets), never of requests still queued. Only the leader's
+        window grows past INITIAL_WINDOW: other streams' partial messages hold little."""
         if st.remote_closed or st.local_closed:
             return
-        give = STREAM_WINDOW - st.held - st.recv_window
-        if st.buffered > st.held and not self._room(st):
-            give -= st.buffered - st.held  # the partial message waits for room
-        if give >= STREAM_WINDOW // 4 or (give > 0 and st.held == 0 and st.buf):
+        partial = st.buffered - st.held
+        room = not partial or self._room(st)
+        target = STREAM_WINDOW if room and self.leader is st else INITIAL_WINDOW
+        give = target - st.held - st.recv_window
+        if not room:
+            give -= partial  # the partial message waits for room
+            if not st.waits:
+                st.waits = True
+                self.waiting.append(st)
+        if give >= target // 4 or (give > 0 and st.held == 0 and st.buf):
             st.recv_window += give
             self.send(frame(WINDOW_UPDATE, 0, st.id, _U32.pack(give)))
             self._release(st, give)
@@ -724,6 +737,20 @@ class Connection(asyncio.Protocol):
             self._release(st, n)
         else:
             self.credit(st)
+        if self.waiting:
+            self._promote()
+
+    def _promote(self) -> None:
+        """Room was made: the partial messages that wait for it get window, in turn, until
+        one still finds none (a leader is chosen among them)."""
+        waiting = self.waiting
+        while waiting and not self.closed:
+            st = waiting.popleft()
+            st.waits = False
+            if st.id in self.streams and st.buf and not (st.remote_closed or st.local_closed):
+                self.credit(st)
+                if st.waits:
+                    break
 
     def _release(self, st: _Stream, n: int) -> None:
         """Give the connection's window back for ``n`` of the bytes received on ``st``."""
@@ -793,6 +820,8 @@ class Connection(asyncio.Protocol):
             if st.unreleased:
                 self._release(st, st.unreleased)
             st.task = self.loop.create_task(self._unary(st, method, message))
+            if self.waiting:
+                self._promote()
 
     @staticmethod
     def _wake(st: _Stream) -> None:
@@ -1098,6 +1127,8 @@ class Connection(asyncio.Protocol):
         if self.leader is st:
             self.leader = None
         self.blocked.discard(st)
+        if self.waiting:
+            self._promote()
 
     def _drop(self, st: _Stream) -> None:
         """The client reset the stream or left: stop its handler."""
