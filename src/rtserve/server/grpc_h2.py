@@ -68,8 +68,8 @@ INITIAL_WINDOW = 64 << 10
 STREAM_WINDOW = 1 << 20
 CONN_WINDOW = 16 << 20  # granted once a call on the connection passed authentication
 # Requests received and not yet taken by a handler (partial and whole messages): past
-# CONN_BUFFER on a connection only its oldest partial message is given more window; past
-# SERVER_BUFFER (at least twice the message limit) for all connections together, none is.
+# CONN_BUFFER on a connection only its leader is given more window (the others wait their
+# turn); past SERVER_BUFFER (at least twice the message limit) for all connections, none is.
 CONN_BUFFER = 4 << 20
 SERVER_BUFFER = 256 << 20
 REQUEST_STALL_S = 5.0  # a request (headers, or a partial message) without progress is ended
