@@ -334,14 +334,17 @@ def made_you_reset(port: int, calls: int = 10_100, model: str = "a") -> tuple[in
         c.close()
 
 
-def unary_calls(port: int, calls: int = 20_000, key: str | None = USER) -> None:
-    """The hot path for comparison: ``calls`` ModelInfer calls, 100 at a time on one
-    connection, each batch answered before the next is sent."""
+def unary_calls(
+    port: int, calls: int = 20_000, key: str | None = USER, method: str = "ModelInfer"
+) -> None:
+    """The hot path for comparison: ``calls`` calls (ModelInfer, or ``method`` with an
+    empty message), 100 at a time on one connection, each batch answered before the next
+    is sent."""
     c = Raw(port)
-    body = grpc_message(infer_message("a"))
+    body = grpc_message(infer_message("a") if method == "ModelInfer" else b"")
     try:
         for _ in range(calls // 100):
-            c.send(b"".join(c.call_frames("ModelInfer", body, key)[1] for _ in range(100)))
+            c.send(b"".join(c.call_frames(method, body, key)[1] for _ in range(100)))
             ended = 0
             while ended < 100:
                 got = c.frames(5.0, first=True)
@@ -460,17 +463,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", type=Path, default=Path(__file__).resolve().parent.parent / "src")
     parser.add_argument("--calls", type=int, default=0, help="only time this many valid calls")
+    parser.add_argument("--method", default="ModelInfer", help="of those calls")
     args = parser.parse_args()
     if args.calls:
         with tempfile.TemporaryDirectory() as tmp:
             proc, _, port = _serve(args.src, Path(tmp))
             try:
-                unary_calls(port, 1000)  # warm up
+                unary_calls(port, 1000, method=args.method)  # warm up
                 before, t0 = cpu_s(proc.pid), time.perf_counter()
-                unary_calls(port, args.calls)
+                unary_calls(port, args.calls, method=args.method)
                 cpu, wall = cpu_s(proc.pid) - before, time.perf_counter() - t0
                 print(
-                    f"{args.calls} ModelInfer calls (key): server {cpu / args.calls * 1e6:.1f} "
+                    f"{args.calls} {args.method} calls (key): server {cpu / args.calls * 1e6:.1f} "
                     f"CPU us per call, {args.calls / wall:.0f} calls/s"
                 )
             finally:

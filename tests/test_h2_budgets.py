@@ -400,3 +400,39 @@ def test_headers_after_the_request_ended_reset_the_stream_without_an_error_log(
         c.close()
     log = server.log()
     assert "Traceback" not in log and "AssertionError" not in log
+
+
+def test_grpcio_transport_checks_the_same_headers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With ``--grpc-server grpcio`` the headers are checked alike, before the handler."""
+    build_scale(tmp_path / "repo" / "a" / "1" / "model.onnx", 2.0)
+    (tmp_path / "repo" / "a" / "config.yaml").write_text("max_batch_size: 4\n")
+    (tmp_path / "auth.yaml").write_text(f"keys:\n  - {{name: app, token: {USER}, models: [a]}}\n")
+    s = start_server(
+        tmp_path / "repo", tmp_path / "s", "--auth-file", str(tmp_path / "auth.yaml"),
+        "--grpc-server", "grpcio",
+    )  # fmt: skip
+    try:
+        with grpc.insecure_channel(s.grpc) as channel:
+
+            def code(method: str, metadata: list[tuple[str, str]]) -> tuple[object, str]:
+                call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+                try:
+                    call(b"", metadata=metadata, timeout=10)
+                except grpc.RpcError as exc:
+                    return exc.code(), str(exc.details())
+                return grpc.StatusCode.OK, ""
+
+            key = ("authorization", f"Bearer {USER}")
+            assert code("ServerMetadata", [key, key])[0] == grpc.StatusCode.UNAUTHENTICATED
+            assert "duplicate 'authorization'" in code("ServerMetadata", [key, key])[1]
+            assert code("NoSuchMethod", [])[0] == grpc.StatusCode.UNAUTHENTICATED
+            assert code("NoSuchMethod", [key])[0] == grpc.StatusCode.UNIMPLEMENTED
+            assert code("ServerMetadata", [key])[0] == grpc.StatusCode.OK
+            assert code("ServerLive", [])[0] == grpc.StatusCode.OK
+            stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+            with pytest.raises(grpc.RpcError) as info:
+                list(stream(iter([b""]), timeout=10))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert infer_ok(s) < 5
+    finally:
+        s.stop()

@@ -701,9 +701,39 @@ async def start_grpc_server(
     return GrpcServers(started), port
 
 
+class _HeaderCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """``check_call_headers`` for grpcio's calls, before their handler (with keys on)."""
+
+    def __init__(self, guard: Guard, streaming: dict[str, bool]) -> None:
+        self.guard, self.streaming = guard, streaming
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        service, _, name = str(details.method).rpartition("/")
+        method = name if service == f"/{SERVICE.full_name}" and name in self.streaming else None
+        metadata = [(str(k), v) for k, v in details.invocation_metadata or ()]
+        try:
+            check_call_headers(self.guard, method, metadata)
+        except RTServeError as exc:
+            code, message = grpc_error(exc)
+
+            async def refuse(_: Any, context: Any) -> None:
+                await context.abort(code, message)
+
+            if method is not None and self.streaming[method]:
+                return grpc.stream_stream_rpc_method_handler(refuse)
+            return grpc.unary_unary_rpc_method_handler(refuse)
+        return await continuation(details)
+
+
 def _grpc_server(frontend: GrpcFrontend, max_rpcs: int, reuse_port: bool) -> grpc.aio.Server:
     limit = frontend.max_message_bytes
+    guard = frontend.guard
+    interceptors = []
+    if guard is not None and guard.auth is not None:
+        streaming = {m.name: m.streaming for m in service_methods(frontend)}
+        interceptors.append(_HeaderCheck(guard, streaming))
     server = grpc.aio.server(
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
