@@ -22,6 +22,7 @@ from rtserve.config import ModelConfig, TensorSpec
 from rtserve.core.labels import read_labels
 from rtserve.core.warmup import slo_controller, warmup
 from rtserve.errors import ConfigError, RTServeError
+from rtserve.extras import install_hint
 from rtserve.observability.metrics import Metrics, ModelMetrics
 from rtserve.protocol.limits import DEFAULT_LIMITS, DecodeLimits, limits_for_model
 from rtserve.protocol.types import Timings
@@ -187,7 +188,10 @@ async def build_runtime_version(
         raise
     except Exception as exc:
         log.error("loading %s failed", version_dir, exc_info=exc)
-        raise ConfigError(f"{version_dir}: loading failed: {type(exc).__name__}: {exc}") from exc
+        hint = install_hint(exc, config.backend)
+        raise ConfigError(
+            f"{version_dir}: loading failed: {type(exc).__name__}: {exc}{hint}"
+        ) from exc
     if runtime.max_batch_size != config.max_batch_size:
         config = dataclasses.replace(config, max_batch_size=runtime.max_batch_size)
     try:  # (file reads: off the event loop, as the load)

@@ -19,6 +19,7 @@ import numpy as np
 from rtserve.config import ModelConfig, TensorSpec
 from rtserve.core.model import BuildContext, ModelVersion, Outputs
 from rtserve.errors import ConfigError, InvalidInput, RTServeError
+from rtserve.extras import install_hint
 from rtserve.llm.metrics import LlmCollector
 from rtserve.llm.options import LlmOptions
 from rtserve.llm.params import SamplingParams
@@ -137,7 +138,10 @@ async def build_llm_version(
         raise
     except Exception as exc:
         log.error("loading %s failed", version_dir, exc_info=exc)
-        raise ConfigError(f"{version_dir}: loading failed: {type(exc).__name__}: {exc}") from exc
+        hint = install_hint(exc, "llm")
+        raise ConfigError(
+            f"{version_dir}: loading failed: {type(exc).__name__}: {exc}{hint}"
+        ) from exc
     engine.start()
     collector = ctx.metrics.collector("llm", LlmCollector)
     assert isinstance(collector, LlmCollector)

@@ -30,6 +30,7 @@ import numpy as np
 
 from rtserve.config import ModelConfig, TensorSpec, _Fields
 from rtserve.errors import ConfigError, InferenceFailed, InstanceFailed, SharedMemoryFull
+from rtserve.extras import install_hint
 from rtserve.protocol.types import DATATYPE_TO_NUMPY
 from rtserve.runtime import _shm
 
@@ -118,7 +119,8 @@ def _import_model_class(version_dir: Path, unique: str) -> type:
         with _on_path(version_dir):
             spec.loader.exec_module(module)
     except Exception as exc:
-        raise ConfigError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
+        hint = install_hint(exc)
+        raise ConfigError(f"{path}: import failed: {type(exc).__name__}: {exc}{hint}") from exc
     cls = getattr(module, "Model", None)
     if not isinstance(cls, type) or not callable(getattr(cls, "infer", None)):
         raise ConfigError(f"{path}: expected a class Model with an infer(self, inputs) method")
@@ -145,7 +147,8 @@ def _new_model(cls: type, context: ModelContext) -> Any:
                 model.load(context)
     except Exception as exc:
         log.error("model %s: load failed\n%s", context.model_name, traceback.format_exc())
-        raise ConfigError(f"{where}: Model.load failed: {type(exc).__name__}: {exc}") from exc
+        hint = install_hint(exc)
+        raise ConfigError(f"{where}: Model.load failed: {type(exc).__name__}: {exc}{hint}") from exc
     return model
 
 
