@@ -465,3 +465,42 @@ def test_requests_per_second_counts_a_pipeline_request_once(tmp_path: Path) -> N
         s.stop()
     assert after[series] - before[series] == 5
     assert after["rtserve_requests_total"] - before["rtserve_requests_total"] == 15
+
+
+def _quantity(text: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    for suffix, factor in units.items():
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * factor)
+    return int(text)
+
+
+def test_the_llm_deployment_probes_and_sizes_memory_for_its_kv_pool() -> None:
+    """deploy/k8s/llm-deployment.yaml: the V2 health probes, a startup allowance for loading
+    the model and building the kernels, and memory for the weights plus the example's KV
+    pool (the measured 2.0 GiB RSS) within the limit."""
+    from examples.build_llm import LLM_CONFIG
+
+    docs = _by_kind("llm-deployment.yaml")
+    assert set(docs) == {"Deployment", "Service", "PersistentVolumeClaim"}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
+    labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert docs["Service"]["spec"]["selector"].items() <= labels.items()
+    assert (
+        pod["volumes"][0]["persistentVolumeClaim"]["claimName"]
+        == (docs["PersistentVolumeClaim"]["metadata"]["name"])
+    )
+    pool = yaml.safe_load(LLM_CONFIG)["llm"]["kv_cache_bytes"]
+    weights = 538 * 10**6  # SmolLM2-135M FP32 safetensors
+    requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+    assert _quantity(requests["memory"]) >= weights + pool + (1 << 30)  # + packed copies, torch
+    assert _quantity(limits["memory"]) >= _quantity(requests["memory"])
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "--build-arg EXTRAS=llm" in dockerfile and "*,llm,*" in dockerfile
+    exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", dockerfile, re.M)[1].split()}  # type: ignore[index]
+    assert exposed == {p["containerPort"] for p in container["ports"]}

@@ -204,7 +204,7 @@ def test_k8s_manifests_match_kubernetes_schemas(name: str, doc: dict[str, Any]) 
 
 
 def test_kubernetes_validate_refuses_a_broken_deployment() -> None:
-    (doc,) = [d for n, d in _k8s_docs() if d["kind"] == "Deployment"]
+    (doc,) = [d for n, d in _k8s_docs() if (n, d["kind"]) == ("deployment.yaml", "Deployment")]
     doc = copy.deepcopy(doc)
     doc["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["pth"] = "/"
     with pytest.raises(kubernetes_validate.ValidationError, match="pth"):
@@ -219,6 +219,7 @@ def test_runtime_serves_the_formats_and_protocols_kserve_routes_to_it() -> None:
         "pytorch",
         "python",
         "ensemble",
+        "llm",
     }
     assert spec["protocolVersions"] == ["v2", "grpc-v2"]
 
