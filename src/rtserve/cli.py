@@ -94,7 +94,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rtserve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="rtserve",
+        description="Serve models over KServe V2 (HTTP and gRPC) and an OpenAI-compatible API; "
+        "export, optimize and measure them. Start with: rtserve serve --model-repository DIR",
+    )
     parser.add_argument("--version", action="version", version=f"rtserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -485,7 +485,7 @@ def register(subparsers: Any) -> None:
     e = subparsers.add_parser(
         "export-edge",
         help="write a .tflite (LiteRT) or .ort (ONNX Runtime) file and measure it on its runtime",
-        description=__doc__.splitlines()[0] if __doc__ else None,
+        description=__doc__.splitlines()[0].replace("``", "") if __doc__ else None,
     )
     e.add_argument(
         "model",
