@@ -104,3 +104,10 @@ def test_a_bare_llm_config_gets_a_small_kv_pool_and_logs_why(tiny: RunningServer
     assert m, log[-3000:]
     assert int(m.group(1)) < 8, m.group(0)  # 4 x 512 tokens of a 2-layer model: ~1 MiB
     assert "temperature 0 (generation_config.json)" in log
+
+
+def test_the_prepacking_log_counts_the_fused_layers_weights(tiny: RunningServer) -> None:
+    """Every linear weight is prepacked (the fused layers pack their own): the log says so,
+    4 GEMMs a layer (q/k/v, o, gate/up, down) for the 2-layer model, not only the leftovers."""
+    m = re.search(r"(\d+) GEMM weights prepacked for oneDNN", tiny.log())
+    assert m and int(m.group(1)) >= 2 * 4, tiny.log()[-3000:]

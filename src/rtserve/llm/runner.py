@@ -63,8 +63,12 @@ class ModelRunner:
             self.screened_head = ScreenedHead(self.model.lm_head, ops, options.max_num_seqs)
             self.model.lm_head = self.screened_head
         if options.cpu_linear == "onednn" and self.device.type == "cpu":
-            packed = pack_linears(self.model, options.max_num_seqs)
-            log.info("llm %s: %d linear layers prepacked for oneDNN", version_dir, packed)
+            pack_linears(self.model, options.max_num_seqs)  # (what the fused layers left)
+            packed = sum(isinstance(getattr(m, "packed", None), torch.Tensor) for m in self.model.modules())  # fmt: skip
+            log.info(
+                "llm %s: %d GEMM weights prepacked for oneDNN (q/k/v and gate/up each one)",
+                version_dir, packed,
+            )  # fmt: skip
         config = self.model.config
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self.vocab_size = int(config.vocab_size)
