@@ -26,10 +26,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import shutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -422,7 +424,31 @@ def build_repository(out: Path, pipelines: bool = True) -> dict[str, float]:
     return facts
 
 
+# What torch's ONNX exporter and onnxruntime's quantizer print while the examples build,
+# about their own internals: nothing a user of the examples can act on (the exported models
+# are checked against torch, and the quantized one against FP32, by the tests).
+QUIET_WARNINGS = (
+    r"Converting a tensor to a Python boolean might cause the trace to be incorrect",
+    r"Exporting aten::index operator of advanced indexing",
+    r"Constant folding - Only steps=1 can be constant folded",
+)
+QUIET_LOG = "Please consider to run pre-processing before quantization"
+
+
+class _QuietLog(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(QUIET_LOG)
+
+
+def quiet_known_warnings() -> None:
+    """Silence exactly the warnings above (others still show)."""
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger().addFilter(_QuietLog())
+
+
 def main() -> None:
+    quiet_known_warnings()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("examples/repository"))
     parser.add_argument(
