@@ -338,8 +338,8 @@ class Engine:
         """Generate from a ``backend: llm`` model: the events as tokens come (``text`` each,
         ``finish_reason`` and the token counts on the last). Give ``prompt`` (text or token
         ids) or chat ``messages`` (the model's chat template applies); ``params``: sampling,
-        as the OpenAI API names it (``max_tokens`` (16 for a prompt; a chat runs to the
-        model's length), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
+        as the OpenAI API names it (``max_tokens`` (16 for a prompt; a chat stops at
+        ``llm.default_max_tokens``), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
         ``logprobs``, ...). Leaving the loop early stops the generation. Raises
         ``InvalidInput`` (naming the field), ``ModelNotFound``, ``ObjectiveRefused``..."""
         self._check_loop()

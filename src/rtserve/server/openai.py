@@ -112,7 +112,8 @@ def parse_request(body: bytes, kind: str) -> OpenAIRequest:
     request = OpenAIRequest(
         kind,
         model,
-        # Chat answers run to the model's length by default (OpenAI's); completions 16 tokens.
+        # A chat without max_tokens stops at llm.default_max_tokens or the context's end
+        # (core/generation.py); completions take OpenAI's 16 tokens.
         SamplingParams.from_mapping(
             {**doc, "max_tokens": 1} if score_only else doc,
             default_max_tokens=None if kind == CHAT else 16,
