@@ -19,6 +19,7 @@ and errors are the typed ``rtserve.errors`` the servers map to statuses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -402,56 +403,103 @@ class Engine:
 
 
 class SyncEngine:
-    """``Engine`` for plain scripts: each call runs on the engine's own loop thread."""
+    """``Engine`` for plain scripts: each call runs on the engine's own loop thread.
+
+    ``start`` and ``stop`` are safe from any thread and idempotent: callers racing to start
+    wait for one start and share its engine; ``stop`` without ``start``, or twice, does
+    nothing. A stopped engine is not started again: a call after ``stop`` is refused with
+    a ``RuntimeError`` saying so."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
+        self._lifecycle = threading.Lock()  # one start or stop at a time
+        self._schedule = threading.Lock()  # the state, and each call's hand-over to the loop
+        self._stopped = False
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._loop is None:
-            coro.close()
-            raise RuntimeError("the engine is not started: use `with engine.sync() as e:`")
+        with self._schedule:
+            loop = self._loop
+            if loop is None or self._stopped or os.getpid() != self._pid:
+                coro.close()
+                raise self._not_serving()
+            if threading.current_thread() is self._thread:
+                coro.close()
+                raise RuntimeError(
+                    "SyncEngine called from its own loop thread (it would wait for itself): "
+                    "use the Engine's async methods there"
+                )
+            future: Future[T] = asyncio.run_coroutine_threadsafe(coro, loop)
+        return future.result()
+
+    def _not_serving(self) -> RuntimeError:
         if os.getpid() != self._pid:  # (forked: the loop's thread is not in this process)
-            coro.close()
-            raise RuntimeError(
+            return RuntimeError(
                 f"this engine was started in process {self._pid}; in a forked process "
                 "create and start a new Engine"
             )
-        future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return future.result()
+        if self._stopped:
+            return RuntimeError("the engine was stopped; create and start a new Engine")
+        return RuntimeError("the engine is not started: use `with engine.sync() as e:`")
 
     def start(self) -> SyncEngine:
-        if self._loop is not None:
-            raise RuntimeError("the engine is already started")
-        loop = self._loop = asyncio.new_event_loop()
-        self._pid = os.getpid()
-        self._thread = threading.Thread(target=loop.run_forever, name="rtserve-engine", daemon=True)
-        self._thread.start()
-        try:
-            self._call(self.engine.start())
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        """Load and warm up the models on a new loop thread. Started already (by this or
+        another thread): the same engine, once its start has finished."""
+        with self._lifecycle:
+            if self._loop is not None and os.getpid() == self._pid:
+                return self
+            if self._stopped or self.engine._stopped:
+                raise RuntimeError(
+                    "an Engine cannot be started again after stop(); create a new one"
+                )
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(
+                target=_run_loop, args=(loop,), name="rtserve-engine", daemon=True
+            )
+            thread.start()
+            with self._schedule:
+                self._loop, self._thread, self._pid = loop, thread, os.getpid()
+            try:
+                self._call(self.engine.start())
+            except BaseException:
+                self._end_loop()
+                self._stopped = False  # (nothing was served: a later start may retry)
+                raise
+            return self
 
     def stop(self) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        if os.getpid() != self._pid:  # a forked copy: the parent's engine is not ours to stop
+        """Answer what was accepted, release the models and end the loop thread (waited
+        for). Not started, or stopped already: nothing to do."""
+        with self._lifecycle:
+            if self._loop is None:
+                return
+            if os.getpid() != self._pid:  # a forked copy: the parent's engine is not ours
+                self._loop = self._thread = None
+                return
+            if threading.current_thread() is self._thread:
+                raise RuntimeError(
+                    "SyncEngine.stop() called from its own loop thread: await Engine.stop()"
+                )
+            try:
+                if self.engine.started:
+                    self._call(self.engine.stop())
+            finally:
+                self._end_loop()
+
+    def _end_loop(self) -> None:
+        """Refuse new calls, stop the loop (what is still pending there is cancelled: no
+        caller waits for ever), join its thread and close it."""
+        with self._schedule:
+            loop, thread = self._loop, self._thread
+            self._stopped = True
             self._loop = self._thread = None
-            return
-        try:
-            if self.engine.started:
-                self._call(self.engine.stop())
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
+        assert loop is not None and thread is not None
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        if not thread.is_alive():
             loop.close()
-            self._loop = self._thread = None
 
     def __enter__(self) -> SyncEngine:
         return self.start()
@@ -474,8 +522,9 @@ class SyncEngine:
                     return
                 yield event
         finally:
-            if self._loop is not None:
-                self._call(events.aclose())
+            if self._loop is not None and not self._stopped:
+                with contextlib.suppress(RuntimeError):  # (stopped meanwhile: nothing to close)
+                    self._call(events.aclose())
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` on the engine's loop (adapters such as the serverless handler)."""
@@ -503,3 +552,23 @@ def _version(version: Any) -> str:
 
 async def _next(events: AsyncGenerator[GenerationEvent, None]) -> GenerationEvent:
     return await events.__anext__()
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """A SyncEngine's loop thread: run until stopped, then cancel what is still pending
+    (calls handed over while it stopped: their callers get ``CancelledError``, not a wait
+    for ever) and end the default executor's threads."""
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        for _ in range(10):
+            loop.run_until_complete(asyncio.sleep(0))  # (hand-overs queued: their tasks)
+            pending = asyncio.all_tasks(loop)
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_default_executor())
+        asyncio.set_event_loop(None)
