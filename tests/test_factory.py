@@ -96,5 +96,5 @@ def test_an_unknown_backend_is_named_with_the_choices(tmp_path: Path) -> None:
     assert state == "UNAVAILABLE"
     assert reason.endswith(
         "typo/config.yaml: backend: expected one of onnxruntime, python, torch, litert, "
-        "ensemble, llm, got 'onnx'"
+        "ensemble, llm, xgboost, lightgbm, catboost, sklearn, got 'onnx'"
     ), reason

@@ -34,10 +34,10 @@ BACKENDS: dict[str, Builder] = {
     "python": runtime_backend("rtserve.runtime.python", may_inline=False),
     "torch": runtime_backend("rtserve.runtime.torch", may_inline=False),
     "litert": runtime_backend("rtserve.runtime.litert"),
-    # Tree and scikit-learn models from their own files (runtime/trees.py).
-    **{name: runtime_backend("rtserve.runtime.trees") for name in TREE_FRAMEWORKS},
     "ensemble": build_ensemble_version,
     "llm": build_llm_version,
+    # Tree and scikit-learn models from their own files (runtime/trees.py).
+    **{name: runtime_backend("rtserve.runtime.trees") for name in TREE_FRAMEWORKS},
 }
 
 

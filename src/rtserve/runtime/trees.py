@@ -409,6 +409,8 @@ def _sklearn(path: Path, options: Options, obj: Any = None) -> Adapter:
     feature_names = _names(columns, n)
     steps = getattr(est, "steps", None)
     final = steps[-1][1] if steps else est
+    if "n_jobs" in getattr(final, "get_params", dict)():
+        final.set_params(n_jobs=1)  # (one request's rows: a thread pool costs more than it saves)
     booster = final.get_booster() if hasattr(final, "get_booster") else None
     lgbm: Any = getattr(final, "booster_", None) if booster is None else None
     if booster is not None or lgbm is not None:
