@@ -77,6 +77,7 @@ WINDOW_STALL_S = 30.0  # the same while it has no window to send in (the budgets
 # Frames without progress (PING, PRIORITY, SETTINGS, WINDOW_UPDATE, RST_STREAM, GOAWAY,
 # CONTINUATION, empty or tiny DATA, refused calls) spend a connection's budget: CALM_BURST at
 # once, CALM_RATE more per second; each accepted call earns CALL_CREDIT, each answer frame one.
+# A call reset before its answer (by the client, or for its errors) gives its credit back.
 CALM_BURST = 1000
 CALM_RATE = 100.0
 CALL_CREDIT = 4
@@ -445,8 +446,11 @@ class Connection(asyncio.Protocol):
                 raise ConnectionError_(PROTOCOL_ERROR, "bad RST_STREAM")
             st = self.streams.pop(sid, None)
             if st is not None:
+                unanswered = not st.local_closed
                 self._drop(st)
                 self._count_reset()
+                if unanswered:  # a call cancelled before its answer gives back its credit
+                    self._idle_frame(CALL_CREDIT)
         elif kind == GOAWAY:
             self._idle_frame()
             self.go_away()
@@ -759,7 +763,7 @@ class Connection(asyncio.Protocol):
         self._conn_credit(n)
 
     def _conn_credit(self, n: int) -> None:
-        if n <= 0 or self.closed:
+        if n < 0 or self.closed:
             return
         self.recv_unacked += n
         if self.recv_unacked >= self.update_at:
@@ -817,8 +821,12 @@ class Connection(asyncio.Protocol):
             message, st.message = st.message, None
             if st.buffered:
                 self._buffer(st, -st.buffered)
-            if st.unreleased:
-                self._release(st, st.unreleased)
+            n = st.unreleased  # (the connection's window back: _release, inline)
+            if n:
+                st.unreleased = 0
+                self.recv_unacked += n
+                if self.recv_unacked >= self.update_at:
+                    self._conn_credit(0)
             st.task = self.loop.create_task(self._unary(st, method, message))
             if self.waiting:
                 self._promote()
@@ -986,7 +994,6 @@ class Connection(asyncio.Protocol):
         return _TABLE_SIZE_ZERO + block
 
     def _head(self, st: _Stream) -> None:
-        self.active = self.loop.time()
         self._out(st, frame(HEADERS, END_HEADERS, st.id, self._first(_RESPONSE_HEAD)), False)
 
     def _trailers(self, st: _Stream, block: bytes) -> None:
@@ -1148,6 +1155,7 @@ class Connection(asyncio.Protocol):
         self.streams.pop(st.id, None)
         self._drop(st)
         self._count_reset()
+        self._idle_frame(CALL_CREDIT)
 
 
 def _unbase64(value: bytes) -> bytes:
