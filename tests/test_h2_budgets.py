@@ -364,8 +364,9 @@ def test_calls_reset_with_their_request_never_reach_the_model(server: RunningSer
 
 
 def test_streams_the_server_resets_count_towards_the_reset_limit(server: RunningServer) -> None:
-    """ "Made you reset" (CVE-2025-8671): a WINDOW_UPDATE of 0 on each call makes the server
-    reset it; past MAX_RESETS the connection gets GOAWAY, and the calls never ran."""
+    """The "made you reset" pattern (CVE-2025-8671): a WINDOW_UPDATE of 0 on each call makes
+    the server reset it; each reset takes back its call's credit (and counts towards
+    MAX_RESETS), so the connection soon gets GOAWAY, and the calls never ran."""
     before = executions(server, "a")
     sent, got = made_you_reset(server.grpc_port, calls=MAX_RESETS + 200)
     assert goaway_code(got) == ENHANCE_YOUR_CALM
