@@ -67,7 +67,7 @@ def treelite_engine(framework: str, model: Any, path: Path, n_features: int, kin
     if shutil.which("gcc") is None:
         raise RuntimeError("no gcc on PATH (treelite compiles the trees with it)")
     key = f"{framework}-{file_digest(path)}-tl{treelite.__version__}-tc{tl2cgen.__version__}"
-    lib = path.parent / CACHE_DIR / f"{key}.so"
+    lib = path.resolve().parent / CACHE_DIR / f"{key}.so"  # (beside the file a link names)
     if not lib.exists():
         if framework == "xgboost":
             fmt = "ubjson" if path.suffix == ".ubj" else "json"
