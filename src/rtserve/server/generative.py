@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -26,9 +27,10 @@ import orjson
 
 from rtserve.core import generation
 from rtserve.core.dataplane import DataPlane
-from rtserve.errors import InvalidInput, RouteNotFound
+from rtserve.errors import InvalidInput, PayloadTooLarge, RouteNotFound
 from rtserve.llm.params import GenerationEvent, SamplingParams
 from rtserve.observability.logs import checked_request_id
+from rtserve.protocol.limits import DEFAULT_LIMITS
 from rtserve.protocol.types import Timings
 from rtserve.server import openai
 from rtserve.server.errors import JSON_TYPE, http_error
@@ -44,6 +46,18 @@ _TRITON_KEYS = ("text_input", "parameters", "id", "stream")
 # itself): a client that stops reading backs its stream up into the engine soon, which
 # pauses it (``llm.unread_timeout_s``) instead of decoding on into the kernel.
 STREAM_SEND_BUFFER = 128 << 10
+# What a generative request body may cost to parse, checked before it is parsed (the JSON
+# parser holds the GIL: no thread keeps a large parse from stalling the event loop). The
+# body: at most BODY_BYTES_PER_TOKEN bytes per token of the longest max_model_len served
+# (escaped text, token ids), at least MIN_BODY_BYTES; lists and objects: V2's
+# max_json_containers; items (commas): ITEMS_PER_TOKEN per token, at least MIN_ITEMS.
+BODY_BYTES_PER_TOKEN = 64
+MIN_BODY_BYTES = 1 << 20
+MAX_JSON_CONTAINERS = DEFAULT_LIMITS.max_json_containers
+ITEMS_PER_TOKEN = 2
+MIN_ITEMS = 1 << 14
+# The top-level "model" of a body, found without parsing it (when it is the only one).
+_MODEL_KEY = re.compile(rb'"model"\s*:\s*"([^"\\]{1,1024})"')
 
 
 @dataclass(slots=True)
@@ -120,9 +134,18 @@ def _with_id(headers: Headers, timings: Timings) -> Headers:
 
 
 class GenerativeRoutes:
-    def __init__(self, dataplane: DataPlane, guard: Guard | None = None) -> None:
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        guard: Guard | None = None,
+        decompress: Callable[[bytes, bytes], bytes] | None = None,
+    ) -> None:
+        """``decompress``: the V2 frontend's (``HttpFrontend._decompress``: gzip and deflate
+        up to ``max_decompressed_bytes``, other encodings refused); None: a body with a
+        Content-Encoding other than identity is refused."""
         self.dataplane = dataplane
         self.guard = guard
+        self.decompress = decompress
         self.started = int(time.time())
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -141,10 +164,18 @@ class GenerativeRoutes:
     def reply(self, request: Request, peer: str = "") -> Reply:
         """The reply to one request on these routes, for any transport (``peer``: the
         client's address, whose share a generation counts in without keys)."""
+        encoding = request.headers.get(b"content-encoding")
+        if request.method == b"POST" and encoding is not None and encoding.lower() != b"identity":
+            return self._inflated(request, encoding.lower(), peer)
+        return self._route(request, peer, request.body)
+
+    def _route(self, request: Request, peer: str, body: bytes) -> Reply:
+        """``body``: the request's body, inflated when it came compressed."""
         path = request.path
         method = b"GET" if request.method == b"HEAD" else request.method
         if path in ("/v1/chat/completions", "/v1/completions") and method == b"POST":
-            return self._openai(request, openai.CHAT if "chat" in path else openai.TEXT, peer)
+            kind = openai.CHAT if "chat" in path else openai.TEXT
+            return self._openai(request, kind, peer, body)
         if path == "/v1/models" and method == b"GET":
             return 200, orjson.dumps(self._models(request)), [JSON_TYPE]
         if path.startswith("/v1/models/") and method == b"GET":
@@ -153,7 +184,81 @@ class GenerativeRoutes:
             return openai.error_answer(
                 RouteNotFound(f"no route for {method.decode()} {path[:200]}")
             )
-        return self._triton(request, peer)
+        return self._triton(request, peer, body)
+
+    def _inflated(self, request: Request, encoding: bytes, peer: str) -> Pending:
+        """The reply to a compressed body, inflated on a thread as V2 inflates (zlib lets
+        the event loop run meanwhile), then checked and answered as any other body."""
+
+        async def answer() -> Answer | Streamed:
+            try:
+                if self.decompress is None:
+                    raise InvalidInput(
+                        f"Content-Encoding: {encoding[:40].decode(errors='replace')!r} is not "
+                        "supported here (expected identity)"
+                    )
+                self.check_body_size(len(request.body))
+                body = await asyncio.to_thread(self.decompress, request.body, encoding)
+            except Exception as exc:
+                if request.path.startswith("/v1/"):
+                    kind = openai.CHAT if "chat" in request.path else openai.TEXT
+                    return openai.error_answer(exc, kind)
+                return http_error(exc)
+            return await settle(self._route(request, peer, body))
+
+        return Pending(answer)
+
+    # ------------------------------------------------------------------ body limits
+    def _longest(self) -> int:
+        """The longest ``max_model_len`` of the generative models served (0: none)."""
+        lengths = [
+            mv.llm.max_model_len for mv in self.dataplane.registry.loaded_versions() if mv.llm
+        ]
+        return max(lengths, default=0)
+
+    def body_limit(self) -> int:
+        """The largest request body these routes read (bytes, inflated)."""
+        return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * self._longest())
+
+    def check_body_size(self, size: int) -> None:
+        limit = self.body_limit()
+        if size > limit:
+            raise PayloadTooLarge(
+                f"request body: {size} bytes, over the limit of {limit} for generation "
+                f"({BODY_BYTES_PER_TOKEN} bytes per token of max_model_len, at least "
+                f"{MIN_BODY_BYTES})"
+            )
+
+    def check_body(self, body: bytes) -> None:
+        """Refuse a body that would cost more to parse than a request can need: its size,
+        its lists and objects, its items (every ``[``, ``{`` and ``,`` counts, in strings
+        too), each error naming the limit."""
+        self.check_body_size(len(body))
+        if len(body) <= MIN_ITEMS:  # (too short to hold more than the limits)
+            return
+        containers = body.count(b"[") + body.count(b"{")
+        if containers > MAX_JSON_CONTAINERS:
+            raise PayloadTooLarge(
+                f"request body: more than {MAX_JSON_CONTAINERS} lists and objects "
+                f"('[' and '{{', {containers}) (max_json_containers)"
+            )
+        items = body.count(b",")
+        limit = max(MIN_ITEMS, ITEMS_PER_TOKEN * self._longest())
+        if items > limit:
+            raise PayloadTooLarge(
+                f"request body: {items} items (commas), over the limit of {limit} for "
+                f"generation ({ITEMS_PER_TOKEN} per token of max_model_len, at least {MIN_ITEMS})"
+            )
+
+    def _authorize_early(self, raw: Request, body: bytes) -> None:
+        """The key checked for the model a body names before the body is parsed, when that
+        can be read without parsing (one ``"model"`` key); the parsed request is checked
+        again."""
+        if self.guard is None or body.count(b'"model"') != 1:
+            return
+        found = _MODEL_KEY.search(body)
+        if found is not None:
+            self.guard.http_model(raw.headers, found.group(1).decode("utf-8", "replace"))
 
     def _client(self, raw: Request, peer: str) -> dict[str, Any]:
         """Whose fair share a generation counts in (its key's name; without keys, the
@@ -165,13 +270,15 @@ class GenerativeRoutes:
         return {"tenant": grant.name, "min_priority": grant.min_priority}
 
     # ------------------------------------------------------------------ OpenAI
-    def _openai(self, raw: Request, kind: str, peer: str = "") -> Reply:
+    def _openai(self, raw: Request, kind: str, peer: str, body: bytes) -> Reply:
         dp = self.dataplane
         timings = Timings(received=raw.received_ns)
         model = ""
         try:
             timings = _timings(raw)
-            request = openai.parse_request(raw.body, kind)
+            self.check_body(body)
+            self._authorize_early(raw, body)
+            request = openai.parse_request(body, kind)
             model = request.model
             if self.guard is not None:
                 self.guard.http_model(raw.headers, model)
@@ -237,7 +344,7 @@ class GenerativeRoutes:
         return 200, orjson.dumps(doc), [JSON_TYPE]
 
     # ------------------------------------------------------------------ Triton generate
-    def _triton(self, raw: Request, peer: str = "") -> Reply:
+    def _triton(self, raw: Request, peer: str, body: bytes) -> Reply:
         dp = self.dataplane
         timings = Timings(received=raw.received_ns)
         model = ""
@@ -246,7 +353,8 @@ class GenerativeRoutes:
                 raise RouteNotFound(f"no route for {raw.method.decode()} {raw.path[:200]}")
             timings = _timings(raw)
             model, version, streamed = _generate_target(raw.path)
-            text, params = parse_triton(raw.body)
+            self.check_body(body)
+            text, params = parse_triton(body)
             asked: dict[str, Any] = {
                 "prompt": text,
                 "version": version,

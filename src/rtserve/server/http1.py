@@ -73,6 +73,8 @@ _READ_FIRST = 64 * 1024
 # What a chunk of a chunked body costs beyond its payload (a parser callback, a copy), charged
 # against the body limit: 2-byte chunks cannot make the server parse 32 million of them.
 _CHUNK_COST = 64
+# Credential headers: one of each per request (a second is refused, never one of them read).
+_CREDENTIAL_HEADERS = (b"authorization", b"x-api-key")
 _now = time.perf_counter_ns
 
 # Where a connection's parser is: between requests, inside a request's head, in its body.
@@ -406,7 +408,11 @@ class Connection(asyncio.Protocol):
             or self._head_size > limits.max_head_bytes
         ):
             raise self._header_error(name, size)
-        self._headers[name.lower()] = value
+        key = name.lower()
+        if key in _CREDENTIAL_HEADERS and key in self._headers:
+            # Two keys: a proxy, a log and the guard could each read a different one.
+            raise InvalidInput(f"{key.decode()}: expected one such header, got several")
+        self._headers[key] = value
 
     def on_headers_complete(self) -> None:
         self.state = _BODY

@@ -179,7 +179,7 @@ class HttpFrontend:
         self.max_request_bytes = max_request_bytes
         self.max_decompressed_bytes = max_decompressed_bytes
         self.control = control
-        self.generative = GenerativeRoutes(dataplane, guard)
+        self.generative = GenerativeRoutes(dataplane, guard, self._decompress)
         self._tasks: set[asyncio.Task[None]] = set()
         # The last early refusal and its answer: (refusal, status, body, headers, and all of
         # it encoded for a keep-alive HTTP/1.1 request).
@@ -203,7 +203,7 @@ class HttpFrontend:
         if path.startswith("/v2/repository/models/"):
             return MAX_LOAD_BODY_BYTES  # a load body has a config file's size limit
         if is_generative_route(path):
-            return None
+            return self.generative.body_limit()  # (from the models' max_model_len)
         if path.startswith(("/v2/systemsharedmemory/", "/v2/cudasharedmemory/")):
             return _SHM_BODY_BYTES
         if not path.startswith("/v2/repository/"):
