@@ -18,6 +18,12 @@ serve.run(rtserve.ray.app("examples/repository", num_replicas=2), route_prefix="
 
 or ``serve run rtserve.ray:build repository=examples/repository num_replicas=2``, or a
 Serve config file (``deploy/ray/serve.yaml``) for ``serve deploy``.
+
+Every request passes the checks ``rtserve serve`` applies (``server/adapters.py``): the
+URL, header and body limits, the keys of ``auth_file`` and the ``rate_limit_rps`` per
+client address (the address Ray's proxy saw; a bucket per replica), before any decoding.
+A setting a replica cannot honour (``tls_*``, ``shared_memory``) fails its start, naming
+the setting.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from starlette.responses import Response, StreamingResponse
 
 from rtserve.config import load_server_config
 from rtserve.engine import Engine
-from rtserve.errors import ConfigError, InvalidInput, NotSupported, PayloadTooLarge
+from rtserve.errors import ConfigError, InvalidInput, NotSupported
 from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
 from rtserve.protocol.http_codec import (
@@ -45,15 +51,17 @@ from rtserve.protocol.http_codec import (
     json_header_length,
 )
 from rtserve.protocol.types import InferRequest, Timings
-from rtserve.server import http1, openai
+from rtserve.server import adapters, http1
 from rtserve.server.errors import http_error
-from rtserve.server.generative import GenerativeRoutes, Streamed, is_generative_route, settle
+from rtserve.server.generative import Streamed, is_generative_route, settle
 from rtserve.server.paths import canonical_path
-from rtserve.server.rest import HttpFrontend, _infer_target
+from rtserve.server.rest import _infer_target
 
 __all__ = ["RTServeDeployment", "app", "build"]
 
 REPLICA_HEADER = "x-rtserve-replica"
+ENTRY = "the Ray deployment"
+FRONT = "Ray's proxy (serve.start's http_options)"
 _now = time.perf_counter_ns
 
 
@@ -82,16 +90,15 @@ class RTServeDeployment:
             **dict(settings or {}),
         )
         self._last_request = 0.0
+        self.config = config
         self.engine = Engine(config)
+        # The keys and limits first: a setting that cannot be honoured stops the start
+        # before any model loads.
+        self._frontend = adapters.frontend(self.engine.dataplane, config, ENTRY, FRONT)
+        self._generative = self._frontend.generative  # (with the guard: keys named in bodies)
+        self._max_body = config.max_request_bytes
         self.engine.add_activity(self._more_expected)
         await self.engine.start()
-        self._frontend = HttpFrontend(
-            self.engine.dataplane,
-            config.max_request_bytes,
-            max_decompressed_bytes=config.max_decompressed_bytes,
-        )
-        self._generative = GenerativeRoutes(self.engine.dataplane)
-        self._max_body = config.max_request_bytes
         self._replica = serve.get_replica_context().replica_id.to_full_id_str()
 
     def _more_expected(self) -> bool:
@@ -102,8 +109,15 @@ class RTServeDeployment:
     async def __call__(self, request: Request) -> Response:
         received = _now()
         self._last_request = time.monotonic()
+        path = ""
         try:
             path = self._path(request)
+            headers = self._head(request)
+            client = request.client
+            self._frontend.check_credentials(client.host if client else "?", path, headers)
+        except Exception as exc:
+            return self._response(*adapters.refusal(path, exc))
+        try:
             if request.method == "POST" and path.endswith("/infer"):
                 return await self._infer(request, path, Timings(received=received))
             if request.method == "POST" and path.startswith("/v2/repository/models/"):
@@ -112,15 +126,15 @@ class RTServeDeployment:
                     "models; change the repository and redeploy the application"
                 )
             if is_generative_route(path):
-                return await self._generate(request, path, received)
+                return await self._generate(request, path, headers, received)
             body = await self._body(request) if request.method == "POST" else b""
             raw = http1.Request(
-                request.method.encode(), path, "", {}, body, True, received, checked=True
+                request.method.encode(), path, "", headers, body, True, received, checked=True
             )
-            status, out, headers = self._frontend._route(raw)
+            status, out, pairs = self._frontend._route(raw)
         except Exception as exc:
-            status, out, headers = http_error(exc)
-        return self._response(status, out, headers)
+            status, out, pairs = http_error(exc)
+        return self._response(status, out, pairs)
 
     def _path(self, request: Request) -> str:
         """The canonical path below the application's route prefix."""
@@ -131,13 +145,34 @@ class RTServeDeployment:
             path = path[len(root) :]
         return path
 
+    def _head(self, request: Request) -> dict[bytes, bytes]:
+        """The request's headers within the server's URL and header limits, and a declared
+        body within ``max_request_bytes`` (refused before the key, as the server does)."""
+        scope = request.scope
+        target = len(scope.get("raw_path") or scope["path"].encode()) + len(
+            scope.get("query_string", b"")
+        )
+        headers = adapters.request_headers(self.config, target, scope["headers"])
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self._max_body:
+            raise adapters.body_too_large(int(declared), self._max_body)
+        return headers
+
     async def _body(self, request: Request) -> bytes:
-        body = await request.body()
-        if len(body) > self._max_body:
-            raise PayloadTooLarge(
-                f"request body of {len(body)} bytes exceeds max_request_bytes ({self._max_body})"
-            )
-        return body
+        """The body, read no further than ``max_request_bytes``: a declared length over it
+        is refused before reading, a body that grows past it as soon as it does."""
+        limit = self._max_body
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise adapters.body_too_large(int(declared), limit)
+        pieces: list[bytes] = []
+        size = 0
+        async for piece in request.stream():
+            size += len(piece)
+            if size > limit:
+                raise adapters.body_too_large(size, limit)
+            pieces.append(piece)
+        return b"".join(pieces)
 
     async def _infer(self, request: Request, path: str, timings: Timings) -> Response:
         headers = request.headers  # x-request-id: Ray's proxy echoes it (or makes one)
@@ -181,16 +216,16 @@ class RTServeDeployment:
             pairs.append((b"x-rtserve-cache", timings.cache.encode()))
         return self._response(200, out, pairs)
 
-    async def _generate(self, request: Request, path: str, received: int) -> Response:
+    async def _generate(
+        self, request: Request, path: str, headers: dict[bytes, bytes], received: int
+    ) -> Response:
         """A generative route: the answer whole, or its events streamed as they come. Ray
         cancels this task (or closes the stream) when the client disconnects, which aborts
         the sequence."""
         try:
             body = await self._body(request) if request.method == "POST" else b""
-        except PayloadTooLarge as exc:
-            v1 = path.startswith("/v1/")  # the OpenAI API's own error shape
-            return self._response(*(openai.error_answer(exc) if v1 else http_error(exc)))
-        headers = dict(request.scope["headers"])
+        except Exception as exc:
+            return self._response(*adapters.refusal(path, exc))
         raw = http1.Request(
             request.method.encode(), path, "", headers, body, True, received, checked=True
         )

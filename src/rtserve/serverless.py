@@ -11,7 +11,14 @@ invocations share its batcher and response cache; an invocation pays only for in
 Requests take the server's path: the same canonical paths, size limits, decoding, errors
 (V2 shape ``{"error": ...}`` with the status the server answers) and routes. Binary tensor
 bodies (the binary data extension) come and go base64-encoded. ``RTSERVE_CONFIG`` may name
-a server config file (limits, response cache). Needs no ``awslambdaric``.
+a server config file (limits, response cache, keys, rate limit). Needs no ``awslambdaric``.
+
+Every request passes the checks ``rtserve serve`` applies (``server/adapters.py``): the
+URL, header and body limits, then the keys of ``auth_file`` and the ``rate_limit_rps`` per
+client address (the event's ``sourceIp``; a bucket per execution environment), before
+any decoding. A setting the handler cannot honour (``tls_*``, ``shared_memory``) or an
+unset ``RTSERVE_MODEL_REPOSITORY`` fails Lambda's init phase with the reason; a handler
+started lazily (the variable set after import) answers 503 with the reason instead.
 
 Generative models (``backend: llm``) answer the OpenAI-compatible routes (``/v1/...``) and
 Triton's ``generate`` / ``generate_stream`` through the server's own code
@@ -26,8 +33,10 @@ import asyncio
 import atexit
 import base64
 import binascii
+import logging
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -37,18 +46,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from rtserve.config import load_server_config
 from rtserve.core.model import ModelVersion
 from rtserve.engine import Engine, SyncEngine
 from rtserve.errors import (
     ConfigError,
-    HeaderTooLarge,
     InvalidInput,
-    PayloadTooLarge,
     RouteNotFound,
     RTServeError,
-    UriTooLong,
 )
 from rtserve.observability.logs import checked_request_id
 from rtserve.observability.metrics import server_timing
@@ -58,17 +65,27 @@ from rtserve.protocol.http_codec import (
     json_header_length,
 )
 from rtserve.protocol.types import InferRequest, InferResponse, Timings
+from rtserve.server import adapters
 from rtserve.server.errors import http_error
-from rtserve.server.generative import GenerativeRoutes, gather, is_generative_route
+from rtserve.server.generative import gather, is_generative_route
 from rtserve.server.http1 import Request
 from rtserve.server.paths import canonical_path
-from rtserve.server.rest import HttpFrontend, _infer_target
+from rtserve.server.rest import _infer_target
 
 __all__ = ["ENV_CONFIG", "ENV_REPOSITORY", "engine", "handler", "shutdown"]
 
 ENV_REPOSITORY = "RTSERVE_MODEL_REPOSITORY"
 ENV_CONFIG = "RTSERVE_CONFIG"
+# Set by Lambda in every execution environment: there, import is the init phase.
+ENV_LAMBDA = "AWS_LAMBDA_FUNCTION_NAME"
 _now = time.perf_counter_ns
+log = logging.getLogger("rtserve")
+ENTRY = "the Lambda handler"
+FRONT = "API Gateway or the function URL"
+# An HTTP header name (RFC 9110's token).
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# What a header value may not hold (as the HTTP parser refuses it): CR, LF, NUL.
+_VALUE_CONTROL = re.compile("[\r\n\x00]")
 
 # (status, headers, body bytes): one answer before it is shaped as a Lambda response.
 Answer = tuple[int, dict[str, str], bytes]
@@ -82,6 +99,7 @@ class HttpEvent:
     path: str  # canonical (rtserve.server.paths)
     headers: dict[bytes, bytes]  # names in lower case
     body: bytes
+    peer: str  # the client's address (requestContext's sourceIp): its rate limit bucket
 
 
 class _Runtime:
@@ -92,13 +110,22 @@ class _Runtime:
             Path(config_file) if config_file else None, model_repository=Path(repository)
         )
         self.config = config
-        self.engine = Engine(config).sync().start()
-        self.frontend = HttpFrontend(
-            self.engine.engine.dataplane,
-            config.max_request_bytes,
-            max_decompressed_bytes=config.max_decompressed_bytes,
-        )
-        self.generative = GenerativeRoutes(self.engine.engine.dataplane)
+        engine = Engine(config)
+        # The keys and limits first: a setting that cannot be honoured stops the start
+        # before any model loads.
+        self.frontend = adapters.frontend(engine.dataplane, config, ENTRY, FRONT)
+        self.generative = self.frontend.generative  # (with the guard: keys named in bodies)
+        guard = self.frontend.guard
+        if guard is not None:
+            log.info(
+                "serverless: keys %s, rate limit %s",
+                "on (auth_file)" if guard.auth is not None else "off",
+                f"{config.rate_limit_rps:g} requests/s per client address in this execution "
+                "environment"
+                if guard.limiter is not None
+                else "off",
+            )
+        self.engine = engine.sync().start()
 
 
 _lock = threading.Lock()
@@ -143,25 +170,63 @@ def shutdown() -> None:
 
 
 # ---------------------------------------------------------------------- events
-def _header_map(event: dict[str, Any]) -> dict[bytes, bytes]:
-    headers: dict[bytes, bytes] = {}
+def _header_pairs(event: dict[str, Any]) -> list[tuple[bytes, bytes]]:
+    """The event's headers as (lower-case name, value) pairs, one per name: a name given
+    more than once (in either spelling, or in both objects) has its values joined by commas,
+    as API Gateway joins repeated headers; ``headers`` over ``multiValueHeaders``."""
     multi, single = event.get("multiValueHeaders") or {}, event.get("headers") or {}
     for field, given in (("multiValueHeaders", multi), ("headers", single)):
         if not isinstance(given, dict):
             raise InvalidInput(f"event.{field}: expected an object of header names to values")
+    joined: dict[bytes, list[str]] = {}
     for name, values in multi.items():
-        if isinstance(values, list) and values:
-            headers[_header_name(name)] = ",".join(map(str, values)).encode()
+        key = _header_name("multiValueHeaders", name)
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise InvalidInput(
+                f"event.multiValueHeaders[{name[:60]!r}]: expected a list of strings"
+            )
+        joined.setdefault(key, []).extend(values)
+    from_single: dict[bytes, list[str]] = {}
     for name, value in single.items():
-        headers[_header_name(name)] = str(value).encode()
-    return headers
+        key = _header_name("headers", name)
+        if not isinstance(value, str):
+            raise InvalidInput(
+                f"event.headers[{name[:60]!r}]: expected a string, got {type(value).__name__}"
+            )
+        from_single.setdefault(key, []).append(value)
+    joined.update(from_single)
+    pairs = []
+    for key, values in joined.items():
+        value = ",".join(values)
+        if _VALUE_CONTROL.search(value):
+            raise InvalidInput(
+                f"event.headers[{key[:60].decode()!r}]: a value with CR, LF or NUL characters"
+            )
+        try:
+            pairs.append((key, value.encode()))
+        except UnicodeEncodeError:  # (lone surrogates: \ud800 in the event's JSON)
+            raise InvalidInput(
+                f"event.headers[{key[:60].decode()!r}]: a value that is not valid Unicode"
+            ) from None
+    return pairs
 
 
-def _header_name(name: Any) -> bytes:
-    text = str(name).lower()
-    if not text.isascii() or not text.isprintable() or not text:
-        raise InvalidInput(f"event.headers: {text[:60]!r} is not an HTTP header name")
-    return text.encode("ascii")
+def _header_name(field: str, name: Any) -> bytes:
+    if not isinstance(name, str) or _HEADER_NAME.fullmatch(name) is None:
+        raise InvalidInput(f"event.{field}: {str(name)[:60]!r} is not an HTTP header name")
+    return name.lower().encode("ascii")
+
+
+def _peer(event: dict[str, Any]) -> str:
+    """The client's address as API Gateway saw it (payload 2.0: ``requestContext.http``;
+    1.0: ``requestContext.identity``), never a header the client wrote; '?' without one
+    (a direct invocation)."""
+    context = event.get("requestContext")
+    if not isinstance(context, dict):
+        return "?"
+    where = context.get("http") if event.get("version") == "2.0" else context.get("identity")
+    ip = where.get("sourceIp") if isinstance(where, dict) else None
+    return ip if isinstance(ip, str) and 0 < len(ip) <= 64 else "?"
 
 
 def _method_and_path(event: dict[str, Any]) -> tuple[str, str]:
@@ -173,7 +238,7 @@ def _method_and_path(event: dict[str, Any]) -> tuple[str, str]:
         method = http.get("method") if isinstance(http, dict) else None
         path = event.get("rawPath")
         stage = context.get("stage") if isinstance(context, dict) else None
-        if isinstance(path, str) and stage and stage != "$default":
+        if isinstance(path, str) and isinstance(stage, str) and stage and stage != "$default":
             prefix = f"/{stage}"
             if path == prefix or path.startswith(prefix + "/"):
                 path = path[len(prefix) :] or "/"
@@ -189,7 +254,7 @@ def _method_and_path(event: dict[str, Any]) -> tuple[str, str]:
 
 def _token(method: str) -> bool:
     """An HTTP method: ASCII letters (GET, POST, ...)."""
-    return method.isascii() and method.isalpha()
+    return 0 < len(method) <= 32 and method.isascii() and method.isalpha()
 
 
 def _body(event: dict[str, Any], limit: int) -> bytes:
@@ -198,22 +263,28 @@ def _body(event: dict[str, Any], limit: int) -> bytes:
         return b""
     if not isinstance(body, str):
         raise InvalidInput("event.body: expected a string")
-    if len(body) > limit * 4 // 3 + 4:  # a base64 body this long decodes to more than limit
-        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
     encoded = event.get("isBase64Encoded", False)
     if encoded in ("true", "false"):  # (some gateways' test consoles send strings)
         encoded = encoded == "true"
     if not isinstance(encoded, bool):
         raise InvalidInput(f"event.isBase64Encoded: expected true or false, got {encoded!r:.40}")
+    # Sized before decoding: base64 decodes to 3/4 of its length at most, and UTF-8 takes
+    # a byte per character at least.
+    least = (len(body) - 4) * 3 // 4 if encoded else len(body)
+    if least > limit:
+        raise adapters.body_too_large(least, limit)
     if encoded:
         try:
             raw = base64.b64decode(body, validate=True)
         except (binascii.Error, ValueError):
             raise InvalidInput("event.body: isBase64Encoded is true but it is not base64") from None
     else:
-        raw = body.encode()
+        try:
+            raw = body.encode()
+        except UnicodeEncodeError:  # (lone surrogates: \ud800 in the event's JSON)
+            raise InvalidInput("event.body: not valid Unicode") from None
     if len(raw) > limit:
-        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        raise adapters.body_too_large(len(raw), limit)
     return raw
 
 
@@ -223,16 +294,17 @@ def parse_event(event: Any, rt: _Runtime) -> HttpEvent:
         raise InvalidInput("event: expected a JSON object")
     method, path = _method_and_path(event)
     config = rt.config
-    if len(path) > config.http_max_url_bytes:
-        raise UriTooLong(f"request URL exceeds the limit of {config.http_max_url_bytes} bytes")
-    headers = _header_map(event)
-    if len(headers) > config.http_max_headers:
-        raise HeaderTooLarge(f"more than {config.http_max_headers} request headers")
+    try:
+        raw_path = path.encode()
+    except UnicodeEncodeError:
+        raise InvalidInput("event: the request path is not valid Unicode") from None
+    headers = adapters.request_headers(config, len(raw_path), _header_pairs(event))
     return HttpEvent(
         method.encode("latin-1"),
-        canonical_path(path.encode()),
+        canonical_path(raw_path),
         headers,
         _body(event, config.max_request_bytes),
+        _peer(event),
     )
 
 
@@ -305,7 +377,13 @@ async def _infer(rt: _Runtime, ev: HttpEvent, name: str, version: str) -> Answer
 
 
 async def _answer(rt: _Runtime, ev: HttpEvent) -> Answer:
-    """Route one request as the HTTP server does; runs on the engine's loop."""
+    """Check the request's key and rate limit, then route it, as the HTTP server does; runs
+    on the engine's loop (one rate limiter, one dataplane, whichever thread called)."""
+    try:
+        rt.frontend.check_credentials(ev.peer, ev.path, ev.headers)
+    except Exception as exc:
+        status, body, headers = adapters.refusal(ev.path, exc)
+        return status, _text_headers(headers), body
     try:
         if ev.method == b"POST":
             if ev.path.endswith("/infer"):
@@ -342,10 +420,22 @@ def handler(event: Any, context: Any) -> dict[str, Any]:
     ``/v1``, else V2's)."""
     try:
         rt = _started()
+    except ConfigError as exc:  # (started lazily: the client is told why, not only the log)
+        log.error("serverless: cannot serve: %s", exc)
+        return _lambda_response(_not_configured(exc))
+    except Exception as exc:
+        log.exception("serverless: the engine did not start")
+        return _lambda_response(_error(exc))
+    try:
         ev = parse_event(event, rt)
         return _lambda_response(rt.engine.run(_answer(rt, ev)))
     except Exception as exc:
         return _lambda_response(_error(exc))
+
+
+def _not_configured(exc: ConfigError) -> Answer:
+    body = f"the function is not configured to serve: {exc}"
+    return 503, {"content-type": "application/json"}, orjson.dumps({"error": body})
 
 
 # ---------------------------------------------------------------------- SnapStart
@@ -382,7 +472,26 @@ def _register_snapshot_hooks() -> bool:
     return True
 
 
+def _at_exit(stop: Any) -> None:
+    """Run ``stop`` at interpreter exit before ``concurrent.futures`` shuts its executors
+    (threading's exit hooks run first; a plain ``atexit`` hook runs after them, and a model
+    that hands its stop to an executor then failed with "cannot schedule new futures
+    after shutdown")."""
+    import concurrent.futures.thread  # noqa: F401  (its hook first: ours then runs before it)
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(stop)
+            return
+    except RuntimeError:  # (already shutting down)
+        pass
+    atexit.register(stop)
+
+
 _register_snapshot_hooks()
-atexit.register(shutdown)
-if os.environ.get(ENV_REPOSITORY):
+_at_exit(shutdown)
+if os.environ.get(ENV_REPOSITORY) or os.environ.get(ENV_LAMBDA):
+    # Lambda's init phase: the models load into the snapshot; a missing or bad setting
+    # fails the init with its reason (an unset RTSERVE_MODEL_REPOSITORY included).
     _started()

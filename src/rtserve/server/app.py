@@ -36,9 +36,7 @@ from rtserve.server.grpc_h2 import GrpcH2Server, start_grpc_h2
 from rtserve.server.http1 import HttpLimits, HttpServer
 from rtserve.server.rest import HttpFrontend
 from rtserve.server.security import (
-    Auth,
     Guard,
-    RateLimiter,
     grpc_credentials,
     server_ssl_context,
 )
@@ -228,12 +226,7 @@ class Server:
 
 def _guard(config: ServerConfig) -> Guard | None:
     """Authentication and rate limits, if configured (errors name the setting)."""
-    auth = Auth.from_file(Path(config.auth_file)) if config.auth_file else None
-    limiter = None
-    if config.rate_limit_rps > 0:
-        burst = config.rate_limit_burst or max(1, int(2 * config.rate_limit_rps))
-        limiter = RateLimiter(config.rate_limit_rps, burst)
-    return Guard(auth, limiter) if auth is not None or limiter is not None else None
+    return Guard.from_config(config)
 
 
 def _tls_files(config: ServerConfig) -> tuple[Path, Path, Path | None]:

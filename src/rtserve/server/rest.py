@@ -211,11 +211,17 @@ class HttpFrontend:
         return None
 
     def _guarded(self, conn: Connection, path: str, headers: dict[bytes, bytes]) -> None:
-        """The guard's check; an inference refused (no key, a rate limit) is recorded as
-        every other request is: counted under its model and access-logged."""
-        assert self.guard is not None
+        self.check_credentials(_peer(conn), path, headers)
+
+    def check_credentials(self, peer: str, path: str, headers: dict[bytes, bytes]) -> None:
+        """The guard's check (keys, rate limit) of a request from ``peer`` (the client's
+        address) to ``path`` (canonical), as every entry applies it: this server, the Lambda
+        handler, the Ray deployment. An inference refused (no key, a rate limit) is recorded
+        as every other request is: counted under its model and access-logged."""
+        if self.guard is None:
+            return
         try:
-            self.guard.http(path, headers, _peer(conn))
+            self.guard.http(path, headers, peer)
         except RTServeError as exc:
             if path.endswith("/infer"):
                 try:

@@ -21,6 +21,7 @@ import ssl
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import yaml
@@ -28,6 +29,9 @@ import yaml
 from rtserve.errors import ConfigError, Overloaded, RTServeError
 from rtserve.llm.options import PRIORITY_MAX, PRIORITY_MIN
 from rtserve.protocol.limits import shown
+
+if TYPE_CHECKING:
+    from rtserve.config import ServerConfig
 
 
 class Unauthenticated(RTServeError):
@@ -231,6 +235,19 @@ class Guard:
     def __init__(self, auth: Auth | None = None, limiter: RateLimiter | None = None) -> None:
         self.auth = auth
         self.limiter = limiter
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> Guard | None:
+        """The keys (``auth_file``) and the rate limit (``rate_limit_rps``,
+        ``rate_limit_burst``) configured, as every entry applies them (``rtserve serve``,
+        the Lambda handler, the Ray deployment); None when neither is. Errors name the
+        setting."""
+        auth = Auth.from_file(Path(config.auth_file)) if config.auth_file else None
+        limiter = None
+        if config.rate_limit_rps > 0:
+            burst = config.rate_limit_burst or max(1, int(2 * config.rate_limit_rps))
+            limiter = RateLimiter(config.rate_limit_rps, burst)
+        return cls(auth, limiter) if auth is not None or limiter is not None else None
 
     def http(self, path: str, headers: dict[bytes, bytes], peer: str) -> None:
         """``path``: the request's canonical path (``server/paths.py``), as the router sees
