@@ -331,3 +331,17 @@ def test_served_over_http_and_tritonclient(tmp_path: Path) -> None:
         assert status == 400 and "xgboost: not settable over the network" in doc["error"], doc
     finally:
         s.stop()
+
+
+def test_treelite_library_cached_beside_the_model_by_its_hash(tmp_path: Path) -> None:
+    x, y = classification()
+    xgb.XGBClassifier(n_estimators=5, max_depth=3).fit(x, y).save_model(tmp_path / "model.json")
+    trees.load(config("xgboost", execution="treelite"), tmp_path)
+    (lib,) = (tmp_path / ".rtserve-compiled").glob("*.so")
+    built = lib.stat().st_mtime_ns
+    trees.load(config("xgboost", execution="treelite"), tmp_path)  # reused, not rebuilt
+    assert lib.stat().st_mtime_ns == built
+    xgb.XGBClassifier(n_estimators=6, max_depth=3).fit(x, y).save_model(tmp_path / "model.json")
+    model = trees.load(config("xgboost", execution="treelite"), tmp_path)
+    assert len(list((tmp_path / ".rtserve-compiled").glob("*.so"))) == 2  # a new model: rebuilt
+    assert model.execution == "treelite"
