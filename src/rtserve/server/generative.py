@@ -50,11 +50,10 @@ STREAM_SEND_BUFFER = 128 << 10
 # parser holds the GIL: no thread keeps a large parse from stalling the event loop). The
 # body: at most BODY_BYTES_PER_TOKEN bytes per token of the longest max_model_len served
 # (escaped text, token ids), at least MIN_BODY_BYTES; lists and objects: V2's
-# max_json_containers; items (commas): ITEMS_PER_TOKEN per token, at least MIN_ITEMS.
+# max_json_containers; items (commas): one per token, and MIN_ITEMS more (fields, stop strings).
 BODY_BYTES_PER_TOKEN = 64
 MIN_BODY_BYTES = 1 << 20
 MAX_JSON_CONTAINERS = DEFAULT_LIMITS.max_json_containers
-ITEMS_PER_TOKEN = 2
 MIN_ITEMS = 1 << 14
 # The top-level "model" of a body, found without parsing it (when it is the only one).
 _MODEL_KEY = re.compile(rb'"model"\s*:\s*"([^"\\]{1,1024})"')
@@ -243,11 +242,11 @@ class GenerativeRoutes:
                 f"('[' and '{{', {containers}) (max_json_containers)"
             )
         items = body.count(b",")
-        limit = max(MIN_ITEMS, ITEMS_PER_TOKEN * self._longest())
+        limit = self._longest() + MIN_ITEMS
         if items > limit:
             raise PayloadTooLarge(
                 f"request body: {items} items (commas), over the limit of {limit} for "
-                f"generation ({ITEMS_PER_TOKEN} per token of max_model_len, at least {MIN_ITEMS})"
+                f"generation (max_model_len and {MIN_ITEMS} more)"
             )
 
     def _authorize_early(self, raw: Request, body: bytes) -> None:
