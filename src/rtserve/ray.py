@@ -113,8 +113,8 @@ class RTServeDeployment:
         try:
             path = self._path(request)
             headers = self._head(request)
-            client = request.client
-            self._frontend.check_credentials(client.host if client else "?", path, headers)
+            peer = request.client.host if request.client else "?"
+            self._frontend.check_credentials(peer, path, headers)
         except Exception as exc:
             return self._response(*adapters.refusal(path, exc))
         try:
@@ -126,7 +126,7 @@ class RTServeDeployment:
                     "models; change the repository and redeploy the application"
                 )
             if is_generative_route(path):
-                return await self._generate(request, path, headers, received)
+                return await self._generate(request, path, headers, peer, received)
             body = await self._body(request) if request.method == "POST" else b""
             raw = http1.Request(
                 request.method.encode(), path, "", headers, body, True, received, checked=True
@@ -217,7 +217,7 @@ class RTServeDeployment:
         return self._response(200, out, pairs)
 
     async def _generate(
-        self, request: Request, path: str, headers: dict[bytes, bytes], received: int
+        self, request: Request, path: str, headers: dict[bytes, bytes], peer: str, received: int
     ) -> Response:
         """A generative route: the answer whole, or its events streamed as they come. Ray
         cancels this task (or closes the stream) when the client disconnects, which aborts
@@ -229,7 +229,7 @@ class RTServeDeployment:
         raw = http1.Request(
             request.method.encode(), path, "", headers, body, True, received, checked=True
         )
-        reply = await settle(self._generative.reply(raw))
+        reply = await settle(self._generative.reply(raw, peer))
         if isinstance(reply, Streamed):
             out = _headers(reply.headers)
             out[REPLICA_HEADER] = self._replica

@@ -395,7 +395,7 @@ async def _answer(rt: _Runtime, ev: HttpEvent) -> Answer:
                 )
         request = Request(ev.method, ev.path, "", ev.headers, ev.body, True, _now())
         if is_generative_route(ev.path):
-            status, body, headers = await gather(rt.generative.reply(request))
+            status, body, headers = await gather(rt.generative.reply(request, ev.peer))
         else:
             status, body, headers = rt.frontend._route(request)
         if ev.method == b"HEAD":  # (the GET's status and headers, no body)
