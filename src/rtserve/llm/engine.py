@@ -36,6 +36,7 @@ from rtserve.llm.params import GenerationEvent, SamplingParams, TokenLogprob
 from rtserve.llm.runner import ModelRunner, release_openmp
 from rtserve.llm.sampler import logprobs_of, new_generator, prompt_logprobs, sample
 from rtserve.llm.scheduler import FINISHED, PAUSED, Scheduler, Sequence, Step
+from rtserve.llm.speculative import Speculator, probabilities, verify_greedy, verify_sampled
 from rtserve.llm.tokens import TokenBytes
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,12 @@ class LlmEngine:
             fair_share=options.fair_share,
             weights=dict(options.tenant_weights),
         )
+        self.speculator: Speculator | None = None
+        if options.speculative is not None:
+            self.speculator = Speculator(
+                options.speculative, version_dir, self.tokenizer, self.runner.vocab_size,
+                self.runner.device, self.runner.dtype,
+            )  # fmt: skip
         self.metrics = LlmMetrics(name, version, objectives=token_objectives(options.slo))
         self.metrics.gauges = self._gauges
         self.metrics.prefix = lambda: (self.pool.queries, self.pool.hits)
@@ -302,6 +309,7 @@ class LlmEngine:
         tenant: str = "",
         checked: bool = False,
         prompt_logprobs: bool = False,
+        speculate: bool = True,
     ) -> AsyncGenerator[GenerationEvent, None]:
         """The events of one generation, on the caller's event loop. Leaving the loop
         early (``aclose``, cancellation) aborts the sequence. ``checked``: the caller ran
@@ -309,7 +317,9 @@ class LlmEngine:
         stream's status line; a second admission here could refuse it after that.
         ``prompt_logprobs`` (with ``params.logprobs``): the first event also carries each
         prompt token's logprob (the prompt runs whole, without the prefix cache).
-        ``tenant``: whose fair share of the batch and the queue it counts in."""
+        ``tenant``: whose fair share of the batch and the queue it counts in.
+        ``speculate`` False: no speculative decoding for this one (the model's
+        ``llm.speculative`` otherwise)."""
         if not checked:
             self.check_prompt(len(prompt_ids), params, tenant=tenant)
         vocab = self.runner.vocab_size
@@ -332,6 +342,7 @@ class LlmEngine:
             tenant=tenant,
             generator=new_generator(params, self.runner.device),
             sink=(loop, queue),
+            speculate=speculate,
         )
         if prompt_logprobs and params.logprobs is not None:
             text, raw = self.token_bytes(prompt_ids[0])  # (nothing predicts the first)
@@ -475,10 +486,31 @@ class LlmEngine:
             if seq.status != FINISHED:
                 self._finish(seq, "abort")
 
+    def _propose(self) -> None:
+        """Draft tokens for the decoding sequences (speculative decoding), while at most
+        ``max_batch`` of them decode: beyond, one token each is cheaper."""
+        spec = self.speculator
+        if spec is None:
+            return
+        sched = self.scheduler
+        decoding = [s for s in sched.running if not s.prefilling]
+        if not decoding or len(decoding) > spec.max_batch:
+            return
+        k_max = spec.spec.num_tokens
+        for seq in decoding:
+            # (the drafts and the model's own next token never pass max_len)
+            k = min(k_max, seq.max_len - len(seq.tokens) - 1)
+            if k <= 0 or not seq.speculate or seq.scoring_prompt:
+                continue
+            seq.draft, seq.draft_probs = spec.propose(
+                seq.id, seq.tokens, k, seq.params, seq.generator
+            )
+
     def _step(self) -> None:
         sched = self.scheduler
         self._pause_unread()
         decodes = sum(1 for s in sched.running if not s.prefilling)
+        self._propose()
         step = sched.schedule(self.prefill_budget(decodes))
         if not step.items:
             time.sleep(0.001)
@@ -489,7 +521,11 @@ class LlmEngine:
                 seq.scheduled_ns = now
                 if seq.sink is not None:
                     self.metrics.observe("queue", (now - seq.arrival_ns) / 1e9)
-        rows = [i for i, (seq, n) in enumerate(step.items) if seq.computed + n == len(seq.tokens)]
+        rows = [
+            i
+            for i, (seq, n) in enumerate(step.items)
+            if seq.computed + n == len(seq.tokens) + len(seq.draft)
+        ]
         self._step_expected = self.step_model.time(step.decodes, step.prefill_tokens)
         self._step_started = started = time.perf_counter()
         sampling = [step.items[r][0] for r in rows]
@@ -499,23 +535,63 @@ class LlmEngine:
             if not s.params.greedy or s.params.logprobs is not None
         ]
         scoring, extra = _prompt_rows(step)
-        logits = self.runner.forward(step, rows, exact, extra)
-        tokens = sample(
-            logits[: len(rows)], [s.params for s in sampling], [s.generator for s in sampling]
-        )
-        sched.after_step(step)
+        # Drafted sequences: the logits at each drafted position too (after the prompts')
+        drafted = [(r, s) for r, s in enumerate(sampling) if s.draft]
+        extra_exact = [True] * len(extra)
+        for r, seq in drafted:
+            extra.append((rows[r], 0, len(seq.draft)))
+            extra_exact.append(r in exact)
+            seq.tokens.extend(seq.draft)  # (for this forward only)
+        try:
+            logits = self.runner.forward(step, rows, exact, extra, extra_exact)
+        finally:
+            for _, seq in drafted:
+                del seq.tokens[len(seq.tokens) - len(seq.draft) :]
+        plain = [r for r, s in enumerate(sampling) if not s.draft]
+        sampled = sample(
+            logits[plain], [sampling[r].params for r in plain],
+            [sampling[r].generator for r in plain],
+        )  # fmt: skip
+        tokens: list[list[int]] = [[]] * len(rows)
+        where: list[list[int]] = [[r] for r in range(len(rows))]  # logits row of each token
+        for r, token in zip(plain, sampled, strict=True):
+            tokens[r] = [token]
+        at = len(rows) + sum(count for _, _, count in extra[: len(extra) - len(drafted)])
+        for r, seq in drafted:
+            k = len(seq.draft)
+            where[r] = [*range(at, at + k), r]
+            at += k
+            tokens[r] = self._verify(seq, logits[where[r]])
         elapsed = time.perf_counter() - started
         self._step_started = 0.0
         self.step_model.add(step.decodes, step.prefill_tokens, elapsed)
         self.steps += 1
         end = _now()
-        for row, (seq, token) in enumerate(zip(sampling, tokens, strict=True)):
-            start = len(seq.detok.text)  # (where this token's text will begin)
-            self._append(seq, token, end)
-            if seq.params.logprobs is not None:
-                seq.new_logprobs.append(
-                    logprobs_of(logits[row], token, seq.params.logprobs, self.token_bytes, start)
-                )
+        credit: dict[int, int] = {}  # a drafted sequence's tokens whose keys/values stay
+        for row, (seq, new) in enumerate(zip(sampling, tokens, strict=True)):
+            for j, token in enumerate(new):
+                start = len(seq.detok.text)  # (where this token's text will begin)
+                self._append(seq, token, end)
+                if seq.params.logprobs is not None:
+                    seq.new_logprobs.append(
+                        logprobs_of(
+                            logits[where[row][j]], token, seq.params.logprobs,
+                            self.token_bytes, start,
+                        )
+                    )  # fmt: skip
+                if seq.finish_reason is not None:
+                    break
+            if seq.draft:
+                credit[seq.id] = min(len(new), j + 1)
+        if credit:
+            step = Step(
+                [(s, credit.get(s.id, n)) for s, n in step.items], step.decodes,
+                step.prefill_tokens,
+            )  # fmt: skip
+        sched.after_step(step)
+        for _, seq in drafted:
+            seq.draft, seq.draft_probs = [], None
+            sched.trim(seq)
         row = len(rows)
         for seq, targets in scoring:
             scored = logits[row : row + len(targets)]
@@ -524,6 +600,20 @@ class LlmEngine:
             seq.prompt_logprobs += prompt_logprobs(scored, targets, top, self.token_bytes)
             row += len(targets)
         self._emit(sampling, step)
+
+    def _verify(self, seq: Sequence, logits: Any) -> list[int]:
+        """The tokens a drafted sequence keeps: ``logits`` [K + 1, vocab] at its last token
+        and its K drafted ones (``speculative.verify_greedy`` / ``verify_sampled``)."""
+        p = seq.params
+        if p.greedy:
+            out = verify_greedy(seq.draft, logits.argmax(dim=-1).tolist())
+        else:
+            out = verify_sampled(
+                seq.draft, probabilities(logits, p), seq.draft_probs, seq.generator
+            )
+        self.metrics.drafted += len(seq.draft)
+        self.metrics.accepted += len(out) - 1
+        return out
 
     def _pause_unread(self) -> None:
         """Pause the sequences whose consumer has left an event untaken for
@@ -613,6 +703,8 @@ class LlmEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq.id)
         seq.finish_reason = reason
         if seq.sink is None:
             return

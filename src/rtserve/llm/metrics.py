@@ -66,6 +66,8 @@ class LlmMetrics:
     refused: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    drafted: int = 0  # speculative decoding: tokens drafted, and of those the model kept
+    accepted: int = 0
     gauges: Callable[[], dict[str, float]] = lambda: {}
     prefix: Callable[[], tuple[int, int]] = lambda: (0, 0)
     # The engine's own counters, read when scraped: "preempted" (for KV blocks),
@@ -133,6 +135,16 @@ class LlmCollector(Collector):
                 "for unread_timeout_s",
                 labels=labels,
             ),
+            "drafted": CounterMetricFamily(
+                "rtserve_llm_speculative_draft_tokens",
+                "Tokens drafted by speculative decoding (llm.speculative)",
+                labels=labels,
+            ),
+            "accepted": CounterMetricFamily(
+                "rtserve_llm_speculative_accepted_tokens",
+                "Drafted tokens the model kept (each saves a decode step)",
+                labels=labels,
+            ),
             "queries": CounterMetricFamily(
                 "rtserve_llm_prefix_cache_queries", "Prefix-cache block lookups", labels=labels
             ),
@@ -161,6 +173,8 @@ class LlmCollector(Collector):
                 "preempted": counts.get("preempted", 0),
                 "fair_preempted": counts.get("fair_preempted", 0),
                 "stalled": counts.get("stalled", 0),
+                "drafted": m.drafted,
+                "accepted": m.accepted,
                 "queries": queries,
                 "hits": hits,
             }

@@ -45,6 +45,7 @@ class LlmOptions:
     unread_timeout_s: float = 30.0  # a stream unread this long is paused (0: never)
     min_priority: int = 0  # the most urgent priority a request may ask without a key's grant
     slo: TokenSLO | None = None
+    speculative: SpeculativeOptions | None = None  # off unless set (llm/speculative.py)
 
     @classmethod
     def parse(cls, data: dict[str, Any], where: str) -> LlmOptions:
@@ -52,6 +53,7 @@ class LlmOptions:
         hands it over); errors name the file and field."""
         data = dict(data)
         slo = data.pop("slo", None)
+        speculative = data.pop("speculative", None)
         known = {f for f in cls.__dataclass_fields__ if f != "slo"}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -132,8 +134,71 @@ class LlmOptions:
             unread_timeout_s=float(unread),
             min_priority=integer("min_priority", PRIORITY_MIN, 0),
             slo=_token_slo(slo, where),
+            speculative=_speculative(speculative, where),
         )
         return options
+
+
+SPECULATIVE_METHODS = ("prompt_lookup", "draft")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeOptions:
+    """``llm.speculative``: draft ``num_tokens`` tokens per step for each decoding sequence
+    (n-grams of its own text, or a draft model of the repository), verified in one forward
+    of the model; only while at most ``max_batch`` sequences decode. ``source``: the config
+    file (errors about the draft model name it)."""
+
+    method: str = "prompt_lookup"
+    num_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_model: str = ""
+    max_batch: int = 4
+    source: str = ""
+
+
+def _speculative(value: Any, where: str) -> SpeculativeOptions | None:
+    """``llm.speculative: {method, num_tokens, ngram: {min, max}, draft_model, max_batch}``;
+    absent or null: off."""
+    if value is None:
+        return None
+    field = f"{where}: llm.speculative"
+    known = {"method", "num_tokens", "ngram", "draft_model", "max_batch"}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{field}: expected a mapping with {', '.join(sorted(known))}")
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(
+            f"{field}.{unknown[0]}: unknown field (known fields: {', '.join(sorted(known))})"
+        )
+    method = value.get("method", "prompt_lookup")
+    if method not in SPECULATIVE_METHODS:
+        raise ConfigError(
+            f"{field}.method: expected one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}"
+        )
+
+    def integer(v: Any, name: str, lo: int, hi: int) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ConfigError(f"{field}.{name}: expected an integer in [{lo}, {hi}], got {v!r}")
+        return int(v)
+
+    num = integer(value.get("num_tokens", 4), "num_tokens", 1, 16)
+    max_batch = integer(value.get("max_batch", 4), "max_batch", 0, 4096)
+    ngram = value.get("ngram") or {}
+    if not isinstance(ngram, dict) or set(ngram) - {"min", "max"}:
+        raise ConfigError(f"{field}.ngram: expected a mapping with min and/or max, got {ngram!r}")
+    lo = integer(ngram.get("min", 2), "ngram.min", 1, 64)
+    hi = integer(ngram.get("max", max(lo, 4)), "ngram.max", lo, 64)
+    draft = value.get("draft_model", "")
+    if method == "draft" and (not isinstance(draft, str) or not draft):
+        raise ConfigError(
+            f"{field}.draft_model: expected the name of a model in the repository "
+            f"(method: draft), got {draft!r}"
+        )
+    if method == "prompt_lookup" and draft:
+        raise ConfigError(f"{field}.draft_model: set only with method: draft")
+    return SpeculativeOptions(method, num, lo, hi, draft or "", max_batch, where)
 
 
 def _kv_bytes(value: Any, where: str) -> int:

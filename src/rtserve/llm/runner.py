@@ -196,6 +196,7 @@ class ModelRunner:
         rows: list[int],
         exact: list[int] | None = None,
         extra: list[tuple[int, int, int]] | None = None,
+        extra_exact: list[bool] | None = None,
     ) -> torch.Tensor:
         """Run the step; the logits [len(rows), vocab] at the last token of the items
         numbered ``rows`` (those that sample a token). ``exact``: the rows (indices into
@@ -207,7 +208,14 @@ class ModelRunner:
         ctx, ids, positions, last = self._context(step)
         kept = [last[r] for r in rows]
         if extra:
-            more = range(len(kept), len(kept) + sum(count for _, _, count in extra))
+            # (``extra_exact``: per extra entry, whether its rows need every logit; a
+            # speculative greedy sequence's verified rows need only their argmax)
+            flags = extra_exact or [True] * len(extra)
+            more: list[int] = []
+            at = len(kept)
+            for (_, _, count), flag in zip(extra, flags, strict=True):
+                more.extend(range(at, at + count) if flag else ())
+                at += count
             exact = None if exact is None else [*exact, *more]
             for item, start, count in extra:
                 first = last[item] - step.items[item][1] + 1 + start

@@ -16,6 +16,11 @@ furthest above its quota, whose newest sequence is preempted (never one more urg
 waiter). A lone tenant uses every slot. The scheduler reads no clock: it is a function of its
 state, so tests drive it step by step.
 
+Speculative decoding: a decoding sequence with drafted tokens runs them with its last token
+(K + 1 slots) where the token budget and free blocks allow (its drafts are cut to fit, never
+preempting for them); after the step the engine credits only the tokens the model kept and
+``trim`` frees the blocks of the rejected ones.
+
 A stream whose consumer stopped reading is paused: out of the batch and the queue, its blocks
 freed, until it is resumed (then recomputed, as after a preemption).
 """
@@ -73,6 +78,11 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs_sent: bool = False
     preemptions: int = 0
+    # Speculative decoding: tokens drafted for this step (verified in it, then cleared) and,
+    # for a sampled sequence with a draft model, the distributions they were drawn from.
+    draft: list[int] = field(default_factory=list)
+    draft_probs: Any = None
+    speculate: bool = True  # (a request may opt out of its model's speculative decoding)
     # Events handed to the consumer (engine thread) and taken by it (its event loop), and
     # when each not yet taken was handed over: one left untaken too long is a stream nobody
     # reads.
@@ -244,8 +254,12 @@ class Scheduler:
         for seq in decoding:
             if seq.status == RUNNING and not self._reserve(seq, 1):
                 self._make_room(seq)
-        items = [(s, 1) for s in self.running if s.status == RUNNING and not s.prefilling]
-        budget = self.max_num_batched_tokens - len(items)
+        items: list[tuple[Sequence, int]] = []
+        decoding = [s for s in self.running if s.status == RUNNING and not s.prefilling]
+        budget = self.max_num_batched_tokens - len(decoding)
+        for seq in decoding:
+            items.append((seq, 1 + self._draft_room(seq, budget)))
+            budget -= items[-1][1] - 1
         if prefill_budget is not None:
             budget = min(budget, max(prefill_budget, 0))
         if not items:
@@ -262,6 +276,22 @@ class Scheduler:
         items.sort(key=lambda item: item[1] != 1)
         decodes = sum(1 for _, n in items if n == 1)
         return Step(items, decodes, sum(n for _, n in items) - decodes)
+
+    def _draft_room(self, seq: Sequence, budget: int) -> int:
+        """How many of its drafted tokens a decoding sequence runs this step (K + 1 token
+        slots): as many as the token budget and the free blocks allow, never preempting
+        for them; the drafts beyond are dropped."""
+        if not seq.draft:
+            return 0
+        bs = self.pool.block_size
+        room = (len(seq.blocks) + self.pool.num_free) * bs - seq.computed - 1
+        k = max(0, min(len(seq.draft), budget, room))
+        if k and not self._reserve(seq, 1 + k):
+            k = 0
+        del seq.draft[k:]
+        if seq.draft_probs is not None:
+            seq.draft_probs = seq.draft_probs[:k] if k else None
+        return k
 
     def _admit(self, items: list[tuple[Sequence, int]], budget: int) -> None:
         """Admit waiting sequences while slots, blocks and the token budget allow: the most
@@ -380,6 +410,8 @@ class Scheduler:
         self.add(seq)
 
     def _release(self, seq: Sequence) -> None:
+        seq.draft = []
+        seq.draft_probs = None
         self.pool.free(seq.blocks)
         seq.blocks = []
         seq.computed = 0
@@ -399,6 +431,14 @@ class Scheduler:
                 for b, h in zip(range(seq.hashed, full), hashes, strict=True):
                     self.pool.register(seq.blocks[b], h)
                 seq.hashed, seq.last_hash = full, hashes[-1]
+
+    def trim(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks past its computed tokens and its next one: the
+        slots of drafted tokens the model rejected (their keys and values are stale)."""
+        keep = self.pool.blocks_for(seq.computed + 1)
+        if seq.status == RUNNING and len(seq.blocks) > keep:
+            self.pool.free(seq.blocks[keep:])
+            del seq.blocks[keep:]
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks now."""
