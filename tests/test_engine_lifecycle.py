@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from rtserve import Engine
-from rtserve.errors import ShuttingDown
 from tests.models import build_scale
 
 X = {"x": np.ones((1, 4), np.float32)}
@@ -78,6 +77,19 @@ def test_three_threads_starting_at_once_share_one_engine_and_leak_nothing(repo: 
     assert _settled(before) == set()
 
 
+def test_each_thread_starting_its_own_sync_view_shares_one_start(repo: Path) -> None:
+    """``engine.sync()`` is one object: threads that each call ``engine.sync().start()``
+    share one loop thread (a second SyncEngine used to fail with "already started")."""
+    before = _threads()
+    engine = Engine.from_repository(repo)
+    assert engine.sync() is engine.sync()
+    results = _at_once(3, lambda: engine.sync().start())
+    assert results == [engine.sync()] * 3
+    assert len([t for t in _threads() if t.name == "rtserve-engine"]) == 1
+    engine.sync().stop()
+    assert _settled(before) == set()
+
+
 def test_stop_without_start_and_stop_twice_do_nothing(repo: Path) -> None:
     before = _threads()
     sync = Engine.from_repository(repo).sync()
@@ -106,10 +118,38 @@ def test_use_after_stop_is_a_clear_error(repo: Path) -> None:
         await engine.start()
         await engine.stop()
         await engine.stop()  # twice: nothing more to do
-        with pytest.raises(ShuttingDown):
+        with pytest.raises(RuntimeError, match="the engine was stopped; create and start a new"):
             await engine.infer("scale", X)
+        with pytest.raises(RuntimeError, match="the engine was stopped"):
+            async for _ in engine.generate("scale", prompt="a"):
+                pass
 
     asyncio.run(async_after_stop())
+
+
+def test_the_async_engine_before_start_and_stopped_by_two_tasks(repo: Path) -> None:
+    """Before start, a call said "unknown model" (the repository not read yet); stop
+    without start spent the engine; a second stop() returned before the first finished."""
+
+    async def run() -> None:
+        engine = Engine.from_repository(repo)
+        with pytest.raises(RuntimeError, match="the engine is not started: `await engine.start"):
+            await engine.infer("scale", X)
+        await engine.stop()  # never started: nothing to do, and it may start after
+        async with engine:
+            assert (await engine.infer("scale", X))["y"].tolist() == [[2.0] * 4]
+            slow = asyncio.ensure_future(engine.infer("scale", X))
+            await asyncio.sleep(0)
+            stops = [asyncio.ensure_future(engine.stop()) for _ in range(3)]
+            started_when_done: list[bool] = []
+            for stop in stops:
+                stop.add_done_callback(lambda _: started_when_done.append(engine.started))
+            await asyncio.gather(*stops)
+            # Every stop returned once the engine was stopped, the request accepted answered.
+            assert started_when_done == [False, False, False]
+            assert (await slow)["y"].tolist() == [[2.0] * 4]
+
+    asyncio.run(run())
 
 
 def test_a_call_racing_stop_gets_an_answer_or_an_error_never_a_wait(repo: Path) -> None:

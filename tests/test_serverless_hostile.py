@@ -217,6 +217,7 @@ def test_header_limits_as_the_server_applies_them(serverless: ModuleType) -> Non
     event["headers"]["x-long"] = "v" * 5000
     _refused(serverless, event, 431, "per header (http_max_header_bytes)")
     _refused(serverless, _event(rawPath="/v2/" + "a" * 9000), 414, "http_max_url_bytes")
+    _refused(serverless, _event(rawQueryString="q=" + "a" * 9000), 414, "http_max_url_bytes")
 
 
 PATHS = [

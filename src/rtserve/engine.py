@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _now = time.perf_counter_ns
+_SYNC_LOCK = threading.Lock()  # (each engine's one SyncEngine is made once)
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,11 @@ class Engine:
             journal=shared / "model-control.jsonl" if shared is not None else None,
         )
         self.started = False
+        self._began = False  # start() was called (it may have failed)
         self._stopped = False  # (an engine is started once)
+        self._stop_done: asyncio.Event | None = None  # set once stop() has finished
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
+        self._sync: SyncEngine | None = None
 
     def add_activity(self, source: Callable[[], bool]) -> None:
         """Register a frontend's hint that another request may arrive soon (an idle
@@ -232,6 +236,7 @@ class Engine:
         if self._stopped:
             raise RuntimeError("an Engine cannot be started again after stop(); create a new one")
         self._loop = asyncio.get_running_loop()
+        self._began = True
         try:
             await self.control.start()
         except BaseException:
@@ -239,6 +244,17 @@ class Engine:
             raise
         self.dataplane.started = True
         self.started = True
+
+    def _check_serving(self) -> None:
+        """A request needs a started engine, on its loop: else a clear error (not an
+        unknown model before start, nor the dataplane's refusal after stop)."""
+        if self._loop is None:
+            if self._stopped:
+                raise RuntimeError("the engine was stopped; create and start a new Engine")
+            raise RuntimeError(
+                "the engine is not started: `await engine.start()` or `async with engine:` first"
+            )
+        self._check_loop()
 
     def _check_loop(self) -> None:
         """Requests are answered on the loop that started the engine; awaiting one from
@@ -253,8 +269,22 @@ class Engine:
     async def stop(self, grace_period_s: float | None = None) -> None:
         """Answer what was accepted, then release the models. Generations still running
         after ``grace_period_s`` (default: the ``grace_period_s`` setting) end with
-        ``ShuttingDown``; other models' batches in progress are waited for."""
+        ``ShuttingDown``; other models' batches in progress are waited for. Never started:
+        nothing to do; stopping or stopped already: waits for that stop."""
+        done = self._stop_done
+        if not self._began or (done is not None and done.is_set()):
+            return
         self._check_loop()
+        if done is not None:
+            await done.wait()
+            return
+        self._stop_done = asyncio.Event()
+        try:
+            await self._stop(grace_period_s)
+        finally:
+            self._stop_done.set()
+
+    async def _stop(self, grace_period_s: float | None) -> None:
         self._stopped = True
         self.dataplane.begin_drain()
         grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
@@ -282,8 +312,13 @@ class Engine:
         await self.stop()
 
     def sync(self) -> SyncEngine:
-        """The same engine for plain (non-async) code: its own event loop on a thread."""
-        return SyncEngine(self)
+        """The same engine for plain (non-async) code: its own event loop on a thread. One
+        per engine: every call returns it (threads that each call ``sync().start()`` share
+        one start)."""
+        with _SYNC_LOCK:
+            if self._sync is None:
+                self._sync = SyncEngine(self)
+            return self._sync
 
     # ------------------------------------------------------------------ inference
     async def infer(
@@ -300,7 +335,7 @@ class Engine:
         lists, strings for BYTES) with the batch dimension when the model batches;
         ``parameters``: the V2 request parameters (``timeout`` in µs, ``priority``, ...).
         Raises ``ModelNotFound``, ``InvalidInput`` (naming the field), ``Overloaded``..."""
-        self._check_loop()
+        self._check_serving()
         if not isinstance(inputs, Mapping) or not inputs:
             raise InvalidInput("inputs: expected a mapping of input names to arrays")
         if parameters is not None and not isinstance(parameters, Mapping):
@@ -343,7 +378,7 @@ class Engine:
         ``llm.default_max_tokens``), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
         ``logprobs``, ...). Leaving the loop early stops the generation. Raises
         ``InvalidInput`` (naming the field), ``ModelNotFound``, ``ObjectiveRefused``..."""
-        self._check_loop()
+        self._check_serving()
         timings = Timings(received=_now())
         dp = self.dataplane
         try:

@@ -298,7 +298,9 @@ def parse_event(event: Any, rt: _Runtime) -> HttpEvent:
         raw_path = path.encode()
     except UnicodeEncodeError:
         raise InvalidInput("event: the request path is not valid Unicode") from None
-    headers = adapters.request_headers(config, len(raw_path), _header_pairs(event))
+    query = event.get("rawQueryString")  # (payload 2.0; counted as the server counts it)
+    target = len(raw_path) + (len(query) + 1 if isinstance(query, str) and query else 0)
+    headers = adapters.request_headers(config, target, _header_pairs(event))
     return HttpEvent(
         method.encode("latin-1"),
         canonical_path(raw_path),
