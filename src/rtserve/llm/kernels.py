@@ -13,6 +13,10 @@ gate/up projection, each one pass over its rows instead of five and two PyTorch 
 than in arithmetic). ``rope_store``: RoPE on the fused q/k/v projection's rows and the keys
 and values into the pool, instead of eight operations and two scattered copies.
 
+``qlinear`` (csrc/quant_linear.cpp, built as a second module): weight-only int8 / int4 /
+bfloat16 linear layers for the rows of a decode step (``rtserve.llm.quant``), explicit AVX2 +
+FMA code where the CPU has it, plain loops elsewhere.
+
 On AVX-512 machines decode attention, the SiLU gate and the exponentials run on explicit
 16-lane code (head sizes 32, 64, 128); elsewhere the compiler vectorizes plain loops.
 """
@@ -27,6 +31,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_linear.cpp"
 _lock = threading.Lock()
 _built: dict[str, Any] = {}
 
@@ -47,13 +52,22 @@ def fused_ops() -> Any | None:
         return _built["ops"]
 
 
-def _build() -> Any:
+def quant_ops() -> Any | None:
+    """The built module of csrc/quant_linear.cpp (``qlinear``, ``has_avx2``), built once; None
+    (logged once) where it cannot be."""
+    with _lock:
+        if "quant" not in _built:
+            _built["quant"] = _build("rtserve_quant_linear", QUANT_SOURCE)
+        return _built["quant"]
+
+
+def _build(name: str = "rtserve_paged_attention", source: Path = SOURCE) -> Any:
     try:
         from torch.utils import cpp_extension
 
         return cpp_extension.load(
-            "rtserve_paged_attention",
-            [str(SOURCE)],
+            name,
+            [str(source)],
             extra_cflags=[
                 "-O3",
                 "-march=native",
@@ -65,5 +79,7 @@ def _build() -> Any:
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a build error: PyTorch's path serves
-        log.warning("llm: rtserve's CPU kernels could not be built (%s); using torch's", exc)
+        log.warning(
+            "llm: rtserve's CPU kernels (%s) could not be built (%s); using torch's", name, exc
+        )
         return None

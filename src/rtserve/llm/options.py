@@ -8,6 +8,7 @@ from typing import Any
 from rtserve.errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
+WEIGHTS = ("fp32", "bf16", "int8", "int4")  # llm.weights (rtserve.llm.quant)
 # A request's ``priority`` (lower runs first; 0 unless asked): asked for outside this range,
 # it is refused (400); below the floor its key (or else its model's ``llm.min_priority``)
 # allows, refused with 403.
@@ -26,6 +27,7 @@ class TokenSLO:
 class LlmOptions:
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "float32"
+    weights: str = "fp32"  # fp32 | bf16 | int8 | int4: the linear layers' weights (llm/quant.py)
     max_num_seqs: int = 64
     max_model_len: int = 2048
     kv_cache_bytes: int = 0  # 0: sized from the model and the memory (llm/defaults.py)
@@ -81,6 +83,11 @@ class LlmOptions:
             raise ConfigError(
                 f"{where}: llm.dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}"
             )
+        weights = data.get("weights", "fp32")
+        if weights not in WEIGHTS:
+            raise ConfigError(
+                f"{where}: llm.weights: expected one of {', '.join(WEIGHTS)}, got {weights!r}"
+            )
         cpu_linear = data.get("cpu_linear", "onednn")
         if cpu_linear not in ("onednn", "torch"):
             raise ConfigError(
@@ -116,6 +123,7 @@ class LlmOptions:
         options = cls(
             device=device,
             dtype=dtype,
+            weights=weights,
             max_num_seqs=integer("max_num_seqs", 1, 4096),
             max_model_len=integer("max_model_len", 2, 1 << 20),
             kv_cache_bytes=_kv_bytes(data.get("kv_cache_bytes", 0), where),

@@ -6,19 +6,23 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rtserve.errors import ConfigError
-from rtserve.llm import attention, kernels
+from rtserve.llm import attention, kernels, quant
 from rtserve.llm.attention import Chunk, StepContext
 from rtserve.llm.defaults import kv_pool_bytes
 from rtserve.llm.options import LlmOptions
 from rtserve.llm.scheduler import Step
 
 log = logging.getLogger(__name__)
+
+# Makes a linear layer's replacement (a quantized weight format); None: prepacked FP32.
+Make = Callable[[torch.nn.Linear], torch.nn.Module] | None
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -47,12 +51,19 @@ class ModelRunner:
             version_dir, dtype=self.dtype, attn_implementation=attention.ATTN_NAME
         )
         self.model = model.to(self.device).eval()
+        self.weights = options.weights
+        make: Make = None
+        if self.weights != "fp32":
+            qops = kernels.quant_ops() if self.device.type == "cpu" else None
+            quant.plan(self.model, self.weights)
+            make = quant.maker(qops)
+            quant.quantize_head(self.model, make)
         self.fused = 0
         if options.cpu_fused and self.device.type == "cpu" and self.dtype == torch.float32:
             ops = kernels.fused_ops()
             if ops is not None:
                 packed_hint = options.max_num_seqs if options.cpu_linear == "onednn" else None
-                self.fused = fuse_modules(self.model, ops, packed_hint)
+                self.fused = fuse_modules(self.model, ops, packed_hint, make)
                 log.info(
                     "llm %s: %d norms, MLPs and attentions on fused kernels",
                     version_dir,
@@ -62,7 +73,13 @@ class ModelRunner:
         if self.fused and options.cpu_linear == "onednn" and ScreenedHead.fits(self.model):
             self.screened_head = ScreenedHead(self.model.lm_head, ops, options.max_num_seqs)
             self.model.lm_head = self.screened_head
-        if options.cpu_linear == "onednn" and self.device.type == "cpu":
+        if make is not None:
+            pack_linears(self.model, options.max_num_seqs, make)  # (what the fused layers left)
+            log.info(
+                "llm %s: weights %s (%.0f MB of linear weights read per token)",
+                version_dir, self.weights, quant.model_bytes(self.model) / 1e6,
+            )  # fmt: skip
+        elif options.cpu_linear == "onednn" and self.device.type == "cpu":
             pack_linears(self.model, options.max_num_seqs)  # (what the fused layers left)
             packed = sum(isinstance(getattr(m, "packed", None), torch.Tensor) for m in self.model.modules())  # fmt: skip
             log.info(
@@ -320,20 +337,25 @@ class FusedLinears:
     call instead of several, the same output bits. Each layer becomes a ``FusedPart``; the
     first part asked for an input computes all parts, the others take theirs."""
 
-    def __init__(self, linears: list[torch.nn.Linear], batch_hint: int) -> None:
-        weight = torch.cat([lin.weight.detach() for lin in linears])
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-        biases = [lin.bias for lin in linears]
-        self.bias = (
-            None
-            if all(b is None for b in biases)
-            else torch.cat(
-                [
-                    lin.weight.new_zeros(lin.out_features) if b is None else b.detach()
-                    for lin, b in zip(linears, biases, strict=True)
-                ]
-            )
+    def __init__(self, linears: list[torch.nn.Linear], batch_hint: int, make: Make = None) -> None:
+        first = linears[0]
+        both = torch.nn.Linear(
+            first.in_features, sum(lin.out_features for lin in linears), bias=False, device="meta"
         )
+        both.weight = torch.nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), False)
+        biases = [lin.bias for lin in linears]
+        if any(b is not None for b in biases):
+            both.bias = torch.nn.Parameter(
+                torch.cat(
+                    [
+                        lin.weight.new_zeros(lin.out_features) if b is None else b.detach()
+                        for lin, b in zip(linears, biases, strict=True)
+                    ]
+                ),
+                False,
+            )
+        quant.inherit(both, first)
+        self.linear = make(both) if make is not None else PackedLinear(both, batch_hint)
         self.sizes = [lin.out_features for lin in linears]
         self._input: torch.Tensor | None = None
         self._parts: list[torch.Tensor] = []
@@ -341,9 +363,7 @@ class FusedLinears:
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if x is not self._input:
-            out = torch.ops.mkldnn._linear_pointwise(
-                x.contiguous(), self.packed, self.bias, "none", [], ""
-            )
+            out = self.linear(x.contiguous())
             self._input, self._parts, self._taken = x, list(out.split(self.sizes, -1)), 0
         part = self._parts[index]
         self._taken += 1
@@ -376,12 +396,17 @@ class FusedRMSNorm(torch.nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)  # type: ignore[no-any-return]
 
 
-def _packed(linear: torch.nn.Linear, batch_hint: int | None) -> torch.nn.Module:
-    """``linear`` prepacked for oneDNN with ``batch_hint``, else as it is (``F.linear``)."""
+def _packed(linear: torch.nn.Linear, batch_hint: int | None, make: Make = None) -> torch.nn.Module:
+    """``linear`` as ``make`` makes it (a quantized weight format), else prepacked for oneDNN
+    with ``batch_hint``, else as it is (``F.linear``)."""
+    if make is not None:
+        return make(linear)
     return PackedLinear(linear, batch_hint) if batch_hint else linear
 
 
-def _stacked(linears: list[torch.nn.Linear], batch_hint: int | None) -> torch.nn.Module:
+def _stacked(
+    linears: list[torch.nn.Linear], batch_hint: int | None, make: Make = None
+) -> torch.nn.Module:
     """Linear layers that read one input (all with a bias or none) as one layer whose output
     is theirs side by side, prepacked with ``batch_hint``."""
     first = linears[0]
@@ -394,7 +419,8 @@ def _stacked(linears: list[torch.nn.Linear], batch_hint: int | None) -> torch.nn
     both.weight = torch.nn.Parameter(torch.cat([lin.weight for lin in linears]).detach(), False)
     if first.bias is not None:
         both.bias = torch.nn.Parameter(torch.cat([lin.bias for lin in linears]).detach(), False)
-    return _packed(both, batch_hint)
+    quant.inherit(both, first)
+    return _packed(both, batch_hint, make)
 
 
 class FusedMLP(torch.nn.Module):
@@ -402,10 +428,10 @@ class FusedMLP(torch.nn.Module):
     kernel for the gate, and the down projection; prepacked for oneDNN with ``batch_hint``,
     else ``F.linear``."""
 
-    def __init__(self, mlp: Any, ops: Any, batch_hint: int | None) -> None:
+    def __init__(self, mlp: Any, ops: Any, batch_hint: int | None, make: Make = None) -> None:
         super().__init__()
-        self.gate_up = _stacked([mlp.gate_proj, mlp.up_proj], batch_hint)
-        self.down = _packed(mlp.down_proj, batch_hint)
+        self.gate_up = _stacked([mlp.gate_proj, mlp.up_proj], batch_hint, make)
+        self.down = _packed(mlp.down_proj, batch_hint, make)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -419,15 +445,15 @@ class FusedAttention(torch.nn.Module):
     as one kernel over its output (``rope_store``): the step's paged attention (``attention.
     attend``) then the output projection. Prepacked for oneDNN with ``batch_hint``."""
 
-    def __init__(self, attn: Any, ops: Any, batch_hint: int | None) -> None:
+    def __init__(self, attn: Any, ops: Any, batch_hint: int | None, make: Make = None) -> None:
         super().__init__()
         config = attn.config
         self.layer_idx = int(attn.layer_idx)
         self.heads = int(config.num_attention_heads)
         self.head_dim = int(attn.head_dim)
         self.scaling = float(attn.scaling)
-        self.qkv = _stacked([attn.q_proj, attn.k_proj, attn.v_proj], batch_hint)
-        self.o_proj = _packed(attn.o_proj, batch_hint)
+        self.qkv = _stacked([attn.q_proj, attn.k_proj, attn.v_proj], batch_hint, make)
+        self.o_proj = _packed(attn.o_proj, batch_hint, make)
         self.ops = ops
 
     def forward(
@@ -516,7 +542,9 @@ def _rope_attention(module: torch.nn.Module) -> bool:
     return partial in (None, 1.0) and len(biases) == 1 and hasattr(module, "layer_idx")
 
 
-def fuse_modules(model: torch.nn.Module, ops: Any, batch_hint: int | None) -> int:
+def fuse_modules(
+    model: torch.nn.Module, ops: Any, batch_hint: int | None, make: Make = None
+) -> int:
     """Swap Llama/Qwen2-style RMSNorms, SiLU-gated MLPs and RoPE attentions of ``model``
     (CPU, float32) for ``FusedRMSNorm``, ``FusedMLP`` and ``FusedAttention``; others (GPT-2's LayerNorm and GELU, biased halves)
     stay as they are. How many were swapped."""
@@ -534,9 +562,9 @@ def fuse_modules(model: torch.nn.Module, ops: Any, batch_hint: int | None) -> in
             ):
                 swaps.append((parent, name, FusedRMSNorm(child, ops)))
             elif _silu_gated(child):
-                swaps.append((parent, name, FusedMLP(child, ops, batch_hint)))
+                swaps.append((parent, name, FusedMLP(child, ops, batch_hint, make)))
             elif _rope_attention(child):
-                swaps.append((parent, name, FusedAttention(child, ops, batch_hint)))
+                swaps.append((parent, name, FusedAttention(child, ops, batch_hint, make)))
     for parent, name, new in swaps:
         setattr(parent, name, new)
     layers = [
@@ -563,17 +591,18 @@ def _silu_gated(module: torch.nn.Module) -> bool:
 FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def pack_linears(model: torch.nn.Module, batch_hint: int) -> int:
+def pack_linears(model: torch.nn.Module, batch_hint: int, make: Make = None) -> int:
     """Swap every ``nn.Linear`` of ``model`` for a ``PackedLinear`` (the projections of
-    one input, ``FUSE``, for ``FusedPart`` of one GEMM); how many were."""
-    if not torch.backends.mkldnn.is_available():
+    one input, ``FUSE``, for ``FusedPart`` of one GEMM), or for what ``make`` makes of it (a
+    quantized weight format); how many were."""
+    if make is None and not torch.backends.mkldnn.is_available():
         return 0
     count = 0
     for module in model.modules():
         for names in FUSE:
             linears: list[Any] = [getattr(module, n, None) for n in names]
             if all(type(lin) is torch.nn.Linear for lin in linears):
-                fused = FusedLinears(linears, batch_hint)
+                fused = FusedLinears(linears, batch_hint, make)
                 for i, n in enumerate(names):
                     setattr(module, n, FusedPart(fused, i))
                 count += len(names)
@@ -584,7 +613,7 @@ def pack_linears(model: torch.nn.Module, batch_hint: int) -> int:
         if type(child) is torch.nn.Linear
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, batch_hint))
+        setattr(parent, name, make(child) if make is not None else PackedLinear(child, batch_hint))
     return count + len(swaps)
 
 

@@ -1,0 +1,208 @@
+"""Quantized weights for ``backend: llm`` (``llm.weights``): the kernel against a dequantized
+reference on odd shapes, its AVX2 and plain loops and torch's fallback against each other,
+each format through the engine on random-weight Llama and Qwen2, int8 on SmolLM2 against
+FP32, and a bad value refused with the file and field named."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from rtserve.config import load_yaml, parse_model_config  # noqa: E402
+from rtserve.errors import ConfigError  # noqa: E402
+from rtserve.llm import kernels, quality  # noqa: E402
+from rtserve.llm.engine import LlmEngine  # noqa: E402
+from rtserve.llm.options import LlmOptions  # noqa: E402
+from rtserve.llm.params import SamplingParams  # noqa: E402
+from rtserve.llm.quant import QuantLinear, quantize_int4, quantize_int8  # noqa: E402
+from tests.llm_models import build_llm  # noqa: E402
+
+FORMATS = ["bf16", "int8", "int4"]
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2 = ROOT / "examples" / "llm-repository" / "smollm2" / "1"
+
+
+@pytest.fixture(scope="module")
+def ops():  # type: ignore[no-untyped-def]
+    built = kernels.quant_ops()
+    if built is None:
+        pytest.skip("rtserve's quantized-linear kernel cannot be built here")
+    return built
+
+
+def _linear(n: int, k: int, bias: bool, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.mul_(torch.rand(n, 1) * 4)  # rows of different scales
+    return lin
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("n", "k"), [(37, 70), (1, 32), (64, 96), (33, 129)])
+@pytest.mark.parametrize("m", [1, 3, 5, 20])
+def test_the_kernel_matches_a_dequantized_matmul_on_odd_shapes(ops, fmt, n, k, m) -> None:  # type: ignore[no-untyped-def]
+    lin = _linear(n, k, bias=n % 2 == 1)
+    q = QuantLinear(lin, fmt, ops)
+    q.kernel_rows = 64
+    x = torch.randn(m, k)
+    with torch.inference_mode():
+        want = torch.nn.functional.linear(x.double(), q.dequantized().double(), None)
+        if lin.bias is not None:
+            want += lin.bias.double()
+        scale = (x.abs().double() @ q.dequantized().abs().double().t()).max()
+        q.act8 = False  # weights widened to float32: exact up to float32 sums
+        assert (q(x).double() - want).abs().max() <= 1e-5 * scale
+        # int8 activations: their rounding error (half a step of 1/127 of each group's
+        # largest) times the quantized values' magnitudes (int4's without its minimum)
+        q.act8 = fmt != "bf16"
+        w = q.dequantized().double()
+        if fmt == "int4":
+            w -= q.mins.double().repeat_interleave(32, dim=1)[:, :k]
+        step = x.view(m, -1).abs().double()
+        groups = torch.nn.functional.pad(step, (0, -k % 32)).view(m, -1, 32).amax(dim=2)
+        step = groups.repeat_interleave(32, dim=1)[:, :k] / 254
+        bound = (step @ w.abs().t()).max()
+        assert (q(x).double() - want).abs().max() <= bound * 1.01 + 1e-5 * scale
+        assert q(x).shape == (m, n)
+
+
+def test_the_dequantized_weights_are_close_to_the_originals() -> None:
+    w = _linear(48, 100, bias=False).weight.detach()
+    q8, s8 = quantize_int8(w)
+    assert q8.shape == (48, 128) and s8.shape == (48, 4)
+    back = (q8.view(48, 4, 32).float() * s8[..., None]).view(48, 128)[:, :100]
+    assert (back - w).abs().max() <= s8.max() / 2 + 1e-7
+    assert bool((q8[:, 100:] == 0).all())  # the padding multiplies nothing
+    packed, s4, lo = quantize_int4(w)
+    assert packed.shape == (48, 64) and packed.dtype == torch.uint8
+    q4 = QuantLinear(torch.nn.Linear(100, 48, bias=False), "int4", None)
+    q4.qweight, q4.scales, q4.mins = packed, s4, lo
+    err4 = (q4.dequantized() - w).abs().max()
+    assert err4 < (w.abs().max() / 7)  # 16 levels over each group's range
+    assert err4 > (back - w).abs().max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("act8", [True, False])
+def test_the_avx2_loops_plain_loops_and_torch_agree(ops, fmt, act8) -> None:  # type: ignore[no-untyped-def]
+    if not ops.has_avx2():
+        pytest.skip("this CPU has no AVX2 + FMA: the plain loops are the only ones")
+    lin = _linear(300, 576, bias=True)
+    x = torch.randn(6, 576)
+    q = QuantLinear(lin, fmt, ops, act8=act8)
+    plain = QuantLinear(lin, fmt, ops, act8=act8)
+    plain.simd = False
+    fallback = QuantLinear(lin, fmt, None)  # no kernel: torch operators
+    with torch.inference_mode():
+        a, b = q(x), plain(x)
+        c = fallback(x)
+    scale = float(c.abs().max())
+    assert (a - b).abs().max() <= 1e-5 * scale  # the same sums, in another order
+    tol = 1e-5 if fmt == "bf16" or not act8 else 1 / 100
+    assert (a - c).abs().max() <= tol * scale
+
+
+def test_many_rows_use_dequantized_tiles_and_match_the_kernel(ops) -> None:  # type: ignore[no-untyped-def]
+    lin = _linear(5000, 64, bias=False)  # more output rows than one tile
+    q = QuantLinear(lin, "int8", ops, act8=False)
+    x = torch.randn(40, 64)
+    with torch.inference_mode():
+        tiled = q(x)  # 40 rows > kernel_rows: dequantized tiles and torch's GEMM
+        q.kernel_rows = 64
+        kernel = q(x)
+    assert (tiled - kernel).abs().max() <= 1e-4 * float(tiled.abs().max())
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("llm")
+    return {arch: build_llm(root, name=arch, arch=arch, hidden=96) for arch in ("llama", "qwen2")}
+
+
+def _engine(version_dir: Path, **options: object) -> LlmEngine:
+    opts = {"device": "cpu", "kv_cache_bytes": 8 << 20, "max_model_len": 512, "threads": 1}
+    opts.update(options)
+    e = LlmEngine("tiny", "1", version_dir, LlmOptions.parse(opts, "test"))
+    e.start()
+    return e
+
+
+def _generate(e: LlmEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def one(ids: list[int]) -> list[int]:
+        out: list[int] = []
+        async for event in e.generate(ids, params):
+            out += event.token_ids
+        return out
+
+    async def all_at_once() -> list[list[int]]:
+        try:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+        finally:
+            await e.stop()
+
+    return asyncio.run(all_at_once())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_loads_and_generates_what_its_model_generates(
+    models: dict[str, Path], arch: str, fmt: str, ops
+) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    e = _engine(models[arch], weights=fmt, block_size=4)
+    layers = [m for m in e.runner.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and {m.fmt for m in layers} >= {"int8" if fmt == "int4" else fmt}
+    assert e.runner.model.lm_head.fmt == ("int8" if fmt == "int4" else fmt)
+    prompts = [e.encode_text(t) for t in ("the cat", "rain fell", "a warm mat")]
+    got = _generate(e, prompts, 10)
+    assert e.pool.num_used == 0
+    # the same model quantized the same way, one prompt at a time in transformers' generate
+    ref = AutoModelForCausalLM.from_pretrained(models[arch]).eval()
+    twin = quality.quantized(ref, fmt, ops)
+    with torch.inference_mode():
+        for ids, tokens in zip(prompts, got, strict=True):
+            g = twin.generate(
+                torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10, do_sample=False
+            )
+            assert tokens == g[0, len(ids) :].tolist()
+
+
+def test_a_bad_weights_value_is_refused_naming_the_file_and_field(tmp_path: Path) -> None:
+    version = build_llm(tmp_path, name="bad", llm={"weights": "int3"})
+    path = version.parent / "config.yaml"
+    config = parse_model_config(load_yaml(path), "bad", str(path))
+    with pytest.raises(ConfigError) as err:
+        LlmOptions.parse(config.backend_options, config.source)
+    assert str(path) in str(err.value)
+    assert "llm.weights" in str(err.value) and "int8" in str(err.value)
+    assert "int3" in str(err.value)
+
+
+# Greedy tokens of int8 SmolLM2 equal to FP32's before the first difference, measured on these
+# prompts (quality.py: 16 chat prompts x 32 tokens, mean 0.83 of the 32, 11 of 16 all equal).
+SMOL_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
+SMOL_EQUAL = 16
+
+
+@pytest.mark.skipif(not SMOLLM2.is_dir(), reason="needs make examples (SmolLM2)")
+def test_int8_smollm2_greedy_text_agrees_with_fp32(ops) -> None:  # type: ignore[no-untyped-def]
+    runs = {}
+    for fmt in ("fp32", "int8"):
+        e = _engine(SMOLLM2, weights=fmt, threads=0, kv_cache_bytes=32 << 20)
+        tok = e.tokenizer
+        prompts = [
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+            for p in SMOL_PROMPTS
+        ]
+        runs[fmt] = _generate(e, prompts, SMOL_EQUAL)
+    for a, b in zip(runs["fp32"], runs["int8"], strict=True):
+        assert a == b
