@@ -338,3 +338,26 @@ def test_drafted_and_accepted_tokens_on_metrics_and_kv_back_to_zero(
     accepted = value("rtserve_llm_speculative_accepted_tokens_total")
     assert drafted >= accepted > 0
     assert value("rtserve_llm_kv_blocks_used") == 0
+
+
+SMOLLM2 = Path(__file__).resolve().parents[1] / "examples" / "llm-repository" / "smollm2" / "1"
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(), reason="needs `make examples`")
+def test_smollm2_summaries_with_prompt_lookup_equal_plain_greedy() -> None:
+    """The real model: four summaries of a document, concurrently, greedy, with and
+    without prompt lookup: the same tokens, and drafts kept."""
+    sentences = (SMOLLM2.parents[3] / "examples" / "data" / "sentences.txt").read_text()
+    doc = " ".join(sentences.splitlines()[:12])
+    opts = {"kv_cache_bytes": 64 << 20, "max_model_len": 1024, "block_size": 8}
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    plain = engine(SMOLLM2, None, **opts)
+    prompts = [
+        plain.encode_messages([{"role": "user", "content": f"{doc}\n\nSummarize it{p}"}])
+        for p in (".", "!", " briefly.", " in one line.")
+    ]
+    expected = run_all(plain, prompts, params)
+    spec = engine(SMOLLM2, {"method": "prompt_lookup", "num_tokens": 6}, **opts)
+    assert run_all(spec, prompts, params) == expected
+    assert spec.metrics.accepted > 0
+    assert spec.pool.num_used == 0
