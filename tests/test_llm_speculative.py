@@ -361,3 +361,18 @@ def test_smollm2_summaries_with_prompt_lookup_equal_plain_greedy() -> None:
     assert run_all(spec, prompts, params) == expected
     assert spec.metrics.accepted > 0
     assert spec.pool.num_used == 0
+
+
+def test_the_documented_configuration_is_accepted() -> None:
+    import yaml
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "generative.md").read_text()
+    section = text[text.index("## Speculative decoding") :]
+    block = section[
+        section.index("```yaml") + 7 : section.index("```", section.index("```yaml") + 7)
+    ]
+    doc = yaml.safe_load(block)
+    options = LlmOptions.parse(doc["llm"], "config.yaml")
+    spec = options.speculative
+    assert spec is not None and spec.method == "prompt_lookup" and spec.num_tokens == 6
+    assert (spec.ngram_min, spec.ngram_max, spec.max_batch) == (2, 4, 4)

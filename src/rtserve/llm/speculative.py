@@ -107,7 +107,7 @@ def verify_sampled(
             q_d = 1.0
         else:
             q_d = float(draft_probs[j, d]) if d < draft_probs.shape[-1] else 0.0
-        u = float(torch.rand((), generator=generator))
+        u = float(torch.rand((), generator=generator, device=p.device))
         if q_d > 0.0 and u * q_d < float(p[d]):
             out.append(d)
             continue
@@ -115,7 +115,7 @@ def verify_sampled(
         if draft_probs is None:
             residual[d] = 0.0
         else:
-            q = torch.zeros(vocab, dtype=residual.dtype)
+            q = torch.zeros(vocab, dtype=residual.dtype, device=residual.device)
             q[: draft_probs.shape[-1]] = draft_probs[j]
             residual = torch.clamp(residual - q, min=0.0)
         if float(residual.sum()) <= 0.0:  # (p == q: any draw from p is right)
