@@ -345,3 +345,23 @@ def test_treelite_library_cached_beside_the_model_by_its_hash(tmp_path: Path) ->
     model = trees.load(config("xgboost", execution="treelite"), tmp_path)
     assert len(list((tmp_path / ".rtserve-compiled").glob("*.so"))) == 2  # a new model: rebuilt
     assert model.execution == "treelite"
+
+
+def test_scaler_then_xgboost_runs_fused_with_the_same_answers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    x, y = classification(classes=3, n=300)
+    x = np.nan_to_num(x).astype(np.float64) * 50 + 7
+    pipe = make_pipeline(StandardScaler(), xgb.XGBClassifier(n_estimators=15, max_depth=3))
+    pipe.fit(x, y)
+    sio.dump(pipe, tmp_path / "model.skops")
+    trusted = sio.get_untrusted_types(file=str(tmp_path / "model.skops"))
+    with caplog.at_level("INFO", logger="rtserve.runtime.trees"):
+        model = trees.load(config("sklearn", trusted_types=trusted), tmp_path)
+    assert "run fused" in caplog.text
+    for rows in (x[:1], x):
+        out = run(model, rows)
+        np.testing.assert_array_equal(out["predict_proba"], pipe.predict_proba(rows))
+        np.testing.assert_array_equal(out["predict"], pipe.predict(rows))
+    inner = pipe[-1].get_booster().predict(xgb.DMatrix(pipe[:-1].transform(x)), pred_contribs=True)
+    np.testing.assert_allclose(out["contributions"], inner, atol=TOL)

@@ -213,7 +213,7 @@ def _xgboost(path: Path, obj: Any = None) -> Adapter:
     names = booster.feature_names
 
     def contributions(x: np.ndarray) -> np.ndarray:
-        return booster.predict(xgb.DMatrix(x, feature_names=names), pred_contribs=True)
+        return booster.predict(xgb.DMatrix(x, feature_names=names, nthread=1), pred_contribs=True)
 
     classes = tuple(range(max(n_class, 2))) if kind != "regression" else ()
     return Adapter("xgboost", kind, n, _names(booster.feature_names, n), classes, np.float32,
@@ -426,7 +426,7 @@ def _sklearn(path: Path, options: Options, obj: Any = None) -> Adapter:
             booster.set_param({"nthread": 1})
 
             def contributions(x: np.ndarray) -> np.ndarray:
-                return booster.predict(xgb.DMatrix(transformed(x)), pred_contribs=True)
+                return booster.predict(xgb.DMatrix(transformed(x), nthread=1), pred_contribs=True)
 
         else:
 
@@ -438,9 +438,60 @@ def _sklearn(path: Path, options: Options, obj: Any = None) -> Adapter:
         if before is not None:
             with contextlib.suppress(Exception):  # a step without names: positions
                 feature_names = tuple(str(f) for f in before.get_feature_names_out())
-    return Adapter("sklearn", kind, n, feature_names, classes, np.float64, value, None,
-                   contributions, labels_fn=labels_fn, proba_fn=proba if has_proba else None,
-                   dtype=np.float64)  # fmt: skip
+    adapter = Adapter("sklearn", kind, n, feature_names, classes, np.float64, value, None,
+                      contributions, labels_fn=labels_fn, proba_fn=proba if has_proba else None,
+                      dtype=np.float64)  # fmt: skip
+    if booster is not None and kind != "regression" and classes == tuple(range(len(classes))):
+        _fuse_scaler_xgboost(adapter, est, booster, path)
+    return adapter
+
+
+def _fuse_scaler_xgboost(adapter: Adapter, est: Any, booster: Any, path: Path) -> None:
+    """ "Scaler then XGBoost" without scikit-learn's per-call validation (most of a row's
+    cost): a Pipeline of StandardScalers (or passthrough) before an XGBoost classifier with
+    classes 0..C-1 runs as the same arithmetic in NumPy, then ``inplace_predict``. Used only
+    if its answers equal the pipeline's own on a check batch (exactly: same operations)."""
+    from sklearn.preprocessing import StandardScaler
+
+    steps = getattr(est, "steps", None)
+    if not steps:
+        return
+    scalers = [s for _, s in steps[:-1] if s not in (None, "passthrough")]
+    if not all(type(s) is StandardScaler for s in scalers):
+        return
+    binary = adapter.kind == "binary"
+
+    def scaled(x: np.ndarray) -> np.ndarray:
+        y = np.array(x, dtype=np.float64)
+        for s in scalers:
+            if s.with_mean:
+                y -= s.mean_
+            if s.with_std:
+                y /= s.scale_
+        return y
+
+    def value(x: np.ndarray) -> np.ndarray:
+        return np.asarray(booster.inplace_predict(scaled(x)))
+
+    def labels(x: np.ndarray) -> np.ndarray:
+        v = value(x)
+        return (v > 0.5).astype(np.int64) if binary else v.argmax(axis=1)
+
+    check = np.nan_to_num(tree_engines.check_batch(adapter.n_features, np.float64))
+    want = adapter.proba_fn(check) if adapter.proba_fn is not None else None
+    got = value(check)
+    if want is None or not np.array_equal(np.stack([1 - got, got], 1) if binary else got, want):
+        return
+    if adapter.labels_fn is None or not np.array_equal(labels(check), adapter.labels_fn(check)):
+        return
+    import xgboost as xgb
+
+    def contributions(x: np.ndarray) -> np.ndarray:
+        return booster.predict(xgb.DMatrix(scaled(x), nthread=1), pred_contribs=True)
+
+    log.info("%s: the scaler and XGBoost run fused in NumPy + inplace_predict", path)
+    adapter.value, adapter.labels_fn, adapter.proba_fn = value, labels, None
+    adapter.contributions = contributions
 
 
 def _numpy_type(dtype: Any) -> str:
