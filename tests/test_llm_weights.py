@@ -44,8 +44,8 @@ def _linear(n: int, k: int, bias: bool, seed: int = 0) -> torch.nn.Linear:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("n", "k"), [(37, 70), (1, 32), (64, 96), (33, 129)])
-@pytest.mark.parametrize("m", [1, 3, 5, 20])
+@pytest.mark.parametrize(("n", "k"), [(37, 70), (1, 32), (33, 129)])
+@pytest.mark.parametrize("m", [1, 5, 20])
 def test_the_kernel_matches_a_dequantized_matmul_on_odd_shapes(ops, fmt, n, k, m) -> None:  # type: ignore[no-untyped-def]
     lin = _linear(n, k, bias=n % 2 == 1)
     q = QuantLinear(lin, fmt, ops)
@@ -56,11 +56,11 @@ def test_the_kernel_matches_a_dequantized_matmul_on_odd_shapes(ops, fmt, n, k, m
         if lin.bias is not None:
             want += lin.bias.double()
         scale = (x.abs().double() @ q.dequantized().abs().double().t()).max()
-        q.act8 = False  # weights widened to float32: exact up to float32 sums
+        q.act = 0  # weights widened to float32: exact up to float32 sums
         assert (q(x).double() - want).abs().max() <= 1e-5 * scale
         # int8 activations: their rounding error (half a step of 1/127 of each group's
         # largest) times the quantized values' magnitudes (int4's without its minimum)
-        q.act8 = fmt != "bf16"
+        q.act = 1 if fmt != "bf16" else 0
         w = q.dequantized().double()
         if fmt == "int4":
             w -= q.mins.double().repeat_interleave(32, dim=1)[:, :k]
@@ -69,6 +69,8 @@ def test_the_kernel_matches_a_dequantized_matmul_on_odd_shapes(ops, fmt, n, k, m
         step = groups.repeat_interleave(32, dim=1)[:, :k] / 254
         bound = (step @ w.abs().t()).max()
         assert (q(x).double() - want).abs().max() <= bound * 1.01 + 1e-5 * scale
+        q.act = 2 if fmt != "bf16" else 0  # int16 activations (the default): ~ float32's
+        assert (q(x).double() - want).abs().max() <= 1e-4 * scale
         assert q(x).shape == (m, n)
 
 
@@ -89,14 +91,14 @@ def test_the_dequantized_weights_are_close_to_the_originals() -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("act8", [True, False])
-def test_the_avx2_loops_plain_loops_and_torch_agree(ops, fmt, act8) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("act", [0, 1, 2])
+def test_the_avx2_loops_plain_loops_and_torch_agree(ops, fmt, act) -> None:  # type: ignore[no-untyped-def]
     if not ops.has_avx2():
         pytest.skip("this CPU has no AVX2 + FMA: the plain loops are the only ones")
     lin = _linear(300, 576, bias=True)
     x = torch.randn(6, 576)
-    q = QuantLinear(lin, fmt, ops, act8=act8)
-    plain = QuantLinear(lin, fmt, ops, act8=act8)
+    q = QuantLinear(lin, fmt, ops, act=act)
+    plain = QuantLinear(lin, fmt, ops, act=act)
     plain.simd = False
     fallback = QuantLinear(lin, fmt, None)  # no kernel: torch operators
     with torch.inference_mode():
@@ -104,13 +106,13 @@ def test_the_avx2_loops_plain_loops_and_torch_agree(ops, fmt, act8) -> None:  # 
         c = fallback(x)
     scale = float(c.abs().max())
     assert (a - b).abs().max() <= 1e-5 * scale  # the same sums, in another order
-    tol = 1e-5 if fmt == "bf16" or not act8 else 1 / 100
+    tol = {0: 1e-5, 1: 1 / 100, 2: 1e-4}[q.act]
     assert (a - c).abs().max() <= tol * scale
 
 
 def test_many_rows_use_dequantized_tiles_and_match_the_kernel(ops) -> None:  # type: ignore[no-untyped-def]
     lin = _linear(5000, 64, bias=False)  # more output rows than one tile
-    q = QuantLinear(lin, "int8", ops, act8=False)
+    q = QuantLinear(lin, "int8", ops, act=0)
     x = torch.randn(40, 64)
     with torch.inference_mode():
         tiled = q(x)  # 40 rows > kernel_rows: dequantized tiles and torch's GEMM
@@ -200,7 +202,11 @@ def test_int8_smollm2_greedy_text_agrees_with_fp32(ops) -> None:  # type: ignore
         e = _engine(SMOLLM2, weights=fmt, threads=0, kv_cache_bytes=32 << 20)
         tok = e.tokenizer
         prompts = [
-            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+            e.encode_text(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                )
+            )
             for p in SMOL_PROMPTS
         ]
         runs[fmt] = _generate(e, prompts, SMOL_EQUAL)

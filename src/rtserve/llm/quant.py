@@ -32,6 +32,7 @@ GEMV_ROWS = 16  # up to this many rows: the kernel; more: dequantized tiles and 
 TILE_ROWS = 4096  # output rows of weights dequantized at once for a large-M product
 FMT = {"int8": 0, "int4": 1, "bf16": 2}
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 1.125, "int4": 0.75}
+ACT = ("float32", "int8", "int16")  # the kernel's activation rows (QuantLinear.act)
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # int4 clip ratios tried per group
 
 
@@ -86,9 +87,7 @@ class QuantLinear(torch.nn.Module):
     """A linear layer (float32 rows in and out) whose weight is held as ``fmt`` (bf16, int8,
     int4); ``ops``: the built kernel module, or None for torch operators only."""
 
-    def __init__(
-        self, linear: torch.nn.Linear, fmt: str, ops: Any | None, act8: bool = True
-    ) -> None:
+    def __init__(self, linear: torch.nn.Linear, fmt: str, ops: Any | None, act: int = 2) -> None:
         super().__init__()
         if fmt not in FMT:
             raise ValueError(f"fmt: expected one of {', '.join(FMT)}, got {fmt!r}")
@@ -110,9 +109,9 @@ class QuantLinear(torch.nn.Module):
         self.ops = ops if on_cpu else None
         self.simd = bool(ops is not None and ops.has_avx2())
         self.kernel_rows = GEMV_ROWS  # more rows: dequantized tiles and torch's GEMM
-        # int8 / int4 in the kernel: activation rows quantized to int8 per group (integer dot
-        # products); False: weights widened to float32 against float32 activations
-        self.act8 = act8 and fmt != "bf16"
+        # int8 / int4 in the kernel: activation rows as ACT[act] per group of 32 (integer
+        # dot products; int16 ~ float32's result); bf16: float32 rows
+        self.act = act if fmt != "bf16" else 0
 
     @property
     def nbytes(self) -> int:
@@ -154,7 +153,7 @@ class QuantLinear(torch.nn.Module):
                 self.bias,
                 FMT[self.fmt],
                 self.simd,
-                self.act8,
+                self.act,
             )
         else:
             out = self.reference(rows.float(), bias).to(rows.dtype)
