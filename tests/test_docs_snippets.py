@@ -38,7 +38,7 @@ def llm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServ
     if not (LLM_REPO / ".built").exists():
         pytest.fail("examples/llm-repository is not built: run `make examples` first")
     ports = ("--http-port", "8000", "--grpc-port", "8001") if free(8000) and free(8001) else ()
-    server = start_server(LLM_REPO, tmp_path_factory.mktemp("docs-llm-server"), *ports)
+    server = start_server(LLM_REPO, tmp_path_factory.mktemp("docs-llm-server"), *ports, timeout=300)
     yield server
     server.stop()
 
@@ -51,7 +51,8 @@ def _check(block: Block, done: subprocess.CompletedProcess[str], seconds: float)
     assert done.returncode == 0, (block.id, done.stdout[-2000:], done.stderr[-3000:])
     for expected in _expected(block):
         assert expected in done.stdout, (block.id, expected, done.stdout[-2000:])
-    assert seconds < 120, f"{block.id}: {seconds:.0f} s"
+    # (an Engine loading the example repository: ~10 s alone, minutes on shared cores)
+    assert seconds < 280, f"{block.id}: {seconds:.0f} s"
 
 
 def test_the_docs_have_the_blocks_this_test_runs() -> None:
@@ -91,7 +92,7 @@ def test_shell_block_runs_against_a_live_server(block: Block, llm_server: Runnin
     seconds = time.monotonic() - start
     _check(block, done, seconds)
     if "/v1/chat/completions" in script:
-        assert seconds < 20, f"{block.id}: the chat took {seconds:.1f} s"
+        assert seconds < 60, f"{block.id}: the chat took {seconds:.1f} s"
         assert done.stdout.rstrip().endswith("data: [DONE]"), done.stdout[-300:]
 
 

@@ -26,7 +26,9 @@ REPO = ROOT / "examples" / "repository"
 LLM_REPO = ROOT / "examples" / "llm-repository"
 README = ROOT / "README.md"
 CAT_CLASSES = {"tabby, tabby cat", "tiger cat", "Persian cat", "Egyptian cat"}
-CHAT_SECONDS = 20.0  # (0.1 s alone on a laptop core; two shared cores under a test run)
+# The chat's bound: 0.11 s alone on a laptop core, seconds on two cores shared with a test
+# run; what it guards against is a chat left to sample for minutes (6 min 23 s before).
+CHAT_SECONDS = 60.0
 
 
 def first_screen() -> list[Block]:
@@ -78,7 +80,7 @@ def check_command(command: str, out: str, seconds: float) -> None:
         assert finish == "stop", (finish, text)
         assert seconds < CHAT_SECONDS, f"the chat took {seconds:.1f} s: {text!r}"
         return
-    assert seconds < 30, f"{command}: {seconds:.1f} s"
+    assert seconds < 60, f"{command}: {seconds:.1f} s"
     if "examples/client.py" in command:
         assert "HTTP  digits:" in out and "gRPC  mlp output shape: (4, 10)" in out, out
         return
@@ -90,6 +92,9 @@ def check_command(command: str, out: str, seconds: float) -> None:
         assert next(iter(outputs.values()))["shape"] == [2, 384], doc
     elif "/v2/models/image-classifier/" in command:
         assert set(outputs["LABELS"]["data"]) & CAT_CLASSES, doc
+    elif "/v2/models/" in command:  # another example model: a V2 answer with every output
+        assert doc.get("model_name") and outputs, doc
+        assert all(o.get("data") is not None and o.get("shape") for o in outputs.values()), doc
     else:
         raise AssertionError(f"README command with no check in tests/test_readme.py: {command}")
 
@@ -127,12 +132,12 @@ def test_readme_python_blocks_as_written(served: RunningServer, index: int) -> N
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-c", on_port(block.text, served.http_port, served.grpc_port)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     seconds = time.monotonic() - start
     assert done.returncode == 0, (block.id, done.stderr[-3000:])
     assert done.stdout.strip(), block.id
-    assert seconds < 60, f"{block.id}: {seconds:.1f} s"
+    assert seconds < 120, f"{block.id}: {seconds:.1f} s"
     if "chat.completions" in block.text:  # three colors, greedy
         words = done.stdout.lower()
         assert sum(c in words for c in ("red", "blue", "green", "yellow")) >= 2, done.stdout
@@ -143,7 +148,7 @@ def test_make_runs_example_request_answers_sensibly(served: RunningServer) -> No
     done in seconds."""
     body = (LLM_REPO / "smollm2" / "example_request.json").read_bytes()
     start = time.monotonic()
-    r = httpx.post(f"{served.base}/v1/chat/completions", content=body, timeout=60)
+    r = httpx.post(f"{served.base}/v1/chat/completions", content=body, timeout=90)
     seconds = time.monotonic() - start
     assert r.status_code == 200, r.text
     text, finish = _chat_text(r.text)
