@@ -212,3 +212,16 @@ def test_int8_smollm2_greedy_text_agrees_with_fp32(ops) -> None:  # type: ignore
         runs[fmt] = _generate(e, prompts, SMOL_EQUAL)
     for a, b in zip(runs["fp32"], runs["int8"], strict=True):
         assert a == b
+
+
+def test_int8_preemption_and_prefix_cache_give_the_same_tokens(
+    models: dict[str, Path], ops
+) -> None:  # type: ignore[no-untyped-def]
+    roomy = _engine(models["llama"], weights="int8", block_size=4)
+    prompts = [roomy.encode_text("the cat sat on a warm mat " * (1 + i % 3)) for i in range(12)]
+    want = _generate(roomy, prompts, 12)
+    # 160 token slots for 12 sequences of up to ~45 tokens: sequences are preempted
+    tight = _engine(models["llama"], weights="int8", block_size=4, kv_cache_bytes=80 << 10)
+    assert _generate(tight, prompts, 12) == want
+    assert tight.scheduler.preemptions > 0
+    assert tight.pool.num_used == 0 and tight.pool.hits > 0
