@@ -55,7 +55,7 @@ def summarize_messages(doc: str, i: int) -> Messages:
     return [{"role": "user", "content": f"Document {i}:\n{doc}\n\nSummarize it."}]
 
 
-def repository(work: Path, name: str, speculative: dict[str, Any] | None) -> Path:
+def repository(work: Path, name: str, speculative: dict[str, Any] | None, threads: int) -> Path:
     """A repository with the example SmolLM2 (its version directory linked) and its config,
     plus ``speculative`` when given."""
     repo = work / name
@@ -65,6 +65,8 @@ def repository(work: Path, name: str, speculative: dict[str, Any] | None) -> Pat
     if not link.exists():
         link.symlink_to(LLM_REPO / MODEL / "1")
     config = yaml.safe_load((LLM_REPO / MODEL / "config.yaml").read_text())
+    if threads:
+        config["llm"]["threads"] = threads
     if speculative is not None:
         config["llm"]["speculative"] = speculative
     (model / "config.yaml").write_text(yaml.safe_dump(config))
@@ -103,6 +105,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-tokens", type=int, default=6, help="K: tokens drafted per step")
     parser.add_argument("--targets", default="plain,lookup,always")
+    parser.add_argument(
+        "--threads", type=int, default=0,
+        help="llm.threads (0: the example's; 1 on a busy box, where OpenMP's waits collapse)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/speculative.json")
     args = parser.parse_args()
     if not (LLM_REPO / MODEL / "1" / "config.json").is_file():
@@ -124,7 +130,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="spec-bench-") as tmp:
         work = Path(tmp)
-        repos = {n: repository(work, n, configs[n]) for n in names}
+        repos = {n: repository(work, n, configs[n], args.threads) for n in names}
         for r in range(args.rounds):
             order = names if r % 2 == 0 else list(reversed(names))
             this: dict[str, Any] = {}
