@@ -147,7 +147,9 @@ def test_catboost_binary_with_a_categorical_feature(tmp_path: Path) -> None:
 
     frame = pd.DataFrame(x, columns=[f"c{i}" for i in range(8)])
     frame["c1"] = frame["c1"].astype(int)
-    clf = cb.CatBoostClassifier(iterations=30, depth=4, verbose=0, cat_features=[1])
+    clf = cb.CatBoostClassifier(
+        iterations=30, depth=4, verbose=0, cat_features=[1], allow_writing_files=False
+    )
     clf.fit(frame, y)
     clf.save_model(str(tmp_path / "model.cbm"))
     model = trees.load(config("catboost"), tmp_path)
@@ -166,7 +168,9 @@ def test_catboost_binary_with_a_categorical_feature(tmp_path: Path) -> None:
 def test_catboost_regression_with_nan(tmp_path: Path) -> None:
     x, y = make_regression(300, 5, random_state=2)
     x[::4, 0] = np.nan
-    reg = cb.CatBoostRegressor(iterations=30, depth=4, verbose=0).fit(x, y)
+    reg = cb.CatBoostRegressor(iterations=30, depth=4, verbose=0, allow_writing_files=False).fit(
+        x, y
+    )
     reg.save_model(str(tmp_path / "model.cbm"))
     model = trees.load(config("catboost"), tmp_path)
     np.testing.assert_allclose(run(model, x, False)["predict"], reg.predict(x), rtol=TOL, atol=TOL)
@@ -226,7 +230,9 @@ def test_damaged_model_file_refused_naming_it(tmp_path: Path, backend: str, name
     elif backend == "lightgbm":
         lgb.LGBMClassifier(n_estimators=5, verbose=-1).fit(x, y).booster_.save_model(src / name)
     elif backend == "catboost":
-        cb.CatBoostClassifier(iterations=5, verbose=0).fit(x, y).save_model(str(src / name))
+        cb.CatBoostClassifier(iterations=5, verbose=0, allow_writing_files=False).fit(
+            x, y
+        ).save_model(str(src / name))
     else:
         sio.dump(make_pipeline(SimpleImputer(), StandardScaler()).fit(x), src / name)
     data = (src / name).read_bytes()
