@@ -47,9 +47,11 @@ from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.server.grpc_h2 import (
     CONN_BUFFER,
     CONN_WINDOW,
+    INITIAL_WINDOW,
     MAX_CALLS_PER_ADDRESS,
     MAX_RESETS,
     REQUEST_STALL_S,
+    STREAM_WINDOW,
 )
 from tests.conftest import RunningServer, start_server
 from tests.models import build_scale
@@ -437,3 +439,133 @@ def test_grpcio_transport_checks_the_same_headers(tmp_path) -> None:  # type: ig
         assert infer_ok(s) < 5
     finally:
         s.stop()
+
+
+# ---------------------------------------------------------------------------- the server's budget
+SMALL = 2 << 20  # --max-request-bytes of the server below: its budget is 2 x (SMALL + 5)
+
+
+@pytest.fixture(scope="module")
+def small_budget(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A server whose SERVER_BUFFER is lowered to its floor (twice the message limit)."""
+    import os
+
+    root = tmp_path_factory.mktemp("repo-budget")
+    build_scale(root / "a" / "1" / "model.onnx", 2.0)
+    (root / "a" / "config.yaml").write_text("max_batch_size: 4\n")
+    auth = root / "auth.yaml"
+    auth.write_text(f"keys:\n  - {{name: app, token: {USER}, models: [a]}}\n")
+    saved = os.environ.get("RTSERVE_H2_SERVER_BUFFER")
+    os.environ["RTSERVE_H2_SERVER_BUFFER"] = "0"
+    try:
+        s = start_server(
+            root, tmp_path_factory.mktemp("s-budget"), "--auth-file", str(auth),
+            "--max-request-bytes", str(SMALL),
+        )  # fmt: skip
+    finally:
+        if saved is None:
+            del os.environ["RTSERVE_H2_SERVER_BUFFER"]
+        else:
+            os.environ["RTSERVE_H2_SERVER_BUFFER"] = saved
+    yield s
+    s.stop()
+
+
+class Holder:
+    """One connection with one unary call whose message (SMALL bytes declared) is sent as far
+    as the server gives window, never finished."""
+
+    def __init__(self, port: int) -> None:
+        self.c = Raw(port)
+        self.sid, block = self.c.headers("ModelInfer", USER)
+        self.c.send(
+            frame(HEADERS, END_HEADERS, self.sid, block)
+            + frame(DATA, 0, self.sid, struct.pack(">BL", 0, SMALL))
+        )
+        self.window = 65535 - 5
+        self.conn_window = 65535 - 5
+        self.left = SMALL - 1  # (one byte short: the message never completes)
+        self.sent = 0  # message bytes sent
+        self.updates = 0  # WINDOW_UPDATE frames for the stream
+        self.got: list = []
+
+    def pump(self) -> None:
+        for kind, flags, sid, payload in self.c.frames(0.01):
+            self.got.append((kind, flags, sid, payload))
+            if kind == SETTINGS and not flags & 1:
+                for i in range(0, len(payload), 6):
+                    k, v = struct.unpack(">HL", payload[i : i + 6])
+                    if k == 4:
+                        self.window += v - 65535
+            elif kind == WINDOW_UPDATE:
+                inc = struct.unpack(">L", payload)[0]
+                if sid == 0:
+                    self.conn_window += inc
+                elif sid == self.sid:
+                    self.window += inc
+                    self.updates += 1
+        out = []
+        while (n := min(self.window, self.conn_window, self.left, 16384)) > 0:
+            out.append(frame(DATA, 0, self.sid, b"\0" * n))
+            self.window -= n
+            self.conn_window -= n
+            self.left -= n
+            self.sent += n
+        if out:
+            self.c.send(b"".join(out))
+
+
+def test_partial_messages_are_bounded_by_the_server_budget(small_budget: RunningServer) -> None:
+    """5 connections each send a partial message of up to SMALL (10 MiB in all, each within
+    its connection's own budget), then 8 more connections do the same. Past the server's
+    budget (2 x SMALL here) no stream gets more window: the late ones are held at their
+    first window (not failed), everything sent stays within the budget and the windows
+    already given, and a valid client is answered. When the calls holding the budget end,
+    the held streams get window at once, though nothing arrived on their connections."""
+    budget = 2 * (SMALL + 5)
+
+    def pump(holders: list[Holder], seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not all(h.updates for h in holders):
+            for h in holders:
+                h.pump()
+
+    fillers = [Holder(small_budget.grpc_port) for _ in range(5)]
+    late: list[Holder] = []
+    try:
+        pump(fillers, 1.0)
+        late = [Holder(small_budget.grpc_port) for _ in range(8)]
+        pump(late, 1.0)
+        assert infer_ok(small_budget) < 5
+        total = sum(h.sent for h in fillers + late)
+        bound = budget + len(fillers) * (STREAM_WINDOW + INITIAL_WINDOW)
+        assert total <= bound + len(late) * INITIAL_WINDOW, total
+        assert [h.updates for h in late] == [0] * len(late)
+        assert all(h.sent <= INITIAL_WINDOW for h in late)
+        assert not [s for h in fillers + late for s in statuses(h.got).values()]
+        # The calls holding the budget end (their connections close): the late ones,
+        # which sent nothing since, are given window.
+        for h in fillers:
+            h.c.close()
+        waited = [h.sent for h in late]
+        pump(late, 1.5)
+        assert all(h.updates for h in late), [h.updates for h in late]
+        assert all(h.sent > w for h, w in zip(late, waited, strict=True))
+        assert not [s for h in late for s in statuses(h.got).values()]
+        assert infer_ok(small_budget) < 5
+    finally:
+        for h in fillers + late:
+            h.c.close()
+
+
+def test_a_malformed_server_budget_is_refused_naming_it() -> None:
+    import subprocess
+    import sys
+
+    env = dict(__import__("os").environ, RTSERVE_H2_SERVER_BUFFER="256MiB")
+    out = subprocess.run(
+        [sys.executable, "-c", "import rtserve.server.grpc_h2"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "RTSERVE_H2_SERVER_BUFFER must be a number of bytes" in out.stderr

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import os
 import resource
 import ssl
 import struct
@@ -71,7 +72,20 @@ CONN_WINDOW = 16 << 20  # granted once a call on the connection passed authentic
 # CONN_BUFFER on a connection only its leader is given more window (the others wait their
 # turn); past SERVER_BUFFER (at least twice the message limit) for all connections, none is.
 CONN_BUFFER = 4 << 20
-SERVER_BUFFER = 256 << 20
+
+
+def _env_bytes(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if not value.isdigit():
+        raise RTServeError(
+            f"{name} must be a number of bytes (a non-negative integer), got {value!r}"
+        )
+    return int(value)
+
+
+SERVER_BUFFER = _env_bytes("RTSERVE_H2_SERVER_BUFFER", 256 << 20)  # (the variable: tests, tuning)
 REQUEST_STALL_S = 5.0  # a request (headers, or a partial message) without progress is ended
 WINDOW_STALL_S = 30.0  # the same while it has no window to send in (the budgets hold it)
 # Frames without progress (PING, PRIORITY, SETTINGS, WINDOW_UPDATE, RST_STREAM, GOAWAY,
@@ -335,6 +349,7 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
+        self.server.held.pop(self, None)
         for st in list(self.streams.values()):
             self._drop(st)
         self.streams.clear()
@@ -698,7 +713,10 @@ class Connection(asyncio.Protocol):
         """``n`` more (or fewer) request bytes held for ``st``'s handler."""
         st.buffered += n
         self.buffered += n
-        self.server.buffered += n
+        server = self.server
+        server.buffered += n
+        if n < 0 and server.held and server.buffered <= server.max_buffered:
+            server.wake()
 
     def _room(self, st: _Stream) -> bool:
         """Whether ``st``'s partial message may be given more window: as the connection's
@@ -706,6 +724,7 @@ class Connection(asyncio.Protocol):
         never past SERVER_BUFFER."""
         server = self.server
         if server.buffered > server.max_buffered:
+            server.held[self] = None  # woken when room is made (GrpcH2Server.wake)
             return False
         leader = self.leader
         if leader is None or not leader.buf or leader.remote_closed or leader.local_closed:
@@ -1194,6 +1213,10 @@ class GrpcH2Server:
         self.by_address: dict[str, int] = {}  # calls in progress per client address
         self.buffered = 0  # request bytes held for handlers, all connections
         self.max_buffered = max(SERVER_BUFFER, 2 * (self.max_message + 5))
+        # Connections with a partial message held by max_buffered, woken in order once
+        # room is made (by a call on any connection), not only by their own traffic.
+        self.held: dict[Connection, None] = {}
+        self._waking = False
         self.connections: set[Connection] = set()
         # (a descriptor each; HTTP keeps three quarters of them: server.http1.HttpServer)
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -1218,6 +1241,22 @@ class GrpcH2Server:
         return TlsAcceptor(
             self.ssl, PREFACE_S, lambda: Connection(self), self.handshaking, self.room
         )
+
+    def wake(self) -> None:
+        """Room was made within max_buffered: the held connections get another look (soon,
+        not inside the bookkeeping that made it)."""
+        if not self._waking:
+            self._waking = True
+            self.loop.call_soon(self._wake_held)
+
+    def _wake_held(self) -> None:
+        self._waking = False
+        held = self.held
+        while held and self.buffered <= self.max_buffered:
+            conn = next(iter(held))
+            del held[conn]
+            if not conn.closed and conn.waiting:
+                conn._promote()  # (held again, at the back, if it still finds no room)
 
     def room(self) -> bool:
         """Whether one more connection fits ``max_connections``."""
