@@ -87,8 +87,10 @@ def _min_priority(value: object, where: str, i: int) -> int | None:
     """A key's ``min_priority``: an integer in [PRIORITY_MIN, PRIORITY_MAX] (lower runs first)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not (
-        PRIORITY_MIN <= value <= PRIORITY_MAX
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not (PRIORITY_MIN <= value <= PRIORITY_MAX)
     ):
         raise ConfigError(
             f"{where}: keys[{i}].min_priority: expected an integer in [{PRIORITY_MIN}, "
