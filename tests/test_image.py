@@ -133,7 +133,7 @@ def _serve(
 
 
 def test_the_image_install_is_the_dockerfile_default() -> None:
-    assert dockerfile_extras() == "pipelines"
+    assert dockerfile_extras() == "pipelines,trees"
     assert entrypoint()[:4] == ["rtserve", "serve", "--model-repository", "/models"]
 
 
