@@ -32,10 +32,10 @@ test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
 # torch: the CPU wheel this project pins (a plain `torch` would pull a multi-GB CUDA build).
 "$VENV/bin/pip" install -q -U "numpy>=2" "protobuf>=5" onnx onnxruntime grpcio "torch==2.13.0"
 
-say "pip install rtserve[pipelines] from this checkout"
+say "pip install rtserve[pipelines,trees] from this checkout"
 # A fresh wheel every run, resolved against what the venv already holds.
 "$VENV/bin/pip" uninstall -q -y rtserve >/dev/null 2>&1 || true
-"$VENV/bin/pip" install -q ".[pipelines]"  # the example pipelines need their steps' imports
+"$VENV/bin/pip" install -q ".[pipelines,trees]"  # the example pipelines and the fraud model need these
 "$VENV/bin/pip" check
 "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md
