@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from rtserve.llm import kernels, quant
+from rtserve.llm.runner import linear_children
 
 # The checkout's sentences, relative to the directory rtserve runs in (a checkout's root).
 SENTENCES = Path("examples") / "data" / "sentences.txt"
@@ -107,13 +108,7 @@ def quantized(model: torch.nn.Module, weights: str, ops: Any | None = None) -> t
         return twin
     quant.plan(twin, weights)
     make = quant.maker(ops)
-    swaps = [
-        (parent, name, child)
-        for parent in twin.modules()
-        for name, child in parent.named_children()
-        if type(child) is torch.nn.Linear
-    ]
-    for parent, name, child in swaps:
+    for parent, name, child in linear_children(twin):
         new = make(child)
         if isinstance(new, quant.QuantLinear):
             new.kernel_rows = 1 << 30

@@ -606,15 +606,21 @@ def pack_linears(model: torch.nn.Module, batch_hint: int, make: Make = None) -> 
                 for i, n in enumerate(names):
                     setattr(module, n, FusedPart(fused, i))
                 count += len(names)
-    swaps = [
+    swaps = linear_children(model)
+    for parent, name, child in swaps:
+        setattr(parent, name, make(child) if make is not None else PackedLinear(child, batch_hint))
+    return count + len(swaps)
+
+
+def linear_children(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """Every plain ``nn.Linear`` in ``model`` with its parent and attribute name, listed before
+    any is replaced."""
+    return [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) is torch.nn.Linear
     ]
-    for parent, name, child in swaps:
-        setattr(parent, name, make(child) if make is not None else PackedLinear(child, batch_hint))
-    return count + len(swaps)
 
 
 def release_openmp() -> bool:
