@@ -265,7 +265,7 @@ class GenerativeRoutes:
         auth = self.guard.auth if self.guard is not None else None
         if auth is None:
             return {"tenant": peer}
-        grant = auth._grant(http_credential(raw.headers))  # (as the guard found it)
+        grant = auth.grant(http_credential(raw.headers))  # (as the guard found it)
         return {"tenant": grant.name, "min_priority": grant.min_priority}
 
     # ------------------------------------------------------------------ OpenAI

@@ -140,7 +140,7 @@ class Auth:
             )
         return cls(grants, bool(doc.get("open_metrics", False)))
 
-    def _grant(self, credential: str | None) -> Grant:
+    def grant(self, credential: str | None) -> Grant:
         if not credential:
             raise Unauthenticated("missing credentials (Authorization: Bearer <token>)")
         token = credential[7:] if credential[:7].lower() == "bearer " else credential
@@ -154,16 +154,16 @@ class Auth:
         return found
 
     def check_model(self, credential: str | None, model: str) -> None:
-        grant = self._grant(credential)
+        grant = self.grant(credential)
         if "*" not in grant.models and model not in grant.models:
             raise Forbidden(f"this key may not use model '{shown(model)}'")
 
     def check_admin(self, credential: str | None) -> None:
-        if not self._grant(credential).admin:
+        if not self.grant(credential).admin:
             raise Forbidden("this route needs an admin key")
 
     def check_any(self, credential: str | None) -> None:
-        self._grant(credential)
+        self.grant(credential)
 
 
 class RateLimiter:
