@@ -9,76 +9,20 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import pathlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from rtserve.optimize.args import (
+    at_least,
+    check_folder,
+    guard,
+    load_module_here,
+    number,
+    parse_shape,
+)
 from rtserve.optimize.errors import OptimizeError
-
-EXIT_USAGE = 2
-
-
-def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return func(args)
-        except OptimizeError as exc:
-            print(f"error: {exc.message}", file=sys.stderr)
-            return EXIT_USAGE
-
-    return wrapped
-
-
-MAX_EXAMPLE_ELEMENTS = 1 << 28  # an example input (zeros) of at most 1 GiB of float32
-
-
-def _parse_shape(text: str) -> tuple[str, list[int], str]:
-    """``name:2x3x224x224[:dtype]`` -> (name, shape, dtype)."""
-    import numpy as np
-
-    parts = text.split(":")
-    if len(parts) not in (2, 3):
-        raise OptimizeError(
-            f"--input {text!r}: expected NAME:DIMS[:DTYPE], e.g. image:2x3x224x224:float32"
-        )
-    try:
-        shape = [int(d) for d in parts[1].lower().split("x")]
-    except ValueError:
-        raise OptimizeError(f"--input {text!r}: dims must be integers joined by 'x'") from None
-    if any(d < 1 for d in shape):
-        raise OptimizeError(f"--input {text!r}: every dim must be at least 1")
-    if math.prod(shape) > MAX_EXAMPLE_ELEMENTS:
-        raise OptimizeError(
-            f"--input {text!r}: {math.prod(shape)} elements, more than an example input "
-            f"needs (at most {MAX_EXAMPLE_ELEMENTS})"
-        )
-    dtype = parts[2] if len(parts) == 3 else "float32"
-    try:
-        ok = np.dtype(dtype).kind in "biuf"
-    except TypeError:
-        ok = False
-    if not ok:
-        raise OptimizeError(
-            f"--input {text!r}: DTYPE {dtype!r} is not a numeric numpy type (float32, int64, ...)"
-        )
-    return parts[0], shape, dtype
-
-
-def _load_module(spec: str) -> Any:
-    """:func:`~rtserve.optimize.export.load_module` with the current directory importable.
-
-    ``python -m`` puts the current directory on ``sys.path``; the ``rtserve`` console
-    script does not, so ``rtserve export mymodel:build`` next to ``mymodel.py`` would fail
-    without PYTHONPATH. Files (TorchScript, ExportedProgram) need no path.
-    """
-    from rtserve.optimize.export import load_module
-
-    cwd = os.getcwd()
-    if ":" in spec and not pathlib.Path(spec).exists() and cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    return load_module(spec)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -92,7 +36,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             "give at least one --input NAME:DIMS[:DTYPE] (batch >= 2 for the example)"
         )
     at_least(args, {"given_rows": 1})
-    _number(args, "tolerance", 0.0, math.inf, False)
+    number(args, "tolerance", 0.0, math.inf, False)
     out = pathlib.Path(args.out)
     if out.is_dir():
         raise OptimizeError(f"--out {out}: a folder; expected the .onnx file to write")
@@ -102,10 +46,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise OptimizeError(
             f"--out {out}: its folder cannot be made (a file is in the way)"
         ) from None
-    model = _load_module(args.model)
+    model = load_module_here(args.model)
     example: dict[str, np.ndarray] = {}
     for spec in args.input:
-        name, shape, dtype = _parse_shape(spec)
+        name, shape, dtype = parse_shape(spec)
         if name in example:
             raise OptimizeError(f"--input {spec!r}: input {name!r} is given more than once")
         if shape[0] < 2:
@@ -179,8 +123,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                 pathlib.Path(args.train), specs, args.train_labels, args.seq_len
             )
         torch_sources = TorchSources(
-            model=_load_module(args.torch_model),
-            student=_load_module(args.student) if args.student else None,
+            model=load_module_here(args.torch_model),
+            student=load_module_here(args.student) if args.student else None,
             train_inputs=train_inputs,
             train_labels=train_labels,
             prune=prune_specs,
@@ -236,36 +180,6 @@ def _default_work(out: pathlib.Path) -> pathlib.Path:
     return pathlib.Path("optimize-out") / (out.resolve().name or "model")
 
 
-def check_folder(path: pathlib.Path, flag: str) -> None:
-    """Refuse, before any work, a folder that cannot be made: it or an ancestor is a file."""
-    for p in (path, *path.parents):
-        if p.exists():
-            if not p.is_dir():
-                what = "is a file" if p == path else f"is under {p}, a file"
-                raise OptimizeError(f"{flag} {path}: {what}; expected a folder")
-            return
-
-
-def at_least(args: argparse.Namespace, names: dict[str, int]) -> None:
-    """Each option ``--name`` (unset: None, its default applies) at least its bound."""
-    for name, low in names.items():
-        value = getattr(args, name)
-        if value is not None and value < low:
-            flag = "--" + name.replace("_", "-")
-            raise OptimizeError(f"{flag}: expected an integer >= {low}, got {value}")
-
-
-def _number(args: argparse.Namespace, name: str, low: float, high: float, low_open: bool) -> None:
-    value = getattr(args, name)
-    below = value <= low if low_open else value < low
-    if not math.isfinite(value) or below or value > high:
-        flag = "--" + name.replace("_", "-")
-        bounds = f"> {low:g}" if low_open else f">= {low:g}"
-        if high != math.inf:
-            bounds += f" and <= {high:g}"
-        raise OptimizeError(f"{flag}: expected a number {bounds}, got {value}")
-
-
 def _check_optimize_args(args: argparse.Namespace) -> None:
     """Every value checked before the run starts (a late usage error wastes minutes)."""
     at_least(args, {
@@ -273,12 +187,12 @@ def _check_optimize_args(args: argparse.Namespace) -> None:
         "hidden_size": 0, "fine_tune_epochs": 0, "distill_epochs": 1, "qat_epochs": 1,
         "qat_float_first": 0,
     })  # fmt: skip
-    _number(args, "max_accuracy_drop", 0.0, math.inf, False)
-    _number(args, "noise_band", 0.0, 10.0, False)
-    _number(args, "temperature", 0.0, math.inf, True)
-    _number(args, "alpha", 0.0, 1.0, False)
-    _number(args, "qat_lr", 0.0, math.inf, True)
-    _number(args, "qat_weight_lr", 0.0, math.inf, False)
+    number(args, "max_accuracy_drop", 0.0, math.inf, False)
+    number(args, "noise_band", 0.0, 10.0, False)
+    number(args, "temperature", 0.0, math.inf, True)
+    number(args, "alpha", 0.0, 1.0, False)
+    number(args, "qat_lr", 0.0, math.inf, True)
+    number(args, "qat_weight_lr", 0.0, math.inf, False)
     if args.seq_len > 4096:
         raise OptimizeError(f"--seq-len: expected at most 4096 tokens, got {args.seq_len}")
     if args.variants is not None:
@@ -328,8 +242,7 @@ def _qat_options(args: argparse.Namespace) -> Any:
     )  # fmt: skip
 
 
-def register(subparsers: Any) -> None:
-    """Add ``export`` and ``optimize`` to an argparse subparsers action."""
+def _register_export(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "export", help="export a PyTorch model to ONNX and verify it against torch"
     )
@@ -369,8 +282,10 @@ def register(subparsers: Any) -> None:
         default=1e-3,
         help="max abs diff accepted; exit 1 above it (default: %(default)s)",
     )
-    p.set_defaults(func=_guard(cmd_export))
+    p.set_defaults(func=guard(cmd_export))
 
+
+def _register_optimize(subparsers: Any) -> None:
     o = subparsers.add_parser(
         "optimize",
         help="build, measure and choose faster variants of an ONNX model",
@@ -380,6 +295,15 @@ def register(subparsers: Any) -> None:
         "repository entry.",
     )
     o.add_argument("model", help="the FP32 ONNX model")
+    _data_args(o)
+    _variant_args(o)
+    _torch_args(o)
+    _qat_args(o)
+    _measure_args(o)
+    o.set_defaults(func=guard(cmd_optimize))
+
+
+def _data_args(o: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--calibration",
         help="calibration data for static INT8 (.npz by input name, .npy, or .txt sentences); "
@@ -402,6 +326,9 @@ def register(subparsers: Any) -> None:
         "--out", required=True, help="REPO/NAME: where the chosen variant is written (required)"
     )
     o.add_argument("--work", help="folder for the variants (default: optimize-out/NAME)")
+
+
+def _variant_args(o: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--variants",
         help="comma list of fp32-opt,fp16,int8-dynamic,int8-weight,int8-static,pruned,distilled,"
@@ -433,6 +360,9 @@ def register(subparsers: Any) -> None:
     o.add_argument(
         "--seq-len", type=int, default=32, help="token length for .txt data (default: %(default)s)"
     )
+
+
+def _torch_args(o: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--torch-model",
         help="import path or file of the torch model behind MODEL, for pruning and "
@@ -481,6 +411,9 @@ def register(subparsers: Any) -> None:
         default=60,
         help="epochs of student training (default: %(default)s)",
     )
+
+
+def _qat_args(o: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--qat",
         action="store_true",
@@ -522,6 +455,9 @@ def register(subparsers: Any) -> None:
         help="keep the first N convolution / linear layers of the QAT model in float: the "
         "first layers' rounding errors travel through all others (default: %(default)s)",
     )
+
+
+def _measure_args(o: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--noise-band",
         type=float,
@@ -549,7 +485,13 @@ def register(subparsers: Any) -> None:
         help="max_batch_size written to the chosen model's config.yaml (default: %(default)s)",
     )
     o.add_argument("--no-progress", action="store_true", help="no progress bars (default: shown)")
-    o.set_defaults(func=_guard(cmd_optimize))
+
+
+def register(subparsers: Any) -> None:
+    """Add ``export``, ``optimize``, ``early-exit`` and ``edge`` to an argparse subparsers
+    action."""
+    _register_export(subparsers)
+    _register_optimize(subparsers)
 
     from rtserve.optimize.early_exit_cli import register as register_early_exit
 

@@ -73,7 +73,7 @@ def _check(args: argparse.Namespace) -> pathlib.Path:
             if getattr(args, option) is not None:
                 flag = "--" + option.replace("_", "-")
                 raise OptimizeError(f"{flag}: expected only with digits-cnn, not with {args.model}")
-    from rtserve.optimize.cli import at_least
+    from rtserve.optimize.args import at_least
 
     at_least(args, {"channels": 1, "blocks": 1, "epochs": 1, "stage1_epochs": 1, "threads": 1})
     if not 0 <= args.seed <= MAX_SEED:
@@ -146,7 +146,7 @@ def cmd_early_exit(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add ``early-exit`` to an argparse subparsers action."""
-    from rtserve.optimize.cli import _guard
+    from rtserve.optimize.args import guard
 
     p = subparsers.add_parser(
         "early-exit",
@@ -173,4 +173,4 @@ def register(subparsers: Any) -> None:
     p.add_argument("--stage1-epochs", type=int, help="digits CNN end-to-end epochs (default: 8)")
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
-    p.set_defaults(func=_guard(cmd_early_exit))
+    p.set_defaults(func=guard(cmd_early_exit))

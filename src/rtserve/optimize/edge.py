@@ -424,7 +424,7 @@ def _example_for_onnx(path: pathlib.Path, batch: int) -> dict[str, np.ndarray]:
 
 
 def cmd_export_edge(args: argparse.Namespace) -> int:
-    from rtserve.optimize.cli import _load_module, _parse_shape, at_least
+    from rtserve.optimize.args import at_least, load_module_here, parse_shape
 
     if args.int8 and not args.calibration:
         raise OptimizeError("--int8 needs --calibration (an .npz keyed by input name)")
@@ -446,10 +446,10 @@ def cmd_export_edge(args: argparse.Namespace) -> int:
     else:
         if not args.input:
             raise OptimizeError("a torch model needs --input NAME:DIMS[:DTYPE] (e.g. x:1x64)")
-        source = _load_module(args.model)
+        source = load_module_here(args.model)
         example = {}
         for spec in args.input:
-            name, shape, dtype = _parse_shape(spec)
+            name, shape, dtype = parse_shape(spec)
             example[name] = np.zeros(shape, dtype=np.dtype(dtype))
     data, labels, calibration = _eval_data(args, example)
     short = [k for k, v in data.items() if len(v) < len(example[k])]
@@ -480,7 +480,7 @@ def cmd_export_edge(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add ``export-edge`` to an argparse subparsers action."""
-    from rtserve.optimize.cli import _guard
+    from rtserve.optimize.args import guard
 
     e = subparsers.add_parser(
         "export-edge",
@@ -533,4 +533,4 @@ def register(subparsers: Any) -> None:
         "--converter-python",
         help=f"a python with litert-torch, when this one lacks it (default: ${CONVERTER_ENV})",
     )
-    e.set_defaults(func=_guard(cmd_export_edge))
+    e.set_defaults(func=guard(cmd_export_edge))
