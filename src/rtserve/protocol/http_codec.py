@@ -408,7 +408,46 @@ def decode_infer_request(
     a tensor that names a region is refused)."""
     if header_length is None:
         header_length = len(body)
-    elif header_length < 0 or header_length > len(body):
+    doc = _json_header(body, header_length, limits)
+    raw_inputs = doc.get("inputs")
+    if type(raw_inputs) is not list or not raw_inputs:
+        raise InvalidInput("inputs: expected a non-empty list of tensors")
+    if header_length == len(body) and len(doc) == 1:
+        fast = _fast_inputs(raw_inputs, limits, (body, header_length))
+        if fast is not None:
+            return InferRequest(model_name, model_version, fast)
+    binary = memoryview(body)[header_length:]
+    offset = 0
+    budget = ElementBudget(limits)
+    inputs: list[Tensor] = []
+    for i, item in enumerate(raw_inputs):
+        tensor, used = _input(item, i, binary[offset:], budget, limits, shm, (body, header_length))
+        inputs.append(tensor)
+        offset += used
+    if offset != len(binary):
+        raise InvalidInput(
+            f"binary data: {len(binary) - offset} bytes after the last input's binary_data_size"
+        )
+    params = doc.get("parameters")
+    params = {} if params is None else _check_parameters(params, "parameters", limits)
+    if "binary_data_output" in params and type(params["binary_data_output"]) is not bool:
+        raise _fail("parameters.binary_data_output", "expected true or false")
+    raw_outputs = doc.get("outputs")
+    outputs = None if raw_outputs is None else _requested_outputs(raw_outputs, limits, shm)
+    req_id = doc.get("id", "")
+    return InferRequest(
+        model_name=model_name,
+        model_version=model_version,
+        inputs=inputs,
+        outputs=outputs,
+        id=check_name(req_id if type(req_id) is str else str(req_id), "id", MAX_ID_CHARS),
+        parameters=params,
+    )
+
+
+def _json_header(body: bytes, header_length: int, limits: DecodeLimits) -> dict[str, Any]:
+    """The JSON object at the head of the body (all of it without binary data)."""
+    if header_length < 0 or header_length > len(body):
         raise InvalidInput(
             f"Inference-Header-Content-Length: {header_length} is outside the body of "
             f"{len(body)} bytes"
@@ -426,144 +465,138 @@ def decode_infer_request(
         raise InvalidInput(f"request body is not valid JSON: {shown(str(exc), 200)}") from None
     if type(doc) is not dict:
         raise InvalidInput("request body: expected a JSON object with an 'inputs' list")
-    raw_inputs = doc.get("inputs")
-    if type(raw_inputs) is not list or not raw_inputs:
-        raise InvalidInput("inputs: expected a non-empty list of tensors")
-    if header_length == len(body) and len(doc) == 1:
-        fast = _fast_inputs(raw_inputs, limits, (body, header_length))
-        if fast is not None:
-            return InferRequest(model_name, model_version, fast)
-    binary = memoryview(body)[header_length:]
-    offset = 0
-    budget = ElementBudget(limits)
-    inputs: list[Tensor] = []
-    for i, item in enumerate(raw_inputs):
-        where = f"inputs[{i}]"
-        if type(item) is not dict:
-            raise _fail(where, "expected an object with name, shape, datatype and data")
-        name = item.get("name")
-        if type(name) is not str or not name:
-            raise _fail(f"{where}.name", f"expected a non-empty string, got {_json_value(name)}")
-        check_name(name, f"{where}.name")
-        where = f"input {shown_name(name)}"
-        datatype = item.get("datatype")
-        dtype = DATATYPE_TO_NUMPY.get(datatype) if type(datatype) is str else None
-        if dtype is None:
-            raise _fail(
-                f"{where}.datatype",
-                f"expected one of {', '.join(DATATYPE_TO_NUMPY)}, got {_json_value(datatype)}",
-            )
-        assert isinstance(datatype, str)
-        shape = _shape(item.get("shape"), where)
-        count = math.prod(shape)
-        is_bytes = datatype == "BYTES"
-        budget.charge(where, shape, count, is_bytes)
-        params = item.get("parameters")
-        size = None
-        if params is not None:
-            params = _check_parameters(params, f"{where}.parameters", limits)
-            size = params.get("binary_data_size")
-            if REGION in params:
-                if "data" in item or size is not None:
-                    raise _fail(
-                        where,
-                        f"has parameters.{REGION} and also "
-                        f"{'data' if 'data' in item else 'parameters.binary_data_size'} "
-                        "(send one)",
-                    )
+    return doc
+
+
+def _input(
+    item: Any,
+    i: int,
+    binary: memoryview,
+    budget: ElementBudget,
+    limits: DecodeLimits,
+    shm: SharedMemoryRegions | None,
+    source: tuple[bytes, int],
+) -> tuple[Tensor, int]:
+    """One tensor of ``inputs`` and the count of binary bytes it took from ``binary``."""
+    where = f"inputs[{i}]"
+    if type(item) is not dict:
+        raise _fail(where, "expected an object with name, shape, datatype and data")
+    name = item.get("name")
+    if type(name) is not str or not name:
+        raise _fail(f"{where}.name", f"expected a non-empty string, got {_json_value(name)}")
+    check_name(name, f"{where}.name")
+    where = f"input {shown_name(name)}"
+    datatype = item.get("datatype")
+    dtype = DATATYPE_TO_NUMPY.get(datatype) if type(datatype) is str else None
+    if dtype is None:
+        raise _fail(
+            f"{where}.datatype",
+            f"expected one of {', '.join(DATATYPE_TO_NUMPY)}, got {_json_value(datatype)}",
+        )
+    assert isinstance(datatype, str)
+    shape = _shape(item.get("shape"), where)
+    count = math.prod(shape)
+    budget.charge(where, shape, count, datatype == "BYTES")
+    params = item.get("parameters")
+    size = None
+    if params is not None:
+        params = _check_parameters(params, f"{where}.parameters", limits)
+        size = params.get("binary_data_size")
+        if REGION in params:
+            if "data" in item or size is not None:
+                raise _fail(
+                    where,
+                    f"has parameters.{REGION} and also "
+                    f"{'data' if 'data' in item else 'parameters.binary_data_size'} "
+                    "(send one)",
+                )
+            if shm is None:
+                raise disabled(where)
+            arr = shm.read_input(params, datatype, shape, count, where, limits.max_bytes_elements)
+            return Tensor(name, datatype, shape, arr), 0
+    if size is not None:
+        if "data" in item:
+            raise _fail(where, "has both 'data' and parameters.binary_data_size (send one)")
+        arr = _binary_tensor(size, binary, datatype, dtype, shape, count, where, limits)
+        return Tensor(name, datatype, shape, arr), size
+    if "data" not in item:
+        raise _fail(where, "has neither 'data' nor parameters.binary_data_size")
+    arr = _json_array(item["data"], datatype, shape, count, where, source)
+    return Tensor(name, datatype, shape, arr), 0
+
+
+def _binary_tensor(
+    size: Any,
+    binary: memoryview,
+    datatype: str,
+    dtype: np.dtype[Any],
+    shape: tuple[int, ...],
+    count: int,
+    where: str,
+    limits: DecodeLimits,
+) -> np.ndarray[Any, Any]:
+    """The tensor in the first ``size`` bytes of ``binary``."""
+    if type(size) is not int or size < 0:
+        raise _fail(
+            f"{where}.parameters.binary_data_size",
+            f"expected a byte count, got {_json_value(size)}",
+        )
+    if size > len(binary):
+        raise _fail(
+            f"{where}.parameters.binary_data_size",
+            f"{size} bytes requested but only {len(binary)} binary bytes remain",
+        )
+    chunk = binary[:size]
+    if datatype == "BYTES":
+        return decode_bytes_elements(chunk, count, where, limits.max_bytes_elements).reshape(shape)
+    expected = count * dtype.itemsize
+    if size != expected:
+        raise _fail(
+            f"{where}.parameters.binary_data_size",
+            f"{size} bytes do not match shape {list(shape)} of {datatype} ({expected} bytes)",
+        )
+    arr = np.frombuffer(chunk, dtype=dtype, count=count).reshape(shape)
+    if datatype == "BOOL":
+        check_bools(arr, where, "binary data holds bytes")
+    if not arr.flags.aligned:
+        arr = arr.copy()
+    return arr
+
+
+def _requested_outputs(
+    raw_outputs: Any, limits: DecodeLimits, shm: SharedMemoryRegions | None
+) -> list[RequestedOutput]:
+    if type(raw_outputs) is not list:
+        raise InvalidInput("outputs: expected a list of {name, parameters}")
+    outputs = []
+    for i, out in enumerate(raw_outputs):
+        if type(out) is not dict or type(out.get("name")) is not str:
+            raise InvalidInput(f"outputs[{i}].name: expected a string")
+        check_name(out["name"], f"outputs[{i}].name")
+        op = out.get("parameters")
+        flag = None
+        top = 0
+        region = None
+        if op is not None:
+            op = _check_parameters(op, f"outputs[{i}].parameters", limits)
+            flag = op.get("binary_data")
+            if flag is not None and type(flag) is not bool:
+                raise _fail(f"outputs[{i}].parameters.binary_data", "expected true or false")
+            if "classification" in op:
+                where = f"outputs[{i}].parameters.classification"
+                top = classification_count(op["classification"], where)
+            if REGION in op:
+                where = f"output {shown_name(out['name'])}"
                 if shm is None:
                     raise disabled(where)
-                arr = shm.read_input(
-                    params, datatype, shape, count, where, limits.max_bytes_elements
-                )
-                inputs.append(Tensor(name, datatype, shape, arr))
-                continue
-        if size is not None:
-            if "data" in item:
-                raise _fail(where, "has both 'data' and parameters.binary_data_size (send one)")
-            if type(size) is not int or size < 0:
-                raise _fail(
-                    f"{where}.parameters.binary_data_size",
-                    f"expected a byte count, got {_json_value(size)}",
-                )
-            if offset + size > len(binary):
-                raise _fail(
-                    f"{where}.parameters.binary_data_size",
-                    f"{size} bytes requested but only {len(binary) - offset} binary bytes remain",
-                )
-            chunk = binary[offset : offset + size]
-            offset += size
-            if is_bytes:
-                arr = decode_bytes_elements(chunk, count, where, limits.max_bytes_elements)
-                arr = arr.reshape(shape)
-            else:
-                expected = count * dtype.itemsize
-                if size != expected:
-                    raise _fail(
-                        f"{where}.parameters.binary_data_size",
-                        f"{size} bytes do not match shape {list(shape)} of {datatype} "
-                        f"({expected} bytes)",
-                    )
-                arr = np.frombuffer(chunk, dtype=dtype, count=count).reshape(shape)
-                if datatype == "BOOL":
-                    check_bools(arr, where, "binary data holds bytes")
-                if not arr.flags.aligned:
-                    arr = arr.copy()
-        else:
-            if "data" not in item:
-                raise _fail(where, "has neither 'data' nor parameters.binary_data_size")
-            arr = _json_array(item["data"], datatype, shape, count, where, (body, header_length))
-        inputs.append(Tensor(name, datatype, shape, arr))
-    if offset != len(binary):
-        raise InvalidInput(
-            f"binary data: {len(binary) - offset} bytes after the last input's binary_data_size"
+                if flag is True or top:
+                    other = "binary_data: true" if flag is True else "classification"
+                    raise _fail(where, f"has parameters.{REGION} and {other} (send one)")
+                region = shm.output_region(op, where)
+        outputs.append(
+            RequestedOutput(out["name"], flag if type(flag) is bool else None, top, region)
         )
-    params = doc.get("parameters")
-    params = {} if params is None else _check_parameters(params, "parameters", limits)
-    if "binary_data_output" in params and type(params["binary_data_output"]) is not bool:
-        raise _fail("parameters.binary_data_output", "expected true or false")
-    outputs = None
-    raw_outputs = doc.get("outputs")
-    if raw_outputs is not None:
-        if type(raw_outputs) is not list:
-            raise InvalidInput("outputs: expected a list of {name, parameters}")
-        outputs = []
-        for i, out in enumerate(raw_outputs):
-            if type(out) is not dict or type(out.get("name")) is not str:
-                raise InvalidInput(f"outputs[{i}].name: expected a string")
-            check_name(out["name"], f"outputs[{i}].name")
-            op = out.get("parameters")
-            flag = None
-            top = 0
-            region = None
-            if op is not None:
-                op = _check_parameters(op, f"outputs[{i}].parameters", limits)
-                flag = op.get("binary_data")
-                if flag is not None and type(flag) is not bool:
-                    raise _fail(f"outputs[{i}].parameters.binary_data", "expected true or false")
-                if "classification" in op:
-                    where = f"outputs[{i}].parameters.classification"
-                    top = classification_count(op["classification"], where)
-                if REGION in op:
-                    where = f"output {shown_name(out['name'])}"
-                    if shm is None:
-                        raise disabled(where)
-                    if flag is True or top:
-                        other = "binary_data: true" if flag is True else "classification"
-                        raise _fail(where, f"has parameters.{REGION} and {other} (send one)")
-                    region = shm.output_region(op, where)
-            outputs.append(
-                RequestedOutput(out["name"], flag if type(flag) is bool else None, top, region)
-            )
-    req_id = doc.get("id", "")
-    return InferRequest(
-        model_name=model_name,
-        model_version=model_version,
-        inputs=inputs,
-        outputs=outputs,
-        id=check_name(req_id if type(req_id) is str else str(req_id), "id", MAX_ID_CHARS),
-        parameters=params,
-    )
+    return outputs
 
 
 def _non_finite_as_strings(arr: np.ndarray[Any, Any]) -> list[Any]:
