@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from rtserve import __version__
 from rtserve.errors import ConfigError
@@ -101,7 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"rtserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _register_serve(sub)
+    _register_cold_start(sub)
+    try:
+        from rtserve.optimize.cli import register
+    except ImportError:
+        pass
+    else:
+        register(sub)
+    return parser
 
+
+def _register_serve(sub: Any) -> None:
     s = sub.add_parser("serve", help="serve a model repository over HTTP and gRPC (KServe V2)")
     s.add_argument(
         "--model-repository",
@@ -135,6 +147,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-cert", help="PEM certificate chain: serve HTTP and gRPC over TLS")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
     s.add_argument("--tls-client-ca", help="PEM CA: require client certificates (mTLS)")
+    _observability_args(s)
+    _model_control_args(s)
+    s.add_argument(
+        "--shared-memory",
+        choices=["none", "system"],
+        help="system: let clients pass tensors through files in /dev/shm (Triton's system "
+        "shared memory extension; needs --workers 1); none: off (default)",
+    )
+    s.add_argument(
+        "--shared-memory-max-regions",
+        type=int,
+        help="most shared memory regions registered at once (default 64)",
+    )
+    s.add_argument(
+        "--workers", type=int, default=1, help="server processes sharing the ports (default 1)"
+    )
+    s.add_argument("--ports-file", type=Path, help="write the bound ports as JSON once ready")
+    s.set_defaults(func=_serve)
+
+
+def _observability_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--log-format", choices=["text", "json"], help="log lines (default text)")
     s.add_argument(
         "--access-log", action="store_true", help="log one line per request (default off)"
@@ -150,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="fraction of new traces sampled (default 1.0; a client's sampled traceparent "
         "is always followed)",
     )
+
+
+def _model_control_args(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--model-control-mode",
         choices=["none", "poll", "explicit"],
@@ -183,23 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop at start, exit status 1, naming the model, when a model fails to load "
         "(default false)",
     )
-    s.add_argument(
-        "--shared-memory",
-        choices=["none", "system"],
-        help="system: let clients pass tensors through files in /dev/shm (Triton's system "
-        "shared memory extension; needs --workers 1); none: off (default)",
-    )
-    s.add_argument(
-        "--shared-memory-max-regions",
-        type=int,
-        help="most shared memory regions registered at once (default 64)",
-    )
-    s.add_argument(
-        "--workers", type=int, default=1, help="server processes sharing the ports (default 1)"
-    )
-    s.add_argument("--ports-file", type=Path, help="write the bound ports as JSON once ready")
-    s.set_defaults(func=_serve)
 
+
+def _register_cold_start(sub: Any) -> None:
     c = sub.add_parser(
         "cold-start",
         help="time a fresh process: import, model load, warmup, first answer (ms)",
@@ -209,14 +231,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--runs", type=int, default=3, help="fresh processes per model (median)")
     c.add_argument("--json", action="store_true", help="JSON instead of a Markdown table")
     c.set_defaults(func=_cold_start)
-
-    try:
-        from rtserve.optimize.cli import register
-    except ImportError:
-        pass
-    else:
-        register(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
