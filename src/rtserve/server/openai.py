@@ -23,8 +23,11 @@ from typing import Any
 import orjson
 
 from rtserve.errors import InvalidInput, ModelNotFound, Overloaded, as_error
+from rtserve.llm import chat
 from rtserve.llm.params import GenerationEvent, SamplingParams, TokenLogprob, not_neutral
+from rtserve.server import structured
 from rtserve.server.errors import http_error
+from rtserve.server.tools import CallStream, ToolChoice, call_schema, parse_calls, parse_tools
 
 Headers = list[tuple[bytes, bytes]]
 CHAT, TEXT = "chat", "text"
@@ -37,8 +40,6 @@ DONE = b"data: [DONE]\n\n"
 # A field the engine cannot honour, and the value that means "not used" (sampling fields
 # are checked with the sampling parameters: ``llm.params.NOT_HONOURED``).
 _UNUSED: dict[str, Any] = {
-    "tools": None,
-    "tool_choice": "none",
     "functions": None,
     "function_call": "none",
     "suffix": None,
@@ -47,6 +48,7 @@ _UNUSED: dict[str, Any] = {
     "prediction": None,
     "modalities": ["text"],
 }
+_NOT_SAMPLING = frozenset((*structured.FIELDS, "tools", "tool_choice", "parallel_tool_calls"))
 _FIELD = re.compile(r"([A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*(?:\[\d+\])?)*): ")
 
 
@@ -64,6 +66,10 @@ class OpenAIRequest:
     echo: bool = False
     priority: int = 0
     score_only: bool = False  # echo with max_tokens 0: the prompt, scored, and no answer
+    n: int = 1
+    tools: ToolChoice | None = None
+    # The output's constraint as (kind, spec) (``structured.py``); None: free text.
+    constraint: tuple[str, Any] | None = None
 
 
 def _fail(field: str, expected: str, value: Any) -> InvalidInput:
@@ -89,9 +95,18 @@ def parse_request(body: bytes, kind: str) -> OpenAIRequest:
     if not isinstance(model, str) or not model:
         raise _fail("model", "the name of a served model (a string)", model)
     _check_unused(doc)
-    n = doc.get("n")
-    if n is not None and n != 1:
-        raise _fail("n", "1 (rtserve answers one choice per request)", n)
+    tools = parse_tools(doc) if kind == CHAT else None
+    if kind == TEXT and doc.get("tools"):
+        raise _fail("tools", "absent in a completions request (tools are for chat)", doc["tools"])
+    constraint = structured.parse(doc)
+    if tools is not None and tools.constrained:
+        if constraint is not None:
+            raise _fail(
+                "response_format",
+                f"absent with tool_choice {tools.mode} (the answer is the tool call)",
+                doc.get("response_format"),
+            )
+        constraint = (structured.JSON_SCHEMA, call_schema(tools))
     stream = _flag(doc, "stream")
     options = doc.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -114,19 +129,23 @@ def parse_request(body: bytes, kind: str) -> OpenAIRequest:
         model,
         # A chat without max_tokens stops at llm.default_max_tokens or the context's end
         # (core/generation.py); completions take OpenAI's 16 tokens.
-        SamplingParams.from_mapping(
-            {**doc, "max_tokens": 1} if score_only else doc,
-            default_max_tokens=None if kind == CHAT else 16,
+        structured.attach(
+            SamplingParams.from_mapping(
+                _sampling_fields(doc, score_only), default_max_tokens=None if kind == CHAT else 16
+            ),
+            constraint,
         ),
         stream=stream,
         include_usage=include_usage,
         priority=priority,
+        tools=tools,
+        constraint=constraint,
     )
+    request.n = _choices(request.params, doc)
     if kind == CHAT:
         if "messages" not in doc:
             raise InvalidInput("messages: expected a non-empty list of {role, content} objects")
-        request.messages = doc["messages"]
-        _check_response_format(doc.get("response_format"))
+        request.messages = chat.Messages.of(doc["messages"], tools.offered if tools else None)
     else:
         request.prompt = _prompt(doc.get("prompt"))
         request.echo = _flag(doc, "echo")
@@ -150,11 +169,23 @@ def _check_unused(doc: dict[str, Any]) -> None:
         raise _fail(key, f"{expected} (not supported by rtserve)", doc[key])
 
 
-def _check_response_format(value: Any) -> None:
-    if value is not None and (not isinstance(value, dict) or value.get("type") != "text"):
-        raise _fail(
-            "response_format", '{"type": "text"} or absent (JSON modes are not supported)', value
-        )
+def _sampling_fields(doc: dict[str, Any], score_only: bool) -> dict[str, Any]:
+    """The body's fields less those read here (structured outputs, tools)."""
+    fields = {k: v for k, v in doc.items() if k not in _NOT_SAMPLING}
+    if score_only:
+        fields["max_tokens"] = 1
+    return fields
+
+
+def _choices(params: SamplingParams, doc: dict[str, Any]) -> int:
+    """How many choices to answer (``n``, read and bounded by the sampling parameters)."""
+    n = getattr(params, "n", None)
+    if n is None:  # (an engine without n: one choice)
+        value = doc.get("n")
+        if value is not None and value != 1:
+            raise _fail("n", "1 (this build answers one choice per request)", value)
+        return 1
+    return int(n)
 
 
 def _prompt(value: Any) -> str | list[int]:
@@ -194,11 +225,22 @@ class Shaper:
         }
 
     def chunk(
-        self, text: str, logprobs: list[TokenLogprob] | None, finish: str | None, role: bool = False
+        self,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish: str | None,
+        role: bool = False,
+        index: int = 0,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.request.kind == CHAT:
-            choice["delta"] = {"role": "assistant", "content": text} if role else {"content": text}
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text or not tool_calls:
+                delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+            choice["delta"] = delta
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(logprobs)
@@ -208,24 +250,39 @@ class Shaper:
             doc["usage"] = None
         return doc
 
-    def usage_chunk(self, last: GenerationEvent | None) -> dict[str, Any]:
+    def usage_chunk(self, lasts: list[GenerationEvent | None]) -> dict[str, Any]:
         doc = self._doc(True, [])
-        doc["usage"] = usage(last)
+        doc["usage"] = usage_of(lasts)
         return doc
 
-    def response(
-        self, text: str, logprobs: list[TokenLogprob] | None, last: GenerationEvent | None
+    def choice(
+        self,
+        index: int,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        last: GenerationEvent | None,
     ) -> dict[str, Any]:
+        """One choice of a whole answer (tool calls read from a chat's text)."""
         finish = _finish_reason(last)
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.request.kind == CHAT:
-            choice["message"] = {"role": "assistant", "content": text}
+            content, calls = parse_calls(text, self.request.tools)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls"
+            choice["message"] = message
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(logprobs)
         choice["finish_reason"] = finish
-        doc = self._doc(False, [choice])
-        doc["usage"] = usage(last)
+        return choice
+
+    def response(
+        self, choices: list[dict[str, Any]], lasts: list[GenerationEvent | None]
+    ) -> dict[str, Any]:
+        doc = self._doc(False, choices)
+        doc["usage"] = usage_of(lasts)
         return doc
 
     def _logprobs(self, items: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -281,14 +338,25 @@ def _finish_reason(last: GenerationEvent | None) -> str:
 
 
 def usage(last: GenerationEvent | None) -> dict[str, Any]:
-    prompt = last.prompt_tokens if last is not None else 0
-    completion = last.completion_tokens if last is not None else 0
+    return usage_of([last])
+
+
+def usage_of(lasts: list[GenerationEvent | None]) -> dict[str, Any]:
+    """The token counts of a request's choices (the prompt counted once)."""
+    first = next((e for e in lasts if e is not None), None)
+    prompt = first.prompt_tokens if first is not None else 0
+    completion = sum(e.completion_tokens for e in lasts if e is not None)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": last.cached_tokens if last else 0},
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens if first else 0},
     }
+
+
+def choice_index(event: GenerationEvent) -> int:
+    """Which choice an event belongs to (0 with ``n`` 1)."""
+    return int(getattr(event, "index", 0) or 0)
 
 
 async def complete(
@@ -297,23 +365,28 @@ async def complete(
     """The whole answer (``chat.completion`` / ``text_completion``) once generation ends;
     ``prompt_text``: what ``echo`` puts before the completion."""
     shaper = Shaper(request)
-    texts = [prompt_text] if request.echo else []
+    n = request.n
+    texts: list[list[str]] = [[prompt_text] if request.echo else [] for _ in range(n)]
     base = len(prompt_text) if request.echo else 0
-    logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
-    last = None
+    scoring = request.params.logprobs is not None
+    logprobs: list[list[TokenLogprob] | None] = [[] if scoring else None for _ in range(n)]
+    lasts: list[GenerationEvent | None] = [None] * n
     async with aclosing(events):
         async for event in events:
-            last = event
-            if logprobs is not None and event.prompt_logprobs:  # (first, when echoed)
-                logprobs.extend(event.prompt_logprobs)
+            i = choice_index(event)
+            lasts[i] = event
+            items = logprobs[i]
+            if items is not None and event.prompt_logprobs:  # (first, when echoed)
+                items.extend(event.prompt_logprobs)
             if request.score_only:
                 continue
-            texts.append(event.text)
-            if logprobs is not None and event.logprobs:
-                logprobs.extend(_shifted(event.logprobs, base) or ())
+            texts[i].append(event.text)
+            if items is not None and event.logprobs:
+                items.extend(_shifted(event.logprobs, base) or ())
     if request.score_only:
-        last = _scored(last)
-    return shaper.response("".join(texts), logprobs, last)
+        lasts = [_scored(last) for last in lasts]
+    choices = [shaper.choice(i, "".join(texts[i]), logprobs[i], lasts[i]) for i in range(n)]
+    return shaper.response(choices, lasts)
 
 
 def sse(doc: Any) -> bytes:
@@ -324,36 +397,50 @@ def sse(doc: Any) -> bytes:
 async def stream(
     request: OpenAIRequest, events: AsyncGenerator[GenerationEvent, None], prompt_text: str = ""
 ) -> AsyncGenerator[bytes, None]:
-    """The answer as server-sent events: chunks as tokens come, the usage chunk when asked
-    for, then ``[DONE]``. A failure after the stream began is sent as an error event (the
-    status line has gone out). Closing this iterator closes ``events`` (aborting them)."""
+    """The answer as server-sent events: chunks as tokens come (each choice's with its
+    ``index``), the usage chunk when asked for, then ``[DONE]``. Text that may be a tool
+    call is held back and sent as ``delta.tool_calls`` when the choice ends. A failure
+    after the stream began is sent as an error event (the status line has gone out).
+    Closing this iterator closes ``events`` (aborting them)."""
     shaper = Shaper(request)
     chat = request.kind == CHAT
+    n = request.n
     base = len(prompt_text) if request.echo else 0
     # An echo with logprobs waits for the prompt's, which come with the first event.
-    echo_scored = request.echo and request.params.logprobs is not None
-    last = None
+    echo_scored = [request.echo and request.params.logprobs is not None] * n
+    calls = [CallStream(request.tools) for _ in range(n)]
+    lasts: list[GenerationEvent | None] = [None] * n
     async with aclosing(events):
         try:
-            if chat:
-                yield sse(shaper.chunk("", None, None, role=True))
-            elif request.echo and not echo_scored:
-                yield sse(shaper.chunk(prompt_text, None, None))
+            for i in range(n):
+                if chat:
+                    yield sse(shaper.chunk("", None, None, role=True, index=i))
+                elif request.echo and not echo_scored[i]:
+                    yield sse(shaper.chunk(prompt_text, None, None, index=i))
             async for event in events:
-                last = event
-                if echo_scored:
-                    echo_scored = False
-                    yield sse(shaper.chunk(prompt_text, event.prompt_logprobs or [], None))
+                i = choice_index(event)
+                lasts[i] = event
+                if echo_scored[i]:
+                    echo_scored[i] = False
+                    yield sse(shaper.chunk(prompt_text, event.prompt_logprobs or [], None, index=i))
                 if request.score_only:
                     if event.finished:
-                        last = _scored(event)
-                        yield sse(shaper.chunk("", None, "length"))
+                        lasts[i] = _scored(event)
+                        yield sse(shaper.chunk("", None, "length", index=i))
                     continue
-                if event.text or event.finished or event.logprobs:
+                text = calls[i].feed(event.text) if chat else event.text
+                finish = event.finish_reason
+                found: list[dict[str, Any]] = []
+                if finish is not None and chat:
+                    tail, found = calls[i].finish()
+                    text += tail
+                    if found:
+                        finish = "tool_calls"
+                if text or finish or event.logprobs or found:
                     lps = _shifted(event.logprobs, base)
-                    yield sse(shaper.chunk(event.text, lps, event.finish_reason))
+                    yield sse(shaper.chunk(text, lps, finish, index=i, tool_calls=found))
             if request.include_usage:
-                yield sse(shaper.usage_chunk(last))
+                yield sse(shaper.usage_chunk(lasts))
         except Exception as exc:
             yield sse(error_document(exc, request.kind)[1])
     yield DONE

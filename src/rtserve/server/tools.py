@@ -1,0 +1,250 @@
+"""Tools in the OpenAI API: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked
+(``parse_tools``), the JSON schema that constrains decoding when a call is required
+(``call_schema``), and the calls read back from the model's text (``parse_calls``, and
+``CallStream`` while it streams).
+
+The model writes a call in Hermes' form, ``<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>`` (the default tool prompt of ``llm/chat.py`` asks for it; Qwen's and Hermes'
+templates do too). With ``tool_choice`` ``required`` or a named function the answer is
+decoded under ``call_schema``: a JSON list of ``{"name", "arguments"}`` objects whose
+arguments match the function's parameters, so that any model returns a valid call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from rtserve.errors import InvalidInput
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+NONE, AUTO, REQUIRED, NAMED = "none", "auto", "required", "named"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """The tools a request offers and how the model may use them."""
+
+    tools: list[dict[str, Any]]  # OpenAI's {"type": "function", "function": {...}}, checked
+    mode: str  # NONE | AUTO | REQUIRED | NAMED
+    name: str | None = None  # NAMED: the function
+    parallel: bool = True
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the answer is decoded under ``call_schema`` (a call is certain)."""
+        return self.mode in (REQUIRED, NAMED)
+
+    @property
+    def offered(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt shows the model (None with ``tool_choice`` none)."""
+        return None if self.mode == NONE else self.tools
+
+    def parameters(self, name: str) -> dict[str, Any]:
+        for tool in self.tools:
+            if tool["function"]["name"] == name:
+                params: dict[str, Any] = tool["function"].get("parameters") or {
+                    "type": "object",
+                    "properties": {},
+                }
+                return params
+        raise KeyError(name)
+
+
+def _fail(field: str, expected: str, value: Any) -> InvalidInput:
+    return InvalidInput(f"{field}: expected {expected}, got {repr(value)[:60]}")
+
+
+def _function(tool: Any, where: str) -> dict[str, Any]:
+    """A tool as OpenAI's chat API spells it; the Responses API's flat form
+    (``{"type": "function", "name", "parameters"}``) is taken too."""
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise _fail(where, '{"type": "function", "function": {"name": ...}}', tool)
+    function = tool.get("function", tool if "name" in tool else None)
+    if not isinstance(function, dict):
+        raise _fail(f"{where}.function", "an object with name and parameters", function)
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise _fail(f"{where}.function.name", "1-64 letters, digits, _ . or -", name)
+    description = function.get("description")
+    if description is not None and not isinstance(description, str):
+        raise _fail(f"{where}.function.description", "a string", description)
+    parameters = function.get("parameters")
+    if parameters is not None and (
+        not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
+    ):
+        raise _fail(f"{where}.function.parameters", "a JSON schema of type object", parameters)
+    out: dict[str, Any] = {"name": name}
+    if description:
+        out["description"] = description
+    out["parameters"] = parameters or {"type": "object", "properties": {}}
+    return {"type": "function", "function": out}
+
+
+def parse_tools(doc: dict[str, Any]) -> ToolChoice | None:
+    """The request's tools (None: it offers none); errors name the field."""
+    tools = doc.get("tools")
+    choice = doc.get("tool_choice")
+    parallel = doc.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _fail("parallel_tool_calls", "true or false", parallel)
+    if tools is None or tools == []:
+        if choice not in (None, NONE):
+            raise _fail("tool_choice", '"none" or absent when no tools are given', choice)
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise _fail("tools", f"a list of at most {MAX_TOOLS} function tools", tools)
+    checked = [_function(t, f"tools[{i}]") for i, t in enumerate(tools)]
+    names = [t["function"]["name"] for t in checked]
+    if len(set(names)) != len(names):
+        raise _fail("tools", "functions with distinct names", names)
+    if choice is None:
+        mode, name = AUTO, None
+    elif choice in (NONE, AUTO, REQUIRED):
+        mode, name = choice, None
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        function = choice.get("function", choice)
+        name = function.get("name") if isinstance(function, dict) else None
+        if name not in names:
+            raise _fail("tool_choice.function.name", f"one of the tools: {names[:8]}", name)
+        mode = NAMED
+    else:
+        raise _fail(
+            "tool_choice",
+            '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            choice,
+        )
+    return ToolChoice(checked, mode, name, parallel is not False)
+
+
+def call_schema(choice: ToolChoice) -> dict[str, Any]:
+    """The JSON schema of an answer that must call a tool: a list of ``{"name",
+    "arguments"}`` (one item unless parallel calls are allowed; the named function only)."""
+    names: list[str] = [t["function"]["name"] for t in choice.tools]
+    if choice.mode == NAMED and choice.name is not None:
+        names = [choice.name]
+    variants = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [name]},
+                "arguments": choice.parameters(name),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name in names
+    ]
+    item = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
+    if not choice.parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def new_call(name: str, arguments: Any) -> dict[str, Any]:
+    """One entry of ``message.tool_calls``."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": text},
+    }
+
+
+def _call(found: Any, names: set[str]) -> dict[str, Any] | None:
+    if not isinstance(found, dict):
+        return None
+    name = found.get("name")
+    arguments = found.get("arguments", found.get("parameters", {}))
+    if name not in names or not isinstance(arguments, dict | str):
+        return None
+    return new_call(name, arguments)
+
+
+def parse_calls(text: str, choice: ToolChoice | None) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of a whole answer: under ``call_schema`` the JSON list; else
+    the Hermes ``<tool_call>`` blocks (one the model did not close counts when its JSON is
+    whole), the rest of the text the content. Text that does not parse stays content."""
+    if choice is None or choice.mode == NONE:
+        return text, []
+    names = {t["function"]["name"] for t in choice.tools}
+    if choice.constrained:
+        try:
+            found = json.loads(text)
+        except ValueError:
+            return text, []
+        items = found if isinstance(found, list) else [found]
+        calls = [c for c in (_call(item, names) for item in items) if c is not None]
+        return (None, calls) if calls else (text, [])
+    if _OPEN not in text:
+        return text, []
+    calls = []
+    kept: list[str] = []
+    start = 0
+    for match in _CALL.finditer(text):
+        try:
+            call = _call(json.loads(match.group(1)), names)
+        except ValueError:
+            call = None
+        if call is None:
+            continue
+        calls.append(call)
+        kept.append(text[start : match.start()])
+        start = match.end()
+    kept.append(text[start:])
+    content = "".join(kept).strip()
+    if not calls:
+        return text, []
+    return content or None, calls
+
+
+class CallStream:
+    """Streams an answer's content while holding back what may be a tool call: text from
+    a ``<tool_call>`` tag on (or all of it, under ``call_schema``) is kept until the end,
+    then read by ``parse_calls``."""
+
+    def __init__(self, choice: ToolChoice | None) -> None:
+        self.choice = choice
+        self.active = choice is not None and choice.mode != NONE
+        self.held = ""  # text not sent yet
+        self.calling = choice is not None and choice.constrained
+
+    def feed(self, text: str) -> str:
+        """The part of ``text`` that can be sent as content now."""
+        if not self.active:
+            return text
+        self.held += text
+        if self.calling:
+            return ""
+        at = self.held.find(_OPEN)
+        if at >= 0:
+            self.calling = True
+            out, self.held = self.held[:at], self.held[at:]
+            return out
+        keep = _partial_tag(self.held)
+        out = self.held[: len(self.held) - keep]
+        self.held = self.held[len(self.held) - keep :]
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(content still to send, tool calls) once the answer is whole."""
+        held, self.held = self.held, ""
+        if not self.active or not held:
+            return held, []
+        content, calls = parse_calls(held, self.choice)
+        return content or "", calls
+
+
+def _partial_tag(text: str) -> int:
+    """How many characters at the end of ``text`` could begin ``<tool_call>``."""
+    for n in range(min(len(_OPEN) - 1, len(text)), 0, -1):
+        if _OPEN.startswith(text[-n:]):
+            return n
+    return 0
