@@ -1,0 +1,340 @@
+"""OpenAI's ``/v1/embeddings`` over a tensor model, without a transport.
+
+A model answers embeddings when its signature reads as one of two shapes:
+
+- **text in, vector out**: one BYTES input of one element per row and one float output of
+  one dimension per row (the ``text-embedding`` pipeline: tokenizer step, encoder, pooling
+  and normalisation in the graph). Strings go in as they are.
+- **token ids in, vector out**: an encoder whose inputs are ``input_ids`` and
+  ``attention_mask`` (and optionally ``token_type_ids``), integers of any length per row,
+  and one float output of one dimension per row (pooled in the graph). Token ids go in
+  padded to the longest with the mask; text needs a ``tokenizer.json`` in the version's
+  directory.
+
+Each request is submitted through the dataplane as a V2 request of as many rows as it has
+inputs (split at the model's ``max_batch_size``), so it is batched by the model's dynamic
+batcher with every other request and answers the very vectors of ``/v2/.../infer``.
+``usage.prompt_tokens`` counts the tokens of the model's tokenizer (an ensemble's first
+step's ``tokenizer.json``); token ids given to a text model are decoded by it first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from rtserve.core.dataplane import DataPlane
+from rtserve.core.model import ModelVersion
+from rtserve.errors import InvalidInput, RTServeError
+from rtserve.protocol.types import InferRequest, Tensor, Timings
+
+MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
+MAX_INPUT_CHARS = 1 << 16
+MAX_INPUT_TOKENS = 8192
+TEXT, IDS = "text", "ids"
+_FLOATS = ("FP32", "FP16", "FP64", "BF16")
+_INT = ("INT64", "INT32")
+
+
+@dataclasses.dataclass(slots=True)
+class EmbeddingRequest:
+    model: str
+    inputs: list[str] | list[list[int]]
+    base64: bool = False
+    dimensions: int | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Embedder:
+    """How one model version is asked for embeddings."""
+
+    kind: str  # TEXT | IDS
+    input: str  # TEXT: the BYTES input; IDS: "input_ids"
+    output: str
+    dims: int
+    max_batch: int
+    tokenizer: Any = None  # a ``tokenizers.Tokenizer`` (None: token counts unknown)
+    extra: tuple[str, ...] = ()  # IDS: "attention_mask", "token_type_ids" inputs
+
+
+def _fail(field: str, expected: str, value: Any) -> InvalidInput:
+    return InvalidInput(f"{field}: expected {expected}, got {repr(value)[:60]}")
+
+
+def parse(body: bytes) -> EmbeddingRequest:
+    """An embeddings request; errors name the field and what was expected."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise InvalidInput("request body: not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput("request body: expected a JSON object with model and input")
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise _fail("model", "the name of a served embedding model (a string)", model)
+    fmt = doc.get("encoding_format", "float")
+    if fmt not in ("float", "base64", None):
+        raise _fail("encoding_format", '"float" or "base64"', fmt)
+    dims = doc.get("dimensions")
+    if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
+        raise _fail("dimensions", "an integer >= 1", dims)
+    user = doc.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _fail("user", "a string", user)
+    return EmbeddingRequest(model, _inputs(doc.get("input")), fmt == "base64", dims)
+
+
+def _inputs(value: Any) -> list[str] | list[list[int]]:
+    expected = (
+        f"a non-empty string, a list of at most {MAX_INPUTS} strings, a list of token ids "
+        "or a list of such lists"
+    )
+    one_list = isinstance(value, list) and value and all(type(t) is int for t in value)
+    if isinstance(value, str) or one_list:
+        value = [value]
+    if not isinstance(value, list) or not value or len(value) > MAX_INPUTS:
+        raise _fail("input", expected, value)
+    if all(isinstance(v, str) for v in value):
+        for i, text in enumerate(value):
+            if not text or len(text) > MAX_INPUT_CHARS:
+                raise _fail(f"input[{i}]", f"a string of 1-{MAX_INPUT_CHARS} characters", text)
+        return value
+    for i, ids in enumerate(value):
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or len(ids) > MAX_INPUT_TOKENS
+            or any(type(t) is not int or not 0 <= t < 1 << 31 for t in ids)
+        ):
+            raise _fail(f"input[{i}]", f"a list of 1-{MAX_INPUT_TOKENS} token ids", ids)
+    return value
+
+
+# ---------------------------------------------------------------------- models
+_EMBEDDERS: dict[int, tuple[ModelVersion, Embedder | None]] = {}
+
+
+def _generative(mv: ModelVersion) -> bool:
+    """Whether ``mv`` is more than a tensor model (a generative one)."""
+    return getattr(mv, "llm", None) is not None or bool(getattr(mv, "capabilities", None))
+
+
+def _vector(mv: ModelVersion) -> tuple[str, int] | None:
+    outputs = list(mv.outputs.values())
+    if len(outputs) != 1:
+        return None
+    out = outputs[0]
+    if out.datatype not in _FLOATS or len(out.shape) != 1 or out.shape[0] < 1:
+        return None
+    return out.name, out.shape[0]
+
+
+def _version_dir(mv: ModelVersion) -> Path | None:
+    if not mv.config.source:
+        return None
+    return Path(mv.config.source).parent / mv.version
+
+
+def _load_tokenizer(directory: Path | None) -> Any:
+    if directory is None or not (directory / "tokenizer.json").is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def embedder(dataplane: DataPlane, mv: ModelVersion) -> Embedder | None:
+    """How ``mv`` answers embeddings (None: it is not an embedding model); cached."""
+    cached = _EMBEDDERS.get(id(mv))
+    if cached is not None and cached[0] is mv:
+        return cached[1]
+    found = _embedder(dataplane, mv)
+    _EMBEDDERS[id(mv)] = (mv, found)
+    return found
+
+
+def _embedder(dataplane: DataPlane, mv: ModelVersion) -> Embedder | None:
+    if _generative(mv):
+        return None
+    vector = _vector(mv)
+    if vector is None:
+        return None
+    output, dims = vector
+    inputs = mv.inputs
+    batch = mv.config.max_batch_size if mv.config.max_batch_size > 0 else 32
+    if len(inputs) == 1:
+        ((name, spec),) = inputs.items()
+        if spec.datatype != "BYTES" or tuple(spec.shape) not in ((1,), ()):
+            return None
+        return Embedder(TEXT, name, output, dims, batch, _text_tokenizer(dataplane, mv))
+    names = set(inputs)
+    if (
+        "input_ids" in names
+        and "attention_mask" in names
+        and names
+        <= {
+            "input_ids",
+            "attention_mask",
+            "token_type_ids",
+        }
+    ):
+        if any(s.datatype not in _INT or len(s.shape) != 1 for s in inputs.values()):
+            return None
+        extra = tuple(n for n in ("attention_mask", "token_type_ids") if n in names)
+        return Embedder(
+            IDS, "input_ids", output, dims, batch, _load_tokenizer(_version_dir(mv)), extra
+        )
+    return None
+
+
+def _text_tokenizer(dataplane: DataPlane, mv: ModelVersion) -> Any:
+    """The tokenizer of a text model: its own ``tokenizer.json``, or its first step's."""
+    own = _load_tokenizer(_version_dir(mv))
+    if own is not None or not mv.config.steps:
+        return own
+    first = mv.config.steps[0]
+    model = first.get("model") if isinstance(first, dict) else getattr(first, "model", None)
+    if not isinstance(model, str):
+        return None
+    try:
+        step = dataplane.registry.get_loaded(model)
+    except RTServeError:
+        return None
+    return _load_tokenizer(_version_dir(step))
+
+
+def embedding_models(dataplane: DataPlane) -> list[tuple[str, int]]:
+    """(name, dimensions) of the ready models that answer embeddings."""
+    out: dict[str, int] = {}
+    for mv in dataplane.registry.loaded_versions():
+        if mv.ready and not _generative(mv):
+            found = embedder(dataplane, mv)
+            if found is not None:
+                out.setdefault(mv.name, found.dims)
+    return sorted(out.items())
+
+
+# ---------------------------------------------------------------------- answers
+def _rows(em: Embedder, inputs: list[str] | list[list[int]]) -> tuple[list[Any], int]:
+    """The rows to send (strings or id lists) and the prompt's tokens."""
+    tok = em.tokenizer
+    if em.kind == TEXT:
+        if isinstance(inputs[0], str):
+            texts: list[str] = inputs  # type: ignore[assignment]
+            if tok is None:
+                return texts, 0
+            return texts, sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=True))
+        if tok is None:
+            raise InvalidInput(
+                "input: expected strings (this model has no tokenizer.json to read token ids)"
+            )
+        ids_rows: list[list[int]] = inputs  # type: ignore[assignment]
+        texts = tok.decode_batch(ids_rows, skip_special_tokens=True)
+        return texts, sum(len(r) for r in ids_rows)
+    if isinstance(inputs[0], str):
+        if tok is None:
+            raise InvalidInput(
+                "input: expected token ids (this model has no tokenizer.json to read text)"
+            )
+        rows = [e.ids for e in tok.encode_batch(inputs, add_special_tokens=True)]
+    else:
+        rows = list(inputs)
+    return rows, sum(len(r) for r in rows)
+
+
+def _request(em: Embedder, mv: ModelVersion, rows: list[Any]) -> InferRequest:
+    if em.kind == TEXT:
+        data = np.empty((len(rows), 1), dtype=object)
+        for i, text in enumerate(rows):
+            data[i, 0] = text.encode()
+        return InferRequest(mv.name, mv.version, [Tensor(em.input, "BYTES", data.shape, data)])
+    width = max(len(r) for r in rows)
+    dtype = np.int64 if mv.inputs["input_ids"].datatype == "INT64" else np.int32
+    ids = np.zeros((len(rows), width), dtype=dtype)
+    mask = np.zeros((len(rows), width), dtype=dtype)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+        mask[i, : len(r)] = 1
+    tensors = [Tensor("input_ids", mv.inputs["input_ids"].datatype, ids.shape, ids)]
+    for name in em.extra:
+        spec = mv.inputs[name]
+        data = mask if name == "attention_mask" else np.zeros_like(ids)
+        tensors.append(Tensor(name, spec.datatype, data.shape, data.astype(dtype, copy=False)))
+    return InferRequest(mv.name, mv.version, tensors)
+
+
+async def embed(
+    dataplane: DataPlane, request: EmbeddingRequest, timings: Timings
+) -> dict[str, Any]:
+    """The ``/v1/embeddings`` answer: the rows through the dataplane, at most
+    ``max_batch_size`` per V2 request (each recorded as one)."""
+    mv = dataplane.resolve(request.model, "", timings)
+    em = embedder(dataplane, mv)
+    if em is None:
+        raise InvalidInput(
+            f"model: '{mv.name}' is not an embedding model (expected one text input and one "
+            "vector output, or input_ids and attention_mask in and one vector out)"
+        )
+    if request.dimensions is not None and request.dimensions != em.dims:
+        raise InvalidInput(
+            f"dimensions: this model answers {em.dims} dimensions, got {request.dimensions}"
+        )
+    rows, tokens = _rows(em, request.inputs)
+    timings.prompt_tokens = tokens
+    parts = [rows[i : i + em.max_batch] for i in range(0, len(rows), em.max_batch)]
+
+    async def one(part: list[Any], part_timings: Timings) -> np.ndarray:
+        def decode(version: ModelVersion) -> InferRequest:
+            return _request(em, version, part)
+
+        answer = await dataplane.infer(mv.name, mv.version, part_timings, decode)
+        for tensor in answer.outputs:
+            if tensor.name == em.output:
+                return np.asarray(tensor.data, dtype=np.float32).reshape(len(part), em.dims)
+        raise RTServeError(f"model {mv.name}: no output {em.output!r} in its answer")
+
+    if len(parts) == 1:
+        vectors = [await one(parts[0], timings)]
+    else:
+        vectors = await asyncio.gather(*(one(p, dataclasses.replace(timings)) for p in parts))
+    matrix = np.concatenate(vectors) if len(vectors) > 1 else vectors[0]
+    data = []
+    for i, row in enumerate(matrix):
+        value: Any = (
+            base64.b64encode(np.ascontiguousarray(row, dtype="<f4").tobytes()).decode()
+            if request.base64
+            else row
+        )
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    return {
+        "object": "list",
+        "data": data,
+        "model": request.model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def dumps(doc: dict[str, Any]) -> bytes:
+    """The answer as JSON (float vectors written straight from numpy)."""
+    return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def model_entries(dataplane: DataPlane, created: int | None = None) -> list[dict[str, Any]]:
+    """``/v1/models`` entries of the embedding models."""
+    when = int(time.time()) if created is None else created
+    return [
+        {"id": name, "object": "model", "created": when, "owned_by": "rtserve", "dimensions": d}
+        for name, d in embedding_models(dataplane)
+    ]
