@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -30,7 +30,7 @@ from rtserve.server.errors import http_error
 from rtserve.server.tools import CallStream, ToolChoice, call_schema, parse_calls, parse_tools
 
 Headers = list[tuple[bytes, bytes]]
-CHAT, TEXT = "chat", "text"
+CHAT, TEXT, RESPONSES = "chat", "text", "responses"
 SSE_HEADERS: Headers = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -70,6 +70,7 @@ class OpenAIRequest:
     tools: ToolChoice | None = None
     # The output's constraint as (kind, spec) (``structured.py``); None: free text.
     constraint: tuple[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # (RESPONSES: fields it repeats)
 
 
 def _fail(field: str, expected: str, value: Any) -> InvalidInput:
@@ -88,9 +89,19 @@ def json_object(body: bytes, expected: str) -> dict[str, Any]:
 
 
 def parse_request(body: bytes, kind: str) -> OpenAIRequest:
-    """The request in ``body`` (``kind``: CHAT or TEXT); raises ``InvalidInput`` naming
-    the field and what was expected. Messages are checked when encoded (the chat template)."""
+    """The request in ``body`` (``kind``: CHAT, TEXT or RESPONSES); raises ``InvalidInput``
+    naming the field and what was expected. Messages are checked when encoded (the chat
+    template)."""
     doc = json_object(body, "a JSON object")
+    if kind == RESPONSES:
+        from rtserve.server import responses
+
+        return responses.parse(doc)
+    return parse_document(doc, kind)
+
+
+def parse_document(doc: dict[str, Any], kind: str) -> OpenAIRequest:
+    """:func:`parse_request` of a parsed body (CHAT or TEXT)."""
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise _fail("model", "the name of a served model (a string)", model)
@@ -364,6 +375,10 @@ async def complete(
 ) -> dict[str, Any]:
     """The whole answer (``chat.completion`` / ``text_completion``) once generation ends;
     ``prompt_text``: what ``echo`` puts before the completion."""
+    if request.kind == RESPONSES:
+        from rtserve.server import responses
+
+        return await responses.complete(request, events)
     shaper = Shaper(request)
     n = request.n
     texts: list[list[str]] = [[prompt_text] if request.echo else [] for _ in range(n)]
@@ -402,6 +417,13 @@ async def stream(
     call is held back and sent as ``delta.tool_calls`` when the choice ends. A failure
     after the stream began is sent as an error event (the status line has gone out).
     Closing this iterator closes ``events`` (aborting them)."""
+    if request.kind == RESPONSES:
+        from rtserve.server import responses
+
+        async with aclosing(responses.stream(request, events)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+        return
     shaper = Shaper(request)
     chat = request.kind == CHAT
     n = request.n
