@@ -1,0 +1,441 @@
+"""The pieces of the HTTP/2 gRPC transport, each without a socket: framing and the frame
+dispatch table, flow-control windows, the budgets a client spends, a call's headers and
+messages. (tests/test_grpc_h2.py and tests/test_h2_budgets.py drive the whole transport.)"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import grpc
+import pytest
+from hpack import Decoder, Encoder
+
+from rtserve.errors import RTServeError
+from rtserve.server.h2_budgets import (
+    MAX_CALLS_PER_ADDRESS,
+    REQUEST_STALL_S,
+    WINDOW_STALL_S,
+    CallBudget,
+    FrameBudget,
+    _env_bytes,
+    stall_limit,
+)
+from rtserve.server.h2_call import (
+    OK,
+    RESPONSE_HEAD,
+    Abort,
+    CallHeaders,
+    inflate,
+    metadata_bytes,
+    parse_timeout,
+    status_block,
+)
+from rtserve.server.h2_frames import (
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADERS,
+    MAX_FRAME,
+    MAX_HEADER_BYTES,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    ConnectionError_,
+    FrameReader,
+    frame,
+    read_increment,
+    read_settings,
+    settings_frame,
+)
+from rtserve.server.h2_windows import (
+    MAX_WINDOW,
+    MIN_SEND,
+    ReceiveWindow,
+    grown,
+    send_size,
+    window_increment,
+)
+
+
+class Recorder:
+    """A FrameTarget that writes down what it is handed."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, int, bytes]] = []
+        self.spent = 0.0
+
+    def _note(self, name: str, flags: int, sid: int, payload: memoryview) -> None:
+        self.seen.append((name, flags, sid, bytes(payload)))
+
+    def on_data(self, flags: int, sid: int, payload: memoryview) -> None:
+        self._note("data", flags, sid, payload)
+
+    def on_header_block(self, sid: int, flags: int, block: memoryview) -> None:
+        self._note("headers", flags, sid, block)
+
+    def on_settings(self, flags: int, sid: int, payload: memoryview) -> None:
+        self._note("settings", flags, sid, payload)
+
+    def on_window_update(self, flags: int, sid: int, payload: memoryview) -> None:
+        self._note("window_update", flags, sid, payload)
+
+    def on_ping(self, flags: int, sid: int, payload: memoryview) -> None:
+        self._note("ping", flags, sid, payload)
+
+    def on_rst_stream(self, flags: int, sid: int, payload: memoryview) -> None:
+        self._note("rst_stream", flags, sid, payload)
+
+    def on_goaway(self, flags: int, sid: int, payload: memoryview) -> None:
+        self._note("goaway", flags, sid, payload)
+
+    def on_other(self, kind: int, sid: int, payload: memoryview) -> None:
+        self._note(f"other:{kind}", 0, sid, payload)
+
+    def spend(self, cost: float = 1.0) -> None:
+        self.spent += cost
+
+
+def _reader() -> tuple[FrameReader, Recorder]:
+    target = Recorder()
+    reader = FrameReader(target)
+    reader.feed(PREFACE)
+    return reader, target
+
+
+def _code(exc: pytest.ExceptionInfo[ConnectionError_]) -> int:
+    return exc.value.code
+
+
+# ---------------------------------------------------------------------- frames and dispatch
+def test_each_frame_type_goes_to_its_handler() -> None:
+    reader, target = _reader()
+    reader.feed(
+        frame(DATA, END_STREAM, 1, b"abc")
+        + frame(SETTINGS, 0, 0, b"")
+        + frame(WINDOW_UPDATE, 0, 3, b"\0\0\0\1")
+        + frame(PING, 0, 0, b"12345678")
+        + frame(RST_STREAM, 0, 5, b"\0\0\0\0")
+        + frame(GOAWAY, 0, 0, b"\0" * 8)
+        + frame(PRIORITY, 0, 7, b"\0" * 5)
+        + frame(0xEE, 0, 0, b"unknown types are ignored")
+        + frame(HEADERS, END_HEADERS, 9, b"block")
+    )
+    assert [name for name, *_ in target.seen] == [
+        "data", "settings", "window_update", "ping", "rst_stream", "goaway",
+        f"other:{PRIORITY}", "other:238", "headers",
+    ]  # fmt: skip
+    assert target.seen[0] == ("data", END_STREAM, 1, b"abc")
+    assert target.seen[-1] == ("headers", END_HEADERS, 9, b"block")
+
+
+def test_frames_split_across_reads_are_reassembled() -> None:
+    reader, target = _reader()
+    wire = frame(DATA, 0, 1, b"x" * 100) + frame(DATA, 0, 1, b"y")
+    for i in range(len(wire)):
+        reader.feed(wire[i : i + 1])
+    assert [p for *_, p in target.seen] == [b"x" * 100, b"y"]
+    assert not reader.buf
+
+
+def test_a_preface_arriving_in_pieces_is_accepted_and_a_wrong_one_refused() -> None:
+    reader = FrameReader(Recorder())
+    reader.feed(PREFACE[:5])
+    assert not reader.preface_ok
+    reader.feed(PREFACE[5:])
+    assert reader.preface_ok
+    with pytest.raises(ConnectionError_) as exc:
+        FrameReader(Recorder()).feed(b"GET / HTTP/1.1\r\n")
+    assert _code(exc) == PROTOCOL_ERROR
+
+
+def test_a_frame_over_the_size_limit_is_refused_from_its_header() -> None:
+    reader, _ = _reader()
+    n = MAX_FRAME + 1
+    with pytest.raises(ConnectionError_) as exc:
+        reader.feed(struct.pack(">BHBBL", n >> 16, n & 0xFFFF, DATA, 0, 1))  # no payload yet
+    assert _code(exc) == FRAME_SIZE_ERROR
+
+
+def test_a_header_block_is_gathered_across_continuations() -> None:
+    reader, target = _reader()
+    reader.feed(frame(HEADERS, END_STREAM, 1, b"ab") + frame(CONTINUATION, 0, 1, b"cd"))
+    assert not target.seen
+    reader.feed(frame(CONTINUATION, END_HEADERS, 1, b"ef"))
+    assert target.seen == [("headers", END_STREAM, 1, b"abcdef")]
+    assert target.spent == 2  # each CONTINUATION spends the budget
+
+
+def test_another_frame_inside_a_header_block_is_a_protocol_error() -> None:
+    reader, _ = _reader()
+    reader.feed(frame(HEADERS, 0, 1, b"ab"))
+    with pytest.raises(ConnectionError_) as exc:
+        reader.feed(frame(PING, 0, 0, b"12345678"))
+    assert _code(exc) == PROTOCOL_ERROR
+    reader, _ = _reader()
+    reader.feed(frame(HEADERS, 0, 1, b"ab"))
+    with pytest.raises(ConnectionError_):
+        reader.feed(frame(CONTINUATION, END_HEADERS, 3, b"cd"))  # another stream
+
+
+def test_a_header_block_past_its_limit_ends_the_connection() -> None:
+    reader, _ = _reader()
+    reader.feed(frame(HEADERS, 0, 1, b"x" * MAX_FRAME))
+    with pytest.raises(ConnectionError_) as exc:
+        reader.feed(frame(CONTINUATION, 0, 1, b"x" * (MAX_HEADER_BYTES - MAX_FRAME + 1)))
+    assert _code(exc) == ENHANCE_YOUR_CALM
+
+
+def test_headers_padding_and_stream_ids_are_checked() -> None:
+    reader, target = _reader()
+    reader.feed(frame(HEADERS, END_HEADERS | PADDED, 1, b"\x02blockPP"))
+    assert target.seen == [("headers", END_HEADERS | PADDED, 1, b"block")]
+    for bad in (
+        frame(HEADERS, END_HEADERS, 2, b"x"),  # an even (server) stream id
+        frame(HEADERS, END_HEADERS, 0, b"x"),
+        frame(HEADERS, END_HEADERS | PADDED, 3, b"\x05ab"),  # padding past the frame
+        frame(PUSH_PROMISE, END_HEADERS, 3, b"\0\0\0\2"),
+    ):
+        reader, _ = _reader()
+        with pytest.raises(ConnectionError_) as exc:
+            reader.feed(bad)
+        assert _code(exc) == PROTOCOL_ERROR
+
+
+def test_reading_stops_when_the_connection_closes() -> None:
+    reader, target = _reader()
+
+    def close_on_data(flags: int, sid: int, payload: memoryview) -> None:
+        target.seen.append(("data", flags, sid, bytes(payload)))
+        reader.stop()
+
+    reader.table[DATA] = close_on_data
+    reader.feed(frame(DATA, 0, 1, b"a") + frame(DATA, 0, 1, b"b"))
+    assert len(target.seen) == 1
+
+
+def test_settings_and_window_update_payloads() -> None:
+    wire = settings_frame({3: 1024, 4: 65536})
+    assert read_settings(memoryview(wire[9:])) == [(3, 1024), (4, 65536)]
+    with pytest.raises(ConnectionError_) as exc:
+        read_settings(memoryview(b"\0" * 7))
+    assert _code(exc) == FRAME_SIZE_ERROR
+    assert read_increment(memoryview(struct.pack(">L", 0x80000005))) == 5  # reserved bit
+    with pytest.raises(ConnectionError_):
+        read_increment(memoryview(b"\0\0\1"))
+
+
+# ---------------------------------------------------------------------- windows
+def test_the_receive_window_is_given_back_in_large_updates() -> None:
+    window = ReceiveWindow(size=1000, update_at=400)
+    window.consume(600)
+    assert window.available == 400
+    assert window.release(300) == 0  # not yet worth a frame
+    assert window.release(100) == 400
+    assert window.available == 800 and window.unacked == 0
+    window.grow(200)
+    window.consume(1000)
+    with pytest.raises(ConnectionError_) as exc:
+        window.consume(1)
+    assert _code(exc) == FLOW_CONTROL_ERROR
+
+
+def test_a_stream_window_is_given_back_once_worth_a_frame() -> None:
+    target = 64 << 10
+    # The handler took everything: the whole window back.
+    assert window_increment(target, window=0, held=0, withheld=0, partial=False) == target
+    # Less than a quarter owed: no frame...
+    assert window_increment(target, window=target - 100, held=0, withheld=0, partial=False) == 0
+    # ...unless a partial message waits for it (its sender cannot finish it otherwise).
+    assert window_increment(target, window=target - 100, held=0, withheld=0, partial=True) == 100
+    # Requests still queued for the handler, or a partial message waiting for room, are not
+    # given back.
+    assert window_increment(target, window=0, held=target, withheld=0, partial=False) == 0
+    assert window_increment(target, window=0, held=0, withheld=target // 2, partial=True) == (
+        target // 2
+    )
+
+
+def test_an_answer_is_sent_in_frames_the_windows_allow() -> None:
+    assert send_size(100_000, 100_000, 16384, 50_000) == 16384  # the frame size
+    assert send_size(1000, 100_000, 16384, 50_000) == 1000  # the stream's window
+    assert send_size(100_000, 700, 16384, 50_000) == 700  # the connection's window
+    assert send_size(MIN_SEND - 1, 100_000, 16384, 50_000) == 0  # too little: wait
+    assert send_size(100, 100_000, 16384, 100) == 100  # ...unless it is all that is left
+    assert send_size(-50, 100_000, 16384, 100) == 0  # a window shrunk by SETTINGS
+
+
+def test_a_send_window_may_not_grow_past_its_maximum() -> None:
+    assert grown(10, 5) == 15
+    with pytest.raises(ConnectionError_) as exc:
+        grown(MAX_WINDOW, 1)
+    assert _code(exc) == FLOW_CONTROL_ERROR
+
+
+# ---------------------------------------------------------------------- budgets
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_frames_without_progress_spend_a_budget_that_refills_with_time() -> None:
+    clock = Clock()
+    budget = FrameBudget(clock, burst=10, rate=2.0)
+    for _ in range(10):
+        budget.spend()
+    with pytest.raises(ConnectionError_) as exc:
+        budget.spend()
+    assert _code(exc) == ENHANCE_YOUR_CALM
+    budget = FrameBudget(clock, burst=10, rate=2.0)
+    for _ in range(10):
+        budget.spend()
+    clock.now += 1.0  # two more frames' worth
+    budget.spend()
+    budget.spend()
+    with pytest.raises(ConnectionError_):
+        budget.spend()
+
+
+def test_progress_earns_the_budget_back_up_to_its_burst() -> None:
+    budget = FrameBudget(Clock(), burst=10, rate=0.0)
+    for _ in range(10):
+        budget.spend()
+    budget.earn(4)
+    assert budget.left == 4
+    budget.earn(100)
+    assert budget.left == 10
+
+
+def test_too_many_resets_in_a_period_end_the_connection() -> None:
+    budget = FrameBudget(Clock(), max_resets=3)
+    for _ in range(3):
+        budget.reset()
+    budget.new_period()
+    for _ in range(3):
+        budget.reset()
+    with pytest.raises(ConnectionError_) as exc:
+        budget.reset()
+    assert _code(exc) == ENHANCE_YOUR_CALM
+
+
+def test_calls_are_capped_per_server_and_per_address() -> None:
+    budget = CallBudget(max_calls=8, max_message=1000)
+    assert budget.max_address_calls == 8 * MAX_CALLS_PER_ADDRESS // 10_000 == 2
+    budget.begin("10.0.0.1")
+    budget.begin("10.0.0.1")
+    assert budget.refusal("10.0.0.1") == "too many calls in progress from this address"
+    assert budget.refusal("10.0.0.2") is None
+    for i in range(6):
+        budget.begin(f"10.0.1.{i}")
+    assert budget.refusal("10.0.0.9") == "too many calls in progress"
+    budget.end("10.0.0.1")
+    budget.end("10.0.0.1")
+    assert "10.0.0.1" not in budget.by_address and budget.calls == 6
+
+
+def test_the_server_buffer_holds_at_least_two_messages() -> None:
+    budget = CallBudget(max_calls=8, max_message=1 << 30)
+    assert budget.max_buffered == 2 * ((1 << 30) + 5)
+    budget.buffered = budget.max_buffered
+    assert not budget.full
+    budget.buffered += 1
+    assert budget.full
+
+
+def test_a_request_without_window_may_stall_longer() -> None:
+    assert stall_limit(True) == (REQUEST_STALL_S, "REQUEST_STALL_S")
+    assert stall_limit(False) == (WINDOW_STALL_S, "WINDOW_STALL_S")
+
+
+def test_a_malformed_byte_count_in_the_environment_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RTSERVE_TEST_BYTES", "12")
+    assert _env_bytes("RTSERVE_TEST_BYTES", 5) == 12
+    monkeypatch.setenv("RTSERVE_TEST_BYTES", "1GiB")
+    with pytest.raises(RTServeError, match="RTSERVE_TEST_BYTES must be a number of bytes"):
+        _env_bytes("RTSERVE_TEST_BYTES", 5)
+
+
+# ---------------------------------------------------------------------- a call
+def test_call_headers_separate_grpc_fields_from_metadata() -> None:
+    encoder = Encoder()
+    block = encoder.encode(
+        [
+            (":method", "POST"),
+            (":path", "/inference.GRPCInferenceService/ModelInfer"),
+            ("content-type", "application/grpc+proto"),
+            ("te", "trailers"),
+            ("grpc-timeout", "5S"),
+            ("grpc-encoding", "gzip"),
+            ("x-request-id", "r1"),
+            ("trace-bin", "AQI"),
+        ]
+    )
+    headers = CallHeaders(list(Decoder().decode(block, raw=True)))
+    assert headers.is_grpc
+    assert headers.path == b"/inference.GRPCInferenceService/ModelInfer"
+    assert headers.timeout == b"5S" and headers.encoding == b"gzip"
+    assert headers.metadata == [("x-request-id", "r1"), ("trace-bin", b"\x01\x02")]
+    get = CallHeaders([(b":method", b"GET"), (b"content-type", b"application/grpc")])
+    assert not get.is_grpc and not get.post
+    assert not CallHeaders([(b":method", b"POST"), (b"content-type", b"text/plain")]).is_grpc
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [(b"5S", 5.0), (b"100m", 0.1), (b"2H", 7200.0), (b"12345678n", 0.012345678)],
+)
+def test_grpc_timeouts_are_read_in_seconds(value: bytes, seconds: float) -> None:
+    assert parse_timeout(value) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", [b"S", b"123456789S", b"5s", b"-5S", b"5"])
+def test_a_malformed_grpc_timeout_is_none(value: bytes) -> None:
+    assert parse_timeout(value) is None
+
+
+def test_answer_header_blocks_decode_without_encoder_state() -> None:
+    decoder = Decoder()
+    assert decoder.decode(RESPONSE_HEAD) == [
+        (":status", "200"),
+        ("content-type", "application/grpc"),
+        ("grpc-accept-encoding", "identity,deflate,gzip"),
+    ]
+    block = status_block(3, "bad 'x': 100%\n", metadata_bytes([("k-bin", b"\xff"), ("k", "v")]))
+    assert Decoder().decode(OK + block) == [
+        ("grpc-status", "0"),
+        ("grpc-status", "3"),
+        ("grpc-message", "bad 'x': 100%25%0A"),
+        ("k-bin", "/w"),
+        ("k", "v"),
+    ]
+
+
+def test_a_compressed_message_is_inflated_within_the_limit() -> None:
+    gzip = 16 + zlib.MAX_WBITS
+    packed = zlib.compressobj(wbits=gzip)
+    data = packed.compress(b"x" * 1000) + packed.flush()
+    assert inflate(data, gzip, 1000) == b"x" * 1000
+    with pytest.raises(Abort) as exc:
+        inflate(data, gzip, 999)  # a bomb is cut off at the limit
+    assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(Abort) as exc:
+        inflate(b"not gzip", gzip, 1000)
+    assert exc.value.code == grpc.StatusCode.INTERNAL
+    with pytest.raises(Abort):
+        inflate(data[:-4], gzip, 1000)  # cut short
