@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from bench.showcase.report import Settings
+    from bench.showcase.zoo import Settings
     from rtserve.optimize.early_exit_train import ExitPoint, Trained
 
 THRESHOLDS = (0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0)

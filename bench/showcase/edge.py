@@ -23,7 +23,7 @@ from bench.workloads import ROOT
 from rtserve.optimize.edge import CONVERTER_ENV, EdgeRequest, EdgeResult, export_edge
 
 if TYPE_CHECKING:
-    from bench.showcase.report import Settings
+    from bench.showcase.zoo import Settings
 
 CONVERTER = ROOT / "bench" / ".peers" / "litert" / "bin" / "python"
 THREADS = 1
@@ -126,7 +126,7 @@ def _runtime(fmt: str) -> str:
 
 def section(settings: Settings) -> str:
     """The report's edge section (Markdown)."""
-    from bench.showcase.report import _version
+    from bench.showcase.zoo import version_of
 
     python = converter()
     parts = [
@@ -135,7 +135,7 @@ def section(settings: Settings) -> str:
         "Each model written by `rtserve export-edge` as the files that ship to phones and ARM "
         "boards and measured by the runtime that runs them there: ONNX Runtime loading the "
         "`.ort` (FP32, and static INT8 QDQ, per-channel, MinMax) and the LiteRT interpreter "
-        f"(`ai-edge-litert` {_version('ai-edge-litert')}) running the `.tflite` (FP32, and "
+        f"(`ai-edge-litert` {version_of('ai-edge-litert')}) running the `.tflite` (FP32, and "
         "PT2E static INT8 from `litert-torch` 0.10: INT8 weights, activations and inputs/"
         "outputs, converted from/to FP32 as the server does). Batch 1, 1 thread, timed in 5 "
         "alternating rounds (p50: least disturbed round; p99: all rounds). Load is the median "

@@ -18,7 +18,7 @@ from rtserve.optimize.pipeline import OptimizeResult, TorchSources, ratio, run_o
 from rtserve.optimize.qat import QatOptions
 
 if TYPE_CHECKING:
-    from bench.showcase.report import Settings
+    from bench.showcase.zoo import Settings
 
 GOAL_SPEEDUP = 1.4
 GOAL_AGREEMENT = 0.97
@@ -28,7 +28,7 @@ OPTIONS = QatOptions(epochs=3, lr=1e-3, batch_size=8, float_first=5)
 
 def run(settings: Settings) -> tuple[OptimizeResult, int]:
     """Export EfficientNet-Lite0, build and measure ``int8-qat`` next to FP32."""
-    from bench.showcase.report import _options
+    from bench.showcase.zoo import options
 
     work = settings.work / "efficientnet-qat"
     model = zoo.export_efficientnet_lite0(work / "source.onnx")
@@ -36,7 +36,7 @@ def run(settings: Settings) -> tuple[OptimizeResult, int]:
     n_train = min(TRAIN_IMAGES, settings.n_eval_images)
     train = {"image": zoo.efficientnet_preprocess(zoo.sample_images(n_train, seed=3))}
     sources = TorchSources(model=zoo.efficientnet_module(), train_inputs=train, qat=OPTIONS)
-    opts = _options(settings, max_accuracy_drop=1 - GOAL_AGREEMENT, variants=("int8-qat",))
+    opts = options(settings, max_accuracy_drop=1 - GOAL_AGREEMENT, variants=("int8-qat",))
     result = run_optimize(model, work / "variants", None, eval_data, None, opts, sources)
     return result, n_train
 

@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bench.showcase import zoo
-from bench.workloads import ROOT
+from bench.showcase.zoo import SENTENCES, Settings, options, version_of
 from rtserve.optimize.pipeline import (
-    OptimizeOptions,
     OptimizeResult,
     PruneSpec,
     TorchSources,
@@ -34,8 +33,6 @@ from rtserve.optimize.pipeline import (
     run_optimize,
 )
 from rtserve.optimize.report import markdown_table, plot
-
-SENTENCES = ROOT / "examples" / "data" / "sentences.txt"
 
 
 @dataclass
@@ -61,26 +58,6 @@ class Section:
     targets: list[Target] = field(default_factory=list)
     int8_name: str | None = None
     seconds: float = 0.0
-
-
-@dataclass
-class Settings:
-    work: pathlib.Path
-    iterations: int
-    max_seconds: float
-    n_eval_images: int
-    n_calib_images: int
-    n_sentences: int
-    progress: bool
-
-
-def _options(settings: Settings, **kw: object) -> OptimizeOptions:
-    base = OptimizeOptions(
-        iterations=settings.iterations, max_seconds=settings.max_seconds, progress=settings.progress
-    )
-    for k, v in kw.items():
-        setattr(base, k, v)
-    return base
 
 
 def _best_in_budget(result: OptimizeResult, prefix: str) -> str | None:
@@ -109,7 +86,7 @@ def run_minilm(settings: Settings) -> Section:
         model=torch_model,
         prune=[PruneSpec("magnitude", 0.1), PruneSpec("magnitude", 0.3)],
     )
-    opts = _options(
+    opts = options(
         settings,
         max_accuracy_drop=0.01,
         calibration_methods=("minmax",),
@@ -159,7 +136,7 @@ def run_efficientnet(settings: Settings) -> Section:
     eval_data = {"image": zoo.efficientnet_preprocess(eval_images)}
     calib = {"image": zoo.efficientnet_preprocess(calib_images)}
     sources = TorchSources(model=zoo.efficientnet_module(), prune=[PruneSpec("magnitude", 0.2)])
-    opts = _options(
+    opts = options(
         settings,
         max_accuracy_drop=0.03,
         calibration_methods=("minmax", "percentile"),
@@ -229,7 +206,7 @@ def run_digits(settings: Settings) -> Section:
         prune=[PruneSpec("structured", 0.5, 10), PruneSpec("magnitude", 0.5, 10)],
         distill_epochs=80,
     )
-    opts = _options(
+    opts = options(
         settings,
         max_accuracy_drop=0.02,
         calibration_methods=("minmax",),
@@ -327,7 +304,7 @@ def render(
         "ratios, and treat differences under about 20% as noise.",
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}",
-        f"- python {platform.python_version()}, onnxruntime {_version('onnxruntime')}, torch {_version('torch')}",
+        f"- python {platform.python_version()}, onnxruntime {version_of('onnxruntime')}, torch {version_of('torch')}",
         f"- total run time: {seconds / 60:.1f} min",
         "",
         "Variants: `fp32` (the exported model, ORT online optimization), `fp32-opt` (offline "
@@ -405,15 +382,6 @@ def render(
         if fb:
             lines += ["Static INT8 fallback (nodes kept in float: score):", "", fb, ""]
     return "\n".join(lines) + "\n"
-
-
-def _version(pkg: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(pkg)
-    except PackageNotFoundError:
-        return "?"
 
 
 RUNNERS: dict[str, Callable[[Settings], Section]] = {

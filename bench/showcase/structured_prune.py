@@ -32,7 +32,7 @@ from rtserve.optimize.prune_transformer import STRUCTURED_HEADS
 from rtserve.optimize.report import markdown_table
 
 if TYPE_CHECKING:
-    from bench.showcase.report import Settings
+    from bench.showcase.zoo import Settings
 
 GOAL_SPEEDUP = 1.5
 GOAL_COSINE = 0.99
@@ -72,7 +72,7 @@ def training_texts(sentences: Sequence[str], count: int, seed: int = 0) -> list[
 
 def run(settings: Settings) -> OptimizeResult:
     """Export MiniLM, build and measure INT8 dynamic, the pruned model and pruned + INT8."""
-    from bench.showcase.report import SENTENCES, _options
+    from bench.showcase.zoo import SENTENCES, options
     from rtserve.optimize.data import read_sentences
 
     work = settings.work / "minilm-prune"
@@ -81,7 +81,7 @@ def run(settings: Settings) -> OptimizeResult:
     eval_data = zoo.minilm_tokenize(sentences[:EVAL_SENTENCES], seq_len=32)
     train = zoo.minilm_tokenize(training_texts(sentences[EVAL_SENTENCES:], TRAIN_TEXTS), 32)
     sources = TorchSources(model=zoo.minilm_module(), train_inputs=train, prune=[SPEC])
-    opts = _options(
+    opts = options(
         settings, max_accuracy_drop=1 - GOAL_COSINE, variants=("fp32-opt", "int8-dynamic", "pruned"),
         task="embedding", num_heads=12, hidden_size=384,
     )  # fmt: skip

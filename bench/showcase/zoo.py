@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rtserve.optimize.errors import OptimizeError
+from rtserve.optimize.pipeline import OptimizeOptions
 from rtserve.optimize.text import minilm_path, minilm_tokenize, offline
 
 if TYPE_CHECKING:
@@ -27,6 +29,38 @@ MINILM_DIM = 384
 EFFICIENTNET_SIZE = 224
 DIGITS_FEATURES = 64
 DIGITS_CLASSES = 10
+
+
+SENTENCES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "data" / "sentences.txt"
+
+
+@dataclass
+class Settings:
+    work: pathlib.Path
+    iterations: int
+    max_seconds: float
+    n_eval_images: int
+    n_calib_images: int
+    n_sentences: int
+    progress: bool
+
+
+def options(settings: Settings, **kw: object) -> OptimizeOptions:
+    base = OptimizeOptions(
+        iterations=settings.iterations, max_seconds=settings.max_seconds, progress=settings.progress
+    )
+    for k, v in kw.items():
+        setattr(base, k, v)
+    return base
+
+
+def version_of(pkg: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return "?"
 
 
 def minilm_module() -> torch.nn.Module:
