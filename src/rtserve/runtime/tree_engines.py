@@ -9,6 +9,8 @@ regressor's value ``[n]``) from a float matrix ``[n, features]`` where NaN is mi
 - ``treelite``: the trees compiled to C by treelite/tl2cgen and built with the system
   compiler into a shared library, cached beside the model under a name keyed by the model
   file's hash (a second load reuses it);
+- ``lleaves``: a LightGBM model compiled by lleaves (LLVM through llvmlite) into a shared
+  library, cached like treelite's;
 - ``onnx``: the model converted by onnxmltools and run by ONNX Runtime's TreeEnsemble.
 
 At load, each candidate's answers on a check batch (with NaNs) must equal the native ones
@@ -34,7 +36,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-EXECUTIONS = ("auto", "native", "treelite", "onnx")
+EXECUTIONS = ("auto", "native", "treelite", "lleaves", "onnx")
 CHECK_ROWS = 64
 SMALL_ROWS = 4  # requests of at most this many rows use the engine fastest at one row
 TOLERANCE = 1e-6
@@ -48,6 +50,7 @@ class Engine:
     name: str
     predict: Predict
     note: str = ""
+    size: int = 0  # bytes of what it runs (a compiled library, an ONNX graph); 0: the model's
 
 
 def file_digest(path: Path) -> str:
@@ -105,7 +108,47 @@ def treelite_engine(framework: str, model: Any, path: Path, n_features: int, kin
         out = predictor.predict(dmatrix(x))
         return out.reshape(x.shape[0], -1) if multi else out.reshape(x.shape[0])
 
-    return Engine("treelite", predict, f"library {lib.name}")
+    return Engine("treelite", predict, f"library {lib.name}", lib.stat().st_size)
+
+
+def _cached_library(path: Path, key: str) -> Path:
+    """Where the compiled library of ``path`` lives: beside it, or in the temporary
+    directory when the repository is read-only."""
+    lib = path.resolve().parent / CACHE_DIR / f"{key}.so"
+    try:
+        lib.parent.mkdir(exist_ok=True)
+    except OSError:
+        lib = Path(tempfile.gettempdir()) / "rtserve-compiled" / lib.name
+        lib.parent.mkdir(exist_ok=True)
+    return lib
+
+
+def lleaves_engine(path: Path, kind: str, n_class: int) -> Engine:
+    """Compile (or reuse the cached) lleaves library of the LightGBM ``model.txt`` at
+    ``path``; one thread per call."""
+    from importlib.metadata import version
+
+    import lleaves
+
+    key = f"lightgbm-{file_digest(path)}-ll{version('lleaves')}-llvm{version('llvmlite')}"
+    lib = _cached_library(path, key)
+    model = lleaves.Model(model_file=str(path))
+    if lib.exists():
+        model.compile(cache=str(lib))
+    else:
+        start = time.perf_counter()
+        partial = lib.with_suffix(f".{os.getpid()}.tmp.so")
+        model.compile(cache=str(partial))
+        partial.replace(lib)
+        log.info("%s: compiled with lleaves into %s in %.1f s",
+                 path, lib, time.perf_counter() - start)  # fmt: skip
+    multi = kind == "multiclass"
+
+    def predict(x: np.ndarray) -> np.ndarray:
+        out = model.predict(np.ascontiguousarray(x, dtype=np.float64), n_jobs=1)
+        return out.reshape(x.shape[0], n_class) if multi else out.reshape(x.shape[0])
+
+    return Engine("lleaves", predict, f"library {lib.name}", lib.stat().st_size)
 
 
 def onnx_engine(framework: str, model: Any, n_features: int, kind: str, dtype: Any) -> Engine:
@@ -133,7 +176,8 @@ def onnx_engine(framework: str, model: Any, n_features: int, kind: str, dtype: A
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(onx.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    graph = onx.SerializeToString()
+    session = ort.InferenceSession(graph, so, providers=["CPUExecutionProvider"])
     outputs = [o.name for o in session.get_outputs()]
     run = session.run
     if kind == "regression":
@@ -150,7 +194,7 @@ def onnx_engine(framework: str, model: Any, n_features: int, kind: str, dtype: A
             p = run(wanted, {"features": x.astype(np.float32, copy=False)})[0]
             return p[:, 1] if binary else p
 
-    return Engine("onnx", predict, "onnxmltools + ONNX Runtime TreeEnsemble")
+    return Engine("onnx", predict, "onnxmltools + ONNX Runtime TreeEnsemble", len(graph))
 
 
 def check_batch(n_features: int, dtype: Any, sample: np.ndarray | None = None) -> np.ndarray:

@@ -572,7 +572,7 @@ class TreeModel:
         # Execution: the framework's own, or faster ones that give the same answers.
         native = tree_engines.Engine("native", a.value)
         candidates = []
-        if a.booster is not None and options.execution in ("auto", "treelite", "onnx"):
+        if a.booster is not None and options.execution in ("auto", "treelite", "lleaves", "onnx"):
             makers: list[tuple[str, Callable[[], tree_engines.Engine]]] = []
             if options.execution in ("auto", "treelite") and path.suffix in (
                 ".json",
@@ -581,6 +581,14 @@ class TreeModel:
             ):
                 makers.append(("treelite", lambda: tree_engines.treelite_engine(
                     a.framework, a.booster, path, a.n_features, a.kind)))  # fmt: skip
+            if (
+                options.execution in ("auto", "lleaves")
+                and a.framework == "lightgbm"
+                and path.suffix == ".txt"
+            ):
+                n_class = len(a.classes)
+                makers.append(("lleaves", lambda: tree_engines.lleaves_engine(
+                    path, a.kind, n_class)))  # fmt: skip
             # ONNX's TreeEnsemble compares in float32: XGBoost's precision, not LightGBM's
             # (float64 thresholds and leaves), so for LightGBM only when asked for.
             if options.execution == "onnx" or (
@@ -601,11 +609,11 @@ class TreeModel:
         check = tree_engines.check_batch(a.n_features, self.dtype)
         if a.framework == "catboost" or a.framework == "sklearn":
             check = np.nan_to_num(check)  # (categorical columns, imputers: no NaN by default)
-        if options.execution in ("treelite", "onnx") and not candidates:
+        if options.execution in ("treelite", "lleaves", "onnx") and not candidates:
             raise ConfigError(f"{config.source}: {config.backend}.execution: {options.execution} "
                               f"could not be built for {path} (see the log)")  # fmt: skip
         choice = tree_engines.choose(candidates, native, check, str(path))
-        if options.execution in ("treelite", "onnx"):
+        if options.execution in ("treelite", "lleaves", "onnx"):
             forced = [e for e in choice.valid if e.name == options.execution]
             if not forced:
                 raise ConfigError(
