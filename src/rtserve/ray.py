@@ -28,7 +28,6 @@ the setting.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Mapping
@@ -36,38 +35,106 @@ from pathlib import Path
 from typing import Any
 
 from ray import serve
-from ray.serve.deployment import Application
+from ray.serve.deployment import Application as ServeApplication
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from rtserve.config import load_server_config
+from rtserve.api import checks
+from rtserve.api.application import Application
+from rtserve.api.call import Answer, CallData, Streamed, settle
+from rtserve.api.context import error_reply
+from rtserve.config import ServerConfig, load_server_config
 from rtserve.engine import Engine
-from rtserve.errors import ConfigError, InvalidInput, NotSupported
-from rtserve.observability.logs import checked_request_id
-from rtserve.observability.metrics import server_timing
-from rtserve.protocol.http_codec import (
-    decode_infer_request,
-    encode_infer_response,
-    json_header_length,
-)
-from rtserve.protocol.types import InferRequest, Timings
-from rtserve.server import adapters, http1
-from rtserve.server.errors import http_error
-from rtserve.server.generative import Streamed, is_generative_route, settle
+from rtserve.errors import ConfigError, NotSupported
 from rtserve.server.paths import canonical_path
-from rtserve.server.rest import _infer_target
 
-__all__ = ["RTServeDeployment", "app", "build"]
+__all__ = ["AsgiEntry", "RTServeDeployment", "app", "build"]
 
 REPLICA_HEADER = "x-rtserve-replica"
 ENTRY = "the Ray deployment"
 FRONT = "Ray's proxy (serve.start's http_options)"
+NO_CONTROL = NotSupported(
+    "model control is not offered through Ray Serve: each replica owns its "
+    "models; change the repository and redeploy the application"
+)
 _now = time.perf_counter_ns
 
 
-def _headers(pairs: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """Response headers for Starlette, less ``x-request-id`` (Ray's proxy adds it)."""
-    return {k.decode("latin-1"): v.decode("latin-1") for k, v in pairs if k != b"x-request-id"}
+def _headers(pairs: list[tuple[bytes, bytes]], replica: str) -> dict[str, str]:
+    """Response headers for Starlette, less ``x-request-id`` (Ray's proxy echoes it, or
+    makes one), with the replica's id."""
+    out = {k.decode("latin-1"): v.decode("latin-1") for k, v in pairs if k != b"x-request-id"}
+    out[REPLICA_HEADER] = replica
+    return out
+
+
+class AsgiEntry:
+    """A Starlette request (an ASGI scope) into a call of the application, its reply into a
+    Starlette response: the part of a replica that sees requests, without Ray."""
+
+    def __init__(self, application: Application, config: ServerConfig, replica: str) -> None:
+        self.app = application
+        self.config = config
+        self.replica = replica
+        self.last_request = 0.0
+
+    async def __call__(self, request: Request) -> Response:
+        received = _now()
+        self.last_request = time.monotonic()
+        path = ""
+        try:
+            path = self._path(request)
+            headers = self._head(request)
+            peer = request.client.host if request.client else "?"
+            self.app.check_credentials(peer, path, headers)
+            body = await self._body(request) if request.method == "POST" else b""
+        except Exception as exc:
+            return self._response(error_reply(path, exc))
+        call = CallData(request.method.encode(), path, headers, body, received)
+        reply = await settle(self.app.reply(call, peer))
+        if isinstance(reply, Streamed):
+            return StreamingResponse(reply.chunks, 200, _headers(reply.headers, self.replica))
+        return self._response(reply)
+
+    def _path(self, request: Request) -> str:
+        """The canonical path below the application's route prefix."""
+        scope = request.scope
+        path = canonical_path(scope.get("raw_path") or scope["path"].encode())
+        root = scope.get("root_path", "").rstrip("/")
+        if root and path.startswith(root + "/"):
+            path = path[len(root) :]
+        return path
+
+    def _head(self, request: Request) -> dict[bytes, bytes]:
+        """The request's headers within the server's URL and header limits, and a declared
+        body within ``max_request_bytes`` (refused before the key, as the server does)."""
+        scope = request.scope
+        target = len(scope.get("raw_path") or scope["path"].encode()) + len(
+            scope.get("query_string", b"")
+        )
+        headers = checks.request_headers(self.config, target, scope["headers"])
+        declared = headers.get(b"content-length", b"")
+        limit = self.config.max_request_bytes
+        if declared.isdigit() and int(declared) > limit:
+            raise checks.body_too_large(int(declared), limit)
+        return headers
+
+    async def _body(self, request: Request) -> bytes:
+        """The body, read no further than ``max_request_bytes``: a body that grows past it
+        is refused as soon as it does."""
+        limit = self.config.max_request_bytes
+        pieces: list[bytes] = []
+        size = 0
+        async for piece in request.stream():
+            size += len(piece)
+            if size > limit:
+                raise checks.body_too_large(size, limit)
+            pieces.append(piece)
+        return b"".join(pieces)
+
+    def _response(self, answer: Answer) -> Response:
+        status, body, headers = answer
+        return Response(body, status, _headers(headers, self.replica))
 
 
 class RTServeDeployment:
@@ -89,157 +156,25 @@ class RTServeDeployment:
             model_repository=Path(repository),
             **dict(settings or {}),
         )
-        self._last_request = 0.0
         self.config = config
         self.engine = Engine(config)
         # The keys and limits first: a setting that cannot be honoured stops the start
         # before any model loads.
-        self._frontend = adapters.frontend(self.engine.dataplane, config, ENTRY, FRONT)
-        self._generative = self._frontend.generative  # (with the guard: keys named in bodies)
-        self._max_body = config.max_request_bytes
+        application = Application.for_adapter(
+            self.engine.dataplane, config, ENTRY, FRONT, control_refusal=NO_CONTROL
+        )
+        replica = serve.get_replica_context().replica_id.to_full_id_str()
+        self.entry = AsgiEntry(application, config, replica)
         self.engine.add_activity(self._more_expected)
         await self.engine.start()
-        self._replica = serve.get_replica_context().replica_id.to_full_id_str()
 
     def _more_expected(self) -> bool:
         """Whether a request may arrive soon: one arrived in the last second (the proxy's
         connections are not visible here, as with gRPC in ``rtserve serve``)."""
-        return time.monotonic() - self._last_request < 1.0
+        return time.monotonic() - self.entry.last_request < 1.0
 
     async def __call__(self, request: Request) -> Response:
-        received = _now()
-        self._last_request = time.monotonic()
-        path = ""
-        try:
-            path = self._path(request)
-            headers = self._head(request)
-            peer = request.client.host if request.client else "?"
-            self._frontend.check_credentials(peer, path, headers)
-        except Exception as exc:
-            return self._response(*adapters.refusal(path, exc))
-        try:
-            if request.method == "POST" and path.endswith("/infer"):
-                return await self._infer(request, path, Timings(received=received))
-            if request.method == "POST" and path.startswith("/v2/repository/models/"):
-                raise NotSupported(
-                    "model control is not offered through Ray Serve: each replica owns its "
-                    "models; change the repository and redeploy the application"
-                )
-            if is_generative_route(path):
-                return await self._generate(request, path, headers, peer, received)
-            body = await self._body(request) if request.method == "POST" else b""
-            raw = http1.Request(
-                request.method.encode(), path, "", headers, body, True, received, checked=True
-            )
-            status, out, pairs = self._frontend._route(raw)
-        except Exception as exc:
-            status, out, pairs = http_error(exc)
-        return self._response(status, out, pairs)
-
-    def _path(self, request: Request) -> str:
-        """The canonical path below the application's route prefix."""
-        scope = request.scope
-        path = canonical_path(scope.get("raw_path") or scope["path"].encode())
-        root = scope.get("root_path", "").rstrip("/")
-        if root and path.startswith(root + "/"):
-            path = path[len(root) :]
-        return path
-
-    def _head(self, request: Request) -> dict[bytes, bytes]:
-        """The request's headers within the server's URL and header limits, and a declared
-        body within ``max_request_bytes`` (refused before the key, as the server does)."""
-        scope = request.scope
-        target = len(scope.get("raw_path") or scope["path"].encode()) + len(
-            scope.get("query_string", b"")
-        )
-        headers = adapters.request_headers(self.config, target, scope["headers"])
-        declared = headers.get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self._max_body:
-            raise adapters.body_too_large(int(declared), self._max_body)
-        return headers
-
-    async def _body(self, request: Request) -> bytes:
-        """The body, read no further than ``max_request_bytes``: a declared length over it
-        is refused before reading, a body that grows past it as soon as it does."""
-        limit = self._max_body
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise adapters.body_too_large(int(declared), limit)
-        pieces: list[bytes] = []
-        size = 0
-        async for piece in request.stream():
-            size += len(piece)
-            if size > limit:
-                raise adapters.body_too_large(size, limit)
-            pieces.append(piece)
-        return b"".join(pieces)
-
-    async def _infer(self, request: Request, path: str, timings: Timings) -> Response:
-        headers = request.headers  # x-request-id: Ray's proxy echoes it (or makes one)
-        try:
-            request_id = headers.get("x-request-id")
-            if request_id is not None:
-                timings.request_id = checked_request_id(request_id)
-            traceparent = headers.get("traceparent")
-            if traceparent is not None:
-                timings.traceparent = traceparent[:128]
-            name, version = _infer_target(path)
-            body = await self._body(request)
-            encoding = headers.get("content-encoding", "identity").lower()
-            if encoding != "identity":
-                body = await asyncio.to_thread(
-                    self._frontend._decompress, body, encoding.encode("latin-1")
-                )
-            length = headers.get("inference-header-content-length")
-            header_length = json_header_length(None if length is None else length.encode("latin-1"))
-            decoded: list[InferRequest] = []
-
-            def decode(mv: Any) -> InferRequest:
-                req = decode_infer_request(body, header_length, name, version, mv.decode_limits)
-                decoded.append(req)
-                return req
-
-            response = await self.engine.dataplane.infer(name, version, timings, decode)
-            try:
-                out, json_length = encode_infer_response(response, decoded[0])
-            except (TypeError, ValueError) as exc:
-                raise InvalidInput(f"could not encode the response: {exc}") from None
-        except Exception as exc:
-            return self._response(*http_error(exc))
-        pairs = [(b"server-timing", server_timing(timings, _now()).encode())]
-        if json_length is None:
-            pairs.append((b"content-type", b"application/json"))
-        else:
-            pairs.append((b"content-type", b"application/octet-stream"))
-            pairs.append((b"inference-header-content-length", b"%d" % json_length))
-        if timings.cache:
-            pairs.append((b"x-rtserve-cache", timings.cache.encode()))
-        return self._response(200, out, pairs)
-
-    async def _generate(
-        self, request: Request, path: str, headers: dict[bytes, bytes], peer: str, received: int
-    ) -> Response:
-        """A generative route: the answer whole, or its events streamed as they come. Ray
-        cancels this task (or closes the stream) when the client disconnects, which aborts
-        the sequence."""
-        try:
-            body = await self._body(request) if request.method == "POST" else b""
-        except Exception as exc:
-            return self._response(*adapters.refusal(path, exc))
-        raw = http1.Request(
-            request.method.encode(), path, "", headers, body, True, received, checked=True
-        )
-        reply = await settle(self._generative.reply(raw, peer))
-        if isinstance(reply, Streamed):
-            out = _headers(reply.headers)
-            out[REPLICA_HEADER] = self._replica
-            return StreamingResponse(reply.chunks, 200, out)
-        return self._response(*reply)
-
-    def _response(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> Response:
-        out = _headers(headers)
-        out[REPLICA_HEADER] = self._replica
-        return Response(body, status, out)
+        return await self.entry(request)
 
     def check_health(self) -> None:
         """Ray's replica health check: failing models make the replica unhealthy."""
@@ -272,7 +207,7 @@ def app(
     config_file: str | None = None,
     name: str = "rtserve",
     access_log: bool = False,
-) -> Application:
+) -> ServeApplication:
     """The repository as a bound Serve application (pass it to ``serve.run``).
 
     ``autoscaling_config``: Ray's fields (``min_replicas``, ``max_replicas``,
@@ -332,7 +267,7 @@ def _arg(key: str, value: Any) -> Any:
         ) from None
 
 
-def build(args: dict[str, Any]) -> Application:
+def build(args: dict[str, Any]) -> ServeApplication:
     """The application builder for ``serve run rtserve.ray:build repository=...`` and the
     ``args`` of a Serve config file; the arguments are ``app``'s."""
     if "repository" not in args:

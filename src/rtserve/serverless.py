@@ -13,7 +13,7 @@ Requests take the server's path: the same canonical paths, size limits, decoding
 bodies (the binary data extension) come and go base64-encoded. ``RTSERVE_CONFIG`` may name
 a server config file (limits, response cache, keys, rate limit). Needs no ``awslambdaric``.
 
-Every request passes the checks ``rtserve serve`` applies (``server/adapters.py``): the
+Every request passes the checks ``rtserve serve`` applies (``rtserve.api``): the
 URL, header and body limits, then the keys of ``auth_file`` and the ``rate_limit_rps`` per
 client address (the event's ``sourceIp``; a bucket per execution environment), before
 any decoding. A setting the handler cannot honour (``tls_*``, ``shared_memory``) or an
@@ -29,7 +29,6 @@ once generation ends.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import base64
 import binascii
@@ -41,36 +40,20 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 
+from rtserve.api import checks
+from rtserve.api.application import Application
+from rtserve.api.call import CallData, gather
 from rtserve.config import load_server_config
-from rtserve.core.model import ModelVersion
 from rtserve.engine import Engine, SyncEngine
-from rtserve.errors import (
-    ConfigError,
-    InvalidInput,
-    RouteNotFound,
-    RTServeError,
-)
-from rtserve.observability.logs import checked_request_id
-from rtserve.observability.metrics import server_timing
-from rtserve.protocol.http_codec import (
-    decode_infer_request,
-    encode_infer_response,
-    json_header_length,
-)
-from rtserve.protocol.types import InferRequest, InferResponse, Timings
-from rtserve.server import adapters
+from rtserve.errors import ConfigError, InvalidInput, RouteNotFound
 from rtserve.server.errors import http_error
-from rtserve.server.generative import gather, is_generative_route
-from rtserve.server.http1 import Request
 from rtserve.server.paths import canonical_path
-from rtserve.server.rest import _infer_target
 
 __all__ = ["ENV_CONFIG", "ENV_REPOSITORY", "engine", "handler", "shutdown"]
 
@@ -78,10 +61,12 @@ ENV_REPOSITORY = "RTSERVE_MODEL_REPOSITORY"
 ENV_CONFIG = "RTSERVE_CONFIG"
 # Set by Lambda in every execution environment: there, import is the init phase.
 ENV_LAMBDA = "AWS_LAMBDA_FUNCTION_NAME"
-_now = time.perf_counter_ns
 log = logging.getLogger("rtserve")
 ENTRY = "the Lambda handler"
 FRONT = "API Gateway or the function URL"
+NO_CONTROL = RouteNotFound(
+    "model control is not offered by the serverless handler (deploy a new function version instead)"
+)
 # An HTTP header name (RFC 9110's token).
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # What a header value may not hold (as the HTTP parser refuses it): CR, LF, NUL.
@@ -100,6 +85,7 @@ class HttpEvent:
     headers: dict[bytes, bytes]  # names in lower case
     body: bytes
     peer: str  # the client's address (requestContext's sourceIp): its rate limit bucket
+    received_ns: int = 0
 
 
 class _Runtime:
@@ -113,9 +99,10 @@ class _Runtime:
         engine = Engine(config)
         # The keys and limits first: a setting that cannot be honoured stops the start
         # before any model loads.
-        self.frontend = adapters.frontend(engine.dataplane, config, ENTRY, FRONT)
-        self.generative = self.frontend.generative  # (with the guard: keys named in bodies)
-        guard = self.frontend.guard
+        self.app = Application.for_adapter(
+            engine.dataplane, config, ENTRY, FRONT, control_refusal=NO_CONTROL
+        )
+        guard = self.app.guard
         if guard is not None:
             log.info(
                 "serverless: keys %s, rate limit %s",
@@ -272,7 +259,7 @@ def _body(event: dict[str, Any], limit: int) -> bytes:
     # a byte per character at least.
     least = (len(body) - 4) * 3 // 4 if encoded else len(body)
     if least > limit:
-        raise adapters.body_too_large(least, limit)
+        raise checks.body_too_large(least, limit)
     if encoded:
         try:
             raw = base64.b64decode(body, validate=True)
@@ -284,12 +271,13 @@ def _body(event: dict[str, Any], limit: int) -> bytes:
         except UnicodeEncodeError:  # (lone surrogates: \ud800 in the event's JSON)
             raise InvalidInput("event.body: not valid Unicode") from None
     if len(raw) > limit:
-        raise adapters.body_too_large(len(raw), limit)
+        raise checks.body_too_large(len(raw), limit)
     return raw
 
 
 def parse_event(event: Any, rt: _Runtime) -> HttpEvent:
     """The request in ``event``, checked against the server's URL, header and body limits."""
+    received = time.perf_counter_ns()  # (the event's arrival)
     if not isinstance(event, dict):
         raise InvalidInput("event: expected a JSON object")
     method, path = _method_and_path(event)
@@ -300,40 +288,18 @@ def parse_event(event: Any, rt: _Runtime) -> HttpEvent:
         raise InvalidInput("event: the request path is not valid Unicode") from None
     query = event.get("rawQueryString")  # (payload 2.0; counted as the server counts it)
     target = len(raw_path) + (len(query) + 1 if isinstance(query, str) and query else 0)
-    headers = adapters.request_headers(config, target, _header_pairs(event))
+    headers = checks.request_headers(config, target, _header_pairs(event))
     return HttpEvent(
         method.encode("latin-1"),
         canonical_path(raw_path),
         headers,
         _body(event, config.max_request_bytes),
         _peer(event),
+        received,
     )
 
 
 # ---------------------------------------------------------------------- answers
-def _decode(rt: _Runtime, ev: HttpEvent, name: str, version: str, mv: ModelVersion) -> InferRequest:
-    body = ev.body
-    encoding = ev.headers.get(b"content-encoding")
-    if encoding is not None and encoding.lower() != b"identity":
-        body = rt.frontend._decompress(body, encoding.lower())
-    length = json_header_length(ev.headers.get(b"inference-header-content-length"))
-    return decode_infer_request(body, length, name, version, mv.decode_limits)
-
-
-def _encoded(request: InferRequest, response: InferResponse) -> Answer:
-    body, json_length = encode_infer_response(response, request)
-    timings = request.timings
-    headers = {"server-timing": server_timing(timings, _now())}
-    if json_length is None:
-        headers["content-type"] = "application/json"
-    else:
-        headers["content-type"] = "application/octet-stream"
-        headers["inference-header-content-length"] = str(json_length)
-    if timings.cache:
-        headers["x-rtserve-cache"] = timings.cache
-    return 200, headers, body
-
-
 def _text_headers(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in headers}
 
@@ -343,68 +309,14 @@ def _error(exc: BaseException) -> Answer:
     return status, _text_headers(headers), body
 
 
-async def _infer(rt: _Runtime, ev: HttpEvent, name: str, version: str) -> Answer:
-    """One inference through the dataplane's single lifecycle (batcher, cache, metrics)."""
-    answer: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-    timings = Timings(received=_now())
-    request_id = ev.headers.get(b"x-request-id")
-    if request_id is not None:
-        timings.request_id = checked_request_id(request_id.decode("latin-1"))
-
-    def sink(
-        request: InferRequest,
-        mv: ModelVersion | None,
-        response: InferResponse | None,
-        error: RTServeError | None,
-        final: bool = True,
-    ) -> RTServeError | None:
-        failed = None
-        if response is not None:
-            try:
-                answer.set_result(_encoded(request, response))
-                return None
-            except (TypeError, ValueError) as exc:
-                error = failed = InvalidInput(f"could not encode the response: {exc}")
-        assert error is not None
-        answer.set_result(_error(error))
-        return failed
-
-    rt.engine.engine.dataplane.submit(
-        name, version, timings, partial(_decode, rt, ev, name, version), sink
-    )
-    status, headers, body = await answer
-    if timings.request_id:
-        headers["x-request-id"] = timings.request_id
-    return status, headers, body
-
-
 async def _answer(rt: _Runtime, ev: HttpEvent) -> Answer:
-    """Check the request's key and rate limit, then route it, as the HTTP server does; runs
+    """The application's reply, gathered into one body (API Gateway cannot stream); runs
     on the engine's loop (one rate limiter, one dataplane, whichever thread called)."""
-    try:
-        rt.frontend.check_credentials(ev.peer, ev.path, ev.headers)
-    except Exception as exc:
-        status, body, headers = adapters.refusal(ev.path, exc)
-        return status, _text_headers(headers), body
-    try:
-        if ev.method == b"POST":
-            if ev.path.endswith("/infer"):
-                return await _infer(rt, ev, *_infer_target(ev.path))
-            if ev.path.startswith("/v2/repository/models/"):
-                raise RouteNotFound(
-                    f"no route for POST {ev.path[:200]}: model control is not offered by the "
-                    "serverless handler (deploy a new function version instead)"
-                )
-        request = Request(ev.method, ev.path, "", ev.headers, ev.body, True, _now())
-        if is_generative_route(ev.path):
-            status, body, headers = await gather(rt.generative.reply(request, ev.peer))
-        else:
-            status, body, headers = rt.frontend._route(request)
-        if ev.method == b"HEAD":  # (the GET's status and headers, no body)
-            body = b""
-        return status, _text_headers(headers), body
-    except Exception as exc:
-        return _error(exc)
+    call = CallData(ev.method, ev.path, ev.headers, ev.body, ev.received_ns, checked=False)
+    status, body, headers = await gather(rt.app.reply(call, ev.peer))
+    if ev.method == b"HEAD":  # (the GET's status and headers, no body)
+        body = b""
+    return status, _text_headers(headers), body
 
 
 def _lambda_response(answer: Answer) -> dict[str, Any]:

@@ -14,38 +14,30 @@ the answer is cancelled.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
-import socket
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from rtserve.api.call import Answer, Call, Pending, Reply, Streamed, gather, settle
+from rtserve.api.context import timings_of, with_request_id
 from rtserve.core import generation
 from rtserve.core.dataplane import DataPlane
 from rtserve.errors import InvalidInput, PayloadTooLarge, RouteNotFound
 from rtserve.llm.params import GenerationEvent, SamplingParams
-from rtserve.observability.logs import checked_request_id
 from rtserve.protocol.limits import DEFAULT_LIMITS
 from rtserve.protocol.types import Timings
 from rtserve.server import openai
 from rtserve.server.errors import JSON_TYPE, http_error
-from rtserve.server.http1 import Connection, Request
 from rtserve.server.security import Guard, http_credential
 
-Headers = list[tuple[bytes, bytes]]
-Answer = tuple[int, bytes, Headers]
+__all__ = ["Answer", "GenerativeRoutes", "Pending", "Reply", "Streamed", "gather", "settle"]
 _GENERATE = ("generate", "generate_stream")
 # Triton generate: request keys that are not sampling parameters.
 _TRITON_KEYS = ("text_input", "parameters", "id", "stream")
-# The kernel's send buffer of a connection streaming tokens (it grows to megabytes by
-# itself): a client that stops reading backs its stream up into the engine soon, which
-# pauses it (``llm.unread_timeout_s``) instead of decoding on into the kernel.
-STREAM_SEND_BUFFER = 128 << 10
 # What a generative request body may cost to parse, checked before it is parsed (the JSON
 # parser holds the GIL: no thread keeps a large parse from stalling the event loop). The
 # body: at most BODY_BYTES_PER_TOKEN bytes per token of the longest max_model_len served
@@ -57,41 +49,8 @@ MAX_JSON_CONTAINERS = DEFAULT_LIMITS.max_json_containers
 MIN_ITEMS = 1 << 14
 # The top-level "model" of a body, found without parsing it (when it is the only one).
 _MODEL_KEY = re.compile(rb'"model"\s*:\s*"([^"\\]{1,1024})"')
-
-
-@dataclass(slots=True)
-class Streamed:
-    """A 200 answer of server-sent events, each sent as ``chunks`` yields it; closing
-    ``chunks`` (the client went away) aborts the generation."""
-
-    headers: Headers
-    chunks: AsyncGenerator[bytes, None]
-
-
-@dataclass(slots=True)
-class Pending:
-    """An answer sent whole once ``answer()`` returns; cancelling the task that awaits it
-    (the client went away) aborts the generation."""
-
-    answer: Callable[[], Awaitable[Answer | Streamed]]
-
-
-Reply = Answer | Streamed | Pending
-
-
-async def settle(reply: Reply) -> Answer | Streamed:
-    """The reply with a pending answer awaited (for a transport that awaits in place)."""
-    return await reply.answer() if isinstance(reply, Pending) else reply
-
-
-async def gather(reply: Reply) -> Answer:
-    """The whole answer, a stream's events gathered into one body (for a transport that
-    cannot stream, such as API Gateway)."""
-    done = await settle(reply)
-    if isinstance(done, Streamed):
-        async with aclosing(done.chunks):
-            return 200, b"".join([chunk async for chunk in done.chunks]), done.headers
-    return done
+# A generative route: a method of GenerativeRoutes taking (request, peer, inflated body).
+Route = Callable[["GenerativeRoutes", Call, str, bytes], Reply]
 
 
 def is_generative_route(path: str) -> bool:
@@ -115,24 +74,9 @@ def _generate_target(path: str) -> tuple[str, str, bool]:
     raise RouteNotFound(f"no route for POST {path[:200]}")
 
 
-def _timings(request: Request) -> Timings:
-    timings = Timings(received=request.received_ns)
-    request_id = request.headers.get(b"x-request-id")
-    if request_id is not None:
-        timings.request_id = checked_request_id(request_id.decode("latin-1"))
-    traceparent = request.headers.get(b"traceparent")
-    if traceparent is not None:
-        timings.traceparent = traceparent[:128].decode("latin-1")
-    return timings
-
-
-def _with_id(headers: Headers, timings: Timings) -> Headers:
-    if timings.request_id:
-        return [*headers, (b"x-request-id", timings.request_id.encode("latin-1"))]
-    return headers
-
-
 class GenerativeRoutes:
+    """The generative routes over a dataplane, without a transport."""
+
     def __init__(
         self,
         dataplane: DataPlane,
@@ -146,46 +90,56 @@ class GenerativeRoutes:
         self.guard = guard
         self.decompress = decompress
         self.started = int(time.time())
-        self._tasks: set[asyncio.Task[None]] = set()
 
-    def handle(self, conn: Connection, request: Request) -> None:
-        """Answer one request on these routes (the guard's route check has passed)."""
-        peer = conn.transport.get_extra_info("peername") if conn.transport is not None else None
-        reply = self.reply(request, str(peer[0]) if peer else "")
-        if isinstance(reply, Streamed):
-            _bound_send_buffer(conn)
-            conn.respond_stream(200, reply.headers, reply.chunks)
-        elif isinstance(reply, Pending):
-            self._answer_later(conn, reply)
-        else:
-            conn.respond(*reply)
-
-    def reply(self, request: Request, peer: str = "") -> Reply:
+    def reply(self, request: Call, peer: str = "", route: Route | None = None) -> Reply:
         """The reply to one request on these routes, for any transport (``peer``: the
-        client's address, whose share a generation counts in without keys)."""
+        client's address, whose share a generation counts in without keys); ``route``: the
+        method answering it (``GenerativeRoutes.route`` by default) with its inflated body."""
+        route = route or GenerativeRoutes.route
         encoding = request.headers.get(b"content-encoding")
         if request.method == b"POST" and encoding is not None and encoding.lower() != b"identity":
-            return self._inflated(request, encoding.lower(), peer)
-        return self._route(request, peer, request.body)
+            return self._inflated(request, encoding.lower(), peer, route)
+        return route(self, request, peer, request.body)
 
-    def _route(self, request: Request, peer: str, body: bytes) -> Reply:
-        """``body``: the request's body, inflated when it came compressed."""
+    def route(self, request: Call, peer: str, body: bytes) -> Reply:
+        """Any of these routes, by its path (for callers outside the route table)."""
         path = request.path
         method = b"GET" if request.method == b"HEAD" else request.method
         if path in ("/v1/chat/completions", "/v1/completions") and method == b"POST":
-            kind = openai.CHAT if "chat" in path else openai.TEXT
-            return self._openai(request, kind, peer, body)
+            return self.completions(request, peer, body)
         if path == "/v1/models" and method == b"GET":
-            return 200, orjson.dumps(self._models(request)), [JSON_TYPE]
+            return self.models(request, peer, body)
         if path.startswith("/v1/models/") and method == b"GET":
-            return self._model(request, path[len("/v1/models/") :])
+            return self.model(request, peer, body)
         if path.startswith("/v1/"):
-            return openai.error_answer(
-                RouteNotFound(f"no route for {method.decode()} {path[:200]}")
-            )
+            return self.unknown(request, peer, body)
+        return self.triton(request, peer, body)
+
+    def completions(self, request: Call, peer: str, body: bytes) -> Reply:
+        """``POST /v1/chat/completions`` and ``/v1/completions``."""
+        kind = openai.CHAT if "chat" in request.path else openai.TEXT
+        return self._openai(request, kind, peer, body)
+
+    def models(self, request: Call, peer: str, body: bytes) -> Reply:
+        """``GET /v1/models``."""
+        return 200, orjson.dumps(self._models(request)), [JSON_TYPE]
+
+    def model(self, request: Call, peer: str, body: bytes) -> Reply:
+        """``GET /v1/models/{name}``."""
+        return self._model(request, request.path[len("/v1/models/") :])
+
+    def unknown(self, request: Call, peer: str, body: bytes) -> Reply:
+        """Any other ``/v1`` request: 404 in OpenAI's shape."""
+        method = b"GET" if request.method == b"HEAD" else request.method
+        return openai.error_answer(
+            RouteNotFound(f"no route for {method.decode()} {request.path[:200]}")
+        )
+
+    def triton(self, request: Call, peer: str, body: bytes) -> Reply:
+        """``/v2/models/{m}[/versions/{v}]/generate[_stream]``."""
         return self._triton(request, peer, body)
 
-    def _inflated(self, request: Request, encoding: bytes, peer: str) -> Pending:
+    def _inflated(self, request: Call, encoding: bytes, peer: str, route: Route) -> Pending:
         """The reply to a compressed body, inflated on a thread as V2 inflates (zlib lets
         the event loop run meanwhile), then checked and answered as any other body."""
 
@@ -203,16 +157,15 @@ class GenerativeRoutes:
                     kind = openai.CHAT if "chat" in request.path else openai.TEXT
                     return openai.error_answer(exc, kind)
                 return http_error(exc)
-            return await settle(self._route(request, peer, body))
+            return await settle(route(self, request, peer, body))
 
         return Pending(answer)
 
     # ------------------------------------------------------------------ body limits
     def _longest(self) -> int:
         """The longest ``max_model_len`` of the generative models served (0: none)."""
-        lengths = [
-            mv.llm.max_model_len for mv in self.dataplane.registry.loaded_versions() if mv.llm
-        ]
+        engines = map(generation.engine_of, self.dataplane.registry.loaded_versions())
+        lengths = [llm.max_model_len for llm in engines if llm is not None]
         return max(lengths, default=0)
 
     def body_limit(self) -> int:
@@ -249,7 +202,7 @@ class GenerativeRoutes:
                 f"generation (max_model_len and {MIN_ITEMS} more)"
             )
 
-    def _authorize_early(self, raw: Request, body: bytes) -> None:
+    def _authorize_early(self, raw: Call, body: bytes) -> None:
         """The key checked for the model a body names before the body is parsed, when that
         can be read without parsing (one ``"model"`` key); the parsed request is checked
         again."""
@@ -259,7 +212,7 @@ class GenerativeRoutes:
         if found is not None:
             self.guard.http_model(raw.headers, found.group(1).decode("utf-8", "replace"))
 
-    def _client(self, raw: Request, peer: str) -> dict[str, Any]:
+    def _client(self, raw: Call, peer: str) -> dict[str, Any]:
         """Whose fair share a generation counts in (its key's name; without keys, the
         client's address) and the most urgent priority its key is granted."""
         auth = self.guard.auth if self.guard is not None else None
@@ -269,12 +222,12 @@ class GenerativeRoutes:
         return {"tenant": grant.name, "min_priority": grant.min_priority}
 
     # ------------------------------------------------------------------ OpenAI
-    def _openai(self, raw: Request, kind: str, peer: str, body: bytes) -> Reply:
+    def _openai(self, raw: Call, kind: str, peer: str, body: bytes) -> Reply:
         dp = self.dataplane
         timings = Timings(received=raw.received_ns)
         model = ""
         try:
-            timings = _timings(raw)
+            timings = timings_of(raw.headers, raw.received_ns)
             self.check_body(body)
             self._authorize_early(raw, body)
             request = openai.parse_request(body, kind)
@@ -296,7 +249,7 @@ class GenerativeRoutes:
     def _openai_refused(self, exc: Exception, kind: str, timings: Timings, model: str) -> Answer:
         error = generation.refused(self.dataplane, timings, exc, model)
         status, body, headers = openai.error_answer(error, kind)
-        return status, body, _with_id(headers, timings)
+        return status, body, with_request_id(headers, timings)
 
     def _openai_reply(
         self, request: openai.OpenAIRequest, kind: str, timings: Timings, gen: generation.Generation
@@ -311,7 +264,7 @@ class GenerativeRoutes:
         events = generation.events(dp, gen, prompt_logprobs=scored)
         if request.stream:
             chunks = openai.stream(request, events, prompt_text)
-            return Streamed(_with_id(openai.SSE_HEADERS, timings), chunks)
+            return Streamed(with_request_id(openai.SSE_HEADERS, timings), chunks)
 
         async def answer() -> Answer:
             try:
@@ -322,17 +275,17 @@ class GenerativeRoutes:
 
         return _later(timings, answer)
 
-    def _models(self, raw: Request) -> dict[str, Any]:
+    def _models(self, raw: Call) -> dict[str, Any]:
         guard = self.guard
         entries: dict[str, tuple[str, int, int]] = {}
         for mv in self.dataplane.registry.loaded_versions():
-            llm = mv.llm
+            llm = generation.engine_of(mv)
             if llm is None or not mv.ready or (guard and not guard.may_use(raw.headers, mv.name)):
                 continue
             entries.setdefault(mv.name, (mv.name, self.started, llm.max_model_len))
         return openai.models_document(sorted(entries.values()))
 
-    def _model(self, raw: Request, name: str) -> Answer:
+    def _model(self, raw: Call, name: str) -> Answer:
         try:
             if self.guard is not None:
                 self.guard.http_model(raw.headers, name)
@@ -343,14 +296,14 @@ class GenerativeRoutes:
         return 200, orjson.dumps(doc), [JSON_TYPE]
 
     # ------------------------------------------------------------------ Triton generate
-    def _triton(self, raw: Request, peer: str, body: bytes) -> Reply:
+    def _triton(self, raw: Call, peer: str, body: bytes) -> Reply:
         dp = self.dataplane
         timings = Timings(received=raw.received_ns)
         model = ""
         try:
             if raw.method != b"POST":
                 raise RouteNotFound(f"no route for {raw.method.decode()} {raw.path[:200]}")
-            timings = _timings(raw)
+            timings = timings_of(raw.headers, raw.received_ns)
             model, version, streamed = _generate_target(raw.path)
             self.check_body(body)
             text, params = parse_triton(body)
@@ -373,7 +326,7 @@ class GenerativeRoutes:
 
     def _triton_refused(self, exc: Exception, timings: Timings, model: str) -> Answer:
         status, body, headers = http_error(generation.refused(self.dataplane, timings, exc, model))
-        return status, body, _with_id(headers, timings)
+        return status, body, with_request_id(headers, timings)
 
     def _triton_reply(self, gen: generation.Generation, timings: Timings, streamed: bool) -> Reply:
         dp = self.dataplane
@@ -381,7 +334,7 @@ class GenerativeRoutes:
         events = generation.events(dp, gen)
         if streamed:
             chunks = triton_stream(head, events)
-            return Streamed(_with_id(openai.SSE_HEADERS, timings), chunks)
+            return Streamed(with_request_id(openai.SSE_HEADERS, timings), chunks)
 
         async def answer() -> Answer:
             try:
@@ -391,31 +344,6 @@ class GenerativeRoutes:
             return 200, orjson.dumps({**head, "text_output": text}), [JSON_TYPE]
 
         return _later(timings, answer)
-
-    # ------------------------------------------------------------------ plumbing
-    def _answer_later(self, conn: Connection, pending: Pending) -> None:
-        """Send the answer when it is ready; the client going away first cancels it
-        (and with it the generation)."""
-
-        async def run() -> None:
-            done = await pending.answer()
-            if isinstance(done, Streamed):
-                _bound_send_buffer(conn)
-                conn.respond_stream(200, done.headers, done.chunks)
-            else:
-                conn.respond(*done)
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        conn.on_lost = task.cancel
-
-
-def _bound_send_buffer(conn: Connection) -> None:
-    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
 
 
 def _prepared_later(
@@ -451,7 +379,7 @@ def _later(timings: Timings, answer: Callable[[], Awaitable[Answer]]) -> Pending
 
     async def run() -> Answer:
         status, body, headers = await answer()
-        return status, body, _with_id(headers, timings)
+        return status, body, with_request_id(headers, timings)
 
     return Pending(run)
 

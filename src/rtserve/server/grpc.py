@@ -26,14 +26,13 @@ from typing import Any
 import grpc
 import numpy as np
 
+from rtserve.api.context import error_metadata, grpc_metadata, read_metadata
 from rtserve.core import generation
 from rtserve.core.control import ModelControl
 from rtserve.core.dataplane import DataPlane
 from rtserve.core.model import ModelVersion
 from rtserve.errors import InvalidInput, RTServeError, as_error
 from rtserve.llm.params import SamplingParams
-from rtserve.observability.logs import checked_request_id
-from rtserve.observability.metrics import server_timing
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol.bytes_codec import encode_bytes_elements
 from rtserve.protocol.grpc_codec import (
@@ -304,10 +303,12 @@ class GrpcFrontend:
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # ------------------------------------------------------------------ inference
-    async def _infer(self, message: Any, context: Any) -> Any:
+    async def _infer(self, message: Any, context: Any, timings: Timings | None = None) -> Any:
         """Check the call, hand it to the dataplane (which decodes it once the model is
-        known, then records it), encode the answer; raises ``RTServeError``."""
-        timings = Timings(received=_now())
+        known, then records it), encode the answer; raises ``RTServeError``. ``timings``:
+        the call's (its request id read into them)."""
+        if timings is None:
+            timings = Timings(received=_now())
         self.last_request_s = time.monotonic()
         dp = self.dataplane
         remaining = None
@@ -316,11 +317,7 @@ class GrpcFrontend:
             if self.guard is not None and context is not None:
                 self.guard.grpc("ModelInfer", message, context)
             if context is not None:
-                for key, value in context.invocation_metadata() or ():
-                    if key == "x-request-id":
-                        timings.request_id = checked_request_id(str(value))
-                    elif key == "traceparent":
-                        timings.traceparent = str(value)[:128]
+                read_metadata(timings, context.invocation_metadata() or ())
                 remaining = context.time_remaining()
         except Exception as exc:
             error = as_error(exc, "inference request")
@@ -358,19 +355,15 @@ class GrpcFrontend:
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         self.in_flight += 1
+        timings = Timings(received=_now())
         try:
-            message, timings = await self._infer(request, context)
+            message, timings = await self._infer(request, context, timings)
         except RTServeError as exc:
             code, details = grpc_error(exc)
-            await context.abort(code, details, grpc_trailers(exc))
+            await context.abort(code, details, grpc_trailers(exc) + error_metadata(timings))
         finally:
             self.in_flight -= 1
-        metadata = [("server-timing", server_timing(timings, _now()))]
-        if timings.cache:
-            metadata.append(("x-rtserve-cache", timings.cache))
-        if timings.request_id:
-            metadata.append(("x-request-id", timings.request_id))
-        context.set_trailing_metadata(metadata)
+        context.set_trailing_metadata(grpc_metadata(timings))
         return message
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
@@ -459,7 +452,7 @@ class GrpcFrontend:
         if entry is None or not entry.versions:
             return None
         mv = entry.versions.get(request.model_version or entry.latest)
-        return mv if mv is not None and mv.llm is not None else None
+        return mv if mv is not None and generation.engine_of(mv) is not None else None
 
     async def _stream_generation(
         self,
@@ -482,11 +475,8 @@ class GrpcFrontend:
         try:
             if self.guard is not None:
                 self.guard.grpc("ModelStreamInfer", request, context)
-            for key, value in (context.invocation_metadata() or ()) if context else ():
-                if key == "x-request-id":  # (as for ModelInfer: the access log's id)
-                    timings.request_id = checked_request_id(str(value))
-                elif key == "traceparent":
-                    timings.traceparent = str(value)[:128]
+            if context is not None:  # (as for ModelInfer: the access log's id)
+                read_metadata(timings, context.invocation_metadata() or ())
             text, params, empty_final = _generation_request(request, mv)
             gen = await generation.prepare_async(
                 dp, request.model_name, timings, params, prompt=text,

@@ -1,22 +1,17 @@
-"""What the adapters (the Lambda handler, the Ray deployment) apply as ``rtserve serve``
-does, through the HTTP frontend's own code: the keys and the rate limit
-(``HttpFrontend.check_credentials``, the ``Guard`` built by ``Guard.from_config``), the
-URL and header limits, the body limits (``max_request_bytes``, then the decompression and
-JSON limits where the frontend decodes). A setting an adapter cannot honour refuses its
-start, naming the setting: a user must never believe a protection is on when it is not.
+"""The checks every entry applies as ``rtserve serve`` does, before a route runs: the URL
+and header limits, the body limits (``max_request_bytes``, then the decompression limit),
+and the settings an adapter cannot honour, which refuse its start naming the setting (a
+user must never believe a protection is on when it is not). The keys and the rate limit
+are ``Application.check_credentials``.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 
 from rtserve.config import ServerConfig
-from rtserve.core.dataplane import DataPlane
 from rtserve.errors import ConfigError, HeaderTooLarge, InvalidInput, PayloadTooLarge, UriTooLong
-from rtserve.server.errors import Headers, http_error
-from rtserve.server.openai import error_answer
-from rtserve.server.rest import HttpFrontend
-from rtserve.server.security import Guard
 
 # Settings no adapter can honour, and why: TLS (and its client certificates) ends before the
 # adapter, at API Gateway, the function URL or Ray's proxy; system shared memory needs a
@@ -41,19 +36,6 @@ def refuse_unhonoured(config: ServerConfig, entry: str, front: str) -> None:
                 f"{where}: {name}: {entry} cannot honour this setting "
                 f"({why.format(front=front)}); remove it"
             )
-
-
-def frontend(dataplane: DataPlane, config: ServerConfig, entry: str, front: str) -> HttpFrontend:
-    """The V2 frontend with the configured keys and rate limit, as ``rtserve serve`` builds
-    it; raises ``ConfigError`` (naming the setting) for what ``entry`` cannot honour or an
-    auth file that cannot be read. Call before loading models: a bad setting fails fast."""
-    refuse_unhonoured(config, entry, front)
-    return HttpFrontend(
-        dataplane,
-        config.max_request_bytes,
-        guard=Guard.from_config(config),
-        max_decompressed_bytes=config.max_decompressed_bytes,
-    )
 
 
 def request_headers(
@@ -100,7 +82,21 @@ def body_too_large(size: int, limit: int) -> PayloadTooLarge:
     )
 
 
-def refusal(path: str, exc: BaseException) -> tuple[int, bytes, Headers]:
-    """The answer to a request refused before its route ran: OpenAI's error shape on
-    ``/v1``, V2's elsewhere (as the HTTP server answers)."""
-    return error_answer(exc) if path.startswith("/v1/") else http_error(exc)
+def decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
+    """``body`` inflated (gzip or deflate) up to ``limit`` bytes (``max_decompressed_bytes``);
+    other encodings, corrupt bodies and bombs are refused naming why."""
+    if encoding not in (b"gzip", b"deflate"):
+        raise InvalidInput(
+            f"Content-Encoding: {encoding[:40].decode(errors='replace')!r} is not supported "
+            "(expected gzip, deflate or identity)"
+        )
+    d = zlib.decompressobj(31 if encoding == b"gzip" else 15)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InvalidInput(f"Content-Encoding {encoding.decode()}: corrupt body: {exc}") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise PayloadTooLarge(
+            f"decompressed body exceeds the limit of {limit} bytes (max_decompressed_bytes)"
+        )
+    return out
