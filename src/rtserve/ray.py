@@ -19,7 +19,7 @@ serve.run(rtserve.ray.app("examples/repository", num_replicas=2), route_prefix="
 or ``serve run rtserve.ray:build repository=examples/repository num_replicas=2``, or a
 Serve config file (``deploy/ray/serve.yaml``) for ``serve deploy``.
 
-Every request passes the checks ``rtserve serve`` applies (``server/adapters.py``): the
+Every request passes the checks ``rtserve serve`` applies (``rtserve.api``): the
 URL, header and body limits, the keys of ``auth_file`` and the ``rate_limit_rps`` per
 client address (the address Ray's proxy saw; a bucket per replica), before any decoding.
 A setting a replica cannot honour (``tls_*``, ``shared_memory``) fails its start, naming
