@@ -24,6 +24,7 @@ import asyncio
 import base64
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ import orjson
 
 from rtserve.core.dataplane import DataPlane
 from rtserve.core.model import ModelVersion
-from rtserve.errors import InvalidInput, RTServeError
+from rtserve.errors import InvalidInput, RTServeError, as_error
 from rtserve.protocol.types import InferRequest, Tensor, Timings
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
@@ -275,11 +276,9 @@ def _request(em: Embedder, mv: ModelVersion, rows: list[Any]) -> InferRequest:
     return InferRequest(mv.name, mv.version, tensors)
 
 
-async def embed(
+def _prepared(
     dataplane: DataPlane, request: EmbeddingRequest, timings: Timings
-) -> dict[str, Any]:
-    """The ``/v1/embeddings`` answer: the rows through the dataplane, at most
-    ``max_batch_size`` per V2 request (each recorded as one)."""
+) -> tuple[ModelVersion, Embedder, list[Any], int]:
     mv = dataplane.resolve(request.model, "", timings)
     em = embedder(dataplane, mv)
     if em is None:
@@ -292,7 +291,19 @@ async def embed(
             f"dimensions: this model answers {em.dims} dimensions, got {request.dimensions}"
         )
     rows, tokens = _rows(em, request.inputs)
-    timings.prompt_tokens = tokens
+    return mv, em, rows, tokens
+
+
+async def embed(
+    dataplane: DataPlane, request: EmbeddingRequest, timings: Timings
+) -> dict[str, Any]:
+    """The ``/v1/embeddings`` answer: the rows through the dataplane, at most
+    ``max_batch_size`` per V2 request (each recorded as one)."""
+    try:
+        mv, em, rows, tokens = _prepared(dataplane, request, timings)
+    except Exception as exc:  # (recorded here: it never reached the dataplane)
+        dataplane.record_refusal(timings, as_error(exc, "embeddings request"), request.model)
+        raise
     parts = [rows[i : i + em.max_batch] for i in range(0, len(rows), em.max_batch)]
 
     async def one(part: list[Any], part_timings: Timings) -> np.ndarray:
@@ -338,3 +349,28 @@ def model_entries(dataplane: DataPlane, created: int | None = None) -> list[dict
         {"id": name, "object": "model", "created": when, "owned_by": "rtserve", "dimensions": d}
         for name, d in embedding_models(dataplane)
     ]
+
+
+async def answer(
+    dataplane: DataPlane,
+    body: bytes,
+    timings: Timings,
+    authorize: Callable[[str], None] | None = None,
+) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    """(status, body, headers) of ``POST /v1/embeddings``; errors in OpenAI's shape.
+    ``authorize(model)``: raises when the request's key may not use the model."""
+    from rtserve.server import openai
+
+    try:
+        try:
+            request = parse(body)
+            if authorize is not None:
+                authorize(request.model)
+        except Exception as exc:
+            dataplane.record_refusal(timings, as_error(exc, "embeddings request"))
+            raise
+        doc = await embed(dataplane, request, timings)
+    except Exception as exc:
+        status, text, headers = openai.error_answer(exc)
+        return status, text, headers
+    return 200, dumps(doc), [(b"content-type", b"application/json")]

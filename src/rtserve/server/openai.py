@@ -492,6 +492,8 @@ def error_document(exc: BaseException, kind: str = TEXT) -> tuple[int, dict[str,
     param = match.group(1) if match else None
     if kind == CHAT and param == "prompt":
         param = "messages"
+    elif kind == RESPONSES and param in ("prompt", "messages"):
+        param = "input"
     code: str | None = None
     if isinstance(err, ModelNotFound):
         param, code = "model", "model_not_found"

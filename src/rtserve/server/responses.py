@@ -330,8 +330,11 @@ async def stream(
                     for call in found:
                         for chunk in _call_events(response, call):
                             yield chunk
-            doc = response.document("completed", last)
-            yield response.event(f"response.{doc['status']}", response=doc)
+            # (completed, also when the answer was cut: its status says incomplete, as the
+            # clients' stream helpers wait for this event)
+            yield response.event(
+                "response.completed", response=response.document("completed", last)
+            )
         except Exception as exc:
             _, error = openai.error_document(exc, openai.CHAT)
             yield response.event(
