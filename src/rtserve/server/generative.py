@@ -1,12 +1,12 @@
-"""The generative routes on the HTTP server: the OpenAI-compatible API (``/v1/...``, see
-``server/openai.py``) and Triton's generate extension (``/v2/models/{m}/generate`` and
-``generate_stream``).
+"""The generative routes of the application (``rtserve.api``): the OpenAI-compatible API
+(``/v1/...``, see ``server/openai.py``) and Triton's generate extension
+(``/v2/models/{m}/generate`` and ``generate_stream``); each is a method that the route table
+(``api/routes.py``) names.
 
 Each request is parsed and checked first (``core/generation.prepare``: model, prompt,
 length, the first-token objective), so a refusal is a plain error answer; then the
 answer is streamed as server-sent events or gathered and sent whole. ``GenerativeRoutes.reply``
-does all of that without a transport (the Ray deployment and the serverless handler send
-its ``Reply`` their own way); ``handle`` sends it on rtserve's HTTP/1.1 connection. A client
+does all of that without a transport; each adapter sends its ``Reply`` its own way. A client
 that goes away stops its sequence: the stream's iterator is closed, or the task gathering
 the answer is cancelled.
 """
@@ -83,7 +83,7 @@ class GenerativeRoutes:
         guard: Guard | None = None,
         decompress: Callable[[bytes, bytes], bytes] | None = None,
     ) -> None:
-        """``decompress``: the V2 frontend's (``HttpFrontend._decompress``: gzip and deflate
+        """``decompress``: the application's (``Application.decompress``: gzip and deflate
         up to ``max_decompressed_bytes``, other encodings refused); None: a body with a
         Content-Encoding other than identity is refused."""
         self.dataplane = dataplane
