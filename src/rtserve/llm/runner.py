@@ -56,6 +56,8 @@ class ModelRunner:
         if self.weights != "fp32":
             qops = kernels.quant_ops() if self.device.type == "cpu" else None
             quant.plan(self.model, self.weights)
+            if self.weights == "int4":
+                quant.calibrate(self.model, self.tokenizer)
             make = quant.maker(qops)
             quant.quantize_head(self.model, make)
         self.fused = 0
@@ -354,7 +356,7 @@ class FusedLinears:
                 ),
                 False,
             )
-        quant.inherit(both, first)
+        quant.inherit(both, *linears)
         self.linear = make(both) if make is not None else PackedLinear(both, batch_hint)
         self.sizes = [lin.out_features for lin in linears]
         self._input: torch.Tensor | None = None
@@ -419,7 +421,7 @@ def _stacked(
     both.weight = torch.nn.Parameter(torch.cat([lin.weight for lin in linears]).detach(), False)
     if first.bias is not None:
         both.bias = torch.nn.Parameter(torch.cat([lin.bias for lin in linears]).detach(), False)
-    quant.inherit(both, first)
+    quant.inherit(both, *linears)
     return _packed(both, batch_hint, make)
 
 
