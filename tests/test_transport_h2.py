@@ -4,7 +4,10 @@ messages. (tests/test_grpc_h2.py and tests/test_h2_budgets.py drive the whole tr
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import struct
+import weakref
 import zlib
 
 import grpc
@@ -26,6 +29,7 @@ from rtserve.server.h2_call import (
     RESPONSE_HEAD,
     Abort,
     CallHeaders,
+    Stream,
     inflate,
     metadata_bytes,
     parse_timeout,
@@ -59,6 +63,7 @@ from rtserve.server.h2_frames import (
     read_settings,
     settings_frame,
 )
+from rtserve.server.h2_send import MAX_OUT_PENDING, Outbox
 from rtserve.server.h2_windows import (
     MAX_WINDOW,
     MIN_SEND,
@@ -223,6 +228,19 @@ def test_reading_stops_when_the_connection_closes() -> None:
     reader.table[DATA] = close_on_data
     reader.feed(frame(DATA, 0, 1, b"a") + frame(DATA, 0, 1, b"b"))
     assert len(target.seen) == 1
+
+
+def test_a_stopped_reader_holds_no_reference_to_its_connection() -> None:
+    reader, target = _reader()
+    ref = weakref.ref(target)
+    reader.stop()
+    gc.disable()  # freed by reference counting alone, as a closed connection must be
+    try:
+        del target
+        assert ref() is None
+    finally:
+        gc.enable()
+    reader.feed(frame(DATA, 0, 1, b"late"))  # (ignored)
 
 
 def test_settings_and_window_update_payloads() -> None:
@@ -439,3 +457,74 @@ def test_a_compressed_message_is_inflated_within_the_limit() -> None:
     assert exc.value.code == grpc.StatusCode.INTERNAL
     with pytest.raises(Abort):
         inflate(data[:-4], gzip, 1000)  # cut short
+
+
+# ---------------------------------------------------------------------- answers and windows
+def _stream(send_window: int = 65535) -> Stream:
+    return Stream(1, 65535, send_window)
+
+
+def test_an_answer_within_the_windows_goes_out_at_once() -> None:
+    outbox, sent = Outbox(), []
+    st = _stream()
+    assert outbox.data(st, b"x" * 100, sent.append) == (1, False)
+    assert sent == [frame(DATA, 0, 1, b"x" * 100)]
+    assert st.send_window == 65535 - 100 and outbox.window == 65535 - 100
+    assert outbox.headers(st, b"trailers", True, sent.append)  # sent, and it ends the stream
+
+
+def test_an_answer_waits_for_window_and_its_trailers_wait_behind_it() -> None:
+    outbox, sent = Outbox(), []
+    st = _stream(send_window=100)
+    assert outbox.data(st, b"x" * 1000, sent.append) == (0, False)  # under MIN_SEND: waits
+    assert st in outbox.blocked and st.pending_bytes == 1000 and not st.queued
+    assert not outbox.headers(st, b"trailers", True, sent.append)  # behind the data
+    st.send_window += 2000  # a WINDOW_UPDATE
+    assert outbox.drain(st, sent.append) == (2, True)
+    assert sent == [frame(DATA, 0, 1, b"x" * 1000), b"trailers"]
+    assert st not in outbox.blocked and not st.pending
+
+
+def test_an_answer_held_by_the_connection_window_waits_its_turn() -> None:
+    outbox, sent = Outbox(), []
+    outbox.window = 100
+    st = _stream()
+    outbox.data(st, b"x" * 1000, sent.append)
+    assert st.queued and list(outbox.ready) == [st] and not sent
+    outbox.window += 600
+    assert outbox.drain(st, sent.append) == (1, False)  # 700 of 1000, in one frame
+    assert sent == [frame(DATA, 0, 1, b"x" * 700)] and st.pending_bytes == 300
+
+
+def test_a_large_answer_is_cut_to_the_peer_frame_size() -> None:
+    outbox, sent = Outbox(), []
+    outbox.window = 1 << 20
+    st = _stream(send_window=1 << 20)
+    assert outbox.data(st, b"x" * 40000, sent.append) == (3, False)
+    assert [len(f) - 9 for f in sent] == [16384, 16384, 40000 - 2 * 16384]
+
+
+def test_a_handler_waiting_for_its_queue_is_woken_once_it_shrinks() -> None:
+    async def run() -> bool:
+        outbox, sent = Outbox(), []
+        st = _stream(send_window=0)
+        outbox.data(st, b"x" * (MAX_OUT_PENDING + 1), sent.append)
+        st.drained = asyncio.get_running_loop().create_future()
+        waiter = st.drained
+        st.send_window = outbox.window = 1 << 30
+        outbox.max_frame = 1 << 24
+        outbox.drain(st, sent.append)
+        return waiter.done() and st.drained is None
+
+    assert asyncio.run(run())
+
+
+def test_a_settings_change_moves_every_stream_window() -> None:
+    outbox = Outbox()
+    streams = {1: _stream(100), 3: _stream(50)}
+    outbox.initial_window(streams, -80)
+    assert [st.send_window for st in streams.values()] == [20, -30]
+    st = streams[3]
+    outbox.data(st, b"x" * 10, [].append)
+    outbox.drop(st)
+    assert st not in outbox.blocked and not st.pending and st.pending_bytes == 0

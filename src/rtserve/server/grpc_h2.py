@@ -31,8 +31,6 @@ import resource
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable
-from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -40,7 +38,7 @@ from hpack import Decoder, HPACKError
 
 from rtserve.errors import RTServeError
 from rtserve.server.accept import TlsAcceptor
-from rtserve.server.errors import grpc_error, grpc_trailers
+from rtserve.server.errors import grpc_error
 from rtserve.server.grpc import SERVICE, GrpcFrontend, Method, check_call_headers, service_methods
 from rtserve.server.h2_budgets import (
     CALL_CREDIT,
@@ -64,16 +62,13 @@ from rtserve.server.h2_budgets import (
 from rtserve.server.h2_call import (
     ENCODINGS,
     GRPC_PREFIX,
-    OK,
     RESPONSE_HEAD,
     TABLE_SIZE_ZERO,
-    Abort,
     Call,
     CallHeaders,
     Compressed,
     Stream,
     header_block,
-    message,
     metadata_bytes,
     parse_timeout,
     status_block,
@@ -81,7 +76,6 @@ from rtserve.server.h2_call import (
 from rtserve.server.h2_frames import (
     ACK,
     COMPRESSION_ERROR,
-    DATA,
     END_HEADERS,
     END_STREAM,
     ENHANCE_YOUR_CALM,
@@ -109,13 +103,13 @@ from rtserve.server.h2_frames import (
     settings_frame,
     unpad,
 )
+from rtserve.server.h2_handlers import streaming, unary
+from rtserve.server.h2_send import Outbox
 from rtserve.server.h2_windows import (
     DEFAULT_WINDOW,
     MAX_WINDOW,
-    MIN_SEND,
     ReceiveWindow,
     grown,
-    send_size,
     window_increment,
 )
 
@@ -151,7 +145,6 @@ log = logging.getLogger(__name__)
 
 MAX_STREAMS = 1024  # concurrent streams per connection (SETTINGS_MAX_CONCURRENT_STREAMS)
 MAX_CONNECTIONS = 10_000  # open connections (at most an eighth of the descriptor limit)
-MAX_OUT_PENDING = 1 << 20  # answer bytes a stream handler may queue before it waits
 IDLE_S = 300.0
 PREFACE_S = 10.0
 SWEEP_S = 5.0
@@ -162,29 +155,6 @@ _SETTINGS = {3: MAX_STREAMS, 4: INITIAL_WINDOW, 6: MAX_HEADER_BYTES}
 def _methods(frontend: GrpcFrontend) -> dict[bytes, Method]:
     """The service's methods by HTTP/2 ``:path``."""
     return {f"/{SERVICE.full_name}/{m.name}".encode(): m for m in service_methods(frontend)}
-
-
-class _Requests:
-    """A streaming call's requests, as the handler's async iterator; taking one gives its
-    bytes back to the client's window."""
-
-    def __init__(self, conn: Connection, st: Stream, parse: Callable[[bytes], Any]) -> None:
-        self.conn, self.st, self.parse = conn, st, parse
-
-    def __aiter__(self) -> _Requests:
-        return self
-
-    async def __anext__(self) -> Any:
-        st = self.st
-        while not st.queue:
-            if st.remote_closed:
-                raise StopAsyncIteration
-            st.waiter = asyncio.get_running_loop().create_future()
-            await st.waiter
-        data = st.queue.popleft()
-        conn = self.conn
-        conn.taken(st, len(data) + 5)
-        return self.parse(await message(data, st.encoding, conn.server.max_message))
 
 
 class Connection(asyncio.Protocol):
@@ -206,15 +176,12 @@ class Connection(asyncio.Protocol):
         self.going_away = False
         self.table_reset = False  # sent the dynamic table size update
         self.peer_window = DEFAULT_WINDOW  # the peer's initial stream window (SETTINGS)
-        self.peer_max_frame = 16384
-        self.send_window = DEFAULT_WINDOW  # connection-level, what the peer lets us send
+        self.outbox = Outbox()  # answers waiting for window, the connection's send window
         self.inbound = ReceiveWindow()  # connection-level, what the peer may still send us
         self.granted = False  # CONN_WINDOW granted
         self.buffered = 0  # request bytes held for handlers (Stream.buffered, summed)
         self.leader: Stream | None = None  # the partial message let past CONN_BUFFER
         self.waiting: deque[Stream] = deque()  # partial messages waiting for room, in turn
-        self.blocked: set[Stream] = set()  # streams with answer data waiting for window
-        self.ready: deque[Stream] = deque()  # of those, the ones the connection's window holds
         self.address = ""  # the client's IP address
         self.now = self.created = self.active = self.loop.time()
         self.budget = FrameBudget(self.loop.time)  # frames without progress, resets
@@ -251,8 +218,7 @@ class Connection(asyncio.Protocol):
         for st in list(self.streams.values()):
             self._drop(st)
         self.streams.clear()
-        self.blocked.clear()
-        self.ready.clear()
+        self.outbox.clear()
 
     def pause_writing(self) -> None:
         if self.transport is not None:
@@ -357,16 +323,15 @@ class Connection(asyncio.Protocol):
                 delta = value - self.peer_window
                 self.peer_window = value
                 self.budget.spend(len(self.streams) / 64)  # (a walk over every stream)
-                for st in self.streams.values():
-                    st.send_window += delta
+                self.outbox.initial_window(self.streams, delta)
                 grew = delta > 0
             elif key == 5:
                 if not 16384 <= value <= 16777215:
                     raise ConnectionError_(PROTOCOL_ERROR, "bad MAX_FRAME_SIZE")
-                self.peer_max_frame = value
+                self.outbox.max_frame = value
         self.send(frame(SETTINGS, ACK, 0))
         if grew:
-            for st in list(self.blocked):
+            for st in list(self.outbox.blocked):
                 if not st.queued:
                     self._drain(st)
 
@@ -376,8 +341,9 @@ class Connection(asyncio.Protocol):
         if sid == 0:
             if not increment:
                 raise ConnectionError_(PROTOCOL_ERROR, "zero window increment")
-            self.send_window = grown(self.send_window, increment)
-            if self.ready:
+            outbox = self.outbox
+            outbox.window = grown(outbox.window, increment)
+            if outbox.ready:
                 self._pump()
             return
         st = self.streams.get(sid)
@@ -483,11 +449,11 @@ class Connection(asyncio.Protocol):
             compressed, size = GRPC_PREFIX.unpack_from(buf)
             if compressed and not st.encoding:
                 details = "a compressed message without grpc-encoding"
-                self._status(st, grpc.StatusCode.INTERNAL, details)
+                self.status(st, grpc.StatusCode.INTERNAL, details)
                 return -1
             if size > max_message:
                 details = f"Received message larger than max ({size} vs. {max_message})"
-                self._status(st, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+                self.status(st, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
                 return -1
             if len(buf) < size + 5:
                 break
@@ -502,7 +468,7 @@ class Connection(asyncio.Protocol):
                 st.held += size + 5
                 st.wake()
             elif st.message is not None:
-                self._status(st, grpc.StatusCode.UNIMPLEMENTED, "expected one request message")
+                self.status(st, grpc.StatusCode.UNIMPLEMENTED, "expected one request message")
                 return -1
             else:
                 st.message = data
@@ -605,7 +571,7 @@ class Connection(asyncio.Protocol):
                 if now - st.since <= limit:
                     continue
                 details = f"no request data for {limit:g} s ({name})"
-                self._status(st, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+                self.status(st, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
                 if st.task is not None:
                     st.task.cancel()
 
@@ -630,9 +596,9 @@ class Connection(asyncio.Protocol):
         if method.streaming:
             st.wake()
         elif st.buf:
-            self._status(st, grpc.StatusCode.INTERNAL, "incomplete request message")
+            self.status(st, grpc.StatusCode.INTERNAL, "incomplete request message")
         elif st.message is None:
-            self._status(st, grpc.StatusCode.UNIMPLEMENTED, "expected one request message")
+            self.status(st, grpc.StatusCode.UNIMPLEMENTED, "expected one request message")
         else:
             data, st.message = st.message, None
             if st.buffered:
@@ -640,7 +606,7 @@ class Connection(asyncio.Protocol):
             if st.unreleased:  # (the connection's window back)
                 self._conn_credit(st.unreleased)
                 st.unreleased = 0
-            st.task = self.loop.create_task(self._unary(st, method, data))
+            st.task = self.loop.create_task(unary(self, st, method, data, self.server.max_message))
             if self.waiting:
                 self.promote()
 
@@ -658,18 +624,18 @@ class Connection(asyncio.Protocol):
                 check_call_headers(server.guard, method.name if method else None, headers.metadata)
             except RTServeError as exc:
                 self.budget.spend(2)
-                self._status(st, *grpc_error(exc))
+                self.status(st, *grpc_error(exc))
                 return
         if not self.granted:
             self._grant()
         if method is None:
             self.budget.spend(2)
             where = headers.path.decode("latin-1", "replace")[:200]
-            self._status(st, grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {where}")
+            self.status(st, grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {where}")
             return
         refusal = server.budget.refusal(self.address)
         if refusal is not None:
-            self._status(st, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+            self.status(st, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
             return
         if not self._call_options(st, headers):
             return
@@ -680,7 +646,7 @@ class Connection(asyncio.Protocol):
         self.budget.earn(CALL_CREDIT)
         st.remote_closed = False
         if method.streaming:
-            st.task = self.loop.create_task(self._streaming(st, method))
+            st.task = self.loop.create_task(streaming(self, st, method, self.server.max_message))
         if ended:
             self._remote_end(st)
 
@@ -693,12 +659,12 @@ class Connection(asyncio.Protocol):
                 self.budget.spend(2)
                 name = encoding.decode("latin-1", "replace")[:40]
                 details = f"grpc-encoding {name!r}: not supported (identity, deflate, gzip)"
-                self._status(st, grpc.StatusCode.UNIMPLEMENTED, details)
+                self.status(st, grpc.StatusCode.UNIMPLEMENTED, details)
                 return False
             st.encoding = wbits
         if headers.timeout is not None and parse_timeout(headers.timeout) is None:
             self.budget.spend(2)
-            self._status(st, grpc.StatusCode.INTERNAL, "malformed grpc-timeout")
+            self.status(st, grpc.StatusCode.INTERNAL, "malformed grpc-timeout")
             return False
         return True
 
@@ -710,71 +676,10 @@ class Connection(asyncio.Protocol):
         st.timer = self.loop.call_later(seconds, self._expire, st)
         return time.monotonic() + seconds
 
-    async def _unary(self, st: Stream, method: Method, data: bytes) -> None:
-        call = st.call
-        if call is None or st.local_closed:  # ended before its handler ran
-            return
-        max_message = self.server.max_message
-        try:
-            request = method.parse(await message(data, st.encoding, max_message))
-            reply = await method.fn(request, call)
-            body = method.serialize(reply)
-        except Abort as exc:
-            self._status(st, exc.code, exc.details, exc.metadata)
-            return
-        except asyncio.CancelledError:
-            return
-        except Exception as exc:
-            log.exception("gRPC call failed")
-            self._status(st, *grpc_error(exc), grpc_trailers(exc))
-            return
-        if st.local_closed:
-            return
-        if len(body) > max_message:
-            details = f"response larger than max ({len(body)} vs. {max_message})"
-            self._status(st, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
-            return
-        self._head(st)
-        self._data_out(st, GRPC_PREFIX.pack(0, len(body)) + body)
-        trailers = OK + header_block(metadata_bytes(call.trailers)) if call.trailers else OK
-        self._trailers(st, trailers)
-
-    async def _streaming(self, st: Stream, method: Method) -> None:
-        call = st.call
-        if call is None or st.local_closed:
-            return
-        started = False
-        try:
-            async with aclosing(method.fn(_Requests(self, st, method.parse), call)) as replies:
-                async for reply in replies:
-                    if st.local_closed:
-                        return
-                    if not started:
-                        self._head(st)
-                        started = True
-                    body = method.serialize(reply)
-                    self._data_out(st, GRPC_PREFIX.pack(0, len(body)) + body)
-                    if st.pending_bytes > MAX_OUT_PENDING:
-                        st.drained = self.loop.create_future()
-                        await st.drained
-        except Abort as exc:
-            self._status(st, exc.code, exc.details, exc.metadata, started)
-            return
-        except asyncio.CancelledError:
-            return
-        except Exception as exc:
-            log.exception("gRPC stream failed")
-            self._status(st, *grpc_error(exc), grpc_trailers(exc), started)
-            return
-        if not st.local_closed:
-            if not started:
-                self._head(st)
-            self._trailers(st, OK)
-
     def _expire(self, st: Stream) -> None:
         st.timer = None
         if not st.local_closed:
-            self._status(st, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            self.status(st, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         if st.task is not None:
             st.task.cancel()
 
@@ -787,14 +692,14 @@ class Connection(asyncio.Protocol):
         self.table_reset = True
         return TABLE_SIZE_ZERO + block
 
-    def _head(self, st: Stream) -> None:
+    def head(self, st: Stream) -> None:
         self._out(st, frame(HEADERS, END_HEADERS, st.id, self._first(RESPONSE_HEAD)), False)
 
-    def _trailers(self, st: Stream, block: bytes) -> None:
+    def trailers(self, st: Stream, block: bytes) -> None:
         st.local_closed = True
         self._out(st, frame(HEADERS, END_HEADERS | END_STREAM, st.id, block), True)
 
-    def _status(
+    def status(
         self,
         st: Stream,
         code: grpc.StatusCode,
@@ -808,85 +713,41 @@ class Connection(asyncio.Protocol):
         block = status_block(code.value[0], details, metadata_bytes(metadata))
         if not started:
             block = self._first(RESPONSE_HEAD) + block
-        self._trailers(st, block)
+        self.trailers(st, block)
 
     def _http_refusal(self, st: Stream, status: bytes) -> None:
-        self._trailers(st, self._first(header_block([(b":status", status)])))
+        self.trailers(st, self._first(header_block([(b":status", status)])))
 
     def _out(self, st: Stream, headers: bytes, ends: bool) -> None:
         """A HEADERS frame, after the stream's answer data still waiting for window."""
-        if st.pending:
-            st.pending.append((False, headers, ends))
-            return
-        self.send(headers)
-        if ends:
+        if self.outbox.headers(st, headers, ends, self.send):
             self._closed_local(st)
 
-    def _data_out(self, st: Stream, payload: bytes) -> None:
-        n = len(payload)
+    def data_out(self, st: Stream, payload: bytes) -> None:
         self.active = self.loop.time()
-        if (
-            not st.pending
-            and n <= st.send_window
-            and n <= self.send_window
-            and n <= self.peer_max_frame
-        ):
-            st.send_window -= n
-            self.send_window -= n
-            self.send(frame(DATA, 0, st.id, payload))
-            self.budget.earn(1)
-            return
-        st.pending.append((True, payload, False))
-        st.pending_bytes += n
-        self.blocked.add(st)
-        if not st.queued:
-            self._drain(st)
+        sent, ended = self.outbox.data(st, payload, self.send)
+        self._sent(st, sent, ended)
 
     def _drain(self, st: Stream) -> int:
-        """Send what the windows allow of ``st``'s queued answer (a DATA frame once the
-        window holds MIN_SEND bytes, or all that is left); while the connection's window is
-        what holds it, ``st`` waits in ``ready``. Returns the frames sent."""
-        pending = st.pending
-        sent = 0
-        while pending and not self.closed:
-            is_data, data, ends = pending[0]
-            if not is_data:
-                pending.popleft()
-                self.send(data)
-                sent += 1
-                if ends:
-                    self._closed_local(st)
-                continue
-            n = len(data)
-            room = send_size(st.send_window, self.send_window, self.peer_max_frame, n)
-            if not room:
-                if st.send_window >= min(n, MIN_SEND) and not st.queued:
-                    st.queued = True
-                    self.ready.append(st)
-                break
-            st.send_window -= room
-            self.send_window -= room
-            st.pending_bytes -= room
-            self.send(frame(DATA, 0, st.id, data[:room] if room < n else data))
-            sent += 1
-            if room < n:
-                pending[0] = (True, data[room:], False)
-            else:
-                pending.popleft()
-        if not pending:
-            self.blocked.discard(st)
-        if st.drained is not None and st.pending_bytes <= MAX_OUT_PENDING // 2:
-            if not st.drained.done():
-                st.drained.set_result(None)
-            st.drained = None
+        """Send what the windows allow of ``st``'s queued answer (``Outbox.drain``);
+        returns the frames sent."""
+        if self.closed:
+            return 0
+        sent, ended = self.outbox.drain(st, self.send)
+        self._sent(st, sent, ended)
+        return sent
+
+    def _sent(self, st: Stream, sent: int, ended: bool) -> None:
+        """Answer frames went out: they earn the budget back; the last one ends the stream."""
         if sent:
             self.budget.earn(sent)
-        return sent
+        if ended:
+            self._closed_local(st)
 
     def _pump(self) -> None:
         """The connection's window grew: send the answers that waited for it, in turn,
         until it is spent (work in proportion to the frames sent)."""
-        ready = self.ready
+        ready = self.outbox.ready
         while ready and not self.closed:
             st = ready.popleft()
             st.queued = False
@@ -918,7 +779,7 @@ class Connection(asyncio.Protocol):
             self._release(st, st.unreleased)
         if self.leader is st:
             self.leader = None
-        self.blocked.discard(st)
+        self.outbox.blocked.discard(st)
         if self.waiting:
             self.promote()
 
@@ -926,8 +787,7 @@ class Connection(asyncio.Protocol):
         """The client reset the stream or left: stop its handler."""
         st.local_closed = st.remote_closed = True
         self._end_call(st)
-        st.pending.clear()
-        st.pending_bytes = 0
+        self.outbox.drop(st)
         if st.task is not None and not st.task.done():
             st.task.cancel()
         st.wake()

@@ -90,6 +90,10 @@ class FrameTarget(Protocol):
     def spend(self, cost: float = 1.0) -> None: ...
 
 
+def _ignore(*args: object) -> None:
+    """What a stopped reader does with a frame."""
+
+
 class FrameReader:
     """Frames out of a connection's bytes, each handed to the handler its type names
     (``table``). HEADERS and CONTINUATION are gathered here into whole header blocks
@@ -97,12 +101,23 @@ class FrameReader:
     a block is being continued is a protocol error. ``stop`` ends the reading of what is
     buffered (the connection closed)."""
 
-    __slots__ = ("buf", "preface_ok", "table", "target", "continued", "stopped")
+    __slots__ = (
+        "buf",
+        "preface_ok",
+        "table",
+        "other",
+        "header_block",
+        "spend",
+        "continued",
+        "stopped",
+    )
 
     def __init__(self, target: FrameTarget) -> None:
         self.buf = bytearray()
         self.preface_ok = False
-        self.target = target
+        self.other = target.on_other
+        self.header_block = target.on_header_block
+        self.spend = target.spend
         self.table: dict[int, FrameHandler] = {
             DATA: target.on_data,
             HEADERS: self._headers,
@@ -151,7 +166,7 @@ class FrameReader:
                         raise ConnectionError_(PROTOCOL_ERROR, "expected CONTINUATION")
                     handler = table.get(kind)
                     if handler is None:  # PRIORITY, and frame types to ignore
-                        self.target.on_other(kind, sid, payload)
+                        self.other(kind, sid, payload)
                     else:
                         handler(flags, sid, payload)
                 finally:
@@ -163,7 +178,10 @@ class FrameReader:
         del buf[:pos]
 
     def stop(self) -> None:
+        """Read no more; drop the handlers (the connection's methods: no cycle is left)."""
         self.stopped = True
+        self.table = {}
+        self.other = self.header_block = self.spend = _ignore  # type: ignore[assignment]
 
     def _headers(self, flags: int, sid: int, payload: memoryview) -> None:
         if not sid or not sid & 1:
@@ -172,12 +190,12 @@ class FrameReader:
         if flags & PRIORITY_FLAG:
             block = block[5:]
         if flags & END_HEADERS:
-            self.target.on_header_block(sid, flags, block)
+            self.header_block(sid, flags, block)
         else:
             self.continued = (sid, flags, bytearray(block))
 
     def _continuation(self, flags: int, sid: int, payload: memoryview) -> None:
-        self.target.spend()  # (an empty one would otherwise never reach MAX_HEADER_BYTES)
+        self.spend()  # (an empty one would otherwise never reach MAX_HEADER_BYTES)
         if self.continued is None:
             raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
         _, first_flags, block = self.continued
@@ -186,7 +204,7 @@ class FrameReader:
             raise ConnectionError_(ENHANCE_YOUR_CALM, "header block too large")
         if flags & END_HEADERS:
             self.continued = None
-            self.target.on_header_block(sid, first_flags, memoryview(block))
+            self.header_block(sid, first_flags, memoryview(block))
 
     @staticmethod
     def _push_promise(flags: int, sid: int, payload: memoryview) -> None:
