@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -391,7 +392,7 @@ def _machine() -> str:
         return f"{os.cpu_count()} CPUs"
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -448,7 +449,11 @@ def main(argv: list[str] | None = None) -> None:
         "--replot", action="store_true",
         help="only redraw --out's plot from the raw points (.json) an earlier run wrote",
     )  # fmt: skip
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     if args.client:
         _client_main(args)
         return
@@ -524,38 +529,8 @@ def main(argv: list[str] | None = None) -> None:
         for i, load in enumerate(loads):
             order = models[i % len(models) :] + models[: i % len(models)]
             for m in order:
-                _only(m, triton)
-                rtserve = not m.startswith("triton")
-                before = _server_state(port, m, objective) if rtserve else {}
-                r = _point(
-                    urls[m], m, body, load * capacity, args.seconds, args.clients,
-                    args.client_cpus, work, i, args.conns, args.loadgen,
-                )  # fmt: skip
-                r["drained_s"] = _quiesce(urls[m], body.read_bytes(), settled[m])
-                if rtserve:
-                    after = _server_state(port, m, objective)
-                    answered = after["answered"] - before["answered"]
-                    within = after["within"] - before["within"]
-                    r["server_within"] = within / answered if answered else float("nan")
-                if m == "slo":
-                    n = after["rtserve_batch_size_count"] - before["rtserve_batch_size_count"]
-                    rows_run = after["rtserve_batch_size_sum"] - before["rtserve_batch_size_sum"]
-                    r["slo_factor"] = after["rtserve_slo_budget_factor"]
-                    r["slo_batch_rows"] = rows_run / max(1.0, n)
-                good = int((r["latencies"] <= objective).sum())
-                r["load"] = load
-                r["goodput"] = good / args.seconds
-                rows.append(r)
-                print(
-                    f"load {load:>4}x {m:>6}: goodput {r['goodput']:8.0f}/s  ok {r['ok']:6d}  "
-                    f"p99 {r['p99_ms']:8.2f} ms  codes {r['codes']}  lost {r['unfinished']}  "
-                    f"client lag p99 {r['client_lag_p99_ms']:.1f} ms  drained {r['drained_s']:.1f} s"
-                    + (
-                        f"  factor {r['slo_factor']:.2f}  batch {r['slo_batch_rows']:.1f}"
-                        if m == "slo"
-                        else ""
-                    ),
-                    flush=True,
+                rows.append(
+                    _load_point(args, m, load, i, capacity, urls, body, port, settled, triton, work)
                 )
     finally:
         from bench import servers
@@ -568,6 +543,54 @@ def main(argv: list[str] | None = None) -> None:
         server.wait(30)
     if args.out is not None:
         _write(args, rows, models, capacity, objective, time.monotonic() - started)
+
+
+def _load_point(
+    args: argparse.Namespace,
+    m: str,
+    load: float,
+    i: int,
+    capacity: float,
+    urls: dict[str, str],
+    body: Path,
+    port: int,
+    settled: dict[str, float],
+    triton: dict[str, tuple[str, object]],
+    work: Path,
+) -> dict[str, Any]:
+    """One configuration at one offered load: goodput, latencies and the server's counters."""
+    objective = args.objective_ms
+    _only(m, triton)
+    rtserve = not m.startswith("triton")
+    before = _server_state(port, m, objective) if rtserve else {}
+    r = _point(
+        urls[m], m, body, load * capacity, args.seconds, args.clients,
+        args.client_cpus, work, i, args.conns, args.loadgen,
+    )  # fmt: skip
+    r["drained_s"] = _quiesce(urls[m], body.read_bytes(), settled[m])
+    if rtserve:
+        after = _server_state(port, m, objective)
+        answered = after["answered"] - before["answered"]
+        within = after["within"] - before["within"]
+        r["server_within"] = within / answered if answered else float("nan")
+    if m == "slo":
+        n = after["rtserve_batch_size_count"] - before["rtserve_batch_size_count"]
+        rows_run = after["rtserve_batch_size_sum"] - before["rtserve_batch_size_sum"]
+        r["slo_factor"] = after["rtserve_slo_budget_factor"]
+        r["slo_batch_rows"] = rows_run / max(1.0, n)
+    good = int((r["latencies"] <= objective).sum())
+    r["load"] = load
+    r["goodput"] = good / args.seconds
+    print(
+        f"load {load:>4}x {m:>6}: goodput {r['goodput']:8.0f}/s  ok {r['ok']:6d}  "
+        f"p99 {r['p99_ms']:8.2f} ms  codes {r['codes']}  lost {r['unfinished']}  "
+        f"client lag p99 {r['client_lag_p99_ms']:.1f} ms  drained {r['drained_s']:.1f} s"
+        + (
+            f"  factor {r['slo_factor']:.2f}  batch {r['slo_batch_rows']:.1f}" if m == "slo" else ""
+        ),
+        flush=True,
+    )
+    return r
 
 
 def _stop_on_sigterm() -> None:

@@ -784,7 +784,8 @@ def plot(samples: list[dict[str, Any]], windows: list[dict[str, Any]], t0: float
     plt.close(fig)
 
 
-def markdown(run: dict[str, Any], plot_path: Path | None, out: Path) -> str:
+def _markdown_load(run: dict[str, Any]) -> list[str]:
+    """The header, the machine, the valid requests and the flat-over-time table."""
     s = run["summary"]
     facts = run["machine"]
     lines = [
@@ -877,6 +878,12 @@ def markdown(run: dict[str, Any], plot_path: Path | None, out: Path) -> str:
             f"| {names[key]} | {_fmt(v['first'], 2)} | {_fmt(v['last'], 2)} | {change} | "
             f"{_fmt(v['max'], 2)} | {verdict} |"
         )
+    return lines
+
+
+def markdown(run: dict[str, Any], plot_path: Path | None, out: Path) -> str:
+    s = run["summary"]
+    lines = _markdown_load(run)
     before, after = run["baseline"], run["after"]
     lines += [
         "",
