@@ -29,12 +29,13 @@ from rtserve.errors import InferenceFailed, InvalidInput, ObjectiveRefused, Over
 from rtserve.llm import chat
 from rtserve.llm.defaults import SamplingDefaults
 from rtserve.llm.detok import Detokenizer, text_offsets
+from rtserve.llm.grammar import Grammars
 from rtserve.llm.kv import BlockPool
 from rtserve.llm.metrics import LlmMetrics, token_objectives
 from rtserve.llm.options import LlmOptions
 from rtserve.llm.params import GenerationEvent, SamplingParams, TokenLogprob
 from rtserve.llm.runner import ModelRunner, release_openmp
-from rtserve.llm.sampler import logprobs_of, new_generator, prompt_logprobs, sample
+from rtserve.llm.sampler import RowLogits, logprobs_of, new_generator, prompt_logprobs, sample
 from rtserve.llm.scheduler import FINISHED, PAUSED, Scheduler, Sequence, Step
 from rtserve.llm.speculative import Speculator, probabilities, verify_greedy, verify_sampled
 from rtserve.llm.tokens import TokenBytes
@@ -110,6 +111,10 @@ class LlmEngine:
         self.tokenizer = self.runner.tokenizer
         self.token_bytes = TokenBytes(self.tokenizer)  # (logprobs' token text and bytes)
         self.max_model_len = self.runner.max_model_len
+        # Structured output's compiled grammars (``llm/grammar.py``; built on first use).
+        self.grammars = Grammars(
+            self.tokenizer, self.runner.vocab_size, sorted(self.runner.eos_ids)
+        )
         self.pool = BlockPool(self.runner.num_blocks, options.block_size, options.prefix_caching)
         # No prompt that fits max_model_len tokens is longer than this many characters (no
         # token's text is longer than its vocabulary entry): longer text is refused before
@@ -184,26 +189,9 @@ class LlmEngine:
         return ids
 
     def encode_messages(self, messages: Any) -> list[int]:
-        """The chat template applied to OpenAI-style messages (checked first: a list of
-        ``{role, content}`` with string content or a list of text parts)."""
-        conversation = check_messages(messages)
-        self.check_chars(sum(len(m["content"]) for m in conversation), "messages")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation) + "assistant:"
-            plain = chat.encode_plain(self.tokenizer, text, True)  # (all of it typed)
-            return plain if plain is not None else self._encode(text, True, "messages")
-        # Special tokens' text typed in a message is read as plain text (``llm/chat.py``).
-        hidden = chat.hide_special_text(self.tokenizer, conversation)
-        try:
-            prompt: Any = self.tokenizer.apply_chat_template(
-                hidden.conversation, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:
-            raise InvalidInput(f"messages: the chat template refused them: {exc}") from exc
-        if hidden.typed:
-            self.check_chars(len(prompt), "messages")
-            return hidden.encode(self.tokenizer, prompt)
-        return self._encode(prompt, False, "messages")
+        """The chat template applied to OpenAI-style messages, tools included
+        (``chat.encode_messages``; checked first)."""
+        return chat.encode_messages(self, messages)
 
     def check_length(self, n_prompt: int, field: str = "prompt") -> None:
         """Refuse a prompt of ``max_model_len`` tokens or more."""
@@ -231,6 +219,14 @@ class LlmEngine:
                 f"max_tokens: prompt + answer ({total} tokens) exceeds the KV pool "
                 f"({self.pool.num_blocks * self.pool.block_size} tokens); ask for fewer tokens"
             )
+        if params.n > 1:  # (the choices share the prompt's blocks; each answer has its own)
+            answer = self.pool.blocks_for(total - n_prompt + self.pool.block_size)
+            if self.pool.blocks_for(total) + (params.n - 1) * answer > self.pool.num_blocks:
+                raise InvalidInput(
+                    f"n: {params.n} answers of up to {total - n_prompt} tokens exceed the KV "
+                    "pool; ask for fewer choices or fewer tokens"
+                )
+        self.check_logit_bias(params)
         sched = self.scheduler
         if len(sched.waiting) >= self.options.max_waiting:
             self.metrics.refused += 1
@@ -246,6 +242,22 @@ class LlmEngine:
                     f"over the objective ttft_p99_ms={slo.ttft_p99_ms:g}",
                     retry_after_s=max(1.0, wait - slo.ttft_p99_ms / 1000),
                 )
+
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.runner.vocab_size
+        for token, _ in params.logit_bias:
+            if token >= vocab:
+                raise InvalidInput(
+                    f"logit_bias: token id {token} is not in the vocabulary, expected ids "
+                    f"in [0, {vocab})"
+                )
+
+    async def check_constraint(self, params: SamplingParams) -> None:
+        """Compile the request's constraint (structured output) off the event loop, cached;
+        InvalidInput naming ``response_format`` when it cannot be used or is too slow to
+        compile. ``generate`` calls it too (cached: free the second time)."""
+        if params.constraint is not None:
+            await self.grammars.check(params.constraint)
 
     def _check_tenant_queue(self, tenant: str) -> None:
         """Refuse a request of a tenant with ``max_waiting_per_tenant`` requests waiting
@@ -319,53 +331,84 @@ class LlmEngine:
         prompt token's logprob (the prompt runs whole, without the prefix cache).
         ``tenant``: whose fair share of the batch and the queue it counts in.
         ``speculate`` False: no speculative decoding for this one (the model's
-        ``llm.speculative`` otherwise)."""
+        ``llm.speculative`` otherwise; never for a request that changes its logits:
+        penalties, ``logit_bias``, ``min_tokens``, a constraint).
+
+        ``params.n`` > 1: the events of every choice come from this one iterator, each with
+        its ``index``, each choice ending with its own finished event; the prompt runs once
+        and its KV blocks are shared by the choices (forked when its prefill ends)."""
         if not checked:
             self.check_prompt(len(prompt_ids), params, tenant=tenant)
+        self.check_logit_bias(params)
         vocab = self.runner.vocab_size
         if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidInput(f"prompt: expected token ids in [0, {vocab}), at least one")
         if self._stopping:
             raise ShuttingDown(f"model {self.name} is stopping")
+        await self.check_constraint(params)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[GenerationEvent | BaseException] = asyncio.Queue()
         max_new = params.max_tokens or self.max_model_len - len(prompt_ids)
+        family = [
+            self._sequence(prompt_ids, params, i, max_new, (loop, queue)) for i in range(params.n)
+        ]
+        for seq in family:
+            seq.priority, seq.request_id, seq.tenant = priority, request_id, tenant
+            seq.speculate = speculate and not params.changes_logits
+        first = family[0]
+        first.forks = family[1:]
+        if prompt_logprobs and params.logprobs is not None:
+            text, raw = self.token_bytes(prompt_ids[0])  # (nothing predicts the first)
+            first.prompt_logprobs = [TokenLogprob(text, None, [], raw, [])]
+        self._submit(first)
+        left = len(family)
+        try:
+            while True:
+                for seq in family:
+                    if seq.status == PAUSED and queue.empty():
+                        self._resume(seq)  # (its events were all taken: it reads again)
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    left = 0
+                    raise item
+                family[item.index].taken += 1
+                if item.finished:
+                    left -= 1
+                yield item
+                if not left:
+                    return
+        finally:
+            if left:
+                for seq in family:
+                    if seq.finish_reason is None:
+                        self.abort(seq)
+
+    def _sequence(
+        self, prompt_ids: list[int], params: SamplingParams, index: int, max_new: int, sink: Any
+    ) -> Sequence:
+        """Choice ``index`` of a request (``seed + index`` seeds its sampling)."""
+        generator = new_generator(params, self.runner.device)
+        if generator is not None and params.seed is not None and index:
+            generator.manual_seed((params.seed + index) & 0xFFFF_FFFF_FFFF_FFFF)
         seq = Sequence(
             tokens=list(prompt_ids),
             num_prompt=len(prompt_ids),
             params=params,
             max_len=min(len(prompt_ids) + max_new, self.max_model_len),
             detok=Detokenizer(self.tokenizer, params.stop),
-            priority=priority,
             arrival_ns=_now(),
-            request_id=request_id,
-            tenant=tenant,
-            generator=new_generator(params, self.runner.device),
-            sink=(loop, queue),
-            speculate=speculate,
+            generator=generator,
+            sink=sink,
+            index=index,
         )
-        if prompt_logprobs and params.logprobs is not None:
-            text, raw = self.token_bytes(prompt_ids[0])  # (nothing predicts the first)
-            seq.prompt_logprobs = [TokenLogprob(text, None, [], raw, [])]
-        self._submit(seq)
-        done = False
-        try:
-            while True:
-                if seq.status == PAUSED and queue.empty():
-                    self._resume(seq)  # (its events were all taken: the consumer reads again)
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                seq.taken += 1
-                if item.finished:
-                    done = True
-                yield item
-                if done:
-                    return
-        finally:
-            if not done:
-                self.abort(seq)
+        if params.changes_logits:
+            grammar = None
+            if params.constraint is not None:
+                grammar = self.grammars.state(params.constraint)
+            seq.logits = RowLogits(
+                params, prompt_ids, self.runner.vocab_size, sorted(self.runner.eos_ids), grammar
+            )
+        return seq
 
     def _submit(self, seq: Sequence) -> None:
         with self._lock:
@@ -532,7 +575,7 @@ class LlmEngine:
         exact = [
             i
             for i, s in enumerate(sampling)
-            if not s.params.greedy or s.params.logprobs is not None
+            if not s.params.greedy or s.params.logprobs is not None or s.logits is not None
         ]
         scoring, extra = _prompt_rows(step)
         # Drafted sequences: the logits at each drafted position too (after the prompts')
@@ -548,10 +591,12 @@ class LlmEngine:
             for _, seq in drafted:
                 del seq.tokens[len(seq.tokens) - len(seq.draft) :]
         plain = [r for r, s in enumerate(sampling) if not s.draft]
-        sampled = sample(
-            logits[plain], [sampling[r].params for r in plain],
-            [sampling[r].generator for r in plain],
-        )  # fmt: skip
+        sampled = _sample(logits[plain], [sampling[r] for r in plain])
+        # A request's other choices start where its prompt's prefill ends: each draws its
+        # first token from the same logits with its own generator
+        forks = [(r, sampling[r]) for r in plain if sampling[r].forks and not sampling[r].generated]
+        forked = [(r, seq, [c for c in seq.forks if c.status != FINISHED]) for r, seq in forks]
+        fork_tokens = [_sample(logits[[r] * len(kids)], kids) for r, _, kids in forked]
         tokens: list[list[int]] = [[]] * len(rows)
         where: list[list[int]] = [[r] for r in range(len(rows))]  # logits row of each token
         for r, token in zip(plain, sampled, strict=True):
@@ -592,6 +637,17 @@ class LlmEngine:
         for _, seq in drafted:
             seq.draft, seq.draft_probs = [], None
             sched.trim(seq)
+        children: list[Sequence] = []
+        for (r, parent, kids), firsts in zip(forked, fork_tokens, strict=True):
+            parent.forks = []
+            for child, token in zip(kids, firsts, strict=True):
+                sched.fork(parent, child)
+                self._append(child, token, end)
+                if child.params.logprobs is not None:
+                    child.new_logprobs.append(
+                        logprobs_of(logits[r], token, child.params.logprobs, self.token_bytes, 0)
+                    )  # fmt: skip
+                children.append(child)
         row = len(rows)
         for seq, targets in scoring:
             scored = logits[row : row + len(targets)]
@@ -599,7 +655,7 @@ class LlmEngine:
             assert seq.prompt_logprobs is not None
             seq.prompt_logprobs += prompt_logprobs(scored, targets, top, self.token_bytes)
             row += len(targets)
-        self._emit(sampling, step)
+        self._emit(sampling + children, step)
 
     def _verify(self, seq: Sequence, logits: Any) -> list[int]:
         """The tokens a drafted sequence keeps: ``logits`` [K + 1, vocab] at its last token
@@ -651,11 +707,16 @@ class LlmEngine:
             self.metrics.observe("itl", (now - seq.last_token_ns) / 1e9)
         seq.last_token_ns = now
         p = seq.params
+        changes = seq.logits
+        if changes is not None:
+            changes.accept(token)
         if (token in self.runner.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             seq.finish_reason = "stop"  # (the token's text is not part of the answer)
             return
         if seq.detok.add(token):
             seq.finish_reason = "stop"
+        elif changes is not None and changes.grammar is not None and changes.grammar.done:
+            seq.finish_reason = "stop"  # (the grammar is complete: nothing more may follow)
         elif len(seq.tokens) >= seq.max_len:
             seq.finish_reason = "length"
 
@@ -678,6 +739,7 @@ class LlmEngine:
                 logprobs=_settled_logprobs(seq, reason is not None) or None,
                 cached_tokens=seq.cached_tokens,
                 prompt_logprobs=self._scored_prompt(seq),
+                index=seq.index,
             )
             seq.new_tokens = []
             seq.oldest_untaken_ns()  # (forgets the times of the events taken)
@@ -710,7 +772,7 @@ class LlmEngine:
             return
         m = self.metrics
         m.finished[reason] += 1
-        m.prompt_tokens += seq.num_prompt
+        m.prompt_tokens += seq.num_prompt if not seq.index else 0  # (once per request)
         m.generated_tokens += seq.generated
         m.observe("prompt", seq.num_prompt)
         m.observe("generated", seq.generated)
@@ -761,6 +823,18 @@ class LlmEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+
+def _sample(logits: Any, seqs: list[Sequence]) -> list[int]:
+    """One token for each of ``seqs`` from its row of ``logits``."""
+    if not seqs:
+        return []
+    params = [s.params for s in seqs]
+    generators = [s.generator for s in seqs]
+    changes = [s.logits for s in seqs]
+    if any(c is not None for c in changes):
+        return sample(logits, params, generators, changes)
+    return sample(logits, params, generators)
 
 
 def _send(seq: Sequence, error: BaseException) -> None:

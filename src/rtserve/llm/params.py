@@ -21,11 +21,13 @@ MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
 # Below this a temperature is greedy: dividing logits by it overflows float32.
 MIN_TEMPERATURE = 1e-5
+MAX_N = 16  # choices of one request
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's bound)
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice")
 # Fields other servers take that would change the answer and rtserve does not honour, with
 # the value that means "not used": any other value is refused, never silently ignored.
 NOT_HONOURED: dict[str, Any] = {
-    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0,
-    "min_tokens": 0, "logit_bias": None, "bad_words": None, "allowed_token_ids": None,
+    "bad_words": None, "allowed_token_ids": None,
     "guided_choice": None, "guided_json": None, "guided_regex": None, "guided_grammar": None,
     "use_beam_search": False, "length_penalty": 1, "truncate_prompt_tokens": None,
     "prompt_logprobs": None,
@@ -43,14 +45,44 @@ def not_neutral(data: Mapping[str, Any], neutral: Mapping[str, Any]) -> tuple[st
     return None
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Constraint:
+    """What the output must match: ``kind`` json_object (any JSON object; ``spec`` unused),
+    json_schema (``spec`` the schema, a dict), regex (``spec`` a pattern) or choice (``spec``
+    a list of strings). Compiled by ``llm/grammar.py``; equal constraints share one compile."""
+
+    kind: str
+    spec: Any = None
+
+    @property
+    def key(self) -> str:
+        """The constraint as canonical JSON (the compile cache's key)."""
+        return json.dumps([self.kind, self.spec], sort_keys=True, separators=(",", ":"))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Constraint) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the next tokens are chosen and when a sequence ends.
 
     ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off;
-    ``seed`` makes a sampled sequence reproducible; ``max_tokens`` None: up to the model's
+    ``seed`` makes a sampled sequence reproducible (choice ``i`` of ``n`` uses ``seed + i``);
+    ``max_tokens`` None: up to the model's
     length (a request through the APIs that sets none gets the model's default length
     instead, ``llm/defaults.py``); ``logprobs`` None: none, else the chosen token's and that many top alternatives.
+
+    Logit changes (``llm/sampler.py``, only for the rows that ask): ``repetition_penalty``
+    divides the positive logits (multiplies the negative) of every token in the prompt or
+    the answer so far; ``frequency_penalty`` subtracts itself times each token's count in
+    the answer, ``presence_penalty`` once per token present; ``logit_bias`` adds to the
+    named token ids; ``min_tokens``: no end of sequence (EOS, ``stop_token_ids``) before
+    that many tokens; ``min_p``: sampling keeps the tokens at least ``min_p`` times as
+    likely as the most likely; ``constraint``: a grammar's token mask.
     """
 
     max_tokens: int | None = 16
@@ -66,10 +98,31 @@ class SamplingParams:
     # defaults (its generation_config.json, ``llm/defaults.py``) fill in; () when built
     # directly (the values above are then what was meant).
     unset: frozenset[str] = frozenset()
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """It counts the tokens it has seen (a penalty is set)."""
+        return bool(
+            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def changes_logits(self) -> bool:
+        """Its logits are changed before the choice (the sampler's slow path for its row;
+        the runner computes every logit of its row exactly)."""
+        return bool(self.penalized or self.logit_bias or self.min_tokens or self.constraint)
 
     @classmethod
     def from_mapping(
@@ -137,6 +190,7 @@ class SamplingParams:
             or any(type(t) is not int or not 0 <= t < 1 << 31 for t in ids)
         ):
             raise fail("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+        n = integer("n", 1, MAX_N)
         return cls(
             max_tokens=max_tokens,
             temperature=number("temperature", 1.0, 0.0, 2.0),
@@ -148,6 +202,13 @@ class SamplingParams:
             logprobs=logprobs,
             stop_token_ids=tuple(ids or ()),
             unset=frozenset(k for k in MODEL_DEFAULTED if data.get(k) is None),
+            n=1 if n is None else n,
+            frequency_penalty=number("frequency_penalty", 0.0, -2.0, 2.0),
+            presence_penalty=number("presence_penalty", 0.0, -2.0, 2.0),
+            repetition_penalty=_repetition(data, fail),
+            logit_bias=_logit_bias(data, fail),
+            min_p=number("min_p", 0.0, 0.0, 1.0),
+            min_tokens=integer("min_tokens", 0, 1 << 20) or 0,
         )
 
 
@@ -157,8 +218,53 @@ MODEL_DEFAULTED = ("temperature", "top_p", "top_k")
 # Every name ``SamplingParams.from_mapping`` reads (``Engine.generate`` refuses others).
 SAMPLING_NAMES = frozenset({
     "max_tokens", "max_completion_tokens", "max_new_tokens", "temperature", "top_p", "top_k",
-    "seed", "stop", "ignore_eos", "logprobs", "top_logprobs", "stop_token_ids",
+    "seed", "stop", "ignore_eos", "logprobs", "top_logprobs", "stop_token_ids", "n",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_p",
+    "min_tokens",
 })  # fmt: skip
+
+
+def _repetition(data: Mapping[str, Any], fail: Any) -> float:
+    value = data.get("repetition_penalty")
+    if value is None:
+        return 1.0
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0.0 < value <= 2.0
+    ):
+        raise fail("repetition_penalty", "a number in (0, 2]")
+    return float(value)
+
+
+def _logit_bias(data: Mapping[str, Any], fail: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` (ids as strings or integers, bias in [-100, 100])."""
+    value = data.get("logit_bias")
+    if value is None:
+        return ()
+    expected = (
+        f"an object of at most {MAX_LOGIT_BIAS} token ids (as strings) to numbers in [-100, 100]"
+    )
+    if not isinstance(value, Mapping) or len(value) > MAX_LOGIT_BIAS:
+        raise fail("logit_bias", expected)
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise fail("logit_bias", expected) from None
+        if (
+            isinstance(key, bool)
+            or not 0 <= token < 1 << 31
+            or isinstance(bias, bool)
+            or not isinstance(bias, int | float)
+            or not math.isfinite(bias)
+            or not -100 <= bias <= 100
+        ):
+            raise fail("logit_bias", expected)
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _logprobs(data: Mapping[str, Any], fail: Any) -> int | None:
@@ -209,6 +315,7 @@ class GenerationEvent:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # Each prompt token's logprob, on the first event of a request that asked for them.
     prompt_logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # which of the request's ``n`` choices
 
     @property
     def finished(self) -> bool:

@@ -21,6 +21,11 @@ Speculative decoding: a decoding sequence with drafted tokens runs them with its
 preempting for them); after the step the engine credits only the tokens the model kept and
 ``trim`` frees the blocks of the rejected ones.
 
+Choices of one request (``n`` > 1): the first runs the prompt; when its prefill ends, each
+other choice is forked from it (``fork``): it shares the prompt's full blocks (one more
+reference each), computes the tokens of the last, partial block again (fewer than a block)
+and decodes on its own.
+
 A stream whose consumer stopped reading is paused: out of the batch and the queue, its blocks
 freed, until it is resumed (then recomputed, as after a preemption).
 """
@@ -83,6 +88,9 @@ class Sequence:
     draft: list[int] = field(default_factory=list)
     draft_probs: Any = None
     speculate: bool = True  # (a request may opt out of its model's speculative decoding)
+    index: int = 0  # which of its request's choices
+    forks: list[Sequence] = field(default_factory=list)  # choices to start after its prefill
+    logits: Any = None  # its changes to its logits (``sampler.RowLogits``), if any
     # Events handed to the consumer (engine thread) and taken by it (its event loop), and
     # when each not yet taken was handed over: one left untaken too long is a stream nobody
     # reads.
@@ -387,6 +395,25 @@ class Scheduler:
             self.preemptions += 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start ``child`` (the same prompt as ``parent``, whose prefill just ended): it
+        takes ``parent``'s full prompt blocks (one more reference each) and waits first in
+        line to compute the rest."""
+        bs = self.pool.block_size
+        full = min(parent.computed, child.num_prompt) // bs
+        child.blocks = parent.blocks[:full]
+        for index in child.blocks:
+            self.pool.blocks[index].refs += 1
+        child.computed = full * bs
+        child.hashed = min(parent.hashed, full)
+        child.last_hash = parent.last_hash if child.hashed == parent.hashed else 0
+        if child.hashed != parent.hashed:  # (cannot happen: no chain hash to go on from)
+            child.hashed = 0
+        child.cached_tokens = parent.cached_tokens
+        child.admitted = True
+        child.status = WAITING
+        self.waiting.appendleft(child)
 
     def pause(self, seq: Sequence) -> None:
         """Take a running or waiting sequence out of the batch and the queue, its blocks
