@@ -1,4 +1,4 @@
-"""Benchmark suite: rtserve side by side with the servers users would pick instead.
+"""Benchmarks: rtserve side by side with the servers users would pick instead.
 
-Run ``python -m bench.run`` (full) or ``python -m bench.run --quick`` from the repository root.
+``python -m bench <suite>`` runs one (see :mod:`bench.__main__` and bench/README.md).
 """
