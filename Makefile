@@ -154,5 +154,13 @@ bench-generative: setup examples
 optimize-report: setup
 	$(BIN)/python -m bench optimize
 
+# rtserve optimize-llm on the bundled SmolLM2 (about 30 min on 2 cores): each llm.weights
+# format and prompt lookup, 200 chat prompts -> optimize-out/smollm2-llm/report.md and a
+# servable variant in optimize-out/repo/smollm2 (docs/optimization.md, generative section).
+.PHONY: optimize-llm
+optimize-llm: setup examples
+	$(BIN)/rtserve optimize-llm $(LLM_REPO)/smollm2/1 --out optimize-out/repo/smollm2 \
+		--work optimize-out/smollm2-llm
+
 clean:
 	rm -rf $(VENV) $(REPO) $(LLM_REPO) $(SERVE_REPO) bench/.peers bench/.work optimize-out

@@ -21,6 +21,7 @@ from rtserve.llm import kernels  # noqa: E402
 from rtserve.llm.engine import LlmEngine  # noqa: E402
 from rtserve.llm.params import SamplingParams  # noqa: E402
 from rtserve.optimize import llm as ollm  # noqa: E402
+from rtserve.optimize.cli import main as cli_main  # noqa: E402
 from tests.llm_models import build_llm  # noqa: E402
 
 QUICK = ["--quick", "--threads", "1", "--streams", "1,4", "--no-progress"]
@@ -57,7 +58,7 @@ def test_optimize_measures_each_variant_and_writes_a_servable_choice(
     work = tmp_path / "work"
     args = ["optimize-llm", str(model), "--out", str(out), "--work", str(work),
             "--weights", "fp32,int8", "--speculative", "int8", *QUICK]  # fmt: skip
-    assert ollm.main(args) == 0
+    assert cli_main(args) == 0
     report = (work / "report.md").read_text()
     rows = {m["name"]: m for m in json.loads((work / "report.json").read_text())}
     assert set(rows) == {"fp32", "int8", "int8+lookup"}
@@ -138,18 +139,18 @@ def test_bad_arguments_refused_naming_the_flag(
     model: Path, tmp_path: Path, capsys: Any, extra: list[str], message: str
 ) -> None:
     args = ["optimize-llm", str(model), "--out", str(tmp_path / "o"), *QUICK, *extra]
-    assert ollm.main(args) == 2
+    assert cli_main(args) == 2
     assert message in capsys.readouterr().err
 
 
 def test_a_directory_without_a_model_or_of_another_backend_is_refused(
     model: Path, tmp_path: Path, capsys: Any
 ) -> None:
-    assert ollm.main(["optimize-llm", str(tmp_path), "--out", str(tmp_path / "o"), *QUICK]) == 2
+    assert cli_main(["optimize-llm", str(tmp_path), "--out", str(tmp_path / "o"), *QUICK]) == 2
     assert "expected a model version directory with config.json" in capsys.readouterr().err
     other = tmp_path / "m"
     (other / "1").mkdir(parents=True)
     (other / "1" / "config.json").write_text((model / "config.json").read_text())
     (other / "config.yaml").write_text("backend: onnx\n")
-    assert ollm.main(["optimize-llm", str(other / "1"), "--out", str(tmp_path / "o"), *QUICK]) == 2
+    assert cli_main(["optimize-llm", str(other / "1"), "--out", str(tmp_path / "o"), *QUICK]) == 2
     assert "backend: expected llm, got 'onnx'" in capsys.readouterr().err

@@ -21,7 +21,7 @@ pytest.importorskip("onnxmltools")
 from sklearn.datasets import load_breast_cancer, load_diabetes, load_iris  # noqa: E402
 
 from rtserve.config import parse_model_config  # noqa: E402
-from rtserve.optimize import trees as otrees  # noqa: E402
+from rtserve.optimize.cli import main as cli_main  # noqa: E402
 from rtserve.runtime import trees  # noqa: E402
 
 FAST = ["--rounds", "2", "--iterations", "20", "--batch", "64"]
@@ -101,7 +101,7 @@ def test_optimize_lightgbm_measures_every_choice_and_writes_a_servable_variant(
 ) -> None:
     est, x = _cancer_lightgbm(tmp_path / "src")
     out = tmp_path / "repo" / "cancer"
-    code = otrees.main(["optimize-trees", str(tmp_path / "src"), "--out", str(out),
+    code = cli_main(["optimize-trees", str(tmp_path / "src"), "--out", str(out),
                         "--work", str(tmp_path / "work"), *FAST])  # fmt: skip
     assert code == 0
     report = (tmp_path / "work" / "report.md").read_text()
@@ -138,7 +138,7 @@ def test_optimize_xgboost_with_user_rows_and_a_budget_that_admits_float32(tmp_pa
     rows = tmp_path / "rows.npy"
     np.save(rows, x[:200].astype(np.float32))
     out = tmp_path / "repo" / "x"
-    code = otrees.main(["optimize-trees", str(tmp_path / "model.json"), "--out", str(out),
+    code = cli_main(["optimize-trees", str(tmp_path / "model.json"), "--out", str(out),
                         "--work", str(tmp_path / "w"), "--eval", str(rows), "--variants",
                         "treelite,onnx", *FAST])  # fmt: skip
     assert code == 0
@@ -154,13 +154,13 @@ def test_bad_inputs_are_refused_naming_the_flag(tmp_path: Path, capsys: Any) -> 
     xgb.XGBClassifier(n_estimators=3, max_depth=2).fit(x, y).save_model(tmp_path / "model.json")
     np.save(tmp_path / "bad.npy", x[:5, :4])
     args = ["optimize-trees", str(tmp_path / "model.json"), "--out", str(tmp_path / "o"), *FAST]
-    assert otrees.main([*args, "--eval", str(tmp_path / "bad.npy")]) == 2
+    assert cli_main([*args, "--eval", str(tmp_path / "bad.npy")]) == 2
     err = capsys.readouterr().err
     assert "--eval" in err and "expected rows of 30 features [n, 30]" in err and "[5, 4]" in err
-    assert otrees.main([*args, "--variants", "lleaves"]) == 1
+    assert cli_main([*args, "--variants", "lleaves"]) == 1
     assert "none of --variants lleaves could be built" in capsys.readouterr().err
     assert not (tmp_path / "o" / "config.yaml").exists()
-    assert otrees.main(["optimize-trees", str(tmp_path / "bad.npy"), "--out", "o"]) == 2
+    assert cli_main(["optimize-trees", str(tmp_path / "bad.npy"), "--out", "o"]) == 2
     assert "expected a tree model file" in capsys.readouterr().err
-    assert otrees.main([*args, "--max-accuracy-drop", "-1"]) == 2
+    assert cli_main([*args, "--max-accuracy-drop", "-1"]) == 2
     assert "--max-accuracy-drop" in capsys.readouterr().err

@@ -488,8 +488,8 @@ def _measure_args(o: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``export``, ``optimize``, ``early-exit`` and ``edge`` to an argparse subparsers
-    action."""
+    """Add ``export``, ``optimize``, ``early-exit``, ``edge``, ``optimize-trees`` and
+    ``optimize-llm`` to an argparse subparsers action."""
     _register_export(subparsers)
     _register_optimize(subparsers)
 
@@ -500,6 +500,12 @@ def register(subparsers: Any) -> None:
     from rtserve.optimize.edge import register as register_edge
 
     register_edge(subparsers)
+
+    from rtserve.optimize.llm import register as register_llm
+    from rtserve.optimize.trees import register as register_trees
+
+    register_trees(subparsers)
+    register_llm(subparsers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

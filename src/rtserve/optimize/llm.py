@@ -81,6 +81,13 @@ class Speed:
 
 
 def _rss_mb() -> float:
+    """Resident MB, after returning freed heap to the system (a load's transient FP32 copy
+    would otherwise count)."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     try:
         with open("/proc/self/status") as fh:
             return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
