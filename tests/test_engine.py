@@ -362,13 +362,14 @@ def test_stop_ends_generations_past_the_grace_period(tmp_path: Path) -> None:
 def test_a_kv_pool_smaller_than_max_model_len_caps_it(tmp_path: Path) -> None:
     """Every request without max_tokens was refused ("exceeds the KV pool") while the model
     said max_model_len 512; the cap is now what the pool holds, and such requests run."""
+    from rtserve.core import generation
     from tests.llm_models import build_llm
 
     build_llm(tmp_path, "tiny", llm={"kv_cache_bytes": 1 << 16})
 
     async def run() -> tuple[int, str | None]:
         async with Engine.from_repository(tmp_path) as engine:
-            llm = engine.registry.get("tiny").llm
+            llm = generation.engine_of(engine.registry.get("tiny"))
             assert llm is not None
             events = [
                 e

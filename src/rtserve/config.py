@@ -211,6 +211,8 @@ class ModelConfig:
     backend_options: dict[str, Any] = field(default_factory=dict)
     steps: tuple[Any, ...] = ()
     source: str = ""
+    # A policy of ``core.policies.POLICIES`` by name ("": chosen from the sections set).
+    scheduling_policy: str = ""
     # Output name -> a text file of its class labels (one per line, relative to the model's
     # directory), for the classification extension (Triton's label_filename).
     labels: dict[str, str] = field(default_factory=dict)
@@ -291,8 +293,52 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
     f.seen.add("max_batch_size")
     inputs = _tensor_specs(f.get("inputs"), where, "inputs")
     outputs = _tensor_specs(f.get("outputs"), where, "outputs")
+    batching = _batching_section(f.sub("dynamic_batching"), max_batch_size)
+    ort_options = _ort_section(f.sub("onnxruntime"))
+    warmup = _warmup_section(f.sub("warmup"), max_batch_size)
+    policy_value = f.get("version_policy", "all")
+    try:
+        policy, versions = version_policy(policy_value)
+    except ValueError as exc:
+        raise f.fail("version_policy", str(exc), policy_value) from None
+    cache = _cache_section(f)
+    instance_count = f.integer("instance_count", 1, minimum=1)
+    scheduling_policy = f.string("scheduling_policy", "")  # (checked by core.policies)
+    slo, priority_levels, default_priority, options = _scheduling_and_backend(f, backend)
+    labels = _labels_section(f)
+    steps = _steps_section(f, backend)
+    other = [b for b in SECTIONED_BACKENDS if b != backend and b in f.data]
+    if other:  # (the section of another backend: say so, not just "unknown field")
+        raise ConfigError(
+            f"{where}: {other[0]}: options of backend {other[0]}, but the backend is "
+            f"{backend} (set backend: {other[0]}, or remove the section)"
+        )
+    f.check_unknown()
+    return ModelConfig(
+        name=name,
+        backend=backend,
+        max_batch_size=max_batch_size,
+        inputs=inputs,
+        outputs=outputs,
+        dynamic_batching=batching,
+        instance_count=instance_count,
+        onnxruntime=ort_options,
+        warmup=warmup,
+        version_policy=policy,
+        versions=versions,
+        response_cache=cache,
+        slo=slo,
+        priority_levels=priority_levels,
+        default_priority=default_priority,
+        backend_options=options,
+        steps=steps,
+        source=where,
+        labels=labels,
+        scheduling_policy=scheduling_policy,
+    )
 
-    db = f.sub("dynamic_batching")
+
+def _batching_section(db: _Fields, max_batch_size: int) -> DynamicBatching:
     preferred = db.int_list("preferred_batch_sizes")
     if max_batch_size > 0 and any(p > max_batch_size for p in preferred):
         raise db.fail(
@@ -306,14 +352,16 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
         adaptive_delay=db.boolean("adaptive_delay", True),
     )
     db.check_unknown()
+    return batching
 
-    ort = f.sub("onnxruntime")
+
+def _ort_section(ort: _Fields) -> OrtOptions:
     providers = ort.get("execution_providers", ["CUDA", "CPU"])
     if not isinstance(providers, list) or any(p not in _PROVIDERS for p in providers):
         raise ort.fail(
             "execution_providers", f"a list drawn from {', '.join(_PROVIDERS)}", providers
         )
-    ort_options = OrtOptions(
+    options = OrtOptions(
         intra_op_threads=ort.integer("intra_op_threads", 1),
         inter_op_threads=ort.integer("inter_op_threads", 1),
         graph_optimization_level=ort.string("graph_optimization_level", "all", _LEVELS),
@@ -321,8 +369,10 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
         execution=ort.string("execution", "auto", ("auto", "inline", "thread")),
     )
     ort.check_unknown()
+    return options
 
-    wu = f.sub("warmup")
+
+def _warmup_section(wu: _Fields, max_batch_size: int) -> Warmup:
     warmup = Warmup(
         batch_sizes=tuple(wu.int_list("batch_sizes") or [1]),
         iterations=wu.integer("iterations", 2),
@@ -332,21 +382,30 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
             "batch_sizes", f"sizes <= max_batch_size ({max_batch_size})", warmup.batch_sizes
         )
     wu.check_unknown()
+    return warmup
 
-    policy_value = f.get("version_policy", "all")
-    try:
-        policy, versions = version_policy(policy_value)
-    except ValueError as exc:
-        raise f.fail("version_policy", str(exc), policy_value) from None
 
+def _cache_section(f: _Fields) -> dict[str, Any] | bool | None:
     cache = f.get("response_cache")
     if cache is not None and not isinstance(cache, dict | bool):
         raise f.fail("response_cache", "a mapping (or false)", cache)
     if isinstance(cache, dict):  # checked now, not after the model loaded and warmed up
         from rtserve.cache.config import CacheConfig
 
-        CacheConfig.from_dict(cache, where)
-    instance_count = f.integer("instance_count", 1, minimum=1)
+        CacheConfig.from_dict(cache, f.where)
+    return cache
+
+
+# Backends with a config section of their own named after them, besides ``onnxruntime:``
+# (parsed here) and tree frameworks: a stray one is named as such, not as an unknown field.
+SECTIONED_BACKENDS = ("python", "torch", "llm", "litert")
+
+
+def _scheduling_and_backend(
+    f: _Fields, backend: str
+) -> tuple[SLO | None, int, int, dict[str, Any]]:
+    """The latency objective and priority levels, and the backend's own section
+    (``<backend>:``, validated by the backend when it loads)."""
     if backend == "ensemble":
         # An ensemble has no queue of its own: objectives and levels live on its step models.
         for key, what in (
@@ -371,6 +430,10 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
         options = dict(section)
         if token_slo is not None:
             options["slo"] = token_slo
+    return slo, priority_levels, default_priority, options
+
+
+def _labels_section(f: _Fields) -> dict[str, str]:
     labels = f.get("labels", {})
     if not isinstance(labels, dict) or any(
         not isinstance(k, str) or not isinstance(v, str) or not v or Path(v).is_absolute()
@@ -382,39 +445,16 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
             "(one label per line)",
             labels,
         )
+    return dict(labels)
+
+
+def _steps_section(f: _Fields, backend: str) -> tuple[Any, ...]:
     steps = f.get("steps")
     if steps is not None and backend != "ensemble":
         raise f.fail("steps", "no steps unless backend is ensemble", steps)
     if backend == "ensemble" and (not isinstance(steps, list) or not steps):
         raise f.fail("steps", "a non-empty list of steps (backend ensemble)", steps)
-    other = [b for b in ("python", "torch", "llm", "litert") if b != backend and b in f.data]
-    if other:  # (the section of another backend: say so, not just "unknown field")
-        raise ConfigError(
-            f"{where}: {other[0]}: options of backend {other[0]}, but the backend is "
-            f"{backend} (set backend: {other[0]}, or remove the section)"
-        )
-    f.check_unknown()
-    return ModelConfig(
-        name=name,
-        backend=backend,
-        max_batch_size=max_batch_size,
-        inputs=inputs,
-        outputs=outputs,
-        dynamic_batching=batching,
-        instance_count=instance_count,
-        onnxruntime=ort_options,
-        warmup=warmup,
-        version_policy=policy,
-        versions=versions,
-        response_cache=cache,
-        slo=slo,
-        priority_levels=priority_levels,
-        default_priority=default_priority,
-        backend_options=options,
-        steps=tuple(steps or ()),
-        source=where,
-        labels=dict(labels),
-    )
+    return tuple(steps or ())
 
 
 def _slo_section(f: _Fields) -> tuple[SLO | None, int, int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -28,18 +29,19 @@ from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
 from rtserve.config import ServerConfig, load_server_config
 from rtserve.core import generation
+from rtserve.core.capabilities import GENERATE
 from rtserve.core.control import ModelControl
 from rtserve.core.dataplane import DataPlane, statistics_of
 from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.core.model import BuildContext, ModelVersion
 from rtserve.core.registry import ModelRegistry
-from rtserve.errors import InvalidInput, ShuttingDown
+from rtserve.errors import ConfigError, InvalidInput, ShuttingDown
 from rtserve.llm.options import PRIORITY_MIN
 from rtserve.llm.params import SAMPLING_NAMES, GenerationEvent, SamplingParams
 from rtserve.observability.metrics import Metrics
@@ -58,7 +60,31 @@ from rtserve.protocol.types import (
 if TYPE_CHECKING:
     from rtserve.cache import CacheConfig
 
+log = logging.getLogger("rtserve")
 T = TypeVar("T")
+# After the grace period, how long aborted generations have to send their last event.
+ABORTED_S = 1.0
+
+
+class Transport(Protocol):
+    """A way in (an HTTP or gRPC server) as the engine's shutdown sees it."""
+
+    def begin_drain(self) -> None:
+        """Take no new requests (answer those accepted)."""
+
+    @property
+    def busy(self) -> bool:
+        """A request it accepted is still being answered."""
+        ...
+
+    async def close(self, grace_s: float) -> None:
+        """Stop; what is still running after ``grace_s`` is cut."""
+
+
+def failed_message(failed: Mapping[str, str]) -> str:
+    return "; ".join(f"model '{name}' failed to load: {why}" for name, why in failed.items())
+
+
 _now = time.perf_counter_ns
 _SYNC_LOCK = threading.Lock()  # (each engine's one SyncEngine is made once)
 
@@ -211,6 +237,7 @@ class Engine:
         self._stop_done: asyncio.Event | None = None  # set once stop() has finished
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
         self._sync: SyncEngine | None = None
+        self._transports: list[Transport] = []
 
     def add_activity(self, source: Callable[[], bool]) -> None:
         """Register a frontend's hint that another request may arrive soon (an idle
@@ -228,9 +255,15 @@ class Engine:
         ``model_control_mode="explicit"``, ``load_models=("mlp",)``, ``response_cache``."""
         return cls(load_server_config(None, model_repository=Path(path), **settings))
 
+    def add_transport(self, transport: Transport) -> None:
+        """A transport that ``stop`` drains and closes with the engine (``rtserve serve``'s
+        HTTP and gRPC servers): one shutdown for every way in."""
+        self._transports.append(transport)
+
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Load and warm up the models (those that fail are listed by ``models()``)."""
+        """Load and warm up the models (those that fail are listed by ``models()``; with
+        ``exit_on_error`` one that fails stops the engine with a ``ConfigError``)."""
         if self._loop is not None:
             raise RuntimeError("the engine is already started")
         if self._stopped:
@@ -242,6 +275,12 @@ class Engine:
         except BaseException:
             self._loop = None
             raise
+        failed = self.registry.failed()
+        if self.config.exit_on_error and failed:
+            await self.stop(0)  # (nothing was served: nothing to drain)
+            raise ConfigError(failed_message(failed))
+        if self.workers is not None:
+            self.workers.start()
         self.dataplane.started = True
         self.started = True
 
@@ -266,43 +305,89 @@ class Engine:
                 "loop use Engine.sync(), or asyncio.run_coroutine_threadsafe on that loop"
             )
 
-    async def stop(self, grace_period_s: float | None = None) -> None:
-        """Answer what was accepted, then release the models. Generations still running
-        after ``grace_period_s`` (default: the ``grace_period_s`` setting) end with
-        ``ShuttingDown``; other models' batches in progress are waited for. Never started:
-        nothing to do; stopping or stopped already: waits for that stop."""
+    async def stop(
+        self, grace_period_s: float | None = None, *, models_timeout_s: float | None = None
+    ) -> list[str]:
+        """The one shutdown: readiness turns false and new requests are refused; the
+        transports stop taking new ones; what was accepted is answered. Generations still
+        running after ``grace_period_s`` (default: the ``grace_period_s`` setting) end with
+        ``ShuttingDown``; other models' batches in progress are waited for (at most
+        ``models_timeout_s`` past the grace period when given). Returns the versions still
+        running then ("name:version"; [] when all stopped). Never started: nothing to do;
+        stopping or stopped already: waits for that stop."""
         done = self._stop_done
         if not self._began or (done is not None and done.is_set()):
-            return
+            return []
         self._check_loop()
         if done is not None:
             await done.wait()
-            return
+            return []
         self._stop_done = asyncio.Event()
         try:
-            await self._stop(grace_period_s)
+            return await self._stop(grace_period_s, models_timeout_s)
         finally:
             self._stop_done.set()
 
-    async def _stop(self, grace_period_s: float | None) -> None:
+    def _busy(self) -> bool:
+        """An accepted request is still being answered (by a model or a transport)."""
+        return any(mv.scheduler.busy for mv in self.registry.loaded_versions()) or any(
+            t.busy for t in self._transports
+        )
+
+    async def _idle(self, deadline: float) -> bool:
+        """Wait until nothing is in flight (True), or until ``deadline`` (False)."""
+        while self._busy():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    def _abort_generations(self, grace: float) -> None:
+        error = ShuttingDown(f"shutting down: generation cut after the {grace:g} s grace period")
+        for mv in self.registry.loaded_versions():
+            llm = mv.capability(GENERATE)
+            if llm is not None:
+                llm.abort_all(error)
+
+    async def _stop(
+        self, grace_period_s: float | None, models_timeout_s: float | None
+    ) -> list[str]:
         self._stopped = True
-        self.dataplane.begin_drain()
         grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
         deadline = time.monotonic() + grace
-        while any(mv.scheduler.busy for mv in self.registry.loaded_versions()):
-            if time.monotonic() >= deadline:
-                error = ShuttingDown(f"stopped: generation cut after the {grace:g} s grace period")
-                for mv in self.registry.loaded_versions():
-                    if mv.llm is not None:
-                        mv.llm.abort_all(error)
-                break
-            await asyncio.sleep(0.005)
+        self.dataplane.begin_drain()
+        for transport in self._transports:
+            transport.begin_drain()
+        if self.started:
+            log.info("draining: readiness false, finishing accepted requests")
+        if not await self._idle(deadline):
+            log.error("grace period of %.1f s ended with requests still in flight", grace)
+            self._abort_generations(grace)
+            # The aborted generations' last events reach their clients.
+            await self._idle(time.monotonic() + ABORTED_S)
+        for transport in self._transports:
+            await transport.close(max(0.0, deadline - time.monotonic()))
         await self.control.stop()
-        await self.registry.stop()
+        stuck = await self._stop_models(models_timeout_s)
+        if self.workers is not None and not stuck:
+            await self.workers.stop()
         if self.tracer is not None:
             self.tracer.shutdown()
         self.started = False
         self._loop = None
+        return stuck
+
+    async def _stop_models(self, timeout_s: float | None) -> list[str]:
+        """Release every model; those still running after ``timeout_s`` are named."""
+        try:
+            await asyncio.wait_for(self.registry.stop(), timeout_s)
+        except TimeoutError:
+            return [
+                f"{mv.name}:{mv.version}"
+                for mv in self.registry.loaded_versions()
+                if mv.scheduler.busy
+            ] or ["none named"]
+        return []
 
     async def __aenter__(self) -> Engine:
         await self.start()

@@ -56,7 +56,7 @@ _now = time.perf_counter_ns
 
 
 @dataclass(frozen=True, slots=True)
-class Step:
+class EnsembleStep:
     """One parsed step: ``inputs``/``outputs`` map the step model's names to tensors."""
 
     index: int
@@ -78,9 +78,9 @@ class Step:
 class Plan:
     """The parsed DAG: steps grouped in levels that can run one after the other."""
 
-    steps: tuple[Step, ...]
-    levels: tuple[tuple[Step, ...], ...]
-    producer: dict[str, Step]  # tensor -> the step that produces it
+    steps: tuple[EnsembleStep, ...]
+    levels: tuple[tuple[EnsembleStep, ...], ...]
+    producer: dict[str, EnsembleStep]  # tensor -> the step that produces it
 
 
 def step_models(config: ModelConfig) -> list[str]:
@@ -137,8 +137,8 @@ def parse_steps(config: ModelConfig) -> Plan:
             f"{where}: {missing}: required for backend ensemble (a list of {{name, datatype, shape}})"
         )
     ensemble_inputs = {s.name for s in config.inputs}
-    steps: list[Step] = []
-    producer: dict[str, Step] = {}
+    steps: list[EnsembleStep] = []
+    producer: dict[str, EnsembleStep] = {}
     for i, raw in enumerate(config.steps):
         f = _Fields(raw, where, f"steps[{i}]")
         model = f.string("model", "")
@@ -149,7 +149,7 @@ def parse_steps(config: ModelConfig) -> Plan:
             raise f.fail("version", "a version number", version)
         if isinstance(version, int) and version < 1:
             raise f.fail("version", "a version number >= 1", version)
-        step = Step(i, model, str(version), _mapping(f, "inputs"), _mapping(f, "outputs"))
+        step = EnsembleStep(i, model, str(version), _mapping(f, "inputs"), _mapping(f, "outputs"))
         f.check_unknown()
         if model == config.name:
             raise f.fail("model", "another model (an ensemble cannot call itself)", model)
@@ -181,11 +181,11 @@ def parse_steps(config: ModelConfig) -> Plan:
 
 
 def _levels(
-    steps: list[Step], producer: dict[str, Step], where: str
-) -> tuple[tuple[Step, ...], ...]:
+    steps: list[EnsembleStep], producer: dict[str, EnsembleStep], where: str
+) -> tuple[tuple[EnsembleStep, ...], ...]:
     deps = {s.index: {producer[t].index for t in s.inputs.values() if t in producer} for s in steps}
     done: set[int] = set()
-    levels: list[tuple[Step, ...]] = []
+    levels: list[tuple[EnsembleStep, ...]] = []
     while len(done) < len(steps):
         ready = tuple(s for s in steps if s.index not in done and deps[s.index] <= done)
         if not ready:
@@ -196,7 +196,10 @@ def _levels(
 
 
 def _describe_cycle(
-    steps: list[Step], deps: dict[int, set[int]], done: set[int], producer: dict[str, Step]
+    steps: list[EnsembleStep],
+    deps: dict[int, set[int]],
+    done: set[int],
+    producer: dict[str, EnsembleStep],
 ) -> str:
     """Follow unfinished dependencies until a step repeats; name the field that closes it."""
     by_index = {s.index: s for s in steps}
@@ -295,7 +298,7 @@ def check_against_models(config: ModelConfig, plan: Plan, models: dict[int, Mode
     return max_batch
 
 
-def check_step(config: ModelConfig, step: Step, mv: ModelVersion) -> None:
+def check_step(config: ModelConfig, step: EnsembleStep, mv: ModelVersion) -> None:
     """The step's mapped names exist on its model and every model input is fed."""
     where = config.source
     for name in step.inputs:
@@ -351,7 +354,7 @@ def _version_print(mv: ModelVersion) -> str:
     return h.hexdigest()
 
 
-def _step_error(ensemble: str, step: Step, exc: BaseException) -> RTServeError:
+def _step_error(ensemble: str, step: EnsembleStep, exc: BaseException) -> RTServeError:
     """The step's error with the step named; its class (and so its status) is kept."""
     prefix = f"ensemble '{ensemble}' {step.label}: "
     if isinstance(exc, RTServeError):
@@ -464,7 +467,7 @@ class EnsembleScheduler:
         if not self._tasks and self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
 
-    def step_model(self, step: Step) -> ModelVersion:
+    def step_model(self, step: EnsembleStep) -> ModelVersion:
         """The step's live version, checked against the plan if it changed (a reload)."""
         try:
             mv = self._lookup(step.model, step.version)
@@ -557,7 +560,7 @@ class EnsembleScheduler:
 
     async def _step(
         self,
-        step: Step,
+        step: EnsembleStep,
         tensors: dict[str, np.ndarray],
         rows: int,
         timeout_s: float,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from rtserve.core.capabilities import GENERATE
 from rtserve.core.dataplane import DataPlane
 from rtserve.core.model import ModelVersion
 from rtserve.errors import ClientClosed, InvalidInput, Overloaded, RTServeError, as_error
@@ -64,14 +65,20 @@ class PriorityNotAllowed(RTServeError):
     grpc_code = grpc.StatusCode.PERMISSION_DENIED
 
 
+def engine_of(mv: ModelVersion) -> LlmEngine | None:
+    """The version's generation engine, or None (a tensor model)."""
+    return mv.capability(GENERATE)
+
+
 def generative(mv: ModelVersion) -> LlmEngine:
     """The version's generation engine; a tensor model is refused, naming the model."""
-    if mv.llm is None:
+    llm = mv.capability(GENERATE)
+    if llm is None:
         raise InvalidInput(
             f"model: '{mv.name}' is not a generative model (backend: llm); "
             "use /v2/models/{name}/infer"
         )
-    return mv.llm
+    return llm
 
 
 # A prompt (or chat) of at most this many characters is tokenized on the event loop (well

@@ -2,8 +2,8 @@
 
 ``ModelVersion`` = runtime + scheduler (the dynamic batcher, or an ensemble's step
 scheduler) + response cache + metrics, with ``drain``/``stop``. ``build_runtime_version``
-wires a runtime backend's version (load, labels, warmup, SLO calibration, batcher, cache);
-``core/factory.py`` picks the builder for the config's ``backend``.
+wires a runtime backend's version (load, labels, warmup, the policy ``core/policies.py``
+chooses, batcher, cache); ``core/factory.py`` picks the builder for the config's ``backend``.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
 from rtserve.config import ModelConfig, TensorSpec
+from rtserve.core.capabilities import Capability
 from rtserve.core.labels import read_labels
-from rtserve.core.warmup import slo_controller, warmup
+from rtserve.core.policies import PolicyInput, build_policy
+from rtserve.core.warmup import Warmed, warmup
 from rtserve.errors import ConfigError, RTServeError
 from rtserve.extras import install_hint
 from rtserve.observability.metrics import Metrics, ModelMetrics
@@ -30,13 +32,9 @@ from rtserve.runtime.base import Runtime
 from rtserve.runtime.parameters import RowParameter
 from rtserve.scheduling.base import SchedulingPolicy
 from rtserve.scheduling.batcher import Batcher
-from rtserve.scheduling.policy import DynamicBatchPolicy
-from rtserve.scheduling.slo_policy import SLOPolicy
-from rtserve.scheduling.window import WindowPolicy
 
 if TYPE_CHECKING:
     from rtserve.cache import CacheConfig, CacheMetrics, ResponseCache
-    from rtserve.llm.engine import LlmEngine
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +42,7 @@ log = logging.getLogger(__name__)
 INLINE_MAX_BATCH_NS = 1_000_000
 
 Outputs = dict[str, np.ndarray]
+T = TypeVar("T")
 
 
 class Scheduler(Protocol):
@@ -98,8 +97,13 @@ class ModelVersion:
     labels: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     # Request parameters the runtime reads per row (``runtime/parameters.py``); () for most.
     row_parameters: tuple[RowParameter, ...] = ()
-    # The generation engine of a generative (``backend: llm``) version, else None.
-    llm: LlmEngine | None = None
+    # What a backend offers beyond tensors, by key (``core/capabilities.py``; ``GENERATE``:
+    # the generation engine of a ``backend: llm`` version); read with ``capability``.
+    capabilities: dict[Capability[Any], object] = dataclasses.field(default_factory=dict)
+
+    def capability(self, key: Capability[T]) -> T | None:
+        """What the backend offers under ``key``, or None (a plain tensor model)."""
+        return self.capabilities.get(key)  # type: ignore[return-value]
 
     def early_refusal(self, received_ns: int) -> RTServeError | None:
         """The scheduler's refusal before decoding (``Scheduler.refuse_early``), or None;
@@ -181,9 +185,34 @@ async def build_runtime_version(
     """A version served by one runtime behind the dynamic batcher (ONNX, Python, torch):
     ``load`` builds the runtime; ``may_inline``: whether its batches may run on the event
     loop (a small model's, when a thread hop would cost more than the compute)."""
-    loop = asyncio.get_running_loop()
+    runtime = await _load(load, config, version_dir)
     try:
-        runtime = await loop.run_in_executor(None, load, config, version_dir)
+        if runtime.max_batch_size != config.max_batch_size:
+            config = dataclasses.replace(config, max_batch_size=runtime.max_batch_size)
+        labels, warmed = await _warm(runtime, config, version_dir)
+        given = PolicyInput(runtime, config, version_dir, warmed, ctx.more_expected)
+        policy = await build_policy(given)
+        cache = ctx.cache_for(config, version, runtime.outputs)
+    except BaseException:
+        runtime.close()
+        raise
+    inline = may_inline and _runs_inline(config, runtime, warmed)
+    mv = _runtime_version(config, version, ctx, runtime, policy, inline, cache, labels)
+    timed = "not timed" if warmed.batch_ns is None else f"{warmed.batch_ns / 1e6:.3f} ms"
+    log.info(
+        "loaded %s version %s (%s, %s, largest warmup batch %s)",
+        config.name, version, config.backend, "inline" if inline else "threaded", timed,
+    )  # fmt: skip
+    return mv
+
+
+async def _load(
+    load: Callable[[ModelConfig, Path], Runtime], config: ModelConfig, version_dir: Path
+) -> Runtime:
+    """The runtime, loaded off the event loop; a failure names the directory (and the
+    extra to install when a library is missing)."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, load, config, version_dir)
     except ConfigError:
         raise
     except Exception as exc:
@@ -192,56 +221,45 @@ async def build_runtime_version(
         raise ConfigError(
             f"{version_dir}: loading failed: {type(exc).__name__}: {exc}{hint}"
         ) from exc
-    if runtime.max_batch_size != config.max_batch_size:
-        config = dataclasses.replace(config, max_batch_size=runtime.max_batch_size)
-    try:  # (file reads: off the event loop, as the load)
-        labels = await loop.run_in_executor(None, read_labels, config, version_dir.parent, runtime)
-    except ConfigError:
-        runtime.close()
-        raise
+
+
+async def _warm(
+    runtime: Runtime, config: ModelConfig, version_dir: Path
+) -> tuple[dict[str, tuple[str, ...]], Warmed]:
+    """The outputs' class labels, then the warmup batches (both off the event loop)."""
+    loop = asyncio.get_running_loop()
+    labels = await loop.run_in_executor(None, read_labels, config, version_dir.parent, runtime)
     try:
         warmed = await loop.run_in_executor(None, warmup, runtime, config)
     except Exception as exc:
-        runtime.close()
         raise ConfigError(f"{version_dir}: warmup failed: {type(exc).__name__}: {exc}") from exc
+    return labels, warmed
+
+
+def _runs_inline(config: ModelConfig, runtime: Runtime, warmed: Warmed) -> bool:
+    """Whether batches run on the event loop: asked for, or (``auto``) one instance whose
+    largest warmup batch took under ``INLINE_MAX_BATCH_NS``."""
     mode = config.onnxruntime.execution
-    inline = may_inline and (
-        mode == "inline"
-        or (
-            mode == "auto"
-            and runtime.instance_count == 1
-            and warmed.batch_ns is not None
-            and warmed.batch_ns < INLINE_MAX_BATCH_NS
-        )
+    return mode == "inline" or (
+        mode == "auto"
+        and runtime.instance_count == 1
+        and warmed.batch_ns is not None
+        and warmed.batch_ns < INLINE_MAX_BATCH_NS
     )
+
+
+def _runtime_version(
+    config: ModelConfig,
+    version: str,
+    ctx: BuildContext,
+    runtime: Runtime,
+    policy: SchedulingPolicy,
+    inline: bool,
+    cache: ResponseCache | None,
+    labels: dict[str, tuple[str, ...]],
+) -> ModelVersion:
+    """The batcher (started) and its metrics around ``runtime``, as a live version."""
     metrics = ctx.metrics.model(config.name, version)
-    controller = None
-    if config.slo is not None:
-        try:  # timed batches up to max_batch_size: a model may fail where warmup did not
-            controller = await loop.run_in_executor(
-                None, slo_controller, runtime, config, warmed.fill
-            )
-        except Exception as exc:
-            runtime.close()
-            raise ConfigError(
-                f"{version_dir}: slo: timing batches for the latency objective failed: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-    try:
-        cache = ctx.cache_for(config, version, runtime.outputs)
-    except Exception:
-        runtime.close()
-        raise
-    batching = config.dynamic_batching
-    policy: SchedulingPolicy = (
-        WindowPolicy(
-            DynamicBatchPolicy(config.max_batch_size, batching),
-            batching.max_queue_size,
-            ctx.more_expected,
-        )
-        if controller is None
-        else SLOPolicy(controller, max(1, config.max_batch_size), batching.max_queue_size)
-    )
     batcher = Batcher(
         f"{config.name}:{version}",
         runtime,
@@ -258,7 +276,7 @@ async def build_runtime_version(
     if exit_counts is not None:
         getattr(runtime, "reset_exit_counts")()  # noqa: B009 (warmup's rows are not answers)
         metrics.track_exits(exit_counts)
-    mv = ModelVersion(
+    return ModelVersion(
         name=config.name,
         version=version,
         config=config,
@@ -277,9 +295,3 @@ async def build_runtime_version(
         labels=labels,
         row_parameters=tuple(getattr(runtime, "row_parameters", ())),
     )
-    timed = "not timed" if warmed.batch_ns is None else f"{warmed.batch_ns / 1e6:.3f} ms"
-    log.info(
-        "loaded %s version %s (%s, %s, largest warmup batch %s)",
-        config.name, version, config.backend, "inline" if inline else "threaded", timed,
-    )  # fmt: skip
-    return mv

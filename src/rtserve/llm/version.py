@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rtserve.config import ModelConfig, TensorSpec
+from rtserve.core.capabilities import GENERATE
 from rtserve.core.model import BuildContext, ModelVersion, Outputs
 from rtserve.errors import ConfigError, InvalidInput, RTServeError
 from rtserve.extras import install_hint
@@ -161,7 +162,7 @@ async def build_llm_version(
         inputs={TEXT_INPUT.name: TEXT_INPUT},
         outputs={TEXT_OUTPUT.name: TEXT_OUTPUT},
         decode_limits=limits_for_model((TEXT_INPUT,), 1, ctx.decode_limits),
-        llm=engine,
+        capabilities={GENERATE: engine},
     )
     engine.on_failed = lambda: setattr(mv, "ready", False)
     return mv

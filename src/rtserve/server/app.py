@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rtserve.config import ServerConfig
-from rtserve.engine import Engine
+from rtserve.engine import Engine, failed_message
 from rtserve.errors import ConfigError
 from rtserve.observability.logs import configure_logging
 from rtserve.protocol.shared_memory import SharedMemoryRegions
@@ -45,7 +45,7 @@ log = logging.getLogger("rtserve")
 
 # After the grace period, how long the models may take to stop (release their sessions and
 # threads): with nothing in flight, milliseconds. Past it a model's code is stuck (a request
-# that never returns), and the process exits without it rather than never.
+# that never returns), and the process exits (status 1) without it rather than never.
 STOP_MODELS_S = 2.0
 
 
@@ -142,20 +142,16 @@ class Server:
                 ssl_context=server_ssl_context(*_tls_files(cfg), alpn="h2") if tls else None,
             )
         log.info("listening: %s", _addresses(cfg, self.http_port, self.grpc_port))
-
-        await self.control.start()
+        engine = self.engine
+        engine.add_transport(_HttpTransport(http_server))
+        engine.add_transport(_GrpcTransport(grpc_server, self.grpc))
+        await engine.start()  # (--exit-on-error: a ConfigError, the transports closed)
         failed = self.registry.failed()
-        if cfg.exit_on_error and failed:
-            await self._abort(http_server, grpc_server)
-            raise ConfigError(_failed_message(failed))
-        if self.workers is not None:
-            self.workers.start()
         gc.collect()
         gc.freeze()  # models, sessions and config never die: keep them out of GC scans
         # Per-request garbage is freed by reference counting; cyclic collections only need to
         # run rarely, and each full one walks every live object (a large response cache too).
         gc.set_threshold(50_000, 20, 100)
-        self.dataplane.started = True
         if self.on_ready is not None:
             self.on_ready(failed)
         else:
@@ -166,62 +162,55 @@ class Server:
             announce(self.config, self.http_port, self.grpc_port, models, self.ports_file, failed)
         await self._stop.wait()
 
-        await self._drain(http_server, grpc_server)
-        await http_server.close()
+        stuck = await engine.stop(models_timeout_s=STOP_MODELS_S)
         if self.shm is not None:
             self.shm.close()
-        await self.control.stop()
-        try:
-            await asyncio.wait_for(self.registry.stop(), STOP_MODELS_S)
-        except TimeoutError:
-            busy = [
-                f"{mv.name}:{mv.version}"
-                for mv in self.registry.loaded_versions()
-                if mv.scheduler.busy
-            ]
+        if stuck:
             log.error(
                 "models still running requests %.1f s after the grace period (%s): exiting "
                 "without waiting for them",
                 STOP_MODELS_S,
-                ", ".join(busy) or "none named",
+                ", ".join(stuck),
             )
             logging.shutdown()
             os._exit(1)  # a thread stuck in a model's code would block the interpreter's exit
-        if self.workers is not None:
-            await self.workers.stop()
-        if self.tracer is not None:
-            self.tracer.shutdown()
         log.info("stopped")
 
-    async def _abort(self, http_server: HttpServer, grpc_server: object) -> None:
-        """Stop at start (--exit-on-error): nothing was served, so nothing to drain."""
-        await http_server.close()
-        await grpc_server.stop(0)  # type: ignore[attr-defined]
-        await self.control.stop()
-        await self.registry.stop()
 
-    async def _drain(self, http_server: HttpServer, grpc_server: object) -> None:
-        cfg = self.config
-        deadline = time.monotonic() + cfg.grace_period_s
-        self.dataplane.begin_drain()
-        http_server.begin_drain()
-        log.info("draining: readiness false, finishing accepted requests")
+class _HttpTransport:
+    """The HTTP/1.1 server as the engine's shutdown drives it."""
 
-        def busy() -> bool:
-            return (
-                http_server.busy
-                or self.grpc.in_flight > 0
-                or any(mv.scheduler.busy for mv in self.registry.loaded_versions())
-            )
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
 
-        while busy() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        if busy():
-            log.error(
-                "grace period of %.1f s ended with requests still in flight", cfg.grace_period_s
-            )
-        remaining = max(0.0, deadline - time.monotonic())
-        await grpc_server.stop(remaining)  # type: ignore[attr-defined]
+    def begin_drain(self) -> None:
+        self.server.begin_drain()
+
+    @property
+    def busy(self) -> bool:
+        return self.server.busy
+
+    async def close(self, grace_s: float) -> None:
+        await self.server.close()
+
+
+class _GrpcTransport:
+    """The gRPC server (grpcio or the own HTTP/2 one) as the engine's shutdown drives it:
+    new calls are refused by the draining dataplane; ``close`` ends the server."""
+
+    def __init__(self, server: GrpcServers | GrpcH2Server, frontend: GrpcFrontend) -> None:
+        self.server = server
+        self.frontend = frontend
+
+    def begin_drain(self) -> None:
+        pass
+
+    @property
+    def busy(self) -> bool:
+        return self.frontend.in_flight > 0
+
+    async def close(self, grace_s: float) -> None:
+        await self.server.stop(grace_s)
 
 
 def _guard(config: ServerConfig) -> Guard | None:
@@ -247,10 +236,6 @@ def _addresses(config: ServerConfig, http_port: int, grpc_port: int) -> str:
     return f"{scheme}://{config.host}:{http_port} {grpc} {config.host}:{grpc_port}"
 
 
-def _failed_message(failed: dict[str, str]) -> str:
-    return "; ".join(f"model '{name}' failed to load: {why}" for name, why in failed.items())
-
-
 def announce(
     config: ServerConfig,
     http_port: int,
@@ -272,7 +257,7 @@ def announce(
             "models %s: %s",
             where,
             json.dumps(models),
-            _failed_message(failed),
+            failed_message(failed),
         )
     else:
         log.info("ready: %s models %s", where, json.dumps(models))
