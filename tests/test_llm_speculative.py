@@ -19,8 +19,10 @@ from rtserve.llm.engine import LlmEngine  # noqa: E402
 from rtserve.llm.options import LlmOptions  # noqa: E402
 from rtserve.llm.params import SamplingParams  # noqa: E402
 from rtserve.llm.speculative import (  # noqa: E402
+    draft_tokens,
     probabilities,
     propose_ngram,
+    replay,
     verify_greedy,
     verify_sampled,
 )
@@ -83,6 +85,37 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:
     assert propose_ngram([1, 2, 3], 0, 1, 2) == []
 
 
+def test_prompt_lookup_drafts_no_more_than_its_match_and_stops_where_matches_part() -> None:
+    # a one-token match drafts one token (it used to draft k)
+    assert propose_ngram([7, 8, 1, 2, 3, 4, 5, 6, 9, 8], 4, 1, 4) == [1]
+    # a longer match drafts as long as it is
+    assert propose_ngram([6, 7, 8, 1, 2, 3, 4, 5, 9, 6, 7, 8], 6, 1, 4) == [1, 2, 3]
+    # three matches of "1 2" continue "5 7", "5 7", "5 6": the latest is followed while
+    # most of them agree ("5"), and no further
+    tokens = [8, 1, 2, 5, 7, 9, 1, 2, 5, 7, 4, 1, 2, 5, 6, 3, 1, 2]
+    assert propose_ngram(tokens, 4, 2, 4) == [5]
+    assert propose_ngram(tokens[10:], 4, 2, 4) == [5, 6]  # one match: followed on
+
+
+def test_drafts_shrink_as_more_sequences_decode() -> None:
+    # each sequence verifies its drafts and its own token, 16 tokens a step in all
+    assert [draft_tokens(6, b, 64) for b in (1, 2, 3, 4, 5, 8, 9, 32)] == [6, 6, 4, 3, 2, 1, 0, 0]
+    assert draft_tokens(6, 3, 2) == 0  # past max_batch: none
+    assert draft_tokens(6, 32, 64, step_tokens=1 << 20) == 6
+
+
+def test_replayed_acceptance_equals_the_engines_count(repo: Path) -> None:
+    """Drafted and accepted tokens are a function of the text alone (greedy): prompt
+    lookup replayed on the output counts what the engine counted."""
+    spec = {"method": "prompt_lookup", "num_tokens": 5, "ngram": {"min": 1, "max": 4}}
+    e = engine(repo / "llama" / "1", spec)
+    ids = prompts_for(e, 4)[3]
+    out = run_all(e, [ids])[0]
+    steps, drafted, accepted = replay(ids, out, 5, 1, 4)
+    assert (e.metrics.drafted, e.metrics.accepted) == (drafted, accepted)
+    assert accepted > 0 and steps < len(out)
+
+
 def test_greedy_verification_keeps_the_agreeing_run_and_the_models_token() -> None:
     assert verify_greedy([5, 6, 7], [5, 6, 8, 9]) == [5, 6, 8]
     assert verify_greedy([5, 6, 7], [5, 6, 7, 9]) == [5, 6, 7, 9]
@@ -143,6 +176,8 @@ def test_prompt_lookup_greedy_equals_plain_64_concurrent_with_preemption(
     prompts = prompts_for(plain, 64)
     expected = run_all(plain, prompts)
     spec = engine(version, LOOKUP, **small)
+    assert spec.speculator is not None
+    spec.speculator.step_tokens = 1 << 20  # drafts at every batch size
     got = run_all(spec, prompts)
     for i, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert a == b, f"prompt {i}: {a} != {b}"
@@ -225,6 +260,8 @@ def test_sampled_output_keeps_its_distribution_through_the_engine(repo: Path, me
 
     def tokens(spec: dict | None) -> tuple[list[list[int]], LlmEngine]:
         e = engine(version, spec, max_num_seqs=512)
+        if e.speculator is not None:
+            e.speculator.step_tokens = 1 << 20  # drafts at every batch size
         ids = e.encode_text("the cat sat on the mat the cat sat on the mat the cat")
         return run_all(e, [ids] * 300, params), e
 

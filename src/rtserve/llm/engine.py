@@ -530,16 +530,16 @@ class LlmEngine:
                 self._finish(seq, "abort")
 
     def _propose(self) -> None:
-        """Draft tokens for the decoding sequences (speculative decoding), while at most
-        ``max_batch`` of them decode: beyond, one token each is cheaper."""
+        """Draft tokens for the decoding sequences (speculative decoding), fewer as more
+        decode (``speculative.draft_tokens``): beyond, one token each is cheaper."""
         spec = self.speculator
         if spec is None:
             return
         sched = self.scheduler
         decoding = [s for s in sched.running if not s.prefilling]
-        if not decoding or len(decoding) > spec.max_batch:
+        k_max = spec.draft_tokens(len(decoding))
+        if k_max <= 0:
             return
-        k_max = spec.spec.num_tokens
         for seq in decoding:
             # (the drafts and the model's own next token never pass max_len)
             k = min(k_max, seq.max_len - len(seq.tokens) - 1)

@@ -33,22 +33,102 @@ log = logging.getLogger(__name__)
 LOOKUP_WINDOW = 8192  # prompt lookup searches the last this many tokens
 
 
-def propose_ngram(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix
-    of ``tokens`` of ``ngram_max`` down to ``ngram_min`` tokens ([] if none occurs)."""
-    if k <= 0 or len(tokens) <= ngram_min:
-        return []
+MATCH_CAP = 64  # a candidate's match is followed back at most this many tokens
+STEP_TOKENS = 16  # tokens a decode step verifies in all (quant.GEMV_ROWS: the kernel's rows)
+
+
+def matches(tokens: list[int], ngram_min: int) -> tuple[np.ndarray, np.ndarray]:
+    """Earlier occurrences of the end of ``tokens`` (within the last ``LOOKUP_WINDOW``): the
+    index in ``tokens`` where each one's continuation starts, and how many tokens it matches
+    (followed back up to ``MATCH_CAP``); only those of at least ``ngram_min`` tokens."""
     arr = np.asarray(tokens[-LOOKUP_WINDOW:], dtype=np.int64)
     n_tok = len(arr)
-    for n in range(min(ngram_max, n_tok - 1), ngram_min - 1, -1):
-        pattern = arr[-n:]
-        # windows that end before the last token: the suffix itself is not a match
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return arr[start : start + k].tolist()  # type: ignore[no-any-return]
-    return []
+    none = np.empty(0, dtype=np.int64)
+    if n_tok <= ngram_min:
+        return none, none
+    ends = np.flatnonzero(arr[:-1] == arr[-1])  # (the suffix itself is not a match)
+    length = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for j in range(1, min(MATCH_CAP, n_tok - 1)):
+        idx = ends - j
+        ok = alive & (idx >= 0)
+        if not ok.any():
+            break
+        ok[ok] = arr[idx[ok]] == arr[n_tok - 1 - j]
+        length += ok
+        alive = ok
+    keep = length >= ngram_min
+    return ends[keep] + 1 + (len(tokens) - n_tok), length[keep]
+
+
+def propose_ngram(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """Up to ``k`` tokens drafted from the sequence's own text (prompt lookup).
+
+    Every earlier occurrence of the last ``ngram_min`` or more tokens is a candidate. The
+    draft follows the one whose match is longest (counted up to ``ngram_max``; the latest
+    among equals), for at most as many tokens as its full match is long (a long match is
+    likely copied text; a two-token one rarely runs on), and stops where the candidates
+    still agreeing with the draft part ways (the followed one's continuation weighing less
+    than half, each candidate weighted by its match length squared)."""
+    if k <= 0:
+        return []
+    starts, length = matches(tokens, ngram_min)
+    if not len(starts):
+        return []
+    order = np.lexsort((-starts, -np.minimum(length, ngram_max)))
+    starts, length = starts[order], length[order]
+    k = min(k, int(length[0]))
+    arr = np.asarray(tokens, dtype=np.int64)
+    weight = length.astype(np.float64) ** 2
+    draft: list[int] = []
+    for j in range(k):
+        pos = starts + j
+        live = pos < len(arr)
+        if not live[0]:
+            break
+        starts, weight, pos = starts[live], weight[live], pos[live]
+        nxt = arr[pos]
+        agree = nxt == nxt[0]
+        if j > 0 and weight[agree].sum() < 0.5 * weight.sum():
+            break
+        draft.append(int(nxt[0]))
+        starts, weight = starts[agree], weight[agree]
+    return draft
+
+
+def draft_tokens(
+    num_tokens: int, decoding: int, max_batch: int, step_tokens: int = STEP_TOKENS
+) -> int:
+    """Tokens drafted per sequence while ``decoding`` sequences decode: each verifies its
+    drafts and its own token in the step, up to ``step_tokens`` tokens in all (a step that
+    reads each weight once for a few rows costs about what one row costs; past that, every
+    rejected draft is computed for nothing). 0 past ``max_batch`` sequences."""
+    if decoding > max_batch or decoding <= 0:
+        return 0
+    return max(0, min(num_tokens, step_tokens // decoding - 1))
+
+
+def replay(
+    prompt: list[int], output: list[int], k: int, ngram_min: int, ngram_max: int
+) -> tuple[int, int, int]:
+    """Prompt lookup replayed on a greedy ``output`` of ``prompt`` (greedy speculation
+    yields the same tokens): steps (the prefill's, which makes the first token, included),
+    tokens drafted, tokens accepted, as one sequence decoding alone with ``k`` drafts a
+    step would count them."""
+    steps, drafted, accepted = 1, 0, 0
+    at = 1
+    while at < len(output):
+        draft = propose_ngram(
+            prompt + output[:at], min(k, len(output) - at - 1), ngram_min, ngram_max
+        )
+        kept = 0
+        for d, t in zip(draft, output[at:], strict=False):
+            if d != t:
+                break
+            kept += 1
+        steps, drafted, accepted = steps + 1, drafted + len(draft), accepted + kept
+        at += kept + 1
+    return steps, drafted, accepted
 
 
 def verify_greedy(draft: list[int], argmax: list[int]) -> list[int]:
@@ -259,6 +339,7 @@ class Speculator:
         dtype: torch.dtype,
     ) -> None:
         self.spec = spec
+        self.step_tokens = STEP_TOKENS  # tokens a step verifies in all (``draft_tokens``)
         self.draft: DraftModel | None = None
         if spec.method == "draft":
             draft_dir = resolve_draft(version_dir, spec, tokenizer, vocab)
@@ -268,6 +349,9 @@ class Speculator:
     @property
     def max_batch(self) -> int:
         return self.spec.max_batch
+
+    def draft_tokens(self, decoding: int) -> int:
+        return draft_tokens(self.spec.num_tokens, decoding, self.spec.max_batch, self.step_tokens)
 
     def propose(
         self,
