@@ -72,6 +72,7 @@ class RequestReader:
 
     __slots__ = (
         "conn",
+        "deliver",
         "parser",
         "limits",
         "max_body",
@@ -96,6 +97,7 @@ class RequestReader:
     def __init__(self, conn: Connection) -> None:
         server = conn.server
         self.conn = conn
+        self.deliver = conn.received  # where each complete request goes
         self.parser = httptools.HttpRequestParser(self)
         self.limits = server.limits
         self.max_body = server.max_body
@@ -236,7 +238,7 @@ class RequestReader:
         self._body = b""
         conn = self.conn
         keep_alive = parser.should_keep_alive() and not conn.server.draining and not conn.rejected
-        conn.received(
+        self.deliver(
             Request(
                 parser.get_method(),
                 self._path,

@@ -187,6 +187,7 @@ class Connection(asyncio.Protocol):
         reader.clear()
         del reader.parser
         del reader.conn
+        del reader.deliver
         self._final = None
         self._unparsed = None
 
