@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -89,6 +90,27 @@ inline __m256 i8x8(const int8_t* p) {
 }
 
 inline __m256 u8x8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+
+// Output rows n0..n1 against the m activation rows in blocks of up to MB rows: row(R, r0, n,
+// res) computes one weight row against rows r0..r0+R (R a compile-time constant) into res.
+template <typename Row>
+void rows_blocked(int64_t m, const float* bias, float* out, int64_t n_out, int64_t n0,
+                  int64_t n1, Row row) {
+  float res[MB];
+  for (int64_t r0 = 0; r0 < m; r0 += MB) {
+    const int64_t rows = std::min<int64_t>(MB, m - r0);
+    for (int64_t n = n0; n < n1; ++n) {
+      switch (rows) {
+        case 1: row(std::integral_constant<int, 1>{}, r0, n, res); break;
+        case 2: row(std::integral_constant<int, 2>{}, r0, n, res); break;
+        case 3: row(std::integral_constant<int, 3>{}, r0, n, res); break;
+        default: row(std::integral_constant<int, 4>{}, r0, n, res); break;
+      }
+      const float b = bias ? bias[n] : 0.f;
+      for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * n_out + n] = res[r] + b;
+    }
+  }
+}
 
 // One weight row against R activation rows (R <= MB).
 template <int R>
@@ -209,23 +231,10 @@ void rows_q8(int fmt, const int8_t* xq, const float* xs, int64_t m, int64_t kp,
              const uint8_t* w, const float* scales, const float* mins, const float* sumx,
              const float* bias, float* out, int64_t n_out, int64_t n0, int64_t n1) {
   const int64_t groups = kp / G;
-  float res[MB];
-  for (int64_t r0 = 0; r0 < m; r0 += MB) {
-    const int64_t rows = std::min<int64_t>(MB, m - r0);
-    const int8_t* xb = xq + r0 * kp;
-    const float* sb = xs + r0 * groups;
-    const float* ub = sumx ? sumx + r0 * groups : nullptr;
-    for (int64_t n = n0; n < n1; ++n) {
-      switch (rows) {
-        case 1: row_q8<1>(fmt, xb, sb, kp, w, scales, mins, ub, n, res); break;
-        case 2: row_q8<2>(fmt, xb, sb, kp, w, scales, mins, ub, n, res); break;
-        case 3: row_q8<3>(fmt, xb, sb, kp, w, scales, mins, ub, n, res); break;
-        default: row_q8<4>(fmt, xb, sb, kp, w, scales, mins, ub, n, res); break;
-      }
-      const float b = bias ? bias[n] : 0.f;
-      for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * n_out + n] = res[r] + b;
-    }
-  }
+  rows_blocked(m, bias, out, n_out, n0, n1, [&](auto R, int64_t r0, int64_t n, float* res) {
+    row_q8<decltype(R)::value>(fmt, xq + r0 * kp, xs + r0 * groups, kp, w, scales, mins,
+                               sumx ? sumx + r0 * groups : nullptr, n, res);
+  });
 }
 
 // int8 / int4 weights against activation rows quantized to int16 per group of 32 (a rounding
@@ -271,87 +280,34 @@ void rows_q16(int fmt, const int16_t* xq, const float* xs, int64_t m, int64_t kp
               const uint8_t* w, const float* scales, const float* mins, const float* sumx,
               const float* bias, float* out, int64_t n_out, int64_t n0, int64_t n1) {
   const int64_t groups = kp / G;
-  float res[MB];
-  for (int64_t r0 = 0; r0 < m; r0 += MB) {
-    const int64_t rows = std::min<int64_t>(MB, m - r0);
-    const int16_t* xb = xq + r0 * kp;
-    const float* sb = xs + r0 * groups;
-    const float* ub = sumx ? sumx + r0 * groups : nullptr;
-    for (int64_t n = n0; n < n1; ++n) {
-      switch (rows) {
-        case 1: row_q16<1>(fmt, xb, sb, kp, w, scales, mins, ub, n, res); break;
-        case 2: row_q16<2>(fmt, xb, sb, kp, w, scales, mins, ub, n, res); break;
-        case 3: row_q16<3>(fmt, xb, sb, kp, w, scales, mins, ub, n, res); break;
-        default: row_q16<4>(fmt, xb, sb, kp, w, scales, mins, ub, n, res); break;
-      }
-      const float b = bias ? bias[n] : 0.f;
-      for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * n_out + n] = res[r] + b;
-    }
-  }
+  rows_blocked(m, bias, out, n_out, n0, n1, [&](auto R, int64_t r0, int64_t n, float* res) {
+    row_q16<decltype(R)::value>(fmt, xq + r0 * kp, xs + r0 * groups, kp, w, scales, mins,
+                                sumx ? sumx + r0 * groups : nullptr, n, res);
+  });
 }
 
 void rows_avx2(int fmt, const float* x, int64_t m, int64_t kp, const uint8_t* w,
                const float* scales, const float* mins, const float* sumx, const float* bias,
                float* out, int64_t n_out, int64_t n0, int64_t n1) {
   const int64_t groups = kp / G;
-  float res[MB];
-  for (int64_t r0 = 0; r0 < m; r0 += MB) {
-    const int64_t rows = std::min<int64_t>(MB, m - r0);
-    const float* xb = x + r0 * kp;
-    const float* sb = sumx ? sumx + r0 * groups : nullptr;
-    for (int64_t n = n0; n < n1; ++n) {
-      switch (rows) {
-        case 1: row_avx2<1>(fmt, xb, kp, w, scales, mins, sb, n, res); break;
-        case 2: row_avx2<2>(fmt, xb, kp, w, scales, mins, sb, n, res); break;
-        case 3: row_avx2<3>(fmt, xb, kp, w, scales, mins, sb, n, res); break;
-        default: row_avx2<4>(fmt, xb, kp, w, scales, mins, sb, n, res); break;
-      }
-      const float b = bias ? bias[n] : 0.f;
-      for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * n_out + n] = res[r] + b;
-    }
-  }
+  rows_blocked(m, bias, out, n_out, n0, n1, [&](auto R, int64_t r0, int64_t n, float* res) {
+    row_avx2<decltype(R)::value>(fmt, x + r0 * kp, kp, w, scales, mins,
+                                 sumx ? sumx + r0 * groups : nullptr, n, res);
+  });
 }
 #endif
 
-// The same sums as row_q8 in plain loops.
-void rows_q8_plain(int fmt, const int8_t* xq, const float* xs, int64_t m, int64_t kp,
-                   const uint8_t* w, const float* scales, const float* mins, const float* sumx,
-                   const float* bias, float* out, int64_t n_out, int64_t n0, int64_t n1) {
+// The same sums as row_q8 / row_q16 in plain loops (T: the activation rows' int8 / int16).
+template <typename T>
+void rows_int_plain(int fmt, const T* xq, const float* xs, int64_t m, int64_t kp,
+                    const uint8_t* w, const float* scales, const float* mins, const float* sumx,
+                    const float* bias, float* out, int64_t n_out, int64_t n0, int64_t n1) {
   const int64_t groups = kp / G;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t r = 0; r < m; ++r) {
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
-        const int8_t* xg = xq + r * kp + g * G;
-        int32_t d = 0;
-        if (fmt == 0) {
-          const int8_t* wg = reinterpret_cast<const int8_t*>(w) + n * kp + g * G;
-          for (int64_t j = 0; j < G; ++j) d += static_cast<int32_t>(wg[j]) * xg[j];
-        } else {
-          const uint8_t* wg = w + n * (kp / 2) + g * (G / 2);
-          for (int64_t j = 0; j < G / 2; ++j)
-            d += static_cast<int32_t>(wg[j] & 15) * xg[j] +
-                 static_cast<int32_t>(wg[j] >> 4) * xg[j + G / 2];
-          acc += mins[n * groups + g] * sumx[r * groups + g];
-        }
-        acc += static_cast<float>(d) * (scales[n * groups + g] * xs[r * groups + g]);
-      }
-      out[r * n_out + n] = acc + (bias ? bias[n] : 0.f);
-    }
-  }
-}
-
-// The same sums as row_q16 in plain loops.
-void rows_q16_plain(int fmt, const int16_t* xq, const float* xs, int64_t m, int64_t kp,
-                    const uint8_t* w, const float* scales, const float* mins,
-                    const float* sumx, const float* bias, float* out, int64_t n_out, int64_t n0,
-                    int64_t n1) {
-  const int64_t groups = kp / G;
-  for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t r = 0; r < m; ++r) {
-      float acc = 0.f;
-      for (int64_t g = 0; g < groups; ++g) {
-        const int16_t* xg = xq + r * kp + g * G;
+        const T* xg = xq + r * kp + g * G;
         int32_t d = 0;
         if (fmt == 0) {
           const int8_t* wg = reinterpret_cast<const int8_t*>(w) + n * kp + g * G;
@@ -475,7 +431,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale
         return;
       }
 #endif
-      rows_q16_plain(static_cast<int>(fmt), xq16.data(), xscale.data(), m, kp, w, sp, mp, sx, bp,
+      rows_int_plain(static_cast<int>(fmt), xq16.data(), xscale.data(), m, kp, w, sp, mp, sx, bp,
                      os, n_out, n0, n1);
       return;
     }
@@ -487,8 +443,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale
         return;
       }
 #endif
-      rows_q8_plain(static_cast<int>(fmt), xq.data(), xscale.data(), m, kp, w, sp, mp, sx, bp,
-                    os, n_out, n0, n1);
+      rows_int_plain(static_cast<int>(fmt), xq.data(), xscale.data(), m, kp, w, sp, mp, sx, bp,
+                     os, n_out, n0, n1);
       return;
     }
 #ifdef RT_AVX2
