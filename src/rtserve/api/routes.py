@@ -85,6 +85,8 @@ ROUTES: list[Route] = [
     Route(b"POST", prefix("/v2/repository/models/"), v2.model_control, _load_body),
     Route(b"POST", exact("/v1/chat/completions"), llm(G.completions), LLM_BODY),
     Route(b"POST", exact("/v1/completions"), llm(G.completions), LLM_BODY),
+    Route(b"POST", exact("/v1/responses"), llm(G.responses), LLM_BODY),
+    Route(b"POST", exact("/v1/embeddings"), llm(G.embeddings), LLM_BODY),
     Route(b"GET", exact("/v1/models"), llm(G.models)),
     Route(b"GET", prefix("/v1/models/"), llm(G.model)),
     Route(None, prefix("/v1/"), llm(G.unknown), LLM_BODY),  # (404 in OpenAI's shape)

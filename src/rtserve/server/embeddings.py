@@ -342,12 +342,17 @@ def dumps(doc: dict[str, Any]) -> bytes:
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def model_entries(dataplane: DataPlane, created: int | None = None) -> list[dict[str, Any]]:
-    """``/v1/models`` entries of the embedding models."""
+def model_entries(
+    dataplane: DataPlane,
+    created: int | None = None,
+    allowed: Callable[[str], bool] | None = None,
+) -> list[dict[str, Any]]:
+    """``/v1/models`` entries of the embedding models (``allowed``: those a key may use)."""
     when = int(time.time()) if created is None else created
     return [
         {"id": name, "object": "model", "created": when, "owned_by": "rtserve", "dimensions": d}
         for name, d in embedding_models(dataplane)
+        if allowed is None or allowed(name)
     ]
 
 
@@ -374,3 +379,23 @@ async def answer(
         status, text, headers = openai.error_answer(exc)
         return status, text, headers
     return 200, dumps(doc), [(b"content-type", b"application/json")]
+
+
+def reply(dataplane: DataPlane, guard: Any, request: Any, body: bytes) -> Any:
+    """The pending reply to ``POST /v1/embeddings`` (``request``: an ``api.call.Call``;
+    ``guard``: the server's key check, or None), the request id on the answer."""
+    from rtserve.api.call import Pending
+    from rtserve.api.context import timings_of, with_request_id
+
+    timings = timings_of(request.headers, request.received_ns)
+    authorize = None
+    if guard is not None:
+
+        def authorize(model: str) -> None:
+            guard.http_model(request.headers, model)
+
+    async def run() -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        status, text, headers = await answer(dataplane, body, timings, authorize)
+        return status, text, with_request_id(headers, timings)
+
+    return Pending(run)

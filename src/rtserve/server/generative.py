@@ -30,7 +30,7 @@ from rtserve.errors import InvalidInput, PayloadTooLarge, RouteNotFound
 from rtserve.llm.params import GenerationEvent, SamplingParams
 from rtserve.protocol.limits import DEFAULT_LIMITS
 from rtserve.protocol.types import Timings
-from rtserve.server import openai
+from rtserve.server import embeddings, openai
 from rtserve.server.errors import JSON_TYPE, http_error
 from rtserve.server.security import Guard, http_credential
 
@@ -119,6 +119,14 @@ class GenerativeRoutes:
         """``POST /v1/chat/completions`` and ``/v1/completions``."""
         kind = openai.CHAT if "chat" in request.path else openai.TEXT
         return self._openai(request, kind, peer, body)
+
+    def responses(self, request: Call, peer: str, body: bytes) -> Reply:
+        """``POST /v1/responses`` (``server/responses.py``)."""
+        return self._openai(request, openai.RESPONSES, peer, body)
+
+    def embeddings(self, request: Call, peer: str, body: bytes) -> Reply:
+        """``POST /v1/embeddings`` (``server/embeddings.py``)."""
+        return embeddings.reply(self.dataplane, self.guard, request, body)
 
     def models(self, request: Call, peer: str, body: bytes) -> Reply:
         """``GET /v1/models``."""
@@ -264,7 +272,18 @@ class GenerativeRoutes:
         events = generation.events(dp, gen, prompt_logprobs=scored)
         if request.stream:
             chunks = openai.stream(request, events, prompt_text)
-            return Streamed(with_request_id(openai.SSE_HEADERS, timings), chunks)
+            streamed = Streamed(with_request_id(openai.SSE_HEADERS, timings), chunks)
+            if request.constraint is None:
+                return streamed
+
+            async def compiled() -> Answer | Streamed:  # (a bad schema: 400, not an event)
+                try:
+                    await openai.check_constraint(gen.llm, request)
+                except Exception as exc:
+                    return self._openai_refused(exc, kind, timings, request.model)
+                return streamed
+
+            return Pending(compiled)
 
         async def answer() -> Answer:
             try:
@@ -283,7 +302,10 @@ class GenerativeRoutes:
             if llm is None or not mv.ready or (guard and not guard.may_use(raw.headers, mv.name)):
                 continue
             entries.setdefault(mv.name, (mv.name, self.started, llm.max_model_len))
-        return openai.models_document(sorted(entries.values()))
+        doc = openai.models_document(sorted(entries.values()))
+        allowed = (lambda name: guard.may_use(raw.headers, name)) if guard else None
+        doc["data"].extend(embeddings.model_entries(self.dataplane, self.started, allowed))
+        return doc
 
     def _model(self, raw: Call, name: str) -> Answer:
         try:

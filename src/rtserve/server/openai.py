@@ -365,6 +365,14 @@ def usage_of(lasts: list[GenerationEvent | None]) -> dict[str, Any]:
     }
 
 
+async def check_constraint(llm: Any, request: OpenAIRequest) -> None:
+    """Compile the request's constraint (cached by the engine) before an answer starts, so
+    that a schema the grammar engine cannot use is a 400, not an error event."""
+    check = getattr(llm, "check_constraint", None)
+    if request.constraint is not None and check is not None:
+        await check(request.params)
+
+
 def choice_index(event: GenerationEvent) -> int:
     """Which choice an event belongs to (0 with ``n`` 1)."""
     return int(getattr(event, "index", 0) or 0)
