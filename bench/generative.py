@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -322,6 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     command = " ".join(
         ["python -m bench generative", *(argv if argv is not None else sys.argv[1:])]
     )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the server under test stops too
     result = run(plan, names, out, command)
     from bench.generative_report import render
 

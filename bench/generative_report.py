@@ -10,7 +10,18 @@ from typing import Any
 
 import orjson
 
+from bench.stats import median_ratio, ratio
+
 LABELS = {"transformers": "transformers generate (in-process, static batch)"}
+# (subject, reference, workload, streams): tok/s ratios taken within each round
+RATIOS = [
+    ("rtserve-int8", "llamacpp-q8_0", "stories", "1"),
+    ("rtserve-int8", "llamacpp-q8_0", "stories", "32"),
+    ("rtserve-int8", "vllm-bfloat16", "stories", "32"),
+    ("rtserve-fp32", "vllm-float32", "stories", "32"),
+    ("rtserve-fp32-lookup", "rtserve-fp32", "summarize", "1"),
+    ("rtserve-int8-lookup", "rtserve-int8", "summarize", "1"),
+]
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -66,6 +77,25 @@ def workload_table(result: dict[str, Any], workload: str) -> list[str]:
     return lines
 
 
+def ratio_lines(result: dict[str, Any]) -> list[str]:
+    """Each pair's tok/s ratio per round (both measured in that round) and their median."""
+    lines = []
+    for subject, reference, workload, level in RATIOS:
+        own = _cells(result, subject, workload, level, "tok_s")
+        other = _cells(result, reference, workload, level, "tok_s")
+        rows = [{reference: ratio(a, b)} for a, b in zip(own, other, strict=True)]
+        median = median_ratio(rows, reference)
+        if median is not None:
+            rounds = " / ".join(
+                "-" if r[reference] is None else f"{r[reference]:.2f}" for r in rows
+            )
+            lines.append(
+                f"- {subject} / {reference}, {workload} at {level} stream(s):"
+                f" **{median:.2f}x** (rounds: {rounds})"
+            )
+    return lines
+
+
 def failures(result: dict[str, Any]) -> list[str]:
     found = []
     for i, rnd in enumerate(result["rounds"], 1):
@@ -100,6 +130,9 @@ def render(result: dict[str, Any]) -> str:
         table = workload_table(result, workload)
         if table:
             lines += [f"## {workload}", "", *table, ""]
+    ratios = ratio_lines(result)
+    if ratios:
+        lines += ["## Ratios (median of the per-round ratios)", "", *ratios, ""]
     problems = failures(result)
     if problems:
         lines += ["## Failures", "", *problems, ""]

@@ -21,7 +21,7 @@ PLAN = generative.Plan(max_tokens=12, rounds=1, concurrency={"stories": (1, 4)})
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     root = tmp_path_factory.mktemp("gen-repo")
     build_llm(root, generative.MODEL)
-    s = start_server(root, tmp_path_factory.mktemp("gen-server"))
+    s = start_server(root, tmp_path_factory.mktemp("gen-server"), timeout=240.0)
     yield s
     s.stop()
 
@@ -76,6 +76,11 @@ def test_a_measured_round_renders_every_table(server: RunningServer) -> None:
     assert f"({tok_s:,.0f} / {tok_s:,.0f})" in page
     assert "## summarize" in page and "llamacpp-q8_0 |" not in page
     assert "round 1, llamacpp-q8_0: RuntimeError: boom" in page
+    # a ratio needs both servers in a round: none here, then one round with a reference
+    assert "## Ratios" not in page
+    result["rounds"][1]["rtserve-fp32-lookup"] = {"summarize": {"1": {"tok_s": 3.0}}}
+    result["rounds"][1]["rtserve-fp32"] = {"summarize": {"1": {"tok_s": 2.0}}}
+    assert "summarize at 1 stream(s): **1.50x** (rounds: - / 1.50)" in render(result)
 
 
 def test_every_server_recipe_is_named_once_and_unknown_ones_are_refused() -> None:
