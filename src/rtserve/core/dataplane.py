@@ -18,7 +18,9 @@ import copy
 import json
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -71,6 +73,18 @@ Sink = Callable[
 # None when the frontend finishes decoding later (a body decompressed on a thread) and then
 # calls ``submit`` again.
 Decode = Callable[[ModelVersion], InferRequest | None]
+# How a streamed request hands the dataplane its outputs: emit(output, error, final).
+Emit = Callable[[Any, RTServeError | None, bool], None]
+
+
+@dataclass(slots=True)
+class StreamRequest(InferRequest):
+    """A request answered by many outputs (a generation). Once the dataplane accepted it,
+    it calls ``start(emit)``: the backend then emits each output (``final`` False) and
+    exactly one final call (its error, or None); ``start`` returns what to call if the
+    client goes away. Each emit reaches the sink as is; the final one records the request."""
+
+    start: Callable[[Emit], Callable[[], object]] | None = None
 
 
 def _settle(
@@ -312,6 +326,8 @@ class DataPlane:
                 if request is None:
                     return None
                 request.timings = timings
+                if type(request) is StreamRequest:
+                    return self._stream(request, sink, mv)
                 return self._schedule(request, sink, mv)
         except Exception as exc:
             # No local may hold the error: its traceback holds this frame, and the cycle would
@@ -378,6 +394,21 @@ class DataPlane:
         failed = sink(request, mv, response, error, final)
         if final:
             self.observe(request, mv, failed or error, _now())
+
+    def _stream(
+        self, request: StreamRequest, sink: Sink, mv: ModelVersion
+    ) -> Callable[[], object] | None:
+        """Start a streamed request: its outputs go to ``sink`` as they come."""
+
+        def emit(output: Any, error: RTServeError | None, final: bool) -> None:
+            self._deliver(sink, request, mv, output, error, final)
+
+        try:
+            assert request.start is not None
+            return request.start(emit)
+        except Exception as exc:
+            self._deliver(sink, request, mv, None, as_error(exc, "streamed request"))
+            return None
 
     def _schedule(
         self, request: InferRequest, sink: Sink, mv: ModelVersion

@@ -3,9 +3,11 @@ Triton generate, gRPC streaming, ``Engine.generate``).
 
 ``prepare`` does everything that can refuse a request before its answer starts (find the
 model, encode the prompt, check its length and the first-token objective), so a refusal is
-a plain error status; ``events`` then runs it, keeps the token counts in the request's
-``Timings``, and records the request once (metrics, access log, trace) however it ends:
-finished, failed, or closed by its consumer (a client that went away).
+a plain error status; ``events`` then runs it through ``DataPlane.submit`` (a
+``StreamRequest``: each token event reaches the sink with ``final`` False, then one final
+call), keeps the token counts in the request's ``Timings``, and the dataplane records the
+request once (metrics, access log, trace) however it ends: finished, failed, or closed by
+its consumer (a client that went away).
 
 A request's ``priority`` (lower runs first) is a privilege: within [PRIORITY_MIN,
 PRIORITY_MAX] (else 400), and no more urgent than its key allows (``min_priority`` in the
@@ -21,15 +23,17 @@ import contextlib
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from rtserve.core.capabilities import GENERATE
-from rtserve.core.dataplane import DataPlane
+from rtserve.core.dataplane import DataPlane, Emit, StreamRequest
 from rtserve.core.model import ModelVersion
 from rtserve.errors import ClientClosed, InvalidInput, Overloaded, RTServeError, as_error
 from rtserve.llm.options import PRIORITY_MAX, PRIORITY_MIN
@@ -283,14 +287,62 @@ def refused(
     return err
 
 
-async def events(
-    dataplane: DataPlane, gen: Generation, *, prompt_logprobs: bool = False
-) -> AsyncGenerator[GenerationEvent, None]:
-    """The generation's events. Closing this iterator early (``aclose``, or cancelling the
-    task that awaits it) aborts the sequence; the request is recorded once at the end.
-    ``prompt_logprobs``: the first event carries the prompt's (``LlmEngine.generate``)."""
+class _Channel:
+    """Where a generation's outputs wait for ``events`` to take them, one at a time: the
+    producer waits until its output is taken, so a reader that does not read pauses the
+    sequence (the engine pauses it when its events are not taken)."""
+
+    __slots__ = ("items", "exc", "task", "_wake", "_taken")
+
+    def __init__(self) -> None:
+        self.items: deque[tuple[Any, RTServeError | None, bool]] = deque()
+        self.exc: BaseException | None = None  # the producer's own exception, re-raised
+        self.task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Future[None] | None = None  # the reader waits
+        self._taken: asyncio.Future[None] | None = None  # the producer waits
+
+    def sink(
+        self, _: InferRequest, __: ModelVersion | None, output: Any, error: Any, final: bool
+    ) -> None:
+        """The dataplane's sink: many outputs, then one final call."""
+        self.items.append((output, error, final))
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def take(self) -> tuple[Any, RTServeError | None, bool]:
+        while not self.items:
+            self._wake = asyncio.get_running_loop().create_future()
+            await self._wake
+        item = self.items.popleft()
+        taken = self._taken
+        if taken is not None and not taken.done():
+            taken.set_result(None)
+        return item
+
+    async def taken(self) -> None:
+        """Until the reader took what was emitted."""
+        if self.items:
+            self._taken = asyncio.get_running_loop().create_future()
+            await self._taken
+
+
+_PRODUCERS: set[asyncio.Task[None]] = set()  # (a task needs a strong reference)
+
+
+def _start(gen: Generation, prompt_logprobs: bool, channel: _Channel, emit: Emit) -> Any:
+    """``StreamRequest.start``: run the generation on its own task."""
+    task = asyncio.get_running_loop().create_task(_produce(gen, prompt_logprobs, channel, emit))
+    channel.task = task
+    _PRODUCERS.add(task)
+    task.add_done_callback(_PRODUCERS.discard)
+    return task.cancel
+
+
+async def _produce(gen: Generation, prompt_logprobs: bool, channel: _Channel, emit: Emit) -> None:
+    """The engine's events to the dataplane, one taken at a time; then the final call (its
+    error: None when finished, ``ClientClosed`` when the reader went away)."""
     timings = gen.timings
-    timings.enqueued = _now()
     error: RTServeError | None = ClientClosed("the client went away before the answer ended")
     stream = gen.llm.generate(
         gen.prompt_ids,
@@ -309,12 +361,42 @@ async def events(
             if event.finished:
                 error = None
                 timings.done = _now()
-            yield event
+            emit(event, None, False)
+            await channel.taken()
+    except asyncio.CancelledError:
+        pass  # the reader went away: the sequence is aborted below
     except Exception as exc:
+        channel.exc = exc
         error = as_error(exc, "generation request")
-        raise
     finally:
         await stream.aclose()  # type: ignore[attr-defined]  # an async generator
-        request = InferRequest(gen.mv.name, gen.mv.version, [], id=gen.request_id)
-        request.timings = timings
-        dataplane.observe(request, gen.mv, error, _now())
+        emit(None, error, True)
+
+
+async def events(
+    dataplane: DataPlane, gen: Generation, *, prompt_logprobs: bool = False
+) -> AsyncGenerator[GenerationEvent, None]:
+    """The generation's events, through ``DataPlane.submit`` (a ``StreamRequest`` whose
+    outputs are the events). Closing this iterator early (``aclose``, or cancelling the
+    task that awaits it) aborts the sequence; the request is recorded once at the end.
+    ``prompt_logprobs``: the first event carries the prompt's (``LlmEngine.generate``)."""
+    mv = gen.mv
+    gen.timings.enqueued = _now()
+    channel = _Channel()
+    request = StreamRequest(mv.name, mv.version, [], id=gen.request_id, timings=gen.timings)
+    request.start = partial(_start, gen, prompt_logprobs, channel)
+    cancel = dataplane.submit(mv.name, mv.version, gen.timings, lambda _: request, channel.sink)
+    try:
+        while True:
+            output, error, final = await channel.take()
+            if final:
+                if error is not None:
+                    raise channel.exc or error
+                return
+            yield output
+    finally:
+        task = channel.task
+        if task is not None and not task.done():
+            if cancel is not None:
+                cancel()
+            await asyncio.wait([task])  # (the sequence aborted and the request recorded)
