@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shutil
 import urllib.request
 from collections.abc import Iterator
@@ -330,7 +331,9 @@ def test_langchain_tools_and_structured_output(server: RunningServer, model: str
         model=model, base_url=f"http://{server.http}/v1", api_key="none", max_tokens=128,
         max_retries=0,
     )  # fmt: skip
-    message = llm.bind_tools([get_weather], tool_choice="required").invoke("Weather in Lima?")
+    # strict: the schema forbids other keys (a random-weight model would add some forever)
+    bound = llm.bind_tools([get_weather], tool_choice="required", strict=True)
+    message = bound.invoke("Weather in Lima?")
     assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
     assert message.tool_calls[0]["args"]["city"] in ("Paris", "Oslo", "Lima")
     structured = llm.with_structured_output(City).invoke("Name a capital city.")
@@ -360,3 +363,43 @@ def test_instructor_extracts_a_pydantic_model(client: Any, model: str) -> None:
         messages=[{"role": "user", "content": "Paris is the capital of France."}],
     )  # fmt: skip
     assert isinstance(city, City)
+
+
+# ---------------------------------------------------------------------- n, sampling, guided
+@needs_constraints
+@pytest.mark.parametrize("model", MODELS)
+def test_n_choices_sampling_fields_and_guided_outputs(client: Any, model: str) -> None:
+    answer = client.chat.completions.create(
+        model=model, messages=ASK, n=3, max_tokens=4, seed=1, frequency_penalty=0.5,
+        presence_penalty=0.5, logit_bias={"5": -100},
+        extra_body={"min_p": 0.05, "min_tokens": 2, "repetition_penalty": 1.1},
+    )  # fmt: skip
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert 6 <= answer.usage.completion_tokens <= 12
+    seen: dict[int, str | None] = {}
+    for chunk in client.chat.completions.create(
+        model=model, messages=ASK, n=2, max_tokens=3, stream=True
+    ):
+        for choice in chunk.choices:
+            seen[choice.index] = choice.finish_reason or seen.get(choice.index)
+    assert seen == {0: "length", 1: "length"} or set(seen) == {0, 1}
+    choice = client.chat.completions.create(
+        model=model, messages=ASK, max_tokens=16, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert choice.choices[0].message.content in ("yes", "no")
+    digits = client.completions.create(
+        model=model, prompt="Number:", max_tokens=16,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}"}},
+    )  # fmt: skip
+    assert re.fullmatch("[0-9]{3}", digits.choices[0].text)
+    obj = client.chat.completions.create(
+        model=model, messages=ASK, max_tokens=64, response_format={"type": "json_object"}
+    )
+    if obj.choices[0].finish_reason == "stop":  # (any object: its length is the model's)
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model, messages=ASK, max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        )  # fmt: skip
+    assert info.value.body["param"] == "response_format"
