@@ -213,7 +213,7 @@ def measure_server(name: str, work: Path, plan: Plan) -> dict[str, Any]:
             print(f"  {name}: FAILED to start: {exc}", flush=True)
             return {"error": f"{type(exc).__name__}: {exc}"[:500]}
         try:
-            server.wait_ready(base + recipe.ready_path, timeout_s=900)
+            server.wait_ready(base + recipe.ready_path, timeout_s=1200)
             ready_s = round(time.monotonic() - started, 1)
             print(f"  {name}: ready in {ready_s:.0f} s", flush=True)
             asyncio.run(closed_loop(url, [chat_body(MODEL, story(i), 8) for i in range(4)], 4))
