@@ -180,7 +180,7 @@ def test_field_bounds_name_the_field(server: RunningServer) -> None:
     status, _, answer, _ = _post(server, "/v1/completions", body)
     assert status == 400 and "max_model_len" in _message(answer)
     assert orjson.loads(answer)["error"]["param"] == "prompt"
-    status, _, answer, _ = _post(server, "/v1/chat/completions", _chat(logit_bias={"1": 2}))
+    status, _, answer, _ = _post(server, "/v1/chat/completions", _chat(logit_bias={"1": 200}))
     assert status == 400 and _message(answer).startswith("logit_bias:")
     messages = [{"role": "user", "content": "hi"}] * 5000
     body = orjson.dumps({"model": "tiny", "messages": messages})
