@@ -69,7 +69,7 @@ def run_async(fn):  # type: ignore[no-untyped-def]
 
 
 class FakeEngine:
-    """What a scheduling policy sees of its batcher (``scheduling.base.EngineView``), for
+    """What a scheduling policy sees of its batcher (``scheduling.base.BatcherView``), for
     testing a policy alone: a clock tests move, free instances tests set, and a record of
     the requests dropped and the batches run from the policy (``run_now``)."""
 

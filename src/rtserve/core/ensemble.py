@@ -366,7 +366,7 @@ def _step_error(ensemble: str, step: EnsembleStep, exc: BaseException) -> RTServ
 
 
 class EnsembleScheduler:
-    """Runs each request's DAG as one task; implements the ``Scheduler`` protocol."""
+    """Runs each request's DAG as one task; implements ``core.model.VersionScheduler``."""
 
     def __init__(
         self,

@@ -45,7 +45,7 @@ Outputs = dict[str, np.ndarray]
 T = TypeVar("T")
 
 
-class Scheduler(Protocol):
+class VersionScheduler(Protocol):
     """What the dataplane needs from whatever runs a version's requests."""
 
     def submit(
@@ -84,7 +84,7 @@ class ModelVersion:
     version: str
     config: ModelConfig
     platform: str
-    scheduler: Scheduler
+    scheduler: VersionScheduler
     metrics: ModelMetrics
     inputs: dict[str, TensorSpec]
     outputs: dict[str, TensorSpec]
@@ -106,7 +106,7 @@ class ModelVersion:
         return self.capabilities.get(key)  # type: ignore[return-value]
 
     def early_refusal(self, received_ns: int) -> RTServeError | None:
-        """The scheduler's refusal before decoding (``Scheduler.refuse_early``), or None;
+        """The scheduler's refusal before decoding (``VersionScheduler.refuse_early``), or None;
         never with a response cache, whose hits are answered whatever the queue."""
         if self.cache is not None:
             return None

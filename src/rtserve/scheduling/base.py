@@ -83,7 +83,7 @@ class Step:
 WAIT_INSTANCE = Step([], -1)
 
 
-class EngineView(Protocol):
+class BatcherView(Protocol):
     """What a policy sees of the batcher it schedules for (given once, by ``bind``)."""
 
     name: str
@@ -104,9 +104,9 @@ class SchedulingPolicy(ABC):
     """Decides for one batcher: which requests it admits, in which batches they run, and
     when. Every call comes from the event loop's thread."""
 
-    engine: EngineView
+    engine: BatcherView
 
-    def bind(self, engine: EngineView) -> None:
+    def bind(self, engine: BatcherView) -> None:
         """Called once by the batcher this policy schedules for, at its construction."""
         self.engine = engine
 

@@ -42,7 +42,7 @@ BatchObserver = Callable[[int, int], None]  # (rows in batch, compute ns)
 
 
 class Batcher:
-    """Implements ``base.EngineView`` for its policy."""
+    """Implements ``base.BatcherView`` for its policy."""
 
     refuse_early: Callable[[int], RTServeError | None]
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from rtserve.errors import DeadlineExceeded, ObjectiveRefused, Overloaded
 from rtserve.scheduling import slo
-from rtserve.scheduling.base import WAIT_INSTANCE, EngineView, Request, SchedulingPolicy, Step
+from rtserve.scheduling.base import WAIT_INSTANCE, BatcherView, Request, SchedulingPolicy, Step
 from rtserve.scheduling.slo import (
     LOOP_LAG_FLOOR,
     LOOP_LAG_WEIGHT,
@@ -448,7 +448,7 @@ class SLOPolicy(SchedulingPolicy):
         self._lag_weight = float(slo.LOOP_LAG_WEIGHT)
         self._overdue_ns = 0  # set by ``bind``: inline models only
 
-    def bind(self, engine: EngineView) -> None:
+    def bind(self, engine: BatcherView) -> None:
         super().bind(engine)
         controller = self.controller
         self.name = engine.name

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable
 
 from rtserve.errors import Overloaded
-from rtserve.scheduling.base import WAIT_INSTANCE, EngineView, Request, SchedulingPolicy, Step
+from rtserve.scheduling.base import WAIT_INSTANCE, BatcherView, Request, SchedulingPolicy, Step
 from rtserve.scheduling.policy import DynamicBatchPolicy
 
 
@@ -27,7 +27,7 @@ class WindowPolicy(SchedulingPolicy):
         self.arrival_gap_ns = 0.0  # moving average of the time between arrivals
         self.batch_ns = 0.0  # moving average of a batch's run time
 
-    def bind(self, engine: EngineView) -> None:
+    def bind(self, engine: BatcherView) -> None:
         super().bind(engine)
         self._now = engine.clock
 
