@@ -288,9 +288,9 @@ def refused(
 
 
 class _Channel:
-    """Where a generation's outputs wait for ``events`` to take them, one at a time: the
-    producer waits until its output is taken, so a reader that does not read pauses the
-    sequence (the engine pauses it when its events are not taken)."""
+    """Where a generation's outputs wait for ``events`` to take them: the producer waits
+    while the reader is behind, so a reader that does not read pauses the sequence (the
+    engine pauses it when its events are not taken)."""
 
     __slots__ = ("items", "exc", "task", "_wake", "_taken")
 
@@ -321,8 +321,9 @@ class _Channel:
         return item
 
     async def taken(self) -> None:
-        """Until the reader took what was emitted."""
-        if self.items:
+        """Until the reader is at most one output behind (a reader that keeps up costs the
+        producer no wait)."""
+        while len(self.items) > 1:
             self._taken = asyncio.get_running_loop().create_future()
             await self._taken
 
