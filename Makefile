@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 $(DEV_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[dev,optimize,tracing,llm,edge,examples,trees]'
+	$(BIN)/pip install -q -e '.[dev,optimize,tracing,llm,edge,examples,trees,clients]'
 	touch $@
 
 setup-serve: $(STAMP)
