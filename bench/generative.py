@@ -107,8 +107,11 @@ QUICK = Plan(max_tokens=16, rounds=1, requests_per_stream=1, concurrency={"stori
 
 
 # --------------------------------------------------------------------------- servers
-def _rtserve(work: Path, port: int, weights: str, speculative: bool = False) -> procs.Server:
-    """rtserve on a repository holding the example model with ``llm.weights`` set."""
+def _rtserve(
+    work: Path, port: int, weights: str, speculative: bool = False, src: str | None = None
+) -> procs.Server:
+    """rtserve on a repository holding the example model with ``llm.weights`` set; ``src``:
+    another checkout's ``src/`` (a before/after run), with its own kernel build folder."""
     model = work / "repo" / MODEL
     model.mkdir(parents=True, exist_ok=True)
     if not (model / "1").exists():
@@ -123,7 +126,13 @@ def _rtserve(work: Path, port: int, weights: str, speculative: bool = False) -> 
         "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if src:
+        env["PYTHONPATH"] = src
+        env["TORCH_EXTENSIONS_DIR"] = str(work / "torch-extensions-baseline")
     return procs.Server("rtserve", argv, env, work / "rtserve.log", ROOT)
+
+
+BASELINE_SRC = os.environ.get("BENCH_BASELINE_SRC")
 
 
 @dataclass(frozen=True)
@@ -140,6 +149,16 @@ SERVERS: dict[str, Recipe] = {
         )
         for w in ("fp32", "int8")
     },
+    # BENCH_BASELINE_SRC=<other checkout>/src adds that code as a server (before/after).
+    **(
+        {
+            "rtserve-fp32-baseline": Recipe(
+                partial(_rtserve, weights="fp32", src=BASELINE_SRC), "/v2/health/ready"
+            )
+        }
+        if BASELINE_SRC
+        else {}
+    ),
     **{
         f"vllm-{d}": Recipe(
             partial(vllm.start, dtype=d, model=MODEL, model_dir=MODEL_DIR), "/health"
