@@ -442,6 +442,16 @@ def _run_only(
     return 0
 
 
+# Sections written by other commands (``rtserve optimize-llm``): kept when the page is remade.
+KEPT_FROM = "\n## Generative models: `rtserve optimize-llm`"
+
+
+def _kept_sections(page: pathlib.Path) -> str:
+    old = page.read_text() if page.exists() else ""
+    at = old.find(KEPT_FROM)
+    return "" if at < 0 else old[at:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from rtserve.optimize.publish import publish
 
@@ -502,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: done in {section.seconds:.0f} s, chosen {chosen}")
     extra = "".join("\n" + build(settings) for build in SECTIONS.values())
     text = render(sections, img_dir, args.out, time.perf_counter() - start) + extra
+    text += _kept_sections(args.out)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {args.out}")
