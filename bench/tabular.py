@@ -36,6 +36,13 @@ TREES = 500
 DEPTH = 8
 
 
+# Execution choices measured per framework (runtime/tree_engines.py).
+EXECUTIONS = {
+    "xgboost": ("native", "treelite", "onnx"),
+    "lightgbm": ("native", "treelite", "lleaves"),
+}
+
+
 def build_models(out: Path) -> np.ndarray:
     """The two models (built once; cached under ``out``) and rows to send."""
     import lightgbm as lgb
@@ -61,7 +68,7 @@ def build_models(out: Path) -> np.ndarray:
 def rtserve_repo(out: Path, models: Path) -> list[str]:
     names = []
     for fw, file in (("xgboost", "model.json"), ("lightgbm", "model.txt")):
-        execs = ("native", "treelite", "onnx") if fw == "xgboost" else ("native", "treelite")
+        execs = EXECUTIONS[fw]
         for ex in execs:
             name = f"{'xgb' if fw == 'xgboost' else 'lgb'}-{ex}"
             d = out / name / "1"
@@ -213,7 +220,7 @@ def in_process(models: Path, rows: np.ndarray) -> dict[str, float]:
     out["lightgbm predict"] = per_call(lambda r: lb.predict(r, num_threads=1))
     for fw, file in (("xgboost", "model.json"), ("lightgbm", "model.txt")):
         with tempfile.TemporaryDirectory() as tmp:
-            for ex in ("native", "treelite", "onnx") if fw == "xgboost" else ("native", "treelite"):
+            for ex in EXECUTIONS[fw]:
                 (Path(tmp) / file).unlink(missing_ok=True)
                 (Path(tmp) / file).symlink_to(models / file)
                 cfg = parse_model_config(
