@@ -569,7 +569,12 @@ class TreeModel:
         self._classes = np.array(a.classes) if classifier else None
         self._binary = a.kind == "binary"
 
-        # Execution: the framework's own, or faster ones that give the same answers.
+        self._choose_execution(a, config, options, path)
+
+    def _choose_execution(
+        self, a: Adapter, config: ModelConfig, options: Options, path: Path
+    ) -> None:
+        """The framework's own execution, or faster ones that give the same answers."""
         native = tree_engines.Engine("native", a.value)
         candidates = []
         if a.booster is not None and options.execution in ("auto", "treelite", "lleaves", "onnx"):

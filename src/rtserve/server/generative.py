@@ -30,7 +30,7 @@ from rtserve.errors import InvalidInput, PayloadTooLarge, RouteNotFound
 from rtserve.llm.params import GenerationEvent, SamplingParams
 from rtserve.protocol.limits import DEFAULT_LIMITS
 from rtserve.protocol.types import Timings
-from rtserve.server import embeddings, openai
+from rtserve.server import embeddings, openai, responses
 from rtserve.server.errors import JSON_TYPE, http_error
 from rtserve.server.security import Guard, http_credential
 
@@ -238,7 +238,11 @@ class GenerativeRoutes:
             timings = timings_of(raw.headers, raw.received_ns)
             self.check_body(body)
             self._authorize_early(raw, body)
-            request = openai.parse_request(body, kind)
+            request = (
+                responses.parse(openai.json_object(body, "a JSON object"))
+                if kind == openai.RESPONSES
+                else openai.parse_request(body, kind)
+            )
             model = request.model
             if self.guard is not None:
                 self.guard.http_model(raw.headers, model)
@@ -271,7 +275,11 @@ class GenerativeRoutes:
         scored = request.echo and request.params.logprobs is not None
         events = generation.events(dp, gen, prompt_logprobs=scored)
         if request.stream:
-            chunks = openai.stream(request, events, prompt_text)
+            chunks = (
+                responses.stream(request, events)
+                if kind == openai.RESPONSES
+                else openai.stream(request, events, prompt_text)
+            )
             streamed = Streamed(with_request_id(openai.SSE_HEADERS, timings), chunks)
             if request.constraint is None:
                 return streamed
@@ -287,7 +295,11 @@ class GenerativeRoutes:
 
         async def answer() -> Answer:
             try:
-                doc = await openai.complete(request, events, prompt_text)
+                doc = await (
+                    responses.complete(request, events)
+                    if kind == openai.RESPONSES
+                    else openai.complete(request, events, prompt_text)
+                )
             except Exception as exc:
                 return openai.error_answer(exc, kind)
             return 200, orjson.dumps(doc), [JSON_TYPE]

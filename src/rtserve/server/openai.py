@@ -89,15 +89,10 @@ def json_object(body: bytes, expected: str) -> dict[str, Any]:
 
 
 def parse_request(body: bytes, kind: str) -> OpenAIRequest:
-    """The request in ``body`` (``kind``: CHAT, TEXT or RESPONSES); raises ``InvalidInput``
+    """The request in ``body`` (``kind``: CHAT or TEXT; RESPONSES: ``responses.parse``); raises ``InvalidInput``
     naming the field and what was expected. Messages are checked when encoded (the chat
     template)."""
-    doc = json_object(body, "a JSON object")
-    if kind == RESPONSES:
-        from rtserve.server import responses
-
-        return responses.parse(doc)
-    return parse_document(doc, kind)
+    return parse_document(json_object(body, "a JSON object"), kind)
 
 
 def parse_document(doc: dict[str, Any], kind: str) -> OpenAIRequest:
@@ -383,10 +378,6 @@ async def complete(
 ) -> dict[str, Any]:
     """The whole answer (``chat.completion`` / ``text_completion``) once generation ends;
     ``prompt_text``: what ``echo`` puts before the completion."""
-    if request.kind == RESPONSES:
-        from rtserve.server import responses
-
-        return await responses.complete(request, events)
     shaper = Shaper(request)
     n = request.n
     texts: list[list[str]] = [[prompt_text] if request.echo else [] for _ in range(n)]
@@ -425,13 +416,6 @@ async def stream(
     call is held back and sent as ``delta.tool_calls`` when the choice ends. A failure
     after the stream began is sent as an error event (the status line has gone out).
     Closing this iterator closes ``events`` (aborting them)."""
-    if request.kind == RESPONSES:
-        from rtserve.server import responses
-
-        async with aclosing(responses.stream(request, events)) as chunks:
-            async for chunk in chunks:
-                yield chunk
-        return
     shaper = Shaper(request)
     chat = request.kind == CHAT
     n = request.n
