@@ -42,9 +42,6 @@ from rtserve.llm.tokens import TokenBytes
 
 log = logging.getLogger(__name__)
 _now = time.perf_counter_ns
-MAX_MESSAGES = 1024
-MAX_PARTS = 1024  # text parts in one message's content
-ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class TenantQueueFull(Overloaded):
@@ -897,44 +894,3 @@ def longest_token(tokenizer: Any) -> int:
         return max(16, max(len(t) for t in tokenizer.get_vocab()))
     except (AttributeError, TypeError, ValueError):
         return 256
-
-
-def check_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI chat messages as the chat template takes them; errors name the field."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidInput("messages: expected a non-empty list of {role, content} objects")
-    if len(messages) > MAX_MESSAGES:
-        raise InvalidInput(f"messages: expected at most {MAX_MESSAGES} messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise InvalidInput(f"{where}: expected an object with role and content")
-        role = m.get("role")
-        if role not in ROLES:
-            raise InvalidInput(
-                f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}"[:200]
-            )
-        if m.get("tool_calls") or m.get("function_call"):
-            key = "tool_calls" if m.get("tool_calls") else "function_call"
-            raise InvalidInput(f"{where}.{key}: not supported (rtserve does not call tools)")
-        content = m.get("content")
-        if isinstance(content, list):
-            if len(content) > MAX_PARTS:
-                raise InvalidInput(f"{where}.content: expected at most {MAX_PARTS} parts")
-            parts = []
-            for j, part in enumerate(content):
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                ):
-                    raise InvalidInput(
-                        f"{where}.content[{j}]: expected a text part {{type: text, text: ...}}"
-                    )
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise InvalidInput(f"{where}.content: expected a string or a list of text parts")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out

@@ -8,7 +8,7 @@ import math
 import os
 import pathlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rtserve.optimize.errors import OptimizeError
@@ -105,3 +105,12 @@ def number(args: argparse.Namespace, name: str, low: float, high: float, low_ope
         if high != math.inf:
             bounds += f" and <= {high:g}"
         raise OptimizeError(f"{flag}: expected a number {bounds}, got {value}")
+
+
+def run_command(register: Callable[[Any], None], argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` for the subcommands ``register`` adds and run the chosen one."""
+    parser = argparse.ArgumentParser(prog="rtserve")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code

@@ -509,11 +509,9 @@ def register(subparsers: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rtserve")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    code: int = args.func(args)
-    return code
+    from rtserve.optimize.args import run_command
+
+    return run_command(register, argv)
 
 
 if __name__ == "__main__":
