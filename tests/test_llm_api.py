@@ -242,17 +242,17 @@ def _error_of(exc: openai.APIStatusError) -> dict[str, Any]:
     ("kwargs", "param", "fragment"),
     [
         ({"max_tokens": -1}, "max_tokens", "expected an integer"),
-        ({"n": 2}, "n", "expected 1"),
+        ({"n": 17}, "n", "[1, 16]"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "robot"),
         ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content", "string"),
         ({"messages": "hello"}, "messages", "non-empty list"),
         ({"messages": [{"role": "user", "content": "cat " * 600}]}, "messages", "max_model_len"),
         ({"temperature": 9}, "temperature", "[0, 2]"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-        # fields of other servers that would change the answer: refused, never ignored
-        ({"extra_body": {"min_tokens": 3}}, "min_tokens", "not supported"),
-        ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty", "not supported"),
-        ({"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice", "not supported"),
+        ({"presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
+        # fields of other servers: honoured within their bounds
+        ({"extra_body": {"min_tokens": -1}}, "min_tokens", "[0, "),
+        ({"extra_body": {"repetition_penalty": 3}}, "repetition_penalty", "(0, 2]"),
+        ({"extra_body": {"guided_choice": []}}, "guided_choice", "non-empty strings"),
         ({"top_logprobs": 2}, "top_logprobs", "absent unless logprobs is true"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "unless stream"),
         ({"modalities": ["audio"]}, "modalities", "not supported"),
@@ -264,18 +264,12 @@ def _error_of(exc: openai.APIStatusError) -> dict[str, Any]:
                     {
                         "role": "assistant",
                         "content": None,
-                        "tool_calls": [
-                            {
-                                "id": "1",
-                                "type": "function",
-                                "function": {"name": "f", "arguments": "{}"},
-                            }
-                        ],
+                        "tool_calls": "f()",
                     },
                 ]
             },
             "messages[1].tool_calls",
-            "not supported",
+            "expected a list of tool calls",
         ),
     ],
 )
@@ -396,7 +390,7 @@ def test_malformed_body_and_unknown_route(llm_server: RunningServer) -> None:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 5\r\n\r\n{nope")
         status, _, body = read_response(sock, bytearray())
         assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
-        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}")
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}")
         status, _, body = read_response(sock, bytearray())
         assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
     finally:

@@ -359,7 +359,7 @@ def test_instructor_extracts_a_pydantic_model(client: Any, model: str) -> None:
     instructor = pytest.importorskip("instructor")
     patched = instructor.from_openai(client)
     city = patched.chat.completions.create(
-        model=model, response_model=City, max_retries=0, max_tokens=128,
+        model=model, response_model=City, max_retries=0, max_tokens=128, temperature=0,
         messages=[{"role": "user", "content": "Paris is the capital of France."}],
     )  # fmt: skip
     assert isinstance(city, City)

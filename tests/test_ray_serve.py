@@ -385,7 +385,7 @@ BAD_OPENAI = [
     ("/v1/chat/completions", {"model": LLM, "messages": [{"role": "robot", "content": "hi"}]}),
     ("/v1/chat/completions", {"model": "nope", "messages": CHAT, "stream": True}),
     ("/v1/completions", {"model": LLM, "prompt": "cat " * 600}),
-    ("/v1/completions", {"model": LLM, "prompt": "a", "presence_penalty": 0.5}),
+    ("/v1/completions", {"model": LLM, "prompt": "a", "presence_penalty": 5}),
     ("/v1/embeddings", {"model": LLM, "input": "a"}),
 ]
 

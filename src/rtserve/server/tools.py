@@ -123,9 +123,25 @@ def parse_tools(doc: dict[str, Any]) -> ToolChoice | None:
     return ToolChoice(checked, mode, name, parallel is not False)
 
 
+def closed(schema: Any, depth: int = 0) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that does not say
+    otherwise: a forced call holds the declared arguments only, so that a small model's
+    answer ends (JSON Schema's default would let it add keys until ``max_tokens``)."""
+    if depth > 64 or not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v, depth + 1) if isinstance(v, dict) else v for k, v in schema.items()}
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if isinstance(out.get(key), list):
+            out[key] = [closed(v, depth + 1) for v in out[key]]
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {k: closed(v, depth + 1) for k, v in out["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    return out
+
+
 def call_schema(choice: ToolChoice) -> dict[str, Any]:
     """The JSON schema of an answer that must call a tool: a list of ``{"name",
-    "arguments"}`` (one item unless parallel calls are allowed; the named function only)."""
+    "arguments"}`` (one item for a named function or without parallel calls)."""
     names: list[str] = [t["function"]["name"] for t in choice.tools]
     if choice.mode == NAMED and choice.name is not None:
         names = [choice.name]
@@ -134,7 +150,7 @@ def call_schema(choice: ToolChoice) -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "name": {"type": "string", "enum": [name]},
-                "arguments": choice.parameters(name),
+                "arguments": closed(choice.parameters(name)),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
@@ -143,7 +159,7 @@ def call_schema(choice: ToolChoice) -> dict[str, Any]:
     ]
     item = variants[0] if len(variants) == 1 else {"anyOf": variants}
     schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
-    if not choice.parallel:
+    if not choice.parallel or choice.mode == NAMED:  # (a named function: one call of it)
         schema["maxItems"] = 1
     return schema
 
