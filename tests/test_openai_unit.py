@@ -44,8 +44,10 @@ def test_chat_defaults_and_stream_options() -> None:
         ({"tool_choice": "required"}, "tool_choice"),
         ({"logit_bias": "x"}, "logit_bias"),
         ({"response_format": {"type": "xml"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 1}}},
-         "response_format.json_schema.schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": 1}}},
+            "response_format.json_schema.schema",
+        ),
         ({"guided_regex": ""}, "guided_regex"),
         ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
         ({"max_tokens": 0}, "max_tokens"),
