@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 from rtserve.protocol import grpc_service_pb2 as pb
-from tests.cache_fixtures import free_port
 from tests.conftest import start_server
 from tests.models import build_scale
+from tests.ray_serve_entry import ray_serve_base
 from tests.test_observability import OtlpReceiver
 
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -266,23 +266,8 @@ def _asgi(repo: Path, config: Path, servers: Servers) -> Iterator[Any]:
 
 
 def _ray(repo: Path, config: Path, servers: Servers) -> Iterator[Any]:
-    ray = pytest.importorskip("ray")
-    serve = pytest.importorskip("ray.serve")
-    import rtserve.ray as rtserve_ray
-
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_worker_niceness", "0")
-        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            application = rtserve_ray.app(repo, num_cpus=0.5, config_file=str(config))
-            serve.run(application, name="rtserve", route_prefix="/")
-            yield HttpEntry(f"http://127.0.0.1:{port}")
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    with ray_serve_base(repo, config) as base:
+        yield HttpEntry(base)
 
 
 ENTRIES: dict[str, Callable[[Path, Path, Servers], Iterator[Any]]] = {

@@ -24,10 +24,10 @@ from types import ModuleType
 import httpx
 import pytest
 
-from tests.cache_fixtures import free_port
 from tests.conftest import ROOT, start_server
 from tests.llm_models import build_llm
 from tests.models import build_scale
+from tests.ray_serve_entry import ray_serve_base
 
 USER = "user-token-0123456789abcdef"  # model a
 LLM_USER = "llm-token-0123456789abcdef"  # model tiny
@@ -157,23 +157,8 @@ def _lambda(repo: Path, config: Path) -> Iterator[Entry]:
 
 
 def _ray(repo: Path, config: Path) -> Iterator[Entry]:
-    ray = pytest.importorskip("ray")
-    serve = pytest.importorskip("ray.serve")
-    import rtserve.ray as rtserve_ray
-
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_worker_niceness", "0")
-        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            application = rtserve_ray.app(repo, num_cpus=0.5, config_file=str(config))
-            serve.run(application, name="rtserve", route_prefix="/")
-            yield Entry("ray", base=f"http://127.0.0.1:{port}")
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    with ray_serve_base(repo, config) as base:
+        yield Entry("ray", base=base)
 
 
 @pytest.fixture(scope="module", params=["serve", "lambda", "ray"])
