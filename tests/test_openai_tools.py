@@ -132,6 +132,11 @@ def test_calls_read_from_text() -> None:
         '[{"name": "get_weather", "arguments": {"city": "Rome"}}]', required
     )
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
+    # parallel calls cut at max_tokens: the whole ones are calls, the cut one is dropped
+    cut = '[{"name":"get_weather","arguments":{"city":"Rome"}},{"name":"get_weather","argu'
+    content, calls = parse_calls(cut, required)
+    assert content is None and len(calls) == 1
+    assert parse_calls('[{"name":"get_wea', required) == ('[{"name":"get_wea', [])
 
 
 def test_streamed_text_holds_back_a_call() -> None:

@@ -195,7 +195,7 @@ def parse_calls(text: str, choice: ToolChoice | None) -> tuple[str | None, list[
         try:
             found = json.loads(text)
         except ValueError:
-            return text, []
+            found = _whole_items(text)  # cut at max_tokens: the calls that are whole
         items = found if isinstance(found, list) else [found]
         calls = [c for c in (_call(item, names) for item in items) if c is not None]
         return (None, calls) if calls else (text, [])
@@ -219,6 +219,23 @@ def parse_calls(text: str, choice: ToolChoice | None) -> tuple[str | None, list[
     if not calls:
         return text, []
     return content or None, calls
+
+
+def _whole_items(text: str) -> list[Any]:
+    """The complete items at the head of a JSON list that was cut short."""
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
+    if not text.lstrip().startswith("["):
+        return items
+    at = text.find("[") + 1
+    while True:
+        while at < len(text) and text[at] in " \t\n\r,":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return items
+        items.append(item)
 
 
 class CallStream:
