@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q -e '.[optimize,llm,examples,trees]'
 	$(BIN)/pip install -q --no-deps efficientnet-lite-pytorch
-	$(BIN)/python -c 'from rtserve.llm import kernels; kernels.paged_decode()'  # build it once (g++)
+	$(BIN)/python -c 'from rtserve.runtime.llm import kernels; kernels.paged_decode()'  # build it once (g++)
 	touch $@
 
 $(DEV_STAMP): $(STAMP)

@@ -18,9 +18,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from rtserve.llm.metrics import LlmCollector, LlmMetrics, token_objectives
-from rtserve.llm.options import TokenSLO
 from rtserve.observability.workers import PUBLISH_PERIOD_S
+from rtserve.runtime.llm.metrics import LlmCollector, LlmMetrics, token_objectives
+from rtserve.runtime.llm.options import TokenSLO
 from tests.metrics_load import loaded_server, sample_names, sample_value, scrape
 
 PROMETHEUS = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"

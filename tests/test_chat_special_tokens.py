@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from rtserve.llm.engine import LlmEngine  # noqa: E402
-from rtserve.llm.options import LlmOptions  # noqa: E402
+from rtserve.runtime.llm.engine import LlmEngine  # noqa: E402
+from rtserve.runtime.llm.options import LlmOptions  # noqa: E402
 from tests.llm_models import SENTENCES, build_llm  # noqa: E402
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / "examples" / "llm-repository" / "smollm2" / "1"

@@ -106,7 +106,7 @@ def test_yaml_block_is_a_valid_model_config(block: Block) -> None:
     doc = yaml.safe_load(block.text)
     config = parse_model_config(doc, "model", "config.yaml")
     if doc.get("backend") == "llm":
-        from rtserve.llm.options import LlmOptions
+        from rtserve.runtime.llm.options import LlmOptions
 
         options = LlmOptions.parse({**doc["llm"], "slo": doc.get("slo")}, "config.yaml")
         for key, value in doc["llm"].items():

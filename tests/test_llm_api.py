@@ -769,7 +769,7 @@ def test_engine_tokenizes_long_prompts_on_a_worker_thread(
 
     from rtserve.core import generation
     from rtserve.engine import Engine
-    from rtserve.llm.engine import LlmEngine
+    from rtserve.runtime.llm.engine import LlmEngine
 
     threads: list[str] = []
     real = LlmEngine.encode_text
@@ -804,7 +804,7 @@ def test_a_client_gone_while_its_long_prompt_is_read_is_recorded(
     from rtserve.core import generation
     from rtserve.engine import Engine
     from rtserve.errors import Overloaded
-    from rtserve.llm.engine import LlmEngine
+    from rtserve.runtime.llm.engine import LlmEngine
 
     reading = threading.Event()
     real = LlmEngine.encode_text

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rtserve.llm.defaults import KV_MAX_BYTES, SamplingDefaults, kv_pool_bytes
-from rtserve.llm.params import SamplingParams
+from rtserve.runtime.llm.defaults import KV_MAX_BYTES, SamplingDefaults, kv_pool_bytes
+from rtserve.runtime.llm.params import SamplingParams
 from tests.conftest import RunningServer, post_json, start_server
 from tests.llm_models import build_llm
 

@@ -16,10 +16,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from rtserve.errors import ConfigError, InvalidInput, ObjectiveRefused  # noqa: E402
-from rtserve.llm.engine import LlmEngine, StepModel  # noqa: E402
-from rtserve.llm.options import LlmOptions, TokenSLO  # noqa: E402
-from rtserve.llm.params import SamplingParams  # noqa: E402
-from rtserve.llm.runner import release_openmp  # noqa: E402
+from rtserve.runtime.llm.engine import LlmEngine, StepModel  # noqa: E402
+from rtserve.runtime.llm.options import LlmOptions, TokenSLO  # noqa: E402
+from rtserve.runtime.llm.params import SamplingParams  # noqa: E402
+from rtserve.runtime.llm.runner import release_openmp  # noqa: E402
 from tests.llm_models import build_llm  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)

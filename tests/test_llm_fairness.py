@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from rtserve.errors import ConfigError
-from rtserve.llm.kv import BlockPool
-from rtserve.llm.options import LlmOptions
-from rtserve.llm.params import SamplingParams
-from rtserve.llm.scheduler import PAUSED, RUNNING, WAITING, Scheduler, Sequence
+from rtserve.runtime.llm.kv import BlockPool
+from rtserve.runtime.llm.options import LlmOptions
+from rtserve.runtime.llm.params import SamplingParams
+from rtserve.runtime.llm.scheduler import PAUSED, RUNNING, WAITING, Scheduler, Sequence
 
 PARAMS = SamplingParams(max_tokens=64, temperature=0.0)
 
@@ -232,7 +232,7 @@ def test_fairness_options_are_checked() -> None:
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from rtserve.llm.engine import LlmEngine  # noqa: E402
+from rtserve.runtime.llm.engine import LlmEngine  # noqa: E402
 from tests.llm_models import build_llm  # noqa: E402
 
 

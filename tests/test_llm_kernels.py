@@ -16,10 +16,10 @@ pytest.importorskip("transformers")
 import torch.nn.functional as F  # noqa: E402
 
 from rtserve.errors import ConfigError  # noqa: E402
-from rtserve.llm import kernels  # noqa: E402
-from rtserve.llm.engine import LlmEngine  # noqa: E402
-from rtserve.llm.options import LlmOptions  # noqa: E402
-from rtserve.llm.params import SamplingParams  # noqa: E402
+from rtserve.runtime.llm import kernels  # noqa: E402
+from rtserve.runtime.llm.engine import LlmEngine  # noqa: E402
+from rtserve.runtime.llm.options import LlmOptions  # noqa: E402
+from rtserve.runtime.llm.params import SamplingParams  # noqa: E402
 from tests.llm_models import build_llm  # noqa: E402
 
 
@@ -187,8 +187,8 @@ def packed_logits(model, ids: list[int], kernel, prompt: int) -> torch.Tensor:  
     """The model's logits over ``ids`` run as the engine runs them: the first ``prompt``
     tokens as one prompt chunk, then one decode step per token, keys and values in a pool
     of 4-token blocks (block i holds tokens 4i..4i+3)."""
-    from rtserve.llm import attention
-    from rtserve.llm.attention import Chunk, StepContext
+    from rtserve.runtime.llm import attention
+    from rtserve.runtime.llm.attention import Chunk, StepContext
 
     config = model.config
     dim = config.hidden_size // config.num_attention_heads
@@ -222,7 +222,7 @@ def packed_logits(model, ids: list[int], kernel, prompt: int) -> torch.Tensor:  
 def test_fused_modules_equal_the_architectures_modules(ops, kernel, arch: str) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    from rtserve.llm.runner import (
+    from rtserve.runtime.llm.runner import (
         FusedAttention,
         FusedDecoderLayer,
         FusedMLP,
@@ -277,7 +277,7 @@ def test_fused_kernels_refuse_what_they_cannot_run(ops) -> None:  # type: ignore
 
 
 def test_gpt2_keeps_its_own_modules(ops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from rtserve.llm.runner import ModelRunner
+    from rtserve.runtime.llm.runner import ModelRunner
 
     version_dir = build_llm(tmp_path, name="g", arch="gpt2")
     opts = LlmOptions.parse({"device": "cpu", "kv_cache_bytes": 1 << 20}, "test")
@@ -302,7 +302,7 @@ def test_cpu_fused_option_is_checked() -> None:
 
 
 def test_screened_head_gives_fp32s_argmax_and_exact_rows(ops) -> None:  # type: ignore[no-untyped-def]
-    from rtserve.llm.runner import PackedLinear, ScreenedHead
+    from rtserve.runtime.llm.runner import PackedLinear, ScreenedHead
 
     if not torch.cpu._is_avx512_bf16_supported():
         pytest.skip("no AVX512-BF16 on this CPU: the head stays FP32")

@@ -13,11 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from rtserve.llm.detok import Detokenizer, text_offsets  # noqa: E402
-from rtserve.llm.engine import LlmEngine  # noqa: E402
-from rtserve.llm.options import LlmOptions  # noqa: E402
-from rtserve.llm.params import GenerationEvent, SamplingParams  # noqa: E402
-from rtserve.llm.tokens import (  # noqa: E402
+from rtserve.runtime.llm.detok import Detokenizer, text_offsets  # noqa: E402
+from rtserve.runtime.llm.engine import LlmEngine  # noqa: E402
+from rtserve.runtime.llm.options import LlmOptions  # noqa: E402
+from rtserve.runtime.llm.params import GenerationEvent, SamplingParams  # noqa: E402
+from rtserve.runtime.llm.tokens import (  # noqa: E402
     BYTE_LEVEL,
     SENTENCEPIECE,
     TokenBytes,
@@ -196,7 +196,7 @@ def test_logprobs_only_for_tokens_a_stop_string_left_in_the_answer(
 
 def scripted(monkeypatch: pytest.MonkeyPatch, script: list[int]) -> None:
     """The engine's next tokens are ``script``'s (one sequence at a time)."""
-    import rtserve.llm.engine as engine_module
+    import rtserve.runtime.llm.engine as engine_module
 
     made: list[int] = []
 

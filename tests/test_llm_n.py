@@ -15,12 +15,12 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from rtserve.errors import InvalidInput  # noqa: E402
-from rtserve.llm.detok import Detokenizer  # noqa: E402
-from rtserve.llm.engine import LlmEngine  # noqa: E402
-from rtserve.llm.kv import BlockPool  # noqa: E402
-from rtserve.llm.options import LlmOptions  # noqa: E402
-from rtserve.llm.params import SamplingParams  # noqa: E402
-from rtserve.llm.scheduler import Scheduler, Sequence, Step  # noqa: E402
+from rtserve.runtime.llm.detok import Detokenizer  # noqa: E402
+from rtserve.runtime.llm.engine import LlmEngine  # noqa: E402
+from rtserve.runtime.llm.kv import BlockPool  # noqa: E402
+from rtserve.runtime.llm.options import LlmOptions  # noqa: E402
+from rtserve.runtime.llm.params import SamplingParams  # noqa: E402
+from rtserve.runtime.llm.scheduler import Scheduler, Sequence, Step  # noqa: E402
 from tests.llm_models import build_llm  # noqa: E402
 
 

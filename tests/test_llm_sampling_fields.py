@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from rtserve.errors import InvalidInput
-from rtserve.llm.params import SamplingParams
+from rtserve.runtime.llm.params import SamplingParams
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / "examples" / "llm-repository" / "smollm2" / "1"
 
@@ -61,8 +61,8 @@ def test_fields_read() -> None:
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from rtserve.llm.engine import LlmEngine  # noqa: E402
-from rtserve.llm.options import LlmOptions  # noqa: E402
+from rtserve.runtime.llm.engine import LlmEngine  # noqa: E402
+from rtserve.runtime.llm.options import LlmOptions  # noqa: E402
 from tests.llm_models import build_llm  # noqa: E402
 
 

@@ -15,10 +15,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from rtserve.errors import ConfigError  # noqa: E402
-from rtserve.llm.engine import LlmEngine  # noqa: E402
-from rtserve.llm.options import LlmOptions  # noqa: E402
-from rtserve.llm.params import SamplingParams  # noqa: E402
-from rtserve.llm.speculative import (  # noqa: E402
+from rtserve.runtime.llm.engine import LlmEngine  # noqa: E402
+from rtserve.runtime.llm.options import LlmOptions  # noqa: E402
+from rtserve.runtime.llm.params import SamplingParams  # noqa: E402
+from rtserve.runtime.llm.speculative import (  # noqa: E402
     draft_tokens,
     probabilities,
     propose_ngram,

@@ -20,9 +20,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("llguidance")
 
 from rtserve.errors import InvalidInput  # noqa: E402
-from rtserve.llm.engine import LlmEngine  # noqa: E402
-from rtserve.llm.options import LlmOptions  # noqa: E402
-from rtserve.llm.params import Constraint, SamplingParams  # noqa: E402
+from rtserve.runtime.llm.engine import LlmEngine  # noqa: E402
+from rtserve.runtime.llm.options import LlmOptions  # noqa: E402
+from rtserve.runtime.llm.params import Constraint, SamplingParams  # noqa: E402
 from tests.llm_models import build_llm  # noqa: E402
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / "examples" / "llm-repository" / "smollm2" / "1"

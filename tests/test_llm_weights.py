@@ -16,12 +16,12 @@ pytest.importorskip("transformers")
 
 from rtserve.config import load_yaml, parse_model_config  # noqa: E402
 from rtserve.errors import ConfigError  # noqa: E402
-from rtserve.llm import kernels, quality, quant  # noqa: E402
-from rtserve.llm.engine import LlmEngine  # noqa: E402
-from rtserve.llm.options import LlmOptions  # noqa: E402
-from rtserve.llm.params import SamplingParams  # noqa: E402
-from rtserve.llm.quant import QuantLinear, quantize_int4, quantize_int8  # noqa: E402
-from rtserve.llm.runner import linear_children  # noqa: E402
+from rtserve.runtime.llm import kernels, quality, quant  # noqa: E402
+from rtserve.runtime.llm.engine import LlmEngine  # noqa: E402
+from rtserve.runtime.llm.options import LlmOptions  # noqa: E402
+from rtserve.runtime.llm.params import SamplingParams  # noqa: E402
+from rtserve.runtime.llm.quant import QuantLinear, quantize_int4, quantize_int8  # noqa: E402
+from rtserve.runtime.llm.runner import linear_children  # noqa: E402
 from tests.llm_models import build_llm  # noqa: E402
 
 FORMATS = ["bf16", "int8", "int4"]

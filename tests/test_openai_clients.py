@@ -38,7 +38,7 @@ HAVE_EMBEDDING = (EXAMPLES / "minilm-int8" / "1" / "model.onnx").is_file()
 
 
 def _constrained() -> bool:
-    from rtserve.llm import params
+    from rtserve.runtime.llm import params
 
     return hasattr(params, "Constraint")
 

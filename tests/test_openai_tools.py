@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from rtserve.errors import InvalidInput
-from rtserve.llm import chat
+from rtserve.runtime.llm import chat
 from rtserve.server import openai as oa
 from rtserve.server import responses, structured
 from rtserve.server.tools import CallStream, call_schema, parse_calls, parse_tools

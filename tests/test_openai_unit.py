@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from rtserve.errors import InvalidInput, ModelNotFound, ObjectiveRefused, Overloaded
-from rtserve.llm.params import GenerationEvent, TokenLogprob
+from rtserve.runtime.llm.params import GenerationEvent, TokenLogprob
 from rtserve.server import openai as oa
 
 

@@ -17,11 +17,11 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from rtserve.config import parse_model_config  # noqa: E402
-from rtserve.llm import kernels  # noqa: E402
-from rtserve.llm.engine import LlmEngine  # noqa: E402
-from rtserve.llm.params import SamplingParams  # noqa: E402
 from rtserve.optimize import llm as ollm  # noqa: E402
 from rtserve.optimize.cli import main as cli_main  # noqa: E402
+from rtserve.runtime.llm import kernels  # noqa: E402
+from rtserve.runtime.llm.engine import LlmEngine  # noqa: E402
+from rtserve.runtime.llm.params import SamplingParams  # noqa: E402
 from tests.llm_models import build_llm  # noqa: E402
 
 QUICK = ["--quick", "--threads", "1", "--streams", "1,4", "--no-progress"]
@@ -83,7 +83,7 @@ def test_optimize_measures_each_variant_and_writes_a_servable_choice(
     # what `rtserve serve` loads: the written config, the linked checkpoint
     parsed = parse_model_config(config, "tiny", str(out / "config.yaml"))
     llm = dict(config["llm"], device="cpu", kv_cache_bytes=4 << 20, threads=1)
-    from rtserve.llm.options import LlmOptions
+    from rtserve.runtime.llm.options import LlmOptions
 
     e = LlmEngine("tiny", "1", out / "1", LlmOptions.parse(llm, str(out / "config.yaml")))
     assert parsed.backend == "llm" and e.runner.weights == config["llm"]["weights"]
@@ -96,7 +96,7 @@ def _speed(tok_s: list[float]) -> Any:
 
 
 def _quality(weights: str, top1: float, ppl: float) -> Any:
-    from rtserve.llm.quality import Quality
+    from rtserve.runtime.llm.quality import Quality
 
     return Quality(weights, 100, top1, 0.01, ppl, 10.0, 0.9, 0.5, 4, 8)
 

@@ -417,7 +417,7 @@ def _scheduling_and_backend(
             if value is not None:
                 raise f.fail(key, f"{what} on an ensemble (set {key} on its step models)", value)
     token_slo = None
-    if backend == "llm":  # token objectives (ttft/itl), validated by rtserve.llm.options
+    if backend == "llm":  # token objectives (ttft/itl), validated by rtserve.runtime.llm.options
         slo, priority_levels, default_priority = None, 0, 0
         token_slo = f.get("slo")
     else:

@@ -42,8 +42,6 @@ from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.core.model import BuildContext, ModelVersion
 from rtserve.core.registry import ModelRegistry
 from rtserve.errors import ConfigError, InvalidInput, ShuttingDown
-from rtserve.llm.options import PRIORITY_MIN
-from rtserve.llm.params import SAMPLING_NAMES, GenerationEvent, SamplingParams
 from rtserve.observability.metrics import Metrics
 from rtserve.observability.tracing import Tracer
 from rtserve.observability.workers import WorkerView
@@ -56,6 +54,8 @@ from rtserve.protocol.types import (
     Tensor,
     Timings,
 )
+from rtserve.runtime.llm.options import PRIORITY_MIN
+from rtserve.runtime.llm.params import SAMPLING_NAMES, GenerationEvent, SamplingParams
 
 if TYPE_CHECKING:
     from rtserve.cache import CacheConfig

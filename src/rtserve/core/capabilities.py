@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
-    from rtserve.llm.engine import LlmEngine
+    from rtserve.runtime.llm.engine import LlmEngine
 
 T = TypeVar("T")
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from rtserve.config import ModelConfig, shown_value
 from rtserve.core.ensemble import build_ensemble_version
+from rtserve.core.llm_version import build_llm_version
 from rtserve.core.model import BuildContext, Builder, ModelVersion, build_runtime_version
 from rtserve.errors import ConfigError
-from rtserve.llm.version import build_llm_version
 from rtserve.runtime.base import load_runtime
 
 TREE_FRAMEWORKS = ("xgboost", "lightgbm", "catboost", "sklearn")  # runtime/trees.py FRAMEWORKS

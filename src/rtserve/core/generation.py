@@ -36,13 +36,13 @@ from rtserve.core.capabilities import GENERATE
 from rtserve.core.dataplane import DataPlane, Emit, StreamRequest
 from rtserve.core.model import ModelVersion
 from rtserve.errors import ClientClosed, InvalidInput, Overloaded, RTServeError, as_error
-from rtserve.llm.options import PRIORITY_MAX, PRIORITY_MIN
-from rtserve.llm.params import GenerationEvent, SamplingParams
 from rtserve.protocol.limits import shown
 from rtserve.protocol.types import InferRequest, Timings
+from rtserve.runtime.llm.options import PRIORITY_MAX, PRIORITY_MIN
+from rtserve.runtime.llm.params import GenerationEvent, SamplingParams
 
 if TYPE_CHECKING:
-    from rtserve.llm.engine import LlmEngine
+    from rtserve.runtime.llm.engine import LlmEngine
 
 _now = time.perf_counter_ns
 log = logging.getLogger(__name__)

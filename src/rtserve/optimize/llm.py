@@ -8,7 +8,7 @@ weights with ``llm.speculative: {method: prompt_lookup}``), in one process:
   and 32 concurrent streams of greedy chat answers (``ignore_eos``), time to first token,
   and the resident memory the engine added at load (weights, KV cache, kernels); the
   variants take turns in alternating rounds, as ``rtserve optimize`` times ONNX variants;
-- quality against the FP32 model (``rtserve.llm.quality``): next-token top-1 agreement and
+- quality against the FP32 model (``rtserve.runtime.llm.quality``): next-token top-1 agreement and
   mean KL under teacher forcing on held-out natural text already on disk, perplexity, and
   greedy agreement over the first 32 tokens of chat prompts. A ``+lookup`` variant has
   its weights' quality: greedy speculative output is the plain greedy output.
@@ -123,8 +123,8 @@ def variant_llm(base: dict[str, Any], name: str) -> dict[str, Any]:
 def _engine(version_dir: pathlib.Path, name: str, base: dict[str, Any],
             options: LlmOptimizeOptions) -> Any:  # fmt: skip
     from rtserve.errors import ConfigError
-    from rtserve.llm.engine import LlmEngine
-    from rtserve.llm.options import LlmOptions
+    from rtserve.runtime.llm.engine import LlmEngine
+    from rtserve.runtime.llm.options import LlmOptions
 
     llm = variant_llm(base, name)
     llm.update(device="cpu", threads=options.threads, kv_cache_bytes=options.kv_cache_bytes)
@@ -145,7 +145,7 @@ def weight_bytes(version_dir: pathlib.Path, weights: str) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rtserve.llm import quant
+    from rtserve.runtime.llm import quant
 
     config = AutoConfig.from_pretrained(version_dir)
     with torch.device("meta"):
@@ -178,7 +178,7 @@ async def _stream(engine: Any, ids: list[int], params: Any, ttft: list[float],
 async def _round(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int,
                  speed: Speed) -> None:  # fmt: skip
     """``streams`` requests at once (at 1 stream: 2 in turn); output tok/s of the round."""
-    from rtserve.llm.params import SamplingParams
+    from rtserve.runtime.llm.params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ttft = speed.ttft_ms.setdefault(streams, [])
@@ -200,7 +200,7 @@ def measure_speed(version_dir: pathlib.Path, options: LlmOptimizeOptions, progre
     engine cannot be built is left out, the reason in ``skipped``."""
     import gc
 
-    from rtserve.llm import quality
+    from rtserve.runtime.llm import quality
 
     _, base = source_llm_section(version_dir)
     engines: dict[str, Any] = {}
@@ -254,7 +254,7 @@ def measure_quality(version_dir: pathlib.Path, options: LlmOptimizeOptions,
                     built: set[str]) -> dict[str, Any]:  # fmt: skip
     """``quality.Quality`` of each weight format in ``built`` (FP32 against itself is
     exact)."""
-    from rtserve.llm import quality
+    from rtserve.runtime.llm import quality
 
     formats = [w for w in options.weights if w != BASELINE and w in built]
     rows = quality.evaluate(version_dir, formats, options.positions, options.length,

@@ -27,9 +27,9 @@ from rtserve.api.context import timings_of, with_request_id
 from rtserve.core import generation
 from rtserve.core.dataplane import DataPlane
 from rtserve.errors import InvalidInput, PayloadTooLarge, RouteNotFound
-from rtserve.llm.params import GenerationEvent, SamplingParams
 from rtserve.protocol.limits import DEFAULT_LIMITS
 from rtserve.protocol.types import Timings
+from rtserve.runtime.llm.params import GenerationEvent, SamplingParams
 from rtserve.server import embeddings, openai, responses
 from rtserve.server.errors import JSON_TYPE, http_error
 from rtserve.server.security import Guard, http_credential

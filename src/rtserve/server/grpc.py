@@ -32,7 +32,6 @@ from rtserve.core.control import ModelControl
 from rtserve.core.dataplane import DataPlane
 from rtserve.core.model import ModelVersion
 from rtserve.errors import InvalidInput, RTServeError, as_error
-from rtserve.llm.params import SamplingParams
 from rtserve.protocol import grpc_service_pb2 as pb
 from rtserve.protocol.bytes_codec import encode_bytes_elements
 from rtserve.protocol.grpc_codec import (
@@ -44,6 +43,7 @@ from rtserve.protocol.limits import MAX_ID_CHARS
 from rtserve.protocol.load_request import config_from_grpc
 from rtserve.protocol.shared_memory import SharedMemoryRegions, cuda_refusal, disabled
 from rtserve.protocol.types import InferRequest, Timings
+from rtserve.runtime.llm.params import SamplingParams
 from rtserve.server.errors import grpc_error, grpc_trailers
 from rtserve.server.security import _ADMIN_GRPC, _OPEN_GRPC, Guard, Unauthenticated
 from rtserve.server.stats import inference_stats

@@ -23,8 +23,8 @@ from typing import Any
 import orjson
 
 from rtserve.errors import InvalidInput, ModelNotFound, Overloaded, as_error
-from rtserve.llm import chat
-from rtserve.llm.params import GenerationEvent, SamplingParams, TokenLogprob, not_neutral
+from rtserve.runtime.llm import chat
+from rtserve.runtime.llm.params import GenerationEvent, SamplingParams, TokenLogprob, not_neutral
 from rtserve.server import structured
 from rtserve.server.errors import http_error
 from rtserve.server.tools import CallStream, ToolChoice, call_schema, parse_calls, parse_tools

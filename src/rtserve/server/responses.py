@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from rtserve.errors import InvalidInput
-from rtserve.llm.params import GenerationEvent
+from rtserve.runtime.llm.params import GenerationEvent
 from rtserve.server import openai, structured
 from rtserve.server.tools import CallStream
 

@@ -27,8 +27,8 @@ import grpc
 import yaml
 
 from rtserve.errors import ConfigError, Overloaded, RTServeError
-from rtserve.llm.options import PRIORITY_MAX, PRIORITY_MIN
 from rtserve.protocol.limits import shown
+from rtserve.runtime.llm.options import PRIORITY_MAX, PRIORITY_MIN
 
 if TYPE_CHECKING:
     from rtserve.config import ServerConfig

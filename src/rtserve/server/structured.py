@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from rtserve.errors import InvalidInput
-from rtserve.llm.params import SamplingParams
+from rtserve.runtime.llm.params import SamplingParams
 
 JSON_OBJECT, JSON_SCHEMA, REGEX, CHOICE = "json_object", "json_schema", "regex", "choice"
 MAX_SCHEMA_BYTES = 64 << 10
@@ -142,7 +142,7 @@ def attach(params: SamplingParams, constraint: Constraint | None) -> SamplingPar
     """``params`` decoding under ``constraint`` (the engine's ``llm.params.Constraint``)."""
     if constraint is None:
         return params
-    from rtserve.llm import params as engine_params
+    from rtserve.runtime.llm import params as engine_params
 
     make = getattr(engine_params, "Constraint", None)
     if make is None or "constraint" not in {f.name for f in dataclasses.fields(params)}:

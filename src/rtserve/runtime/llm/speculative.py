@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from rtserve.errors import ConfigError
-from rtserve.llm.options import SpeculativeOptions
-from rtserve.llm.params import SamplingParams
+from rtserve.runtime.llm.options import SpeculativeOptions
+from rtserve.runtime.llm.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

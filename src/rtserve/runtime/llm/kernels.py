@@ -14,7 +14,7 @@ than in arithmetic). ``rope_store``: RoPE on the fused q/k/v projection's rows a
 and values into the pool, instead of eight operations and two scattered copies.
 
 ``qlinear`` (csrc/quant_linear.cpp, built as a second module): weight-only int8 / int4 /
-bfloat16 linear layers for the rows of a decode step (``rtserve.llm.quant``), explicit AVX2 +
+bfloat16 linear layers for the rows of a decode step (``rtserve.runtime.llm.quant``), explicit AVX2 +
 FMA code where the CPU has it, plain loops elsewhere.
 
 On AVX-512 machines decode attention, the SiLU gate and the exponentials run on explicit

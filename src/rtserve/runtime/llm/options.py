@@ -8,7 +8,7 @@ from typing import Any
 from rtserve.errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
-WEIGHTS = ("fp32", "bf16", "int8", "int4")  # llm.weights (rtserve.llm.quant)
+WEIGHTS = ("fp32", "bf16", "int8", "int4")  # llm.weights (rtserve.runtime.llm.quant)
 # A request's ``priority`` (lower runs first; 0 unless asked): asked for outside this range,
 # it is refused (400); below the floor its key (or else its model's ``llm.min_priority``)
 # allows, refused with 403.

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rtserve.llm.params import SamplingParams
+from rtserve.runtime.llm.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

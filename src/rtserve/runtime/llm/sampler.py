@@ -10,8 +10,8 @@ from typing import Protocol
 
 import torch
 
-from rtserve.llm.params import SamplingParams, TokenLogprob
-from rtserve.llm.tokens import TokenBytes
+from rtserve.runtime.llm.params import SamplingParams, TokenLogprob
+from rtserve.runtime.llm.tokens import TokenBytes
 
 
 def new_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -21,14 +21,14 @@ from rtserve.core.capabilities import GENERATE
 from rtserve.core.model import BuildContext, ModelVersion, Outputs
 from rtserve.errors import ConfigError, InvalidInput, RTServeError
 from rtserve.extras import install_hint
-from rtserve.llm.metrics import LlmCollector
-from rtserve.llm.options import LlmOptions
-from rtserve.llm.params import SamplingParams
 from rtserve.protocol.limits import limits_for_model
 from rtserve.protocol.types import Timings
+from rtserve.runtime.llm.metrics import LlmCollector
+from rtserve.runtime.llm.options import LlmOptions
+from rtserve.runtime.llm.params import SamplingParams
 
 if TYPE_CHECKING:  # (torch is imported when the first generative model loads)
-    from rtserve.llm.engine import LlmEngine
+    from rtserve.runtime.llm.engine import LlmEngine
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ async def build_llm_version(
     loop = asyncio.get_running_loop()
 
     def load() -> LlmEngine:
-        from rtserve.llm.engine import LlmEngine
+        from rtserve.runtime.llm.engine import LlmEngine
 
         engine = LlmEngine(config.name, version, version_dir, options)
         described = engine.sampling_defaults.describe()

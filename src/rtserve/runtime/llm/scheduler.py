@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from rtserve.llm.detok import Detokenizer
-from rtserve.llm.kv import BlockPool, block_hashes
-from rtserve.llm.params import SamplingParams, TokenLogprob
+from rtserve.runtime.llm.detok import Detokenizer
+from rtserve.runtime.llm.kv import BlockPool, block_hashes
+from rtserve.runtime.llm.params import SamplingParams, TokenLogprob
 
 _ids = itertools.count()
 

@@ -26,19 +26,25 @@ import grpc
 import numpy as np
 
 from rtserve.errors import InferenceFailed, InvalidInput, ObjectiveRefused, Overloaded, ShuttingDown
-from rtserve.llm import chat
-from rtserve.llm.defaults import SamplingDefaults
-from rtserve.llm.detok import Detokenizer, text_offsets
-from rtserve.llm.grammar import Grammars
-from rtserve.llm.kv import BlockPool
-from rtserve.llm.metrics import LlmMetrics, token_objectives
-from rtserve.llm.options import LlmOptions
-from rtserve.llm.params import GenerationEvent, SamplingParams, TokenLogprob
-from rtserve.llm.runner import ModelRunner, release_openmp
-from rtserve.llm.sampler import RowLogits, logprobs_of, new_generator, prompt_logprobs, sample
-from rtserve.llm.scheduler import FINISHED, PAUSED, Scheduler, Sequence, Step
-from rtserve.llm.speculative import Speculator, probabilities, verify_greedy, verify_sampled
-from rtserve.llm.tokens import TokenBytes
+from rtserve.runtime.llm import chat
+from rtserve.runtime.llm.defaults import SamplingDefaults
+from rtserve.runtime.llm.detok import Detokenizer, text_offsets
+from rtserve.runtime.llm.grammar import Grammars
+from rtserve.runtime.llm.kv import BlockPool
+from rtserve.runtime.llm.metrics import LlmMetrics, token_objectives
+from rtserve.runtime.llm.options import LlmOptions
+from rtserve.runtime.llm.params import GenerationEvent, SamplingParams, TokenLogprob
+from rtserve.runtime.llm.runner import ModelRunner, release_openmp
+from rtserve.runtime.llm.sampler import (
+    RowLogits,
+    logprobs_of,
+    new_generator,
+    prompt_logprobs,
+    sample,
+)
+from rtserve.runtime.llm.scheduler import FINISHED, PAUSED, Scheduler, Sequence, Step
+from rtserve.runtime.llm.speculative import Speculator, probabilities, verify_greedy, verify_sampled
+from rtserve.runtime.llm.tokens import TokenBytes
 
 log = logging.getLogger(__name__)
 _now = time.perf_counter_ns

@@ -1,6 +1,6 @@
 """Constrained decoding: a token mask per row from llguidance's grammar engine.
 
-A :class:`~rtserve.llm.params.Constraint` (JSON object, JSON schema, regex, choice list) is
+A :class:`~rtserve.runtime.llm.params.Constraint` (JSON object, JSON schema, regex, choice list) is
 compiled once into a matcher and kept in a bounded LRU cache; each sequence decodes with its
 own copy of that matcher, which gives the tokens allowed next (a bit per vocabulary entry,
 about 0.03 ms per step on SmolLM2's 49,152) and takes each chosen token. End of sequence is
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from rtserve.errors import InvalidInput
-from rtserve.llm.params import CONSTRAINT_KINDS, Constraint
+from rtserve.runtime.llm.params import CONSTRAINT_KINDS, Constraint
 
 CACHE_SIZE = 64  # compiled constraints kept
 MAX_SPEC_CHARS = 64 << 10  # a schema's (regex's, choices') JSON text

@@ -12,7 +12,7 @@ The quantized model is FP32's with every linear layer (the LM head included) a
 ``QuantLinear``, run through the same kernel as a decode step (activations quantized to int8
 per group for int8 / int4) for every row, so the scores are those of generated tokens.
 
-    python -m rtserve.llm.quality examples/llm-repository/smollm2/1 --weights bf16,int8,int4
+    python -m rtserve.runtime.llm.quality examples/llm-repository/smollm2/1 --weights bf16,int8,int4
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from rtserve.llm import kernels, quant
-from rtserve.llm.runner import linear_children
+from rtserve.runtime.llm import kernels, quant
+from rtserve.runtime.llm.runner import linear_children
 
 # The checkout's sentences, relative to the directory rtserve runs in (a checkout's root).
 SENTENCES = Path("examples") / "data" / "sentences.txt"

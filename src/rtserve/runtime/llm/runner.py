@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from rtserve.errors import ConfigError
-from rtserve.llm import attention, kernels, quant
-from rtserve.llm.attention import Chunk, StepContext
-from rtserve.llm.defaults import kv_pool_bytes
-from rtserve.llm.options import LlmOptions
-from rtserve.llm.scheduler import Step
+from rtserve.runtime.llm import attention, kernels, quant
+from rtserve.runtime.llm.attention import Chunk, StepContext
+from rtserve.runtime.llm.defaults import kv_pool_bytes
+from rtserve.runtime.llm.options import LlmOptions
+from rtserve.runtime.llm.scheduler import Step
 
 log = logging.getLogger(__name__)
 

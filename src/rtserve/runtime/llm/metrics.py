@@ -15,8 +15,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from rtserve.llm.options import TokenSLO
 from rtserve.observability.metrics import Accumulator
+from rtserve.runtime.llm.options import TokenSLO
 
 TOKEN_LATENCY = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
