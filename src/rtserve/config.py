@@ -9,13 +9,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from rtserve.errors import ConfigError
 from rtserve.protocol.limits import shown
 from rtserve.protocol.types import DATATYPE_TO_NUMPY
+
+if TYPE_CHECKING:
+    from rtserve.runtime.pooling import EmbeddingSection
 
 
 def shown_value(value: Any) -> str:
@@ -216,6 +219,8 @@ class ModelConfig:
     # Output name -> a text file of its class labels (one per line, relative to the model's
     # directory), for the classification extension (Triton's label_filename).
     labels: dict[str, str] = field(default_factory=dict)
+    # How an encoder's token states become ``/v1/embeddings`` vectors (runtime.pooling).
+    embedding: EmbeddingSection | None = None
 
 
 _LEVELS = ("disable", "basic", "extended", "layout", "all")
@@ -307,6 +312,11 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
     slo, priority_levels, default_priority, options = _scheduling_and_backend(f, backend)
     labels = _labels_section(f)
     steps = _steps_section(f, backend)
+    embedding = None
+    if f.get("embedding") is not None:
+        from rtserve.runtime.pooling import parse_section  # (pure, as the cache section's)
+
+        embedding = parse_section(f.sub("embedding"))
     other = [b for b in SECTIONED_BACKENDS if b != backend and b in f.data]
     if other:  # (the section of another backend: say so, not just "unknown field")
         raise ConfigError(
@@ -335,6 +345,7 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
         source=where,
         labels=labels,
         scheduling_policy=scheduling_policy,
+        embedding=embedding,
     )
 
 
