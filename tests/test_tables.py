@@ -1,9 +1,13 @@
-"""Policies come from one table (``core/policies.py``), and a version's offers beyond
-tensors from a capability lookup (no backend-specific attribute on ``ModelVersion``).
+"""Policies (``core/policies.py``) and backends (``rtserve.backends``) come from one table
+each, and a version's offers beyond tensors from a capability lookup (no backend-specific
+attribute on ``ModelVersion``).
 
 A policy defined in this file (each request runs alone, in arrival order) is added with
 one line and chosen by ``scheduling_policy:``; it serves real ONNX requests through the
-Engine, and the policy the config picks is the one that ran.
+Engine, and the policy the config picks is the one that ran. A backend defined in this
+file (``load`` below) is added with one line too, and owns its config section: its
+options reach it, the same section on another backend's model is refused naming it, and
+a cold start imports its module.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rtserve import Engine
+from rtserve import Engine, backends
+from rtserve.config import ModelConfig, TensorSpec, parse_model_config
 from rtserve.core import policies
 from rtserve.core.capabilities import GENERATE
 from rtserve.errors import ConfigError
@@ -132,3 +137,76 @@ def test_a_tensor_model_offers_no_generation(tmp_path: Path) -> None:
             return mv.capability(GENERATE)
 
     assert asyncio.run(run()) is None
+
+
+class Negate:
+    """The runtime of the ``negate`` backend: ``y = -scale * x`` (``negate.scale``)."""
+
+    platform = "negate"
+    instance_count = 1
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.inputs: tuple[TensorSpec, ...] = config.inputs or ()
+        self.outputs: tuple[TensorSpec, ...] = config.outputs or ()
+        self.max_batch_size = max(0, config.max_batch_size)
+        self.scale = float(config.backend_options.get("scale", 1.0))
+
+    def run(self, instance: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"y": feeds["x"] * np.float32(-self.scale)}
+
+    def close(self) -> None:
+        pass
+
+
+def load(config: ModelConfig, version_dir: Path) -> Negate:
+    """The ``negate`` backend's entry point."""
+    return Negate(config)
+
+
+@pytest.fixture
+def negate_backend() -> object:
+    backends.BACKENDS["negate"] = backends.Backend(__name__)  # the line
+    yield
+    del backends.BACKENDS["negate"]
+
+
+NEGATE_SIGNATURE = (
+    "inputs: [{name: x, datatype: FP32, shape: [2]}]\n"
+    "outputs: [{name: y, datatype: FP32, shape: [2]}]\n"
+)
+
+
+def test_a_backend_is_one_table_line_and_owns_its_config_section(
+    tmp_path: Path, negate_backend: object
+) -> None:
+    (tmp_path / "neg" / "1").mkdir(parents=True)
+    (tmp_path / "neg" / "config.yaml").write_text(
+        f"backend: negate\nmax_batch_size: 4\nnegate: {{scale: 2}}\n{NEGATE_SIGNATURE}"
+    )
+
+    async def run() -> tuple[list[list[list[float]]], str]:
+        async with Engine.from_repository(tmp_path) as engine:
+            xs = [np.full((1, 2), i, np.float32) for i in range(4)]
+            outs = await asyncio.gather(*(engine.infer("neg", {"x": x}) for x in xs))
+            return [o["y"].tolist() for o in outs], engine.metadata("neg").platform
+
+    outs, platform = asyncio.run(run())
+    assert platform == "negate"
+    assert outs == [[[-2.0 * i] * 2] for i in range(4)]  # its section reached it
+
+    # The section is the backend's: on a model of another backend it names the one to set.
+    with pytest.raises(ConfigError, match="negate: options of backend negate, but the backend"):
+        parse_model_config({"negate": {"scale": 2}}, "m", "m/config.yaml")
+    # A cold start imports the module its line names before loading.
+    assert backends.backend_of("negate").imports == (__name__,)
+
+
+def test_without_its_line_a_section_is_an_unknown_field_and_lines_say_the_objectives() -> None:
+    with pytest.raises(ConfigError, match="negate: unknown field"):
+        parse_model_config({"negate": {"scale": 2}}, "m", "m/config.yaml")
+    # llm's line says its slo: holds token objectives: handed to it with its section.
+    llm = parse_model_config({"backend": "llm", "slo": {"ttft_ms": 50}}, "m", "m/config.yaml")
+    assert llm.slo is None and llm.backend_options == {"slo": {"ttft_ms": 50}}
+    # the ensemble's says it has no queue of its own.
+    with pytest.raises(ConfigError, match="priority_levels: expected no priority_levels"):
+        parse_model_config({"backend": "ensemble", "priority_levels": 2}, "m", "m/config.yaml")

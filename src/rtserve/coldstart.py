@@ -25,13 +25,6 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("start", "import", "backend_import", "load", "warmup", "first_answer", "second_answer")
-# The runtime module each backend's first model imports (see core/factory.py).
-_BACKEND_MODULES = {
-    "onnxruntime": "rtserve.runtime.onnx",
-    "torch": "rtserve.runtime.torch",
-    "python": "rtserve.runtime.python",
-    "litert": "rtserve.runtime.litert",
-}
 
 
 def _ms(start: float, end: float) -> float:
@@ -45,6 +38,7 @@ def _child(repository: str, model: str | None, spawned: float) -> dict[str, Any]
     import rtserve.serverless  # noqa: F401  (the handler's imports, no engine yet)
 
     t1 = time.perf_counter()
+    from rtserve.backends import backend_of
     from rtserve.core import model as model_module
     from rtserve.core.warmup import example_batch, warmup
     from rtserve.engine import Engine
@@ -54,8 +48,9 @@ def _child(repository: str, model: str | None, spawned: float) -> dict[str, Any]
     if not sources:
         raise SystemExit(f"{repository}: no model {model!r}")
     for source in sources:
-        if source.config is not None and source.config.backend in _BACKEND_MODULES:
-            importlib.import_module(_BACKEND_MODULES[source.config.backend])
+        if source.config is not None:  # (the modules its line in BACKENDS names)
+            for module in backend_of(source.config.backend).imports:
+                importlib.import_module(module)
     t2 = time.perf_counter()
     warmed: list[float] = []
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from rtserve.backends import BACKENDS, backend_of
 from rtserve.errors import ConfigError
 from rtserve.protocol.limits import shown
 from rtserve.protocol.types import DATATYPE_TO_NUMPY
@@ -293,7 +294,7 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
     cfg_name = f.string("name", name)
     if cfg_name != name:
         raise f.fail("name", f"the directory name {name!r}", cfg_name)
-    backend = f.string("backend", "onnxruntime")  # core.factory.BACKENDS names them
+    backend = f.string("backend", "onnxruntime")  # rtserve.backends.BACKENDS names them
     max_batch_size = f.integer("max_batch_size", 0) if "max_batch_size" in f.data else AUTO_BATCH
     f.seen.add("max_batch_size")
     inputs = _tensor_specs(f.get("inputs"), where, "inputs")
@@ -317,7 +318,7 @@ def parse_model_config(data: Any, name: str, where: str) -> ModelConfig:
         from rtserve.runtime.pooling import parse_section  # (pure, as the cache section's)
 
         embedding = parse_section(f.sub("embedding"))
-    other = [b for b in SECTIONED_BACKENDS if b != backend and b in f.data]
+    other = [b for b, spec in BACKENDS.items() if spec.section and b != backend and b in f.data]
     if other:  # (the section of another backend: say so, not just "unknown field")
         raise ConfigError(
             f"{where}: {other[0]}: options of backend {other[0]}, but the backend is "
@@ -407,17 +408,14 @@ def _cache_section(f: _Fields) -> dict[str, Any] | bool | None:
     return cache
 
 
-# Backends with a config section of their own named after them, besides ``onnxruntime:``
-# (parsed here) and tree frameworks: a stray one is named as such, not as an unknown field.
-SECTIONED_BACKENDS = ("python", "torch", "llm", "litert")
-
-
 def _scheduling_and_backend(
     f: _Fields, backend: str
 ) -> tuple[SLO | None, int, int, dict[str, Any]]:
     """The latency objective and priority levels, and the backend's own section
-    (``<backend>:``, validated by the backend when it loads)."""
-    if backend == "ensemble":
+    (``<backend>:``, validated by the backend when it loads), as its line in
+    ``rtserve.backends.BACKENDS`` says."""
+    spec = backend_of(backend)
+    if spec.objectives == "none":
         # An ensemble has no queue of its own: objectives and levels live on its step models.
         for key, what in (
             ("slo", "no latency objective"),
@@ -428,13 +426,13 @@ def _scheduling_and_backend(
             if value is not None:
                 raise f.fail(key, f"{what} on an ensemble (set {key} on its step models)", value)
     token_slo = None
-    if backend == "llm":  # token objectives (ttft/itl), validated by rtserve.runtime.llm.options
+    if spec.objectives == "tokens":  # (ttft/itl for llm, validated by runtime.llm.options)
         slo, priority_levels, default_priority = None, 0, 0
         token_slo = f.get("slo")
     else:
         slo, priority_levels, default_priority = _slo_section(f)
     options: dict[str, Any] = {}
-    if backend not in ("onnxruntime", "ensemble"):  # those two have sections of their own
+    if spec.section:
         section = f.get(backend, {})
         if not isinstance(section, dict):
             raise f.fail(backend, "a mapping of backend options", section)
