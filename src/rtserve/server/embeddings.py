@@ -11,6 +11,13 @@ A model answers embeddings when its signature reads as one of two shapes:
   padded to the longest with the mask; text needs a ``tokenizer.json`` in the version's
   directory.
 
+- **token ids in, token states out**: an encoder whose config has an ``embedding:`` section
+  (``runtime/pooling.py``): its ``[batch, seq, hidden]`` output is pooled here (masked
+  mean, first token or last real token) and L2-normalised when the section says so; a
+  request's ``dimensions`` may ask one of the section's smaller sizes (truncated, then
+  renormalised). Rows are padded to a multiple of 8 tokens, so that texts of similar
+  lengths share a batch.
+
 Each request is submitted through the dataplane as a V2 request of as many rows as it has
 inputs (split at the model's ``max_batch_size``), so it is batched by the model's dynamic
 batcher with every other request and answers the very vectors of ``/v2/.../infer``.
@@ -35,11 +42,13 @@ from rtserve.core.dataplane import DataPlane
 from rtserve.core.model import ModelVersion
 from rtserve.errors import InvalidInput, RTServeError, as_error
 from rtserve.protocol.types import InferRequest, Tensor, Timings
+from rtserve.runtime.pooling import EmbeddingSection, normalized, pool
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 MAX_INPUT_CHARS = 1 << 16
 MAX_INPUT_TOKENS = 8192
-TEXT, IDS = "text", "ids"
+TEXT, IDS, POOLED = "text", "ids", "pooled"
+PAD_TO = 8  # (POOLED) row widths rounded up to a multiple of this: more requests per batch
 _FLOATS = ("FP32", "FP16", "FP64", "BF16")
 _INT = ("INT64", "INT32")
 
@@ -56,13 +65,14 @@ class EmbeddingRequest:
 class Embedder:
     """How one model version is asked for embeddings."""
 
-    kind: str  # TEXT | IDS
-    input: str  # TEXT: the BYTES input; IDS: "input_ids"
+    kind: str  # TEXT | IDS | POOLED
+    input: str  # TEXT: the BYTES input; IDS, POOLED: the token ids input
     output: str
     dims: int
     max_batch: int
     tokenizer: Any = None  # a ``tokenizers.Tokenizer`` (None: token counts unknown)
-    extra: tuple[str, ...] = ()  # IDS: "attention_mask", "token_type_ids" inputs
+    extra: tuple[str, ...] = ()  # IDS, POOLED: the mask and "token_type_ids" inputs fed
+    section: EmbeddingSection | None = None  # POOLED: how its token states are pooled
 
 
 def _fail(field: str, expected: str, value: Any) -> InvalidInput:
@@ -119,7 +129,7 @@ def _inputs(value: Any) -> list[str] | list[list[int]]:
 
 
 # ---------------------------------------------------------------------- models
-_EMBEDDERS: dict[int, tuple[ModelVersion, Embedder | None]] = {}
+_EMBEDDERS: dict[int, tuple[ModelVersion, Embedder | RTServeError | None]] = {}
 
 
 def _generative(mv: ModelVersion) -> bool:
@@ -143,32 +153,39 @@ def _version_dir(mv: ModelVersion) -> Path | None:
     return Path(mv.config.source).parent / mv.version
 
 
-def _load_tokenizer(directory: Path | None) -> Any:
-    if directory is None or not (directory / "tokenizer.json").is_file():
+def _load_tokenizer(directory: Path | None, file: str = "tokenizer.json") -> Any:
+    if directory is None or not (directory / file).is_file():
         return None
     try:
         from tokenizers import Tokenizer
     except ImportError:
         return None
-    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(directory / file))
     tokenizer.no_padding()
     tokenizer.no_truncation()
     return tokenizer
 
 
 def embedder(dataplane: DataPlane, mv: ModelVersion) -> Embedder | None:
-    """How ``mv`` answers embeddings (None: it is not an embedding model); cached."""
+    """How ``mv`` answers embeddings (None: it is not an embedding model); cached. A model
+    whose ``embedding:`` section does not fit its signature raises, saying why."""
     cached = _EMBEDDERS.get(id(mv))
-    if cached is not None and cached[0] is mv:
-        return cached[1]
-    found = _embedder(dataplane, mv)
-    _EMBEDDERS[id(mv)] = (mv, found)
-    return found
+    if cached is None or cached[0] is not mv:
+        try:
+            found: Embedder | RTServeError | None = _embedder(dataplane, mv)
+        except RTServeError as exc:
+            found = exc
+        cached = _EMBEDDERS[id(mv)] = (mv, found)
+    if isinstance(cached[1], RTServeError):
+        raise cached[1]
+    return cached[1]
 
 
 def _embedder(dataplane: DataPlane, mv: ModelVersion) -> Embedder | None:
     if _generative(mv):
         return None
+    if mv.config.embedding is not None:
+        return _pooled(mv, mv.config.embedding)
     vector = _vector(mv)
     if vector is None:
         return None
@@ -200,6 +217,63 @@ def _embedder(dataplane: DataPlane, mv: ModelVersion) -> Embedder | None:
     return None
 
 
+def _pooled(mv: ModelVersion, section: EmbeddingSection) -> Embedder:
+    """The embedder of a model with an ``embedding:`` section, checked against its signature."""
+
+    def misfit(field: str, expected: str) -> RTServeError:
+        return RTServeError(
+            f"model '{mv.name}': {mv.config.source}: embedding.{field}: {expected} "
+            "(fix the model's config.yaml)"
+        )
+
+    if mv.config.max_batch_size <= 0:
+        raise misfit("input", "a model that batches (max_batch_size > 0)")
+    inputs = mv.inputs
+    for field, name in (("input", section.input), ("mask", section.mask)):
+        spec = inputs.get(name) if name else None
+        if name and (spec is None or spec.datatype not in _INT or len(spec.shape) != 1):
+            raise misfit(
+                field,
+                f"an integer input of one dimension per row named {name!r} (the model's "
+                f"inputs: {', '.join(sorted(inputs))})",
+            )
+    extra = tuple(n for n in (section.mask, "token_type_ids") if n and n in inputs)
+    others = set(inputs) - {section.input, *extra}
+    if others:
+        raise misfit(
+            "input", f"inputs the section names (the model also takes {', '.join(sorted(others))})"
+        )
+    names = [section.output] if section.output else list(mv.outputs)
+    out = mv.outputs.get(names[0]) if len(names) == 1 else None
+    if out is None or out.datatype not in _FLOATS or len(out.shape) != 2 or out.shape[1] < 1:
+        raise misfit(
+            "output",
+            "a float output of [seq, hidden] per row with a known hidden size (the model's "
+            f"outputs: {', '.join(f'{o.name} {list(o.shape)}' for o in mv.outputs.values())})",
+        )
+    dims = out.shape[1]
+    if any(d >= dims for d in section.dimensions):
+        raise misfit("dimensions", f"sizes under the model's {dims}")
+    model_dir = Path(mv.config.source).parent if mv.config.source else None
+    if section.tokenizer:
+        assert model_dir is not None
+        where = model_dir / section.tokenizer
+        try:
+            tokenizer = (
+                _load_tokenizer(where)
+                if where.is_dir()
+                else _load_tokenizer(where.parent, where.name)
+            )
+        except Exception as exc:  # (a file the tokenizers library cannot read)
+            raise misfit("tokenizer", f"a tokenizers JSON file ({exc})") from None
+        if tokenizer is None:
+            raise misfit("tokenizer", f"a tokenizer.json file or a directory holding one: {where}")
+    else:
+        tokenizer = _load_tokenizer(_version_dir(mv)) or _load_tokenizer(model_dir)
+    batch = mv.config.max_batch_size
+    return Embedder(POOLED, section.input, out.name, dims, batch, tokenizer, extra, section)
+
+
 def _text_tokenizer(dataplane: DataPlane, mv: ModelVersion) -> Any:
     """The tokenizer of a text model: its own ``tokenizer.json``, or its first step's."""
     own = _load_tokenizer(_version_dir(mv))
@@ -221,7 +295,10 @@ def embedding_models(dataplane: DataPlane) -> list[tuple[str, int]]:
     out: dict[str, int] = {}
     for mv in dataplane.registry.loaded_versions():
         if mv.ready and not _generative(mv):
-            found = embedder(dataplane, mv)
+            try:
+                found = embedder(dataplane, mv)
+            except RTServeError:  # (a section that does not fit: said when it is asked)
+                continue
             if found is not None:
                 out.setdefault(mv.name, found.dims)
     return sorted(out.items())
@@ -252,6 +329,14 @@ def _rows(em: Embedder, inputs: list[str] | list[list[int]]) -> tuple[list[Any],
         rows = [e.ids for e in tok.encode_batch(inputs, add_special_tokens=True)]
     else:
         rows = list(inputs)
+    if em.section is not None:
+        limit = em.section.max_length
+        for i, r in enumerate(rows):
+            if len(r) > limit:
+                raise InvalidInput(
+                    f"input[{i}]: expected at most {limit} tokens (this model's "
+                    f"embedding.max_length), got {len(r)}"
+                )
     return rows, sum(len(r) for r in rows)
 
 
@@ -261,19 +346,30 @@ def _request(em: Embedder, mv: ModelVersion, rows: list[Any]) -> InferRequest:
         for i, text in enumerate(rows):
             data[i, 0] = text.encode()
         return InferRequest(mv.name, mv.version, [Tensor(em.input, "BYTES", data.shape, data)])
+    ids, mask = _padded(em, rows)
+    spec = mv.inputs[em.input]
+    ids = ids.astype(np.int64 if spec.datatype == "INT64" else np.int32, copy=False)
+    tensors = [Tensor(em.input, spec.datatype, ids.shape, ids)]
+    mask_name = em.section.mask if em.section is not None else "attention_mask"
+    for name in em.extra:
+        spec = mv.inputs[name]
+        data = mask if name == mask_name else np.zeros_like(mask)
+        data = data.astype(np.int64 if spec.datatype == "INT64" else np.int32, copy=False)
+        tensors.append(Tensor(name, spec.datatype, data.shape, data))
+    return InferRequest(mv.name, mv.version, tensors)
+
+
+def _padded(em: Embedder, rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' token ids right-padded with 0 and their attention mask (int64)."""
     width = max(len(r) for r in rows)
-    dtype = np.int64 if mv.inputs["input_ids"].datatype == "INT64" else np.int32
-    ids = np.zeros((len(rows), width), dtype=dtype)
-    mask = np.zeros((len(rows), width), dtype=dtype)
+    if em.kind == POOLED:
+        width = -(-width // PAD_TO) * PAD_TO
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
         mask[i, : len(r)] = 1
-    tensors = [Tensor("input_ids", mv.inputs["input_ids"].datatype, ids.shape, ids)]
-    for name in em.extra:
-        spec = mv.inputs[name]
-        data = mask if name == "attention_mask" else np.zeros_like(ids)
-        tensors.append(Tensor(name, spec.datatype, data.shape, data.astype(dtype, copy=False)))
-    return InferRequest(mv.name, mv.version, tensors)
+    return ids, mask
 
 
 def _prepared(
@@ -286,10 +382,11 @@ def _prepared(
             f"model: '{mv.name}' is not an embedding model (expected one text input and one "
             "vector output, or input_ids and attention_mask in and one vector out)"
         )
-    if request.dimensions is not None and request.dimensions != em.dims:
-        raise InvalidInput(
-            f"dimensions: this model answers {em.dims} dimensions, got {request.dimensions}"
-        )
+    asked = request.dimensions
+    sizes = em.section.dimensions if em.section is not None else ()
+    if asked is not None and asked != em.dims and asked not in sizes:
+        allowed = " or ".join(str(d) for d in (*sizes, em.dims))
+        raise InvalidInput(f"dimensions: this model answers {allowed} dimensions, got {asked}")
     rows, tokens = _rows(em, request.inputs)
     return mv, em, rows, tokens
 
@@ -312,6 +409,8 @@ async def embed(
 
         answer = await dataplane.infer(mv.name, mv.version, part_timings, decode)
         for tensor in answer.outputs:
+            if tensor.name == em.output and em.section is not None:
+                return _pooled_vectors(em, tensor.data, part, request.dimensions)
             if tensor.name == em.output:
                 return np.asarray(tensor.data, dtype=np.float32).reshape(len(part), em.dims)
         raise RTServeError(f"model {mv.name}: no output {em.output!r} in its answer")
@@ -335,6 +434,22 @@ async def embed(
         "model": request.model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
+
+
+def _pooled_vectors(
+    em: Embedder, states: Any, rows: list[list[int]], dimensions: int | None
+) -> np.ndarray:
+    """A POOLED model's token states -> the rows' vectors, as its section says."""
+    section = em.section
+    assert section is not None
+    states = np.asarray(states, dtype=np.float32)
+    mask = np.zeros(states.shape[:2], dtype=np.int64)
+    for i, r in enumerate(rows):
+        mask[i, : len(r)] = 1
+    vectors = pool(states, mask, section.pooling)
+    if dimensions is not None and dimensions < vectors.shape[1]:
+        vectors = vectors[:, :dimensions]
+    return normalized(vectors) if section.normalize else vectors
 
 
 def dumps(doc: dict[str, Any]) -> bytes:
