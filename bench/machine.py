@@ -57,3 +57,21 @@ def facts() -> dict[str, str]:
 def summary() -> str:
     """One line for a report header: CPU model, core count, Python version."""
     return f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def source_state() -> str:
+    """The commit the code ran from, and whether files under src/ differed from it."""
+    git = ["git", "-C", str(Path(__file__).resolve().parent.parent)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()  # fmt: skip
+        dirty = subprocess.run([*git, "status", "--porcelain", "--", "src"], capture_output=True,
+                               text=True, timeout=10).stdout.splitlines()  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    return (
+        f"commit {head}"
+        + (f" + uncommitted changes in {len(dirty)} files under src/" if dirty else "")
+        if head
+        else "?"
+    )

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -239,3 +241,30 @@ class RedisServer:
     def stop(self) -> None:
         self.client.close()
         self.server.stop(grace_s=5)
+
+
+def rtserve(
+    workdir: Path, *args: str, cpus: str = "", src: Path | None = None, timeout_s: float = 120.0
+) -> tuple[Server, dict[str, int]]:
+    """``rtserve serve ARGS`` on 127.0.0.1 with ports the OS picks (read from its ports file),
+    pinned to ``cpus`` (taskset) and run from the source tree ``src`` when given."""
+    root = Path(__file__).resolve().parent.parent
+    ports = workdir / "ports.json"
+    ports.unlink(missing_ok=True)
+    argv = [*(["taskset", "-c", cpus] if cpus else []), sys.executable, "-m", "rtserve.cli",
+            "serve", "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
+            "--ports-file", str(ports), *args]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(src.resolve()), env.get("PYTHONPATH")])
+        )
+    server = Server("rtserve", argv, env, workdir / "server.log", cwd=root)
+    deadline = time.monotonic() + timeout_s
+    while not (ports.exists() and ports.stat().st_size):
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"rtserve did not start: {server.log_tail()}")
+        time.sleep(0.1)
+    time.sleep(0.05)
+    return server, json.loads(ports.read_text())

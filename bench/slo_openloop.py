@@ -10,11 +10,7 @@ each request's scheduled send time) and the p99 of admitted (answered 200) reque
     python -m bench.slo_openloop --loads 0.5,2 --windows 0,1000 --seconds 2   # a quick look
 
 ``--workload mlp4096`` is a compute-heavy MLP (256->4096->4096->10, built here, seeded) whose
-16-row batch takes several ms; with ``--max-batch 16`` it is the setting of issue 24.
-``--src`` serves from another source tree (a worktree of an older commit) for an A/B.
-
-``--server-cpus``/``--client-cpus`` pin the processes with taskset (on a machine with spare
-cores, so that the clients do not take the server's).
+16-row batch takes several ms. ``--server-cpus``/``--client-cpus`` pin the processes (taskset).
 """
 
 from __future__ import annotations
@@ -34,6 +30,13 @@ from typing import Any
 
 import numpy as np
 import yaml
+
+from bench import machine, procs, servers
+from bench.clients import openloop, openloop_c
+from bench.clients.wrk import lua_script
+from bench.peers.common import TensorSpec
+from bench.report import markdown_table
+from bench.workloads import WORK, Workload
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {
@@ -56,9 +59,7 @@ def _wide_mlp(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def _model_file(workload: str, given: Path | None) -> Path:
-    if given is not None:
-        return given
+def _model_file(workload: str) -> Path:
     return _wide_mlp(MODELS[workload]) if workload == "mlp4096" else MODELS[workload]
 
 
@@ -76,56 +77,6 @@ def _request_body(workload: str, seq: int) -> bytes:
             {"name": "attention_mask", "shape": [1, seq], "datatype": "INT64", "data": [1] * seq},
         ]
     return json.dumps({"inputs": inputs}).encode()
-
-
-# ---------------------------------------------------------------------------- client
-async def _client(url: str, body: bytes, rate: float, seconds: float, seed: int, conns: int):
-    from bench.clients.openloop import _Client, arrivals, offer, post_request
-
-    class Recording(_Client):
-        def finish(self, conn, ok: bool) -> None:  # type: ignore[no-untyped-def]
-            if conn in self.busy:
-                status = conn.parser.get_status_code()
-                self.codes[status] = self.codes.get(status, 0) + 1
-                if ok:
-                    self.ok_latency.append(time.perf_counter() - conn.scheduled)
-            super().finish(conn, ok)
-
-    host_port, path = url.split("/", 3)[2], "/" + url.split("/", 3)[3]
-    host, port = host_port.split(":")
-    client = Recording(host, int(port), post_request(host, int(port), path, body), conns)
-    client.codes = {}  # type: ignore[attr-defined]
-    client.ok_latency = []  # type: ignore[attr-defined]
-    # The whole pool is opened before the first arrival. With connections opened on demand
-    # during the run, 0.7-1.3% of the requests on the MLP at 1x came back 0.9-2.4 s late on
-    # the 2-core VM, in every configuration; none once the pool was opened first.
-    await client.open(conns)
-    offsets = arrivals(rate, seconds, seed)
-    start = await offer(client, offsets, 5.0)
-    lags = np.asarray(client.stats.lags) * 1e3
-    return {
-        "elapsed": max(client.stats.last_done - start, 1e-9),
-        "lag_p99_ms": float(np.percentile(lags, 99)) if lags.size else 0.0,
-        "scheduled": int(len(offsets)),
-        "unfinished": client.outstanding,
-        "codes": {str(k): v for k, v in client.codes.items()},  # type: ignore[attr-defined]
-        "latency_ms": [x * 1e3 for x in client.ok_latency],  # type: ignore[attr-defined]
-    }
-
-
-def _client_main(args: argparse.Namespace) -> None:
-    import gc
-    import resource
-
-    import uvloop
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one socket per request in flight
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, args.conns + 256)), hard))
-
-    body = Path(args.body).read_bytes()
-    gc.disable()  # a short-lived process: a collection's pause would count in every latency
-    out = uvloop.run(_client(args.url, body, args.rate, args.seconds, args.seed, args.conns))
-    Path(args.result).write_text(json.dumps(out))
 
 
 # ---------------------------------------------------------------------------- server
@@ -160,10 +111,6 @@ def _pytriton(
 ) -> dict[str, tuple[str, object]]:
     """Triton (bundled by PyTriton) with its dynamic batcher, one server per window (µs),
     serving the same ONNX file on one ONNX Runtime thread: label -> (infer URL, handle)."""
-    from bench import servers
-    from bench.peers.common import TensorSpec
-    from bench.workloads import WORK, Workload
-
     if workload.startswith("mlp"):
         inputs = (TensorSpec("input", "FP32", (256,)),)
         outputs = (TensorSpec("output", "FP32", (10,)),)
@@ -204,31 +151,6 @@ def _taskset(cpus: str) -> list[str]:
     return ["taskset", "-c", cpus] if cpus else []
 
 
-def _start(
-    repo: Path, work: Path, cpus: str, src: Path = ROOT / "src"
-) -> tuple[subprocess.Popen[bytes], int]:
-    """rtserve serving ``repo`` from the source tree ``src`` (default: this one)."""
-    ports = work / "ports.json"
-    cmd = [
-        *_taskset(cpus), sys.executable, "-m", "rtserve.cli", "serve",
-        "--model-repository", str(repo), "--host", "127.0.0.1", "--http-port", "0",
-        "--grpc-port", "0", "--ports-file", str(ports),
-    ]  # fmt: skip
-    path = os.environ.get("PYTHONPATH", "")
-    env = dict(os.environ, PYTHONPATH=str(src.resolve()) + (os.pathsep + path if path else ""))
-    log = open(work / "server.log", "wb")  # noqa: SIM115  (closed with the process)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError((work / "server.log").read_text())
-        if ports.exists() and ports.stat().st_size:
-            return proc, json.loads(ports.read_text())["http_port"]
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
 # ---------------------------------------------------------------------------- one point
 def _point(
     url: str, model: str, body: Path, rate: float, seconds: float, clients: int,
@@ -242,26 +164,17 @@ def _point(
         result = work / f"client-{k}.json"
         result.unlink(missing_ok=True)
         if loadgen == "c":
-            from bench.clients import openloop_c
-            from bench.clients.openloop import post_request
-
             host_port, path = url.split("/", 3)[2], "/" + url.split("/", 3)[3]
             host, port = host_port.split(":")
             request = work / f"request-{k}.http"
-            request.write_bytes(post_request(host, int(port), path, body.read_bytes()))
-            cmd = [
-                *_taskset(cpus), *openloop_c.command(
-                    host, int(port), request, rate / clients, seconds, seed * 100 + k + 1,
-                    conns, 5.0, result,
-                ),
-            ]  # fmt: skip
+            request.write_bytes(openloop.post_request(host, int(port), path, body.read_bytes()))
+            cmd = openloop_c.command(host, int(port), request, rate / clients, seconds,
+                                     seed * 100 + k + 1, conns, 5.0, result)  # fmt: skip
         else:
-            cmd = [
-                *_taskset(cpus), sys.executable, "-m", "bench.slo_openloop", "--client",
-                "--url", url, "--body", str(body), "--rate", str(rate / clients),
-                "--seconds", str(seconds), "--seed", str(seed * 100 + k), "--conns", str(conns),
-                "--result", str(result),
-            ]  # fmt: skip
+            cmd = openloop.command(
+                url, body, rate / clients, seconds, seed * 100 + k, conns, 5.0, result
+            )
+        cmd = [*_taskset(cpus), *cmd]
         procs.append((subprocess.Popen(cmd, cwd=ROOT), result))
     codes: dict[str, int] = {}
     lat: list[float] = []
@@ -345,8 +258,6 @@ def _closed_loop(url: str, body: bytes, conns: int, seconds: float, cpus: str, w
     the model's capacity as a client that waits for each answer sees it."""
     import re
 
-    from bench.clients.wrk import lua_script
-
     script = work / "closed.lua"
     script.write_text(lua_script(body))
     cmd = [*_taskset(cpus), "wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s",
@@ -383,94 +294,35 @@ def _quiesce(url: str, body: bytes, threshold_s: float, timeout_s: float = 180.0
 
 
 # ---------------------------------------------------------------------------- report
-def _machine() -> str:
-    try:
-        from bench.machine import summary
-
-        return summary()
-    except Exception:  # noqa: BLE001 - a description only
-        return f"{os.cpu_count()} CPUs"
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--url", help=argparse.SUPPRESS)
-    parser.add_argument("--body", help=argparse.SUPPRESS)
-    parser.add_argument("--rate", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--conns", type=int, default=1024,
-        help="most connections per client process (open loop: enough that requests never "
-        "wait for a free one, so the queue forms in the server, not in the client)",
-    )  # fmt: skip
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    parser.add_argument("--workload", choices=sorted(MODELS), default="mlp")
-    parser.add_argument("--model", type=Path, default=None, help="the workload's ONNX file")
-    parser.add_argument("--seq", type=int, default=32, help="MiniLM tokens per request")
-    parser.add_argument("--max-batch", type=int, default=32, help="max_batch_size of each config")
-    parser.add_argument(
-        "--src", type=Path, default=ROOT / "src",
-        help="the source tree rtserve is served from (an older commit's, for an A/B)",
-    )  # fmt: skip
-    parser.add_argument("--objective-ms", type=float, default=10.0)
-    parser.add_argument("--loads", default="0.2,0.5,1,1.5,2,3")
-    parser.add_argument("--windows", default="0,200,1000,5000", help="fixed windows, µs")
-    parser.add_argument(
-        "--triton-windows", default="",
-        help="also Triton via PyTriton, one server per dynamic-batcher window (µs); '' skips",
-    )  # fmt: skip
-    parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--probe-rate", type=float, default=60_000, help="offered to find capacity")
-    parser.add_argument(
-        "--capacity", type=float, default=0.0,
-        help="answers/s that loads are multiples of, measured earlier (the same offered "
-        "load in every round of an A/B on a shared machine); 0: measure it first",
-    )  # fmt: skip
-    parser.add_argument(
-        "--closed-loop", type=int, default=0,
-        help="measure capacity closed-loop with this many wrk connections instead (a model "
-        "whose refusals cost little next to its batches answers few under a 60k/s probe)",
-    )  # fmt: skip
-    parser.add_argument("--clients", type=int, default=2, help="client processes")
-    parser.add_argument(
-        "--loadgen", choices=("python", "c"), default="python",
-        help="the open-loop client: Python (bench.clients.openloop) or its C twin, whose "
-        "CPU per request is ~1/3 (a cheap model's overload is otherwise client-bound)",
-    )  # fmt: skip
-    parser.add_argument("--server-cpus", default="")
-    parser.add_argument("--client-cpus", default="")
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument(
-        "--combine", nargs="+", type=Path, default=None,
-        help="only print a per-round summary (median ratio) of earlier runs' raw points (.json)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--replot", action="store_true",
-        help="only redraw --out's plot from the raw points (.json) an earlier run wrote",
-    )  # fmt: skip
+    add = parser.add_argument
+    add("--workload", choices=sorted(MODELS), default="mlp")
+    add("--seq", type=int, default=32, help="MiniLM tokens per request")
+    add("--max-batch", type=int, default=32, help="max_batch_size of each config")
+    add("--objective-ms", type=float, default=10.0)
+    add("--loads", default="0.2,0.5,1,1.5,2,3")
+    add("--windows", default="0,200,1000,5000", help="fixed windows, µs")
+    add("--triton-windows", default="", help="also Triton (PyTriton), one server per window (µs)")
+    add("--seconds", type=float, default=3.0)
+    add("--probe-rate", type=float, default=60_000, help="offered to find the capacity")
+    add("--capacity", type=float, default=0.0, help="answers/s the loads multiply (0: measure)")
+    add("--closed-loop", type=int, default=0, help="capacity from wrk with this many connections")
+    add("--clients", type=int, default=2, help="client processes")
+    add("--conns", type=int, default=1024, help="most connections per client process")
+    add("--loadgen", choices=("python", "c"), default="python", help="the open-loop client")
+    add("--server-cpus", default="")
+    add("--client-cpus", default="")
+    add("--out", type=Path, default=None)
+    add("--combine", nargs="+", type=Path, help="a per-round summary of earlier runs' .json")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    if args.client:
-        _client_main(args)
-        return
+    args.command = " ".join(sys.argv[1:] if argv is None else argv)
     if args.combine:
         print("\n".join(_combine(args.combine, args.objective_ms)))
-        return
-    if args.replot:
-        rows = json.loads(args.out.with_suffix(".json").read_text())
-        models = list(dict.fromkeys(r["model"] for r in rows))
-        what = args.out.stem.replace("-", " ")
-        _plot(
-            rows,
-            models,
-            args.objective_ms,
-            args.out.with_suffix(".png"),
-            f"{what}: SLO controller vs fixed windows",
-        )
         return
     _stop_on_sigterm()
     started = time.monotonic()
@@ -479,11 +331,12 @@ def main(argv: list[str] | None = None) -> None:
     loads = [float(x) for x in args.loads.split(",")]
     work = Path(tempfile.mkdtemp(prefix="slo-bench-"))
     repo = work / "repo"
-    model_file = _model_file(args.workload, args.model)
+    model_file = _model_file(args.workload)
     models = _repository(repo, model_file, objective, windows, args.max_batch)
     body = work / "body.json"
     body.write_bytes(_request_body(args.workload, args.seq))
-    server, port = _start(repo, work, args.server_cpus, args.src)
+    server, ports = procs.rtserve(work, "--model-repository", str(repo), cpus=args.server_cpus)
+    port = ports["http_port"]
     urls = {m: f"http://127.0.0.1:{port}/v2/models/{m}/infer" for m in models}
     triton: dict[str, tuple[str, object]] = {}
     try:
@@ -502,21 +355,8 @@ def main(argv: list[str] | None = None) -> None:
         probe = []
         for m in models if not (args.closed_loop or args.capacity) else []:
             _only(m, triton)
-            probe.append(
-                _point(
-                    urls[m],
-                    m,
-                    body,
-                    args.probe_rate,
-                    2,
-                    args.clients,
-                    args.client_cpus,
-                    work,
-                    99,
-                    args.conns,
-                    args.loadgen,
-                )  # fmt: skip
-            )
+            probe.append(_point(urls[m], m, body, args.probe_rate, 2, args.clients, args.client_cpus,
+                                work, 99, args.conns, args.loadgen))  # fmt: skip
             _quiesce(urls[m], body.read_bytes(), settled[m])
         closed = [
             _closed_loop(urls[m], body.read_bytes(), args.closed_loop, 3, args.client_cpus, work)
@@ -533,14 +373,11 @@ def main(argv: list[str] | None = None) -> None:
                     _load_point(args, m, load, i, capacity, urls, body, port, settled, triton, work)
                 )
     finally:
-        from bench import servers
-
         for label in triton:
             _only(label, {label: triton[label]})  # running again, so that it can stop
         for _, handle in triton.values():
             servers.stop(handle)  # type: ignore[arg-type]
-        server.terminate()
-        server.wait(30)
+        server.stop(grace_s=30)
     if args.out is not None:
         _write(args, rows, models, capacity, objective, time.monotonic() - started)
 
@@ -668,86 +505,74 @@ def _plot(rows: list[dict], models: list[str], objective: float, path: Path, tit
     plt.close(fig)
 
 
+def _share(x: float | None) -> str:
+    return "-" if x is None or x != x else f"{100 * x:.2f}%"
+
+
 def _write(args, rows, models, capacity, objective, took) -> None:  # type: ignore[no-untyped-def]
-    loads = sorted({r["load"] for r in rows})
     fixed = [m for m in models if m.startswith("w")]
     triton = [m for m in models if m.startswith("triton")]
     what = f"{args.workload}" + (f" seq {args.seq}" if args.workload == "minilm" else "")
-    lines = [
-        f"### {what}, objective p99 {objective:g} ms",
-        "",
-        f"Command: `python -m bench.slo_openloop {' '.join(sys.argv[1:])}`",
-        "",
-        f"Machine: {_machine()}. Took {took:.0f} s. Capacity: ~{capacity:.0f} answers/s ("
-        + (
-            "given"
-            if args.capacity
-            else f"measured first, closed loop, wrk -c{args.closed_loop}"
-            if args.closed_loop
-            else "measured first, the best configuration under heavy overload"
-        )
-        + "). Latency is measured at the "
-        f"client from each request's scheduled send time; {args.clients} client process(es) "
-        f"({'C' if args.loadgen == 'c' else 'Python'}"
-        f"{', pinned to CPUs ' + args.client_cpus if args.client_cpus else ''}"
-        f"{'; server pinned to CPUs ' + args.server_cpus if args.server_cpus else ''}), "
-        f"Poisson arrivals, {args.seconds:g} s per point, configurations in rotating order.",
-        "",
-        "Goodput = answers within the objective per second; p99 over the answered (admitted) "
-        "requests. `best fixed` = rtserve's fixed window with the most goodput at that load, "
-        "`best Triton` the same over Triton's windows (a different window may win at each "
-        "load: that is the tuning the controller replaces).",
-        "",
-        "| load | SLO goodput/s | SLO p99 ms | SLO refused | best fixed | goodput/s | p99 ms "
-        + ("| best Triton | goodput/s | p99 ms " if triton else "")
-        + "| SLO / best other |",
-        "| --- | --- | --- | --- | --- | --- | --- "
-        + ("| --- | --- | --- " if triton else "")
-        + "| --- |",
+    how = ("given" if args.capacity else f"measured first, closed loop, wrk -c{args.closed_loop}"
+           if args.closed_loop else "measured first, the best configuration under heavy overload")  # fmt: skip
+    pins = (f", pinned to CPUs {args.client_cpus}" if args.client_cpus else "") + (
+        f"; server pinned to CPUs {args.server_cpus}" if args.server_cpus else "")  # fmt: skip
+    header = [
+        "load",
+        "SLO goodput/s",
+        "SLO p99 ms",
+        "SLO refused",
+        "best fixed",
+        "goodput/s",
+        "p99 ms",
     ]
-    for load in loads:
+    header += ["best Triton", "goodput/s", "p99 ms"] if triton else []
+    table = []
+    for load in sorted({r["load"] for r in rows}):
         at = [r for r in rows if r["load"] == load]
         s = next(r for r in at if r["model"] == "slo")
-        b = _best(at, fixed)
-        t = _best(at, triton)
-        others = [x["goodput"] for x in (b, t) if x is not None]
-        ratio = s["goodput"] / max(others) if others and max(others) > 0 else float("inf")
-        line = f"| {load:g}x | {s['goodput']:.0f} | {s['p99_ms']:.1f} | {s['codes'].get('429', 0)} "
-        for x in (b, t) if triton else (b,):
-            if x is None:
-                line += "| - | - | - "
-            else:
-                line += f"| {x['model']} | {x['goodput']:.0f} | {x['p99_ms']:.1f} "
-        lines.append(line + f"| {ratio:.2f} |")
-    lines += [
-        "",
-        "Every point (`lost`: unanswered 5 s after the last send; `client lag`: p99 of how late "
-        "the client sent — large values mean the client, not the server, limited the load; "
-        "`server-timed`: the share of rtserve's answers that took no longer than the objective "
-        "from reception to encoded answer, read from its latency histogram — what the client "
-        "measures beyond it was spent in the kernel's socket queues and the client):",
-        "",
-        "| load | config | goodput/s | ok | p50 ms | p99 ms | codes | lost | client lag p99 ms "
-        f"| server-timed within {objective:g} ms | SLO budget factor, mean batch |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        within = r.get("server_within")
-        lines.append(
-            f"| {r['load']:g}x | {r['model']} | {r['goodput']:.0f} | {r['ok']} "
-            f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['codes']} | {r['unfinished']} "
-            f"| {r['client_lag_p99_ms']:.1f} "
-            + ("| - " if within is None or within != within else f"| {100 * within:.2f}% ")
-            + (
-                f"| {r['slo_factor']:.2f}, {r['slo_batch_rows']:.1f} |"
-                if "slo_factor" in r
-                else "| |"
+        best = [_best(at, fixed), *([_best(at, triton)] if triton else [])]
+        others = [x["goodput"] for x in best if x is not None]
+        row = [
+            f"{load:g}x",
+            f"{s['goodput']:.0f}",
+            f"{s['p99_ms']:.1f}",
+            str(s["codes"].get("429", 0)),
+        ]
+        for x in best:
+            row += (
+                ["-"] * 3
+                if x is None
+                else [x["model"], f"{x['goodput']:.0f}", f"{x['p99_ms']:.1f}"]
             )
-        )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+        ratio = s["goodput"] / max(others) if others and max(others) > 0 else float("inf")
+        table.append([*row, f"{ratio:.2f}"])
+    points = [[f"{r['load']:g}x", r["model"], f"{r['goodput']:.0f}", str(r["ok"]), f"{r['p50_ms']:.2f}",
+               f"{r['p99_ms']:.2f}", str(r["codes"]), str(r["unfinished"]), f"{r['client_lag_p99_ms']:.1f}",
+               _share(r.get("server_within")),
+               f"{r['slo_factor']:.2f}, {r['slo_batch_rows']:.1f}" if "slo_factor" in r else ""]
+              for r in rows]  # fmt: skip
     png = args.out.with_suffix(".png")
+    lines = [
+        f"### {what}, objective p99 {objective:g} ms", "",
+        f"Command: `python -m bench.slo_openloop {args.command}`", "",
+        f"Machine: {machine.summary()}. Took {took:.0f} s. Capacity: ~{capacity:.0f} answers/s ({how}). "
+        f"Latency from each request's scheduled send, at the client; {args.clients} client process(es) "
+        f"({'C' if args.loadgen == 'c' else 'Python'}{pins}), Poisson arrivals, {args.seconds:g} s per "
+        "point, configurations in rotating order.", "",
+        "Goodput = answers within the objective per second; p99 over the answered requests. `best "
+        "fixed` / `best Triton`: the window with the most goodput at that load.", "",
+        *markdown_table([*header, "SLO / best other"], table), "",
+        "Every point (`lost`: unanswered 5 s after the last send; `client lag`: p99 of how late the "
+        "client sent; `server-timed`: share of rtserve's answers within the objective by its own "
+        "latency histogram):", "",
+        *markdown_table(["load", "config", "goodput/s", "ok", "p50 ms", "p99 ms", "codes", "lost",
+                         "client lag p99 ms", f"server-timed within {objective:g} ms",
+                         "SLO budget factor, mean batch"], points),
+        "", f"![goodput and p99 against offered load]({png.name})", "",
+    ]  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     _plot(rows, models, objective, png, f"{what}: SLO controller vs fixed windows")
-    lines += ["", f"![goodput and p99 against offered load]({png.name})", ""]
     args.out.write_text("\n".join(lines) + "\n")
     raw = [{k: v for k, v in r.items() if k != "latencies"} for r in rows]
     args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1))

@@ -41,12 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import httptools
 import numpy as np
 import uvloop
 
-from bench import machine
+from bench import machine, procs
+from bench.clients.openloop import _Client, _Connection
 from bench.procs import Server, cpu_seconds
+from bench.report import markdown_table
 from bench.workloads import ROOT, WORK
 
 MODEL = "mlp"
@@ -88,27 +89,13 @@ class _Window:
     latencies: list[float] = field(default_factory=list)
 
 
-class _ValidConnection(asyncio.Protocol):
-    def __init__(self, client: _ValidClient) -> None:
-        self.client = client
-        self.parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.scheduled = 0.0
+class _ValidConnection(_Connection):
+    """Reads the body and the keep-alive of each answer; ``outcome`` names how it ended."""
+
+    def __init__(self, client: _Client) -> None:
+        super().__init__(client)
         self.body: list[bytes] = []
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self.client.finish(self, "broken answer", keep=False)
-            if self.transport is not None:
-                self.transport.close()
+        self.outcome, self.keep = "broken answer", False
 
     def on_message_begin(self) -> None:
         self.body = []
@@ -118,131 +105,79 @@ class _ValidConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         status = self.parser.get_status_code()
-        keep = self.parser.should_keep_alive()
+        self.outcome = str(status)
         if status == 200:
-            outcome = "ok" if b'"outputs"' in b"".join(self.body) else "200 without outputs"
+            self.outcome = "ok" if b'"outputs"' in b"".join(self.body) else "200 without outputs"
         elif status in (503, 429):
-            outcome = "shed"
-        else:
-            outcome = str(status)
-        self.body = []
-        self.client.finish(self, outcome, keep)
-        if not keep and self.transport is not None:
+            self.outcome = "shed"
+        self.keep = self.parser.should_keep_alive()
+        self.client.finish(self, self.outcome == "ok")
+        if not self.keep and self.transport is not None:
             self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.client.lost(self)
+        self.outcome, self.keep = "broken answer", False
 
 
-class _ValidClient:
-    """Open loop: Poisson arrivals, latency counted from each request's scheduled time (a
-    request waiting in the client for a free connection counts that wait)."""
+class _ValidClient(_Client):
+    """The open-loop client (``bench.clients.openloop``) counting each answer's outcome per
+    sampling window: 200 with outputs, shed (503/429) or lost (anything else)."""
+
+    connection = _ValidConnection
 
     def __init__(self, port: int, max_connections: int) -> None:
-        self.port = port
-        self.request = _post(INFER_PATH, _valid_body())
-        self.max_connections = max_connections
-        self.idle: collections.deque[_ValidConnection] = collections.deque()
-        self.waiting: collections.deque[float] = collections.deque()
-        self.busy: set[_ValidConnection] = set()
-        self.opening = 0
+        super().__init__("127.0.0.1", port, _post(INFER_PATH, _valid_body()), max_connections)
         self.window = _Window()
         self.totals: collections.Counter[str] = collections.Counter()
-        self.loop = asyncio.get_running_loop()
-
-    async def open(self, count: int) -> None:
-        for _ in range(count):
-            _, conn = await self.loop.create_connection(
-                lambda: _ValidConnection(self), "127.0.0.1", self.port
-            )
-            self.idle.append(conn)
 
     def submit(self, scheduled: float) -> None:
         self.totals["sent"] += 1
         self.window.sent += 1
-        if self.idle:
-            self._send(self.idle.popleft(), scheduled)
-            return
-        self.waiting.append(scheduled)
-        if len(self.busy) + self.opening < self.max_connections:
-            self.opening += 1
-            self.loop.create_task(self._grow())
+        super().submit(scheduled)
 
-    async def _grow(self) -> None:
-        try:
-            _, conn = await self.loop.create_connection(
-                lambda: _ValidConnection(self), "127.0.0.1", self.port
-            )
-        except OSError:
-            return  # the waiting requests go out on the connections there are
-        finally:
-            self.opening -= 1
-        self._release(conn)
-
-    def _send(self, conn: _ValidConnection, scheduled: float) -> None:
+    def _send(self, conn: _Connection, scheduled: float) -> None:
         conn.scheduled = scheduled
         self.busy.add(conn)
         if conn.transport is None or conn.transport.is_closing():
-            self.finish(conn, "connection closed before sending", keep=False)
-            return
-        conn.transport.write(self.request)
-
-    def _release(self, conn: _ValidConnection) -> None:
-        if self.waiting:
-            self._send(conn, self.waiting.popleft())
+            self._end(conn, "connection closed before sending")
         else:
-            self.idle.append(conn)
+            conn.transport.write(self.request)
 
-    def finish(self, conn: _ValidConnection, outcome: str, keep: bool) -> None:
+    def _end(self, conn: _Connection, outcome: str) -> None:
+        conn.outcome, conn.keep = outcome, False  # type: ignore[attr-defined]
+        self.finish(conn, False)
+
+    def finish(self, conn: _Connection, ok: bool) -> None:
         if conn not in self.busy:
             return
         self.busy.discard(conn)
-        window = self.window
-        if outcome == "ok":
-            window.ok += 1
-            window.latencies.append(time.perf_counter() - conn.scheduled)
+        outcome, w = cast(_ValidConnection, conn).outcome, self.window
+        if ok:
+            w.ok += 1
+            w.latencies.append(time.perf_counter() - conn.scheduled)
         elif outcome == "shed":
-            window.shed += 1
+            w.shed += 1
         else:
-            window.lost += 1
+            w.lost += 1
             self.totals[f"lost: {outcome}"] += 1
         self.totals[outcome if outcome in ("ok", "shed") else "lost"] += 1
-        if keep:
+        if cast(_ValidConnection, conn).keep:
             self._release(conn)
         elif self.waiting and len(self.busy) + self.opening < self.max_connections:
             self.opening += 1
             self.loop.create_task(self._grow())
 
-    def lost(self, conn: _ValidConnection) -> None:
+    def lost(self, conn: _Connection) -> None:
         if conn in self.busy:
-            self.finish(conn, "connection closed before the answer", keep=False)
+            self._end(conn, "connection closed before the answer")
         with contextlib.suppress(ValueError):
             self.idle.remove(conn)
-
-    @property
-    def outstanding(self) -> int:
-        return len(self.busy) + len(self.waiting)
-
-    @property
-    def connections(self) -> int:
-        return len(self.busy) + len(self.idle)
 
     def take_window(self) -> dict[str, Any]:
         w, self.window = self.window, _Window()
         lat = np.asarray(w.latencies) * 1000.0
         pct = (lambda q: round(float(np.percentile(lat, q)), 3)) if lat.size else (lambda q: None)
-        return {
-            "t": time.time(),
-            "sent": w.sent,
-            "ok": w.ok,
-            "shed": w.shed,
-            "lost": w.lost,
-            "p50_ms": pct(50),
-            "p99_ms": pct(99),
-            "max_ms": pct(100),
-            "connections": self.connections,
-            "outstanding": self.outstanding,
-        }
+        return {"t": time.time(), "sent": w.sent, "ok": w.ok, "shed": w.shed, "lost": w.lost,
+                "p50_ms": pct(50), "p99_ms": pct(99), "max_ms": pct(100),
+                "connections": len(self.busy) + len(self.idle), "outstanding": self.outstanding}  # fmt: skip
 
 
 def _emit(report: Path, record: dict[str, Any]) -> None:
@@ -301,10 +236,10 @@ async def _run_capacity(port: int, seconds: float, connections: int, report: Pat
 
     original = client.finish
 
-    def finish(conn: _ValidConnection, outcome: str, keep: bool) -> None:
-        original(conn, outcome, keep)
+    def finish(conn: _Connection, ok: bool) -> None:
+        original(conn, ok)
         if warm_end <= time.perf_counter() < measure_end:
-            done[0 if outcome == "ok" else 1] += 1
+            done[0 if ok else 1] += 1
         refill()
 
     client.finish = finish  # type: ignore[method-assign]
@@ -641,25 +576,10 @@ def _proc_status(pid: int) -> dict[str, float]:
 
 
 def _start_server(workdir: Path) -> tuple[Server, int]:
-    ports = workdir / "ports.json"
-    ports.unlink(missing_ok=True)
-    argv = [
-        sys.executable, "-m", "rtserve.cli", "serve",
-        "--model-repository", str(ROOT / "examples" / "repository"),
-        "--model-control-mode", "explicit", "--load-model", MODEL,
-        "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
-        "--ports-file", str(ports), "--log-level", "warning",
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    server = Server("rtserve", argv, env, workdir / "server.log", cwd=ROOT)
-    deadline = time.monotonic() + 120
-    while not ports.exists():
-        if server.proc.poll() is not None or time.monotonic() > deadline:
-            server.stop()
-            raise RuntimeError(f"rtserve did not start: {server.log_tail()}")
-        time.sleep(0.2)
-    time.sleep(0.1)
-    port = int(json.loads(ports.read_text())["http_port"])
+    server, ports = procs.rtserve(workdir, "--model-repository", str(ROOT / "examples" / "repository"),
+                                  "--model-control-mode", "explicit", "--load-model", MODEL,
+                                  "--log-level", "warning")  # fmt: skip
+    port = int(ports["http_port"])
     server.wait_ready(f"http://127.0.0.1:{port}/v2/models/{MODEL}/ready", 60)
     return server, port
 
@@ -784,188 +704,91 @@ def plot(samples: list[dict[str, Any]], windows: list[dict[str, Any]], t0: float
     plt.close(fig)
 
 
-def _markdown_load(run: dict[str, Any]) -> list[str]:
-    """The header, the machine, the valid requests and the flat-over-time table."""
-    s = run["summary"]
-    facts = run["machine"]
-    lines = [
-        f"# Soak: {run['load']:.0%} load next to hostile clients",
-        "",
-        "rtserve serves the example MLP (256->512->512->10) on 127.0.0.1 while an open-loop "
-        "client offers valid V2 JSON requests (Poisson arrivals) at about 70% of the capacity "
-        "measured at the start, and hostile clients run at the same time: malformed bodies, "
-        "slow-loris, disconnects and cancellations, oversized heads, pipelined bursts and gzip "
-        "bombs. The server runs with its default limits; the load clients run on the same "
-        "machine. Regenerate with `make soak` (`SOAK_MINUTES=30` by default), i.e.:",
-        "",
-        "```bash",
-        run["command"],
-        "```",
-        "",
-    ]
-    if run.get("note"):
-        lines += [f"**Note:** {run['note']}", ""]
-    lines += [
-        f"**Result: {'PASS' if s['passed'] else 'FAIL'}** "
-        f"({run['started']} UTC, {run['minutes']:g} minutes).",
-        "",
-        "| check | result |",
-        "| --- | --- |",
-    ]
-    lines += [f"| {k} | {'pass' if v else 'FAIL'} |" for k, v in s["checks"].items()]
-    lines += [
-        "",
-        "## Machine",
-        "",
-        "| | |",
-        "| --- | --- |",
-    ]
-    lines += [f"| {k} | {v} |" for k, v in facts.items()]
-    loads = [x["load1"] for x in run["samples"]]
-    if loads:
-        lines.append(
-            f"| load average (1 min) during the run | median {statistics.median(loads):.2f}, "
-            f"max {max(loads):.2f} |"
-        )
-    lines.append(f"| load average at the end | {run['load_end']} |")
-    cpu = run["cpu_s"]
-    lines.append(
-        "| CPU seconds during the soak | "
-        + ", ".join(f"{k} {v:,.0f}" for k, v in cpu.items() if v is not None)
-        + f" (of {run['minutes'] * 60 * (os.cpu_count() or 1):,.0f} core-seconds) |"
-    )
-    lines += [
-        "",
-        "The machine is shared with other work: a load average above the core count means the "
-        "server, the load clients and other processes were competing for the cores, which "
-        "shows in the latencies (not in the counts).",
-        "",
-        "## Valid requests",
-        "",
-        "| | |",
-        "| --- | --- |",
-        f"| capacity (closed loop, {run['capacity']['connections']} connections, "
-        f"{run['capacity']['seconds']:g} s) | {run['capacity']['capacity_rps']:,.0f} req/s |",
-        f"| offered (open loop, Poisson, {VALID_CONNECTIONS} connections) | "
-        f"{run['rate']:,.0f} req/s "
-        f"({run['load']:.0%} of capacity) |",
-        f"| sent | {s['sent']:,} |",
-        f"| answered 200 | {s['answered']:,} |",
-        f"| shed (503/429 with Retry-After; not lost, counted apart) | {s['shed']:,} |",
-        f"| **lost** (no answer, a broken answer, any other status) | **{s['lost']:,}** |",
-    ]
-    for reason, n in s["lost_reasons"].items():
-        lines.append(f"| lost: {reason} | {n:,} |")
-    lines += [
-        "",
-        "## Flat over time",
-        "",
-        f"Criterion: over the samples (every {run['sample_s']:g} s; p99 per window of valid "
-        f"answers, the first window left out), the median of the last third is at most "
-        f"{FLAT_TOLERANCE:.0%} above the median of the first third, or within an absolute "
-        f"floor ({RSS_SLACK_MIB:g} MiB RSS, {FDS_SLACK} descriptors, {P99_SLACK_MS:g} ms p99) "
-        "for values small enough that noise exceeds 20%.",
-        "",
-        "| series | first third (median) | last third (median) | change | max | flat |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    names = {"rss_mib": "server RSS (MiB)", "fds": "open descriptors",
-             "p99_ms": "p99 of valid requests (ms)"}  # fmt: skip
-    for key, v in s["series"].items():
-        change = "-" if v["change"] is None else f"{v['change']:+.1%}"
-        verdict = "-" if v["flat"] is None else ("yes" if v["flat"] else "**no**")
-        lines.append(
-            f"| {names[key]} | {_fmt(v['first'], 2)} | {_fmt(v['last'], 2)} | {change} | "
-            f"{_fmt(v['max'], 2)} | {verdict} |"
-        )
-    return lines
-
-
 def markdown(run: dict[str, Any], plot_path: Path | None, out: Path) -> str:
-    s = run["summary"]
-    lines = _markdown_load(run)
-    before, after = run["baseline"], run["after"]
-    lines += [
-        "",
-        f"Server before the load: {before['rss_mib']:.1f} MiB RSS, {before['fds']:.0f} "
-        f"descriptors; after the load stopped and the clients left: {after['rss_mib']:.1f} MiB, "
-        f"{after['fds']:.0f} descriptors; peak RSS (VmHWM) {after['hwm_mib']:.1f} MiB.",
-        "",
-    ]
-    if plot_path is not None:
-        rel = os.path.relpath(plot_path, out.parent)
-        lines += [f"![RSS, descriptors and latency over the soak]({rel})", ""]
-    lines += [
-        "## Hostile clients",
-        "",
-        "Sent concurrently with the valid load (three clients in turn through the kinds below, "
-        "plus long-lived slow-loris connections). *Expected* is the answer the server should "
-        "give; a client that leaves before its answer expects none.",
-        "",
-        "| kind | what it sends | answers seen | expected | time to answer or close: "
-        "median / max |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    hostile = run["hostile"]
-    counts = hostile.get("counts", {})
+    s, cap, before, after = run["summary"], run["capacity"], run["baseline"], run["after"]
+    loads = [x["load1"] for x in run["samples"]]
+    cores_s = run["minutes"] * 60 * (os.cpu_count() or 1)
+    machine_rows = [*run["machine"].items(), ("load average at the end", run["load_end"]),
+                    ("CPU seconds during the soak", ", ".join(f"{k} {v:,.0f}" for k, v in run["cpu_s"].items()
+                     if v is not None) + f" (of {cores_s:,.0f} core-seconds)")]  # fmt: skip
+    if loads:
+        machine_rows.insert(-2, ("load average (1 min) during the run",
+                                 f"median {statistics.median(loads):.2f}, max {max(loads):.2f}"))  # fmt: skip
+    valid_rows = [
+        (f"capacity (closed loop, {cap['connections']} connections, {cap['seconds']:g} s)",
+         f"{cap['capacity_rps']:,.0f} req/s"),
+        (f"offered (open loop, Poisson, {VALID_CONNECTIONS} connections)",
+         f"{run['rate']:,.0f} req/s ({run['load']:.0%} of capacity)"),
+        ("sent", f"{s['sent']:,}"), ("answered 200", f"{s['answered']:,}"),
+        ("shed (503/429 with Retry-After; not lost, counted apart)", f"{s['shed']:,}"),
+        ("**lost** (no answer, a broken answer, any other status)", f"**{s['lost']:,}**"),
+        *[(f"lost: {reason}", f"{n:,}") for reason, n in s["lost_reasons"].items()],
+    ]  # fmt: skip
+    names = {
+        "rss_mib": "server RSS (MiB)",
+        "fds": "open descriptors",
+        "p99_ms": "p99 of valid requests (ms)",
+    }
+    series = [(names[k], _fmt(v["first"], 2), _fmt(v["last"], 2),
+               "-" if v["change"] is None else f"{v['change']:+.1%}", _fmt(v["max"], 2),
+               "-" if v["flat"] is None else ("yes" if v["flat"] else "**no**"))
+              for k, v in s["series"].items()]  # fmt: skip
+    hostile, kinds = run["hostile"], [(n, HOSTILE[n][0]) for n in HOSTILE] + list(SLOW.items())
     medians, maxima = hostile.get("held_median_s", {}), hostile.get("held_max_s", {})
-    for name, spec in [(n, HOSTILE[n][0]) for n in HOSTILE] + list(SLOW.items()):
-        seen = counts.get(name, {})
-        shown = ", ".join(f"{status}: {n:,}" for status, n in sorted(seen.items())) or "-"
-        expected = ", ".join(sorted(spec.expected)) or "none (leaves)"
-        timing = "-"
-        if name in medians:
-            timing = f"{_duration(medians[name])} / {_duration(maxima[name])}"
-        lines.append(f"| {name} | {spec.what} | {shown} | {expected} | {timing} |")
-    lines += [
-        "",
-        "The head and body timeouts close `slow_head` and `slow_body_silent` with 408; a body "
-        "that keeps dripping faster than `http_body_timeout_s` (`slow_body_drip`) is held until "
-        "the client gives up (the timeout counts silence, not total time): "
-        "`http_max_connections` bounds how many such connections there can be. Kinds that "
-        "leave early are timed to when they leave.",
-    ]
-    if s["unexpected"]:
-        lines += ["", f"Unexpected answers: `{json.dumps(s['unexpected'])}`."]
+    hostile_rows = [
+        (name, spec.what,
+         ", ".join(f"{st}: {n:,}" for st, n in sorted(hostile.get("counts", {}).get(name, {}).items())) or "-",
+         ", ".join(sorted(spec.expected)) or "none (leaves)",
+         f"{_duration(medians[name])} / {_duration(maxima[name])}" if name in medians else "-")
+        for name, spec in kinds
+    ]  # fmt: skip
     log = run["server_log"]
+    lines = [
+        f"# Soak: {run['load']:.0%} load next to hostile clients", "",
+        "rtserve serves the example MLP on 127.0.0.1 (default limits) while an open-loop client "
+        "offers valid V2 JSON requests (Poisson) at ~70% of the capacity measured first, beside "
+        "hostile clients (malformed bodies, slow-loris, disconnects, oversized heads, pipelined "
+        "bursts, gzip bombs), all on one machine. `make soak`, i.e.:", "",
+        "```bash", run["command"], "```", "",
+        *([f"**Note:** {run['note']}", ""] if run.get("note") else []),
+        f"**Result: {'PASS' if s['passed'] else 'FAIL'}** ({run['started']} UTC, {run['minutes']:g} minutes).", "",
+        *markdown_table(["check", "result"], [(k, "pass" if v else "FAIL") for k, v in s["checks"].items()]),
+        "", "## Machine", "", *markdown_table(["", ""], machine_rows),
+        "", "A load average above the core count means other work competed for the cores: it shows "
+        "in the latencies, not in the counts.",
+        "", "## Valid requests", "", *markdown_table(["", ""], valid_rows),
+        "", "## Flat over time", "",
+        f"Over the samples (every {run['sample_s']:g} s; p99 per window, the first left out) the "
+        f"last third's median is at most {FLAT_TOLERANCE:.0%} above the first third's, or within "
+        f"{RSS_SLACK_MIB:g} MiB RSS, {FDS_SLACK} descriptors, {P99_SLACK_MS:g} ms p99.", "",
+        *markdown_table(["series", "first third (median)", "last third (median)", "change", "max", "flat"], series),
+        "", f"Server before the load: {before['rss_mib']:.1f} MiB RSS, {before['fds']:.0f} descriptors; "
+        f"after the clients left: {after['rss_mib']:.1f} MiB, {after['fds']:.0f} descriptors; "
+        f"peak RSS (VmHWM) {after['hwm_mib']:.1f} MiB.", "",
+    ]  # fmt: skip
+    if plot_path is not None:
+        lines += [
+            f"![RSS, descriptors and latency over the soak]({os.path.relpath(plot_path, out.parent)})",
+            "",
+        ]
     lines += [
-        "",
-        "## Server log",
-        "",
-        f"{log['lines']:,} lines at `--log-level warning`; {log['tracebacks']} tracebacks; "
-        f"{log['errors']} ERROR lines. The server exited {log['exit']} after SIGTERM "
-        f"in {log['stop_s']:.1f} s.",
-        "",
-    ]
+        "## Hostile clients", "",
+        "Three clients in turn through the kinds below, plus long-lived slow-loris connections; "
+        "a client that leaves before its answer expects none.", "",
+        *markdown_table(["kind", "what it sends", "answers seen", "expected",
+                         "time to answer or close: median / max"], hostile_rows),
+        "", "The head and body timeouts close `slow_head` and `slow_body_silent` with 408; a body "
+        "dripping faster than `http_body_timeout_s` is held until the client leaves "
+        "(`http_max_connections` bounds how many).",
+        *(["", f"Unexpected answers: `{json.dumps(s['unexpected'])}`."] if s["unexpected"] else []),
+        "", "## Server log", "",
+        f"{log['lines']:,} lines at `--log-level warning`; {log['tracebacks']} tracebacks; {log['errors']} "
+        f"ERROR lines. The server exited {log['exit']} after SIGTERM in {log['stop_s']:.1f} s.", "",
+    ]  # fmt: skip
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- orchestration
-def _source_state() -> str:
-    """The commit the server ran from, and whether the working tree differed from it."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "src"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.splitlines()
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-    if not head:
-        return "?"
-    return f"commit {head}" + (f" + uncommitted changes in {len(dirty)} files under src/"
-                                if dirty else "")  # fmt: skip
-
-
 def _end_child(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
     if proc is None:
         return
@@ -982,7 +805,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     started = dt.datetime.now(dt.UTC)
     facts = machine.facts()
-    facts["rtserve source"] = _source_state()
+    facts["rtserve source"] = machine.source_state()
     stop_file = workdir / "stop"
     stop_file.unlink(missing_ok=True)
     for stale in workdir.glob("*.jsonl"):
@@ -998,19 +821,16 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         baseline = _proc_status(server.pid)
         # The hostile clients run from before the capacity measurement to the end, so the
         # capacity is what the server sustains for valid requests next to them.
-        hostile = None if args.no_hostile else _child("hostile", hostile_rec, "--port", str(port), "--stop-file",
+        hostile = _child("hostile", hostile_rec, "--port", str(port), "--stop-file",
                          str(stop_file), "--slow", str(args.slow))  # fmt: skip
         time.sleep(2)
-        if args.rate:
-            capacity = {"capacity_rps": args.rate / args.load, "connections": 0, "seconds": 0}
-        else:
-            _child("capacity", capacity_rec, "--port", str(port),
-                   "--seconds", str(args.capacity_s)).wait()  # fmt: skip
-            records = _records(capacity_rec)
-            if not records:
-                raise RuntimeError("the capacity measurement produced nothing")
-            capacity = records[-1]
-        rate = args.rate or capacity["capacity_rps"] * args.load
+        _child(
+            "capacity", capacity_rec, "--port", str(port), "--seconds", str(args.capacity_s)
+        ).wait()
+        if not _records(capacity_rec):
+            raise RuntimeError("the capacity measurement produced nothing")
+        capacity = _records(capacity_rec)[-1]
+        rate = capacity["capacity_rps"] * args.load
         print(f"soak: capacity {capacity['capacity_rps']:,.0f} req/s, offering {rate:,.0f} req/s "
               f"for {args.minutes:g} min", flush=True)  # fmt: skip
         t0 = time.time()
@@ -1027,8 +847,6 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                       "server_cpu": (cpu - last_cpu) / (now - last_t)}  # fmt: skip
             last_cpu, last_t = cpu, now
             samples.append(sample)
-            if args.verbose:
-                print(json.dumps(sample), flush=True)
         server_cpu_s = cpu_seconds(server.pid) - cpu0
         _end_child(valid, DRAIN_S + 30)
         stop_file.touch()
@@ -1096,36 +914,20 @@ def write_report(run: dict[str, Any], out: Path | None, plot_path: Path | None) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=30.0, help="soak length (default 30)")
-    parser.add_argument("--load", type=float, default=0.7, help="fraction of capacity offered")
-    parser.add_argument("--rate", type=float, default=0.0,
-                        help="offer this many req/s instead of measuring capacity")  # fmt: skip
-    parser.add_argument(
-        "--capacity-s",
-        type=float,
-        default=15.0,
-        help="closed-loop capacity measurement (default 15 s)",
-    )
-    parser.add_argument("--sample-s", type=float, default=5.0)
-    parser.add_argument("--slow", type=int, default=12, help="slow-loris connections")
-    parser.add_argument("--out", type=Path, help="markdown report (e.g. docs/soak.md)")
-    parser.add_argument("--plot", type=Path, help="PNG plot (e.g. docs/img/soak.png)")
-    parser.add_argument("--note", default="", help="a line for the report")
-    parser.add_argument("--no-hostile", action="store_true",
-                        help="valid load only (to compare with a run that has them)")  # fmt: skip
-    parser.add_argument(
-        "--workdir",
-        type=Path,
-        default=WORK / "soak",
-        help="server log, client records, soak.json (default bench/.work/soak)",
-    )
-    parser.add_argument("--verbose", action="store_true")
-    parser.add_argument("--render", type=Path, help="write --out/--plot from this soak.json")
-    parser.add_argument("--role", choices=["valid", "capacity", "hostile"], help=argparse.SUPPRESS)
-    parser.add_argument("--report", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--seconds", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--stop-file", type=Path, help=argparse.SUPPRESS)
+    add = parser.add_argument
+    add("--minutes", type=float, default=30.0)
+    add("--load", type=float, default=0.7, help="fraction of the capacity offered")
+    add("--capacity-s", type=float, default=15.0, help="closed-loop capacity measurement")
+    add("--sample-s", type=float, default=5.0)
+    add("--slow", type=int, default=12, help="slow-loris connections")
+    add("--out", type=Path, help="markdown report (e.g. docs/soak.md)")
+    add("--plot", type=Path, help="PNG plot (e.g. docs/img/soak.png)")
+    add("--note", default="", help="a line for the report")
+    add("--workdir", type=Path, default=WORK / "soak", help="server log, client records, soak.json")
+    add("--render", type=Path, help="write --out/--plot from this soak.json")
+    for hidden in ("--role", "--report", "--port", "--rate", "--seconds", "--stop-file"):
+        add(hidden, type={"--port": int, "--rate": float, "--seconds": float}.get(hidden, str),
+            help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args(argv)
     if args.render:  # the report again from a finished run's record
         run = json.loads(args.render.read_text())
@@ -1134,14 +936,14 @@ def main(argv: list[str] | None = None) -> int:
         write_report(run, args.out, args.plot)
         return 0
     if args.role == "valid":
-        uvloop.run(_run_valid(args.port, args.rate, args.seconds, args.sample_s, args.report))
+        uvloop.run(_run_valid(args.port, args.rate, args.seconds, args.sample_s, Path(args.report)))
         return 0
     if args.role == "capacity":
-        uvloop.run(_run_capacity(args.port, args.seconds, 32, args.report))
+        uvloop.run(_run_capacity(args.port, args.seconds, 32, Path(args.report)))
         return 0
     if args.role == "hostile":
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        uvloop.run(_run_hostile(args.port, args.stop_file, args.slow, args.report))
+        uvloop.run(_run_hostile(args.port, Path(args.stop_file), args.slow, Path(args.report)))
         return 0
     args.command_line = "python -m bench.soak " + " ".join(argv or sys.argv[1:])
     run = soak(args)

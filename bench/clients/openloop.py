@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import gc
 import json
+import resource
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -35,6 +38,7 @@ class _Stats:
     errors: int = 0
     sent: int = 0
     last_done: float = 0.0
+    codes: collections.Counter[int] = field(default_factory=collections.Counter)
 
 
 class _Connection(asyncio.Protocol):
@@ -59,13 +63,18 @@ class _Connection(asyncio.Protocol):
                 self.transport.close()
 
     def on_message_complete(self) -> None:
-        self.client.finish(self, ok=self.parser.get_status_code() == 200)
+        status = self.parser.get_status_code()
+        if self in self.client.busy:
+            self.client.stats.codes[status] += 1
+        self.client.finish(self, ok=status == 200)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.client.lost(self)
 
 
 class _Client:
+    connection: type[_Connection] = _Connection
+
     def __init__(self, host: str, port: int, request: bytes, max_connections: int) -> None:
         self.host, self.port, self.request = host, port, request
         self.max_connections = max_connections
@@ -79,7 +88,7 @@ class _Client:
     async def open(self, count: int) -> None:
         for _ in range(count):
             _, conn = await self.loop.create_connection(
-                lambda: _Connection(self), self.host, self.port
+                lambda: self.connection(self), self.host, self.port
             )
             self.idle.append(conn)
 
@@ -95,7 +104,7 @@ class _Client:
     async def _grow(self) -> None:
         try:
             _, conn = await self.loop.create_connection(
-                lambda: _Connection(self), self.host, self.port
+                lambda: self.connection(self), self.host, self.port
             )
         except OSError:
             self.stats.errors += 1
@@ -180,13 +189,18 @@ async def offer(client: _Client, offsets: np.ndarray, drain_s: float) -> float:
 
 
 async def run(
-    url: str, body: bytes, rate: float, duration_s: float, drain_s: float, max_connections: int
-) -> dict[str, float]:
+    url: str, body: bytes, rate: float, duration_s: float, drain_s: float, max_connections: int,
+    seed: int = 1, open_all: bool = False, record: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """Offer ``rate`` requests/s for ``duration_s``; a summary, or with ``record`` the C
+    client's result (``elapsed``, ``lag_p99_ms``, ``scheduled``, ``unfinished``, ``errors``,
+    ``codes``, ``latency_ms``). ``open_all``: the whole pool is opened before the first arrival
+    (opened on demand, a few requests per hundred came back seconds late on a 2-core VM)."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     client = _Client(host, port, post_request(host, port, parts.path or "/", body), max_connections)
-    await client.open(min(32, max_connections))
-    offsets = arrivals(rate, duration_s)
+    await client.open(max_connections if open_all else min(32, max_connections))
+    offsets = arrivals(rate, duration_s, seed)
     start = await offer(client, offsets, drain_s)
     unfinished = client.outstanding
     stats = client.stats
@@ -194,6 +208,10 @@ async def run(
     lat = np.asarray(stats.latencies) * 1000
     lag = np.asarray(stats.lags) * 1000
     pct = lambda a, q: float(np.percentile(a, q)) if a.size else float("nan")  # noqa: E731
+    if record:
+        return {"elapsed": elapsed, "lag_p99_ms": pct(lag, 99) if lag.size else 0.0,
+                "scheduled": int(len(offsets)), "unfinished": unfinished, "errors": stats.errors,
+                "codes": {str(k): v for k, v in stats.codes.items()}, "latency_ms": lat.tolist()}  # fmt: skip
     return {
         "offered": rate,
         "scheduled": int(len(offsets)),
@@ -209,6 +227,14 @@ async def run(
     }
 
 
+def command(url: str, body: Path, rate: float, seconds: float, seed: int, conns: int,
+            drain_s: float, result: Path) -> list[str]:  # fmt: skip
+    """The command line of this client that writes ``run(..., record=True)`` to ``result``."""
+    return [sys.executable, "-m", "bench.clients.openloop", url, str(body), "--rate", str(rate),
+            "--duration", str(seconds), "--seed", str(seed), "--connections", str(conns),
+            "--drain", str(drain_s), "--open-all", "--result", str(result)]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("url")
@@ -217,12 +243,21 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--drain", type=float, default=3.0)
     parser.add_argument("--connections", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--open-all", action="store_true", help="open every connection first")
+    parser.add_argument("--result", type=Path, help="write the full record (latencies) here")
     args = parser.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a socket per request in flight
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, args.connections + 256)), hard))
+    gc.disable()  # a short-lived process: a collection's pause would count in every latency
     result = uvloop.run(
         run(args.url, args.body_file.read_bytes(), args.rate, args.duration, args.drain,
-            args.connections)
+            args.connections, args.seed, args.open_all, args.result is not None)
     )  # fmt: skip
-    print(json.dumps(result))
+    if args.result is not None:
+        args.result.write_text(json.dumps(result))
+    else:
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":
