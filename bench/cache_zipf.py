@@ -1,36 +1,12 @@
-"""Response-cache benchmark: a Zipf stream with repeats against rtserve, four cache setups.
+"""Response-cache benchmark: a Zipf stream with repeats against rtserve, five cache setups.
 
-The stream models search/recommendation traffic: a request is either one of ``hot``
-distinct inputs drawn with Zipf(``exponent``) popularity, or a one-off input never
-seen before; the mix is chosen so that the stream's repeat rate (the share of requests
-whose input appeared earlier: the best hit rate any cache could reach) is ``repeat``.
-
-rtserve is started four times on the same model and stream: no cache, L1 only (memory),
-L2 only (Redis) and L1+L2. wrk drives keep-alive connections (32 for the MLP, 8 for
-MiniLM) from one thread; a Lua script walks the stream, builds the one-off bodies on the
-fly and counts the ``x-rtserve-cache`` response header, so the hit rate is what the server
-reported.
-
-Two models: ``--model mlp`` (default; the 256->512->512->10 MLP, transport-bound: a few µs
-per row) and ``--model minilm`` (all-MiniLM-L6-v2, compute-bound: milliseconds per row; the
-hot inputs are tokenized sentences from examples/data/sentences.txt). ``--model all`` runs
-the MLP, then MiniLM.
-
-    python -m bench.cache_zipf --quick                  # MLP, ~1 minute
-    python -m bench.cache_zipf                          # MLP, three rounds (~4 minutes)
-    python -m bench.cache_zipf --model minilm --quick   # MiniLM, ~1 minute
-    python -m bench.cache_zipf --model minilm           # MiniLM, three rounds (~5 minutes)
-    python -m bench.cache_zipf --model all              # both, three rounds (~9 minutes)
-
-Results go to docs/benchmarks-cache.md, one section per model between marker comments (a
-run rewrites only its own model's section), and bench/.work/cache/results.json (MLP) or
-results-minilm.json.
-
-The suite's helpers do the rest: ``bench.servers`` starts rtserve exactly as the main
-benchmark does (same model files, batching and threads; the cache section added to its
-model config), ``bench.procs`` runs redis-server and reads CPU time, ``bench.clients.wrk``
-drives the load, ``bench.machine`` and ``bench.report`` describe the machine and draw the
-tables.
+A request is one of ``hot`` inputs drawn with Zipf(``exponent``) popularity or a one-off
+input, mixed so that the stream's repeat rate (the best hit rate any cache could reach) is
+``repeat``. rtserve starts afresh per setup (no cache, L1, L2 = Redis, L1+L2, L1+L2 restarted
+on a warm Redis); wrk walks the stream with a Lua script that counts the ``x-rtserve-cache``
+header. ``--model mlp`` (transport-bound), ``minilm`` (compute-bound) or ``all``; ``--quick``:
+one short round. Results: docs/benchmarks-cache.md (one section per model between marker
+comments) and bench/.work/cache/results*.json.
 """
 
 from __future__ import annotations
@@ -124,41 +100,21 @@ end
 
 NOTES = """\
 How to read it:
-- The MLP is the transport-bound workload: its share of a batch is a few µs per row, so a
-  hit saves little compute. What a hit saves is the batcher's gather wait and the model run;
-  it still pays HTTP parsing and encoding, the key (BLAKE2b over the 1 KB input) and the L1
-  lookup. A miss pays the key and the L1 insert on top of the normal path.
-- L2 costs a Redis round trip on every L1 miss. redis-py spends ~45 µs of CPU per command,
-  so rtserve sends the reads of one event-loop iteration as one MGET and pipelines the
-  writes from a background task; on a 2-core machine redis-server also competes with the
-  server and wrk for the cores.
-- With one server, L1 + L2 answers repeats from L1; L2 earns its keep across replicas and
-  restarts: the *restarted* row starts with an empty L1 and a warm Redis.
-- A cache pays off in throughput when the model's cost per request exceeds these costs
-  (e.g. MiniLM, milliseconds per batch); whether it does for the MLP is what the table shows.
-- "server CPU µs/req" is rtserve's own CPU time per answered request; it is less disturbed
-  by other load on a shared machine than req/s.
+- The MLP is transport-bound (a few µs per row): a hit saves the batcher's wait and the model
+  run but still pays HTTP, the key (BLAKE2b over the 1 KB input) and the L1 lookup.
+- L2 costs a Redis round trip on every L1 miss (reads batched per event-loop turn as one MGET,
+  writes pipelined); it earns its keep across replicas and restarts (the *restarted* row).
+- "server CPU µs/req" is rtserve's own CPU per answer, steadier than req/s on a shared machine.
 """
 
 MINILM_NOTES = """\
 How to read it:
-- MiniLM is the compute-bound workload: one row costs milliseconds of CPU, even inside a
-  batch of 32, against tens of µs for what a hit still pays (HTTP, the key over the 512-byte
-  input, the L1 lookup) and ~100 µs for a Redis round trip. So a hit saves almost the whole
-  cost of the request, and with the model as the bottleneck the throughput follows the miss
-  rate: at hit rate h the model does (1 - h) of the work, up to 1 / (1 - h) times the
-  requests per second.
-- A hit does not queue for a batch; with about half the requests hits, p50 lies at the edge
-  between the fast hits and the misses, and p99 is set by the misses, which still wait for a
-  batch.
-- L2 only pays a Redis round trip on every request, small next to the model; L1 + L2 answers
-  repeats from L1. The *restarted* row starts with an empty L1 and a warm Redis: it hits from
-  its first request, where a cold cache first has to see each hot input once.
-- "best possible" is the repeat rate of the requests that setup actually sent (the stream
-  replays in a loop; one-offs never repeat): the hit rate of a cache that starts empty. The
-  *restarted* row can beat it, since Redis already holds the hot inputs.
-- "server CPU µs/req" is rtserve's own CPU time per answered request; it is less disturbed
-  by other load on a shared machine than req/s.
+- MiniLM is compute-bound (milliseconds per row): a hit saves almost the whole request, so
+  throughput follows the miss rate, up to 1 / (1 - hit rate) times.
+- p99 is set by the misses, which still wait for a batch.
+- "best possible" is the repeat rate of the requests that setup sent (the hit rate of a cache
+  starting empty); the *restarted* row can beat it, Redis already holding the hot inputs.
+- "server CPU µs/req" is rtserve's own CPU per answer, steadier than req/s on a shared machine.
 """
 
 
@@ -295,17 +251,22 @@ def write_inputs(folder: Path, stream: np.ndarray, hot: int, seed: int) -> list[
         ).decode()
         for r in rows[:hot]
     ]
-    paths = {name: folder / name for name in ("hot.txt", "stream.txt", "prefix.txt", "suffix.txt")}
-    paths["hot.txt"].write_text("\n".join(lines) + "\n")
-    paths["stream.txt"].write_text("\n".join(str(int(k)) for k in stream) + "\n")
     # One-off bodies: the spare row with its first value replaced by a counter (large, so it
     # never equals a hot row, whose values lie in [-1, 1]).
     rest = ",".join(f"{v:.4f}" for v in _row(rows[hot][1:]))
-    paths["prefix.txt"].write_text(
-        '{"inputs":[{"name":"input","shape":[1,256],"datatype":"FP32","data":['
-    )
-    paths["suffix.txt"].write_text(f",{rest}]}}]}}")
-    return [str(paths[n]) for n in ("hot.txt", "stream.txt", "prefix.txt", "suffix.txt")]
+    prefix = '{"inputs":[{"name":"input","shape":[1,256],"datatype":"FP32","data":['
+    return _lua_files(folder, lines, stream, prefix, f",{rest}]}}]}}")
+
+
+def _lua_files(
+    folder: Path, hot: list[str], stream: np.ndarray, prefix: str, suffix: str
+) -> list[str]:
+    """The files the Lua script reads (hot bodies, the stream, one-off prefix and suffix)."""
+    texts = ("\n".join(hot) + "\n", "\n".join(str(int(k)) for k in stream) + "\n", prefix, suffix)
+    paths = [folder / name for name in ("hot.txt", "stream.txt", "prefix.txt", "suffix.txt")]
+    for path, text in zip(paths, texts, strict=True):
+        path.write_text(text)
+    return [str(p) for p in paths]
 
 
 def model_dir(spec: ModelSpec) -> Path:
@@ -362,12 +323,7 @@ def write_minilm_inputs(folder: Path, stream: np.ndarray, hot: int, seed: int) -
         "attention_mask": np.concatenate([[[1, 1, 1]], spare["attention_mask"][:, 1:]], 1),
     }
     prefix, suffix = _minilm_body(names, template, 0).split(f"{marks[0]},{marks[1]}")
-    paths = {name: folder / name for name in ("hot.txt", "stream.txt", "prefix.txt", "suffix.txt")}
-    paths["hot.txt"].write_text("\n".join(lines) + "\n")
-    paths["stream.txt"].write_text("\n".join(str(int(k)) for k in stream) + "\n")
-    paths["prefix.txt"].write_text(prefix)
-    paths["suffix.txt"].write_text(suffix)
-    return [str(paths[n]) for n in ("hot.txt", "stream.txt", "prefix.txt", "suffix.txt")]
+    return _lua_files(folder, lines, stream, prefix, suffix)
 
 
 # ----------------------------------------------------------------------------- one run
@@ -488,14 +444,12 @@ def report(
         f"Machine: {machine.summary()}; load client wrk -t1 -c{args.connections} on the same "
         "machine.",
         "",
-        f"Stream: {len(stream)} requests (replayed in a loop for {args.duration} s per setup) "
-        f"over {spec.describe.format(hot=args.hot)} with Zipf exponent {args.exponent}, "
-        f"mixed with one-off inputs; {distinct} distinct inputs in one pass, repeat rate "
-        f"**{rate:.1%}** (the best any cache can reach). Each setup starts a fresh rtserve "
-        "(and an emptied Redis), so every run includes its cache's warm-up; except "
-        "*L1 + L2, restarted*: a new rtserve process right after *L1 + L2*, with Redis as that "
-        "run left it (a restart or a new replica). "
-        "Hit rate is counted from the `x-rtserve-cache` response header.",
+        f"Stream: {len(stream)} requests (looped for {args.duration} s per setup) over "
+        f"{spec.describe.format(hot=args.hot)}, Zipf exponent {args.exponent}, with one-off inputs; "
+        f"{distinct} distinct inputs in one pass, repeat rate **{rate:.1%}** (the best any cache can "
+        "reach). Each setup starts a fresh rtserve and an emptied Redis (warm-up included), except "
+        "*L1 + L2, restarted*: a new process on the Redis *L1 + L2* left. Hits are counted from the "
+        "`x-rtserve-cache` header.",
         "",
         *markdown_table(header, rows, numeric_from=1),
     ]
@@ -509,16 +463,9 @@ def _markers(model: str) -> tuple[str, str]:
 
 
 def update_doc(existing: str, model: str, text: str) -> str:
-    """The page with ``model``'s section (between marker comments) set to ``text``.
-
-    The other model's section and anything outside the markers are kept. A page written
-    before the markers existed holds the MLP section alone: it is taken as that section.
-    """
+    """The page with ``model``'s section (between marker comments) set to ``text``; the rest kept."""
     begin, end = _markers(model)
     section = f"{begin}\n{text.rstrip()}\n{end}\n"
-    if existing.strip() and "<!-- cache_zipf:" not in existing:
-        mlp_begin, mlp_end = _markers("mlp")
-        existing = f"{mlp_begin}\n{existing.rstrip()}\n{mlp_end}\n"
     if begin in existing and end in existing:
         head, rest = existing.split(begin, 1)
         tail = rest.split(end, 1)[1].lstrip("\n")
@@ -575,42 +522,21 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.cache_zipf",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--model",
-        choices=(*MODELS, "all"),
-        default="mlp",
-        help="mlp (default), minilm, or all (the MLP, then MiniLM)",
-    )
-    parser.add_argument("--quick", action="store_true", help="short runs, one round")
-    parser.add_argument("--repeat", type=float, default=0.5, help="target repeat rate (0-1)")
-    parser.add_argument(
-        "--hot", type=int, default=None, help="distinct repeating inputs (mlp 2000, minilm 300)"
-    )
-    parser.add_argument("--exponent", type=float, default=1.0, help="Zipf exponent")
-    parser.add_argument(
-        "--length",
-        type=int,
-        default=None,
-        help="stream length (mlp 300000, quick 100000; minilm 15000, quick 5000)",
-    )
-    parser.add_argument(
-        "--duration",
-        type=int,
-        default=None,
-        help="seconds per setup (mlp 10, quick 5; minilm 18, quick 8)",
-    )
-    parser.add_argument("--rounds", type=int, default=None, help="rounds (3, quick 1)")
-    parser.add_argument(
-        "--connections", type=int, default=None, help="wrk connections (mlp 32, minilm 8)"
-    )
-    parser.add_argument("--l1-bytes", type=int, default=256 * 1024 * 1024, help="L1 max_bytes")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=DOC)
+    parser = argparse.ArgumentParser(prog="python -m bench.cache_zipf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add = parser.add_argument
+    add("--model", choices=(*MODELS, "all"), default="mlp", help="mlp, minilm, or all (in turn)")
+    add("--quick", action="store_true", help="short runs, one round")
+    add("--repeat", type=float, default=0.5, help="target repeat rate (0-1)")
+    add("--hot", type=int, help="distinct repeating inputs (mlp 2000, minilm 300)")
+    add("--exponent", type=float, default=1.0, help="Zipf exponent")
+    add("--length", type=int, help="stream length (mlp 300000 / quick 100000; minilm 15000 / 5000)")
+    add("--duration", type=int, help="seconds per setup (mlp 10 / quick 5; minilm 18 / 8)")
+    add("--rounds", type=int, help="rounds (3, quick 1)")
+    add("--connections", type=int, help="wrk connections (mlp 32, minilm 8)")
+    add("--l1-bytes", type=int, default=256 * 1024 * 1024, help="L1 max_bytes")
+    add("--seed", type=int, default=0)
+    add("--out", type=Path, default=DOC)
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
         print("wrk is not installed (make system-deps installs it)", file=sys.stderr)

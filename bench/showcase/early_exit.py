@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from bench.report import markdown_table
+
 if TYPE_CHECKING:
     from bench.showcase.zoo import Settings
     from rtserve.optimize.early_exit_train import ExitPoint, Trained
@@ -199,20 +201,28 @@ def _batch_modes(
 
 def _table(r: ModelResult) -> str:
     depth = r.trained.net.exit_layers[-1]
-    lines = [
-        f"| exit_threshold | accuracy | Δ points | mean layers (of {depth}) | ms / request | speed-up |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| no exits | {r.baseline_accuracy:.4f} | 0.0 | {depth:.2f} | {r.baseline_ms:.2f} | 1.00x |",
+    rows = [
+        [
+            "no exits",
+            f"{r.baseline_accuracy:.4f}",
+            "0.0",
+            f"{depth:.2f}",
+            f"{r.baseline_ms:.2f}",
+            "1.00x",
+        ]
     ]
-    for row in r.rows:
-        p = row.point
-        mark = " **knee**" if row is r.knee else ""
-        lines.append(
-            f"| {p.threshold:g}{mark} | {p.accuracy:.4f} | "
-            f"{(p.accuracy - r.baseline_accuracy) * 100:+.1f} | {p.mean_layers:.2f} | "
-            f"{row.ms:.2f} | {row.speedup:.2f}x |"
-        )
-    return "\n".join(lines)
+    rows += [[f"{row.point.threshold:g}" + (" **knee**" if row is r.knee else ""), f"{row.point.accuracy:.4f}",
+              f"{(row.point.accuracy - r.baseline_accuracy) * 100:+.1f}", f"{row.point.mean_layers:.2f}",
+              f"{row.ms:.2f}", f"{row.speedup:.2f}x"] for row in r.rows]  # fmt: skip
+    header = [
+        "exit_threshold",
+        "accuracy",
+        "Δ points",
+        f"mean layers (of {depth})",
+        "ms / request",
+        "speed-up",
+    ]
+    return "\n".join(markdown_table(header, rows, numeric_from=0))
 
 
 def _verdict(r: ModelResult) -> str:
@@ -240,13 +250,11 @@ def render(results: Sequence[ModelResult], quick: bool) -> str:
     lines = [
         "## Early exit: answer easy inputs at an early layer",
         "",
-        "Exit heads after each layer (MiniLM) or block (CNN), trained in two stages with the "
-        "final head as teacher (`rtserve early-exit`). The torch backend serves them with the "
-        "request parameter `exit_threshold`: a row answers at the first exit whose top-class "
-        "probability exceeds it (0: always the first exit, 1: always the last). Latency: the "
-        "torch runtime's `run`, one row per request, "
-        f"{THREADS} thread, median of alternating rounds, against the same weights served "
-        "without exits. Knee: the fastest threshold within 1 accuracy point.",
+        "Exit heads after each layer (MiniLM) or block (CNN), trained with the final head as "
+        "teacher (`rtserve early-exit`); a row answers at the first exit whose top-class "
+        "probability exceeds the request's `exit_threshold`. Latency: the torch runtime's `run`, "
+        f"one row per request, {THREADS} thread, median of alternating rounds, against the same "
+        "weights without exits. Knee: the fastest threshold within 1 accuracy point.",
         "",
     ]
     for r in results:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from bench.report import markdown_table
 from bench.showcase import zoo
 from bench.workloads import ROOT
 from rtserve.optimize.edge import CONVERTER_ENV, EdgeRequest, EdgeResult, export_edge
@@ -102,19 +103,15 @@ def table(name: str, results: Sequence[EdgeResult], data: dict[str, Any], second
     head = ["file", "runtime", "size", "load (ms)", "p50 b1 (ms)", "p99 b1 (ms)"]
     head += ["speed-up vs ONNX FP32", "top-1 agreement with FP32"]
     head += ["accuracy (labels)"] if labelled else []
-    lines = [
-        f"**{name}** ({rows} evaluation rows; export and measurement {seconds:.0f} s)",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
+    table = []
     for r in results:
         p50, p99 = r.latency_ms[THREADS]
         cells = [f"`{r.name}` ({pathlib.Path(r.path).name})", _runtime(r.format)]
         cells += [f"{r.size_bytes / 1e6:.2f} MB", f"{r.load_ms:.1f}", f"{p50:.3f}", f"{p99:.3f}"]
         cells += [f"{base.latency_ms[THREADS][0] / p50:.2f}x", f"{r.metrics['top1_agreement']:.4f}"]
-        cells += [f"{r.score:.4f}"] if labelled else []
-        lines.append("| " + " | ".join(cells) + " |")
+        table.append(cells + ([f"{r.score:.4f}"] if labelled else []))
+    lines = [f"**{name}** ({rows} evaluation rows; export and measurement {seconds:.0f} s)", "",
+             *markdown_table(head, table)]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -132,15 +129,12 @@ def section(settings: Settings) -> str:
     parts = [
         "## Edge formats (LiteRT and ONNX Runtime's ORT format)",
         "",
-        "Each model written by `rtserve export-edge` as the files that ship to phones and ARM "
-        "boards and measured by the runtime that runs them there: ONNX Runtime loading the "
-        "`.ort` (FP32, and static INT8 QDQ, per-channel, MinMax) and the LiteRT interpreter "
-        f"(`ai-edge-litert` {version_of('ai-edge-litert')}) running the `.tflite` (FP32, and "
-        "PT2E static INT8 from `litert-torch` 0.10: INT8 weights, activations and inputs/"
-        "outputs, converted from/to FP32 as the server does). Batch 1, 1 thread, timed in 5 "
-        "alternating rounds (p50: least disturbed round; p99: all rounds). Load is the median "
-        "of 3 opens in a warm process. The ONNX FP32 row is the reference the others are "
-        "compared against (the torch model for LiteRT).",
+        "Each model written by `rtserve export-edge` and measured by the runtime that runs it on "
+        "the device: ONNX Runtime on the `.ort` (FP32, static INT8 QDQ) and the LiteRT interpreter "
+        f"(`ai-edge-litert` {version_of('ai-edge-litert')}) on the `.tflite` (FP32, PT2E static "
+        "INT8 from `litert-torch` 0.10, FP32 in and out as the server converts). Batch 1, 1 "
+        "thread, 5 alternating rounds (p50: least disturbed round; p99: all). Load: median of 3 "
+        "opens in a warm process. Reference: ONNX FP32 (the torch model for LiteRT).",
         "",
         "```",
         "rtserve export-edge mypkg.models:build --format litert --input x:1x64 "
