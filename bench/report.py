@@ -244,10 +244,9 @@ def headline_goals(points: Sequence[Measurement], rounds: Sequence[Measurement] 
         ("fastapi", 6.0, "rtserve JSON req/s vs naive FastAPI (c)"),
     ):
         other = at.get(peer)
-        if rows:
-            share = median_ratio(rows, peer)
-        else:
-            share = ratio(rt.rps, other.rps) if rt and other else None
+        share = (
+            median_ratio(rows, peer) if rows else ratio(rt.rps, other.rps) if rt and other else None
+        )
         goals.append(
             Goal(
                 title,
@@ -257,18 +256,10 @@ def headline_goals(points: Sequence[Measurement], rounds: Sequence[Measurement] 
             )
         )
     raw = at.get("raw_asgi")
-    if rt and raw and rt.p99_ms is not None and raw.p99_ms is not None:
-        goals.append(
-            Goal(
-                "rtserve p99 vs raw ASGI p99 (b)",
-                "<= (b)",
-                f"{fmt_ms(rt.p99_ms)} vs {fmt_ms(raw.p99_ms)} ms",
-                rt.p99_ms <= raw.p99_ms,
-            )
-        )
-    else:
-        goals.append(Goal("rtserve p99 vs raw ASGI p99 (b)", "<= (b)", "—", None))
-    return goals
+    known = rt and raw and rt.p99_ms is not None and raw.p99_ms is not None
+    shown = f"{fmt_ms(rt.p99_ms)} vs {fmt_ms(raw.p99_ms)} ms" if known else "—"  # type: ignore[union-attr]
+    met = rt.p99_ms <= raw.p99_ms if known else None  # type: ignore[operator,union-attr]
+    return [*goals, Goal("rtserve p99 vs raw ASGI p99 (b)", "<= (b)", shown, met)]
 
 
 def headline_section(record: RunRecord) -> list[str]:
@@ -280,9 +271,8 @@ def headline_section(record: RunRecord) -> list[str]:
         "",
         "## The core serving comparison (MLP, one row per request, 32 connections)",
         "",
-        "Medians of alternating rounds (the order of servers rotates each round); the "
-        "`rounds` note lists each round's req/s. wrk sends the V2 JSON body; perf_analyzer "
-        "measures rtserve's binary HTTP and gRPC paths at the same concurrency.",
+        "Medians of alternating rounds (the order rotates each round; `rounds`: each round's "
+        "req/s). wrk sends V2 JSON; perf_analyzer times rtserve's binary HTTP and gRPC paths.",
         "",
     ]
     rows = []
@@ -378,10 +368,9 @@ def slo_section(slo_dir: Path = SLO_DIR) -> list[str]:
         "",
         "## Latency objectives: SLO controller vs fixed windows and Triton",
         "",
-        "Open loop (Poisson) from 0.2x to 3x of capacity; goodput = answers within the "
-        "objective per second; one `slo: {p99_ms: ...}` line against rtserve's fixed windows "
-        "and Triton's dynamic batcher (PyTriton). Tables, commands and every point: "
-        "[benchmarks-slo.md](benchmarks-slo.md).",
+        "Open loop (Poisson), 0.2x to 3x of capacity; goodput = answers within the objective "
+        "per second; `slo: {p99_ms: ...}` against fixed windows and Triton's batcher. Tables "
+        "and commands: [benchmarks-slo.md](benchmarks-slo.md).",
         "",
     ]
     for png in plots:
@@ -400,14 +389,11 @@ def render(record: RunRecord, title: str, details: str | None = None) -> str:
         f"{record.duration_s / 60:.1f} minutes. Raw points: `bench/results/raw/` (not committed).",
         "",
         *([f"**{record.caveat}**", ""] if record.caveat else []),
-        "Every server ran alone on this machine, bound to 127.0.0.1, with the load client on the "
-        "same cores; each was started, warmed up, measured and stopped (its whole process group) "
-        "before the next. Differences under ~15% are within this machine's run-to-run swing.",
+        "Each server ran alone on 127.0.0.1, the load client on the same cores, started, warmed "
+        "up, measured and stopped before the next. Differences under ~15% are run-to-run swing.",
         "",
-        "Related pages: the response-cache benchmark ([benchmarks-cache.md](benchmarks-cache.md), "
-        "`python -m bench.cache_zipf`), the model-optimization report "
-        "([optimization.md](optimization.md), `make optimize-report`), and why the server is "
-        "built the way it is ([serving.md](serving.md)).",
+        "Related: [benchmarks-cache.md](benchmarks-cache.md) (`python -m bench.cache_zipf`), "
+        "[optimization.md](optimization.md) (`make optimize-report`), [serving.md](serving.md).",
         "",
         "## Machine",
         "",

@@ -55,7 +55,6 @@ class Plan:
     open_s: float = 4.0
     open_drain_s: float = 3.0
     pa_open_clients: tuple[str, ...] = ("pa-http-binary",)
-    headline: bool = True
     matrix: bool = True
     workloads: tuple[str, ...] = ("mlp", "minilm")
     peers: tuple[str, ...] = tuple(MATRIX_ORDER)
@@ -394,22 +393,17 @@ def settings_table(plan: Plan) -> dict[str, str]:
 
 
 NOTES = [
-    "rtserve, MLServer and Triton speak the Open Inference Protocol (V2), so perf_analyzer "
-    "measures them over binary HTTP, JSON HTTP and gRPC; every HTTP peer gets the same V2 JSON "
-    "body from wrk and from the open-loop client.",
-    "Each peer is configured as its documentation advises for speed: MLServer in-process "
-    "(parallel_workers 0) with debug, gzip and metrics off; LitServe with its ZeroMQ fast queue; "
-    "mosec with orjson codecs; BentoML and FastAPI with access logs off; Ray Serve with "
-    "max_ongoing_requests raised above the batch size; Triton with a preferred batch of 32.",
-    "BentoML has no max-wait knob: its adaptive batcher targets max_latency_ms (set to 10 s so "
-    "that it never rejects); its batch counts tensors, so max_batch_size is 32 x the inputs per "
-    "request.",
+    "rtserve, MLServer and Triton speak V2, so perf_analyzer measures them over binary HTTP, JSON "
+    "HTTP and gRPC; every HTTP peer gets the same V2 JSON body from wrk and the open-loop client.",
+    "Each peer is set up as its documentation advises for speed: MLServer in-process, debug, gzip "
+    "and metrics off; LitServe's ZeroMQ fast queue; mosec with orjson; BentoML and FastAPI without "
+    "access logs; Ray Serve's max_ongoing_requests above the batch; Triton's preferred batch 32.",
+    "BentoML has no max-wait knob (max_latency_ms 10 s so that it never rejects); its batch counts "
+    "tensors, so max_batch_size is 32 x the inputs per request.",
     "The naive FastAPI and raw ASGI servers do not batch; bare ASGI runs no model (a limit).",
-    "Open loop measures latency from each request's scheduled arrival, so client-side waiting "
-    "counts; 'client lag' flags points where the Python client itself fell behind (then the "
-    "latency is partly the client's). Its own ceiling is the bare ASGI row.",
-    "perf_analyzer needs the Triton model-config extension; a server without it fails those rows "
-    "with perf_analyzer's message.",
+    "Open loop times each request from its scheduled arrival; 'client lag' flags points where the "
+    "Python client fell behind. Its own ceiling is the bare ASGI row.",
+    "perf_analyzer needs the Triton model-config extension; a server without it fails those rows.",
 ]
 
 
@@ -423,24 +417,15 @@ def _command_line(args: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="rtserve benchmark suite")
-    parser.add_argument("--quick", action="store_true", help="the core comparison only (~4 min)")
-    parser.add_argument("--peers", help="comma-separated subset of peers for the full matrix")
-    parser.add_argument("--workloads", help="comma-separated subset: mlp,minilm")
-    parser.add_argument("--rounds", type=int, help="headline rounds (default 5)")
-    parser.add_argument(
-        "--baseline-ref",
-        metavar="GIT_REF",
-        help="also run rtserve as of this commit (a git worktree, same venv) in every headline "
-        "round, side by side with this tree: a before/after comparison in one run",
-    )
-    parser.add_argument("--no-headline", action="store_true")
-    parser.add_argument(
-        "--point-seconds", type=float, help="seconds per load point (for trial runs)"
-    )
-    parser.add_argument("--out", type=Path, help="report path (default docs/benchmarks[-quick].md)")
-    parser.add_argument(
-        "--render", type=Path, metavar="RUN_DIR", help="re-render a finished run's record.json"
-    )
+    add = parser.add_argument
+    add("--quick", action="store_true", help="the core comparison only (~4 min)")
+    add("--peers", help="comma-separated subset of peers for the full matrix")
+    add("--workloads", help="comma-separated subset: mlp,minilm")
+    add("--rounds", type=int, help="headline rounds (default 5)")
+    add("--baseline-ref", metavar="GIT_REF", help="also rtserve as of this commit (a git worktree, "
+        "same venv) in every headline round: before/after in one run")  # fmt: skip
+    add("--out", type=Path, help="report path (default docs/benchmarks[-quick].md)")
+    add("--render", type=Path, metavar="RUN_DIR", help="re-render a finished run's record.json")
     args = parser.parse_args(argv)
     if args.render:
         record = load_record(args.render / "record.json")
@@ -460,19 +445,6 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, workloads=tuple(args.workloads.split(",")))
     if args.rounds:
         plan = replace(plan, rounds=args.rounds)
-    if args.no_headline:
-        plan = replace(plan, headline=False)
-    if args.baseline_ref and not plan.headline:
-        parser.error("--baseline-ref compares in the headline rounds; drop --no-headline")
-    caveat = ""
-    if args.point_seconds:
-        caveat = (
-            f"Trial run with {args.point_seconds:g} s load points on a shared machine: it shows "
-            "that the suite works, not how the servers compare. `make bench` replaces it."
-        )
-        sec = args.point_seconds
-        plan = replace(plan, headline_s=sec, wrk_s=sec, open_s=sec, warmup_s=min(sec, 1.0),
-                       pa_window_ms=int(sec * 1000 / 3), pa_trials=3, open_drain_s=min(sec, 2.0))  # fmt: skip
     out = args.out or ROOT / "docs" / ("benchmarks-quick.md" if plan.quick else "benchmarks.md")
 
     started = time.monotonic()
@@ -486,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                 base = stack.enter_context(baseline.checkout(args.baseline_ref))
             except RuntimeError as exc:
                 parser.error(str(exc))
-        return _measure(plan, run_dir, out, started, caveat, base, argv)
+        return _measure(plan, run_dir, out, started, base, argv)
     return 1  # not reached: the block returns
 
 
@@ -495,7 +467,6 @@ def _measure(
     run_dir: Path,
     out: Path,
     started: float,
-    caveat: str,
     base: baseline.Baseline | None,
     argv: list[str] | None,
 ) -> int:
@@ -507,7 +478,6 @@ def _measure(
         order.insert(1, BASELINE)
     record = RunRecord(
         mode="quick" if plan.quick else "full",
-        caveat=caveat,
         command=_command_line(sys.argv[1:] if argv is None else argv),
         started=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         duration_s=0.0,
@@ -522,11 +492,10 @@ def _measure(
     try:
         if base is not None:
             record.baseline = f"`{base.ref}` = {base.sha[:10]} ({base.subject})"
-        if plan.headline:
-            headline = suite.headline()
-            raw += headline
-            record.headline = combine_rounds(headline)
-            record.headline_rounds = [m for m in headline if m.client == "wrk"]
+        headline = suite.headline()
+        raw += headline
+        record.headline = combine_rounds(headline)
+        record.headline_rounds = [m for m in headline if m.client == "wrk"]
         if plan.matrix:
             record.matrix, record.limits = suite.matrix()
             raw += record.matrix + record.limits
