@@ -137,6 +137,21 @@ def test_models_lists_generative_and_embedding_models(client: Any) -> None:
         assert "text-embedding" in ids and "minilm-tokenizer" not in ids
 
 
+def test_models_retrieve_answers_generative_and_embedding_models(client: Any) -> None:
+    tiny = client.models.retrieve("tiny")
+    assert tiny.id == "tiny" and tiny.object == "model" and tiny.max_model_len == 1024
+    if HAVE_EMBEDDING:
+        embedding = client.models.retrieve("text-embedding")
+        assert embedding.id == "text-embedding" and embedding.dimensions == 384
+        with pytest.raises(openai.NotFoundError) as info:
+            client.models.retrieve("minilm-tokenizer")  # (a pipeline step: V2 only)
+        assert "/v2/models/minilm-tokenizer/infer" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.body["code"] == "model_not_found"
+    assert info.value.body["type"] == "not_found_error"
+
+
 @needs_constraints
 @pytest.mark.parametrize("model", MODELS)
 def test_tool_choice_required_and_named_return_valid_calls(client: Any, model: str) -> None:

@@ -103,7 +103,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         _encoder(root / name / "1" / "model.onnx")
         config = {
             "max_batch_size": 16,
-            "dynamic_batching": {"max_queue_delay_us": 20000},
+            "dynamic_batching": {"max_queue_delay_us": 20000, "adaptive_delay": False},
             "embedding": section,
         }
         (root / name / "config.yaml").write_text(yaml.safe_dump(config))
@@ -248,6 +248,24 @@ def test_concurrent_requests_share_batches_of_the_dynamic_batcher(server: Runnin
     assert after[0] - batches < 12  # (some batch held several requests)
     states = _v2_states(server, "enc-last", _ids(texts))
     np.testing.assert_allclose(vectors, states[:, 2, :], rtol=1e-5, atol=1e-6)
+
+
+def test_the_openai_client_embeds_and_retrieves_a_pooled_model(server: RunningServer) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0)
+    model = client.models.retrieve("enc-mean")
+    assert model.id == "enc-mean" and model.dimensions == HIDDEN
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("enc-misfit")
+    assert info.value.body["code"] == "model_not_found"
+    by_base64 = client.embeddings.create(model="enc-mean", input=TEXTS, dimensions=4)
+    by_float = client.embeddings.create(
+        model="enc-mean", input=TEXTS, dimensions=4, encoding_format="float"
+    )
+    got = np.array([d.embedding for d in by_base64.data], np.float32)
+    assert got.shape == (3, 4)
+    np.testing.assert_allclose(got, [d.embedding for d in by_float.data], atol=1e-7)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

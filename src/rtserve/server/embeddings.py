@@ -465,10 +465,24 @@ def model_entries(
     """``/v1/models`` entries of the embedding models (``allowed``: those a key may use)."""
     when = int(time.time()) if created is None else created
     return [
-        {"id": name, "object": "model", "created": when, "owned_by": "rtserve", "dimensions": d}
+        _entry(name, when, d)
         for name, d in embedding_models(dataplane)
         if allowed is None or allowed(name)
     ]
+
+
+def model_entry(dataplane: DataPlane, mv: ModelVersion, created: int) -> dict[str, Any] | None:
+    """``/v1/models/{id}`` of ``mv`` when it answers embeddings (None: it does not)."""
+    try:
+        found = None if _generative(mv) else embedder(dataplane, mv)
+    except RTServeError:  # (a section that does not fit: not served, as in the list)
+        return None
+    return None if found is None else _entry(mv.name, created, found.dims)
+
+
+def _entry(name: str, created: int, dims: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "rtserve",
+            "dimensions": dims}  # fmt: skip
 
 
 async def answer(

@@ -26,7 +26,7 @@ from rtserve.api.call import Answer, Call, Pending, Reply, Streamed, gather, set
 from rtserve.api.context import timings_of, with_request_id
 from rtserve.core import generation
 from rtserve.core.dataplane import DataPlane
-from rtserve.errors import InvalidInput, PayloadTooLarge, RouteNotFound
+from rtserve.errors import InvalidInput, ModelNotFound, PayloadTooLarge, RouteNotFound
 from rtserve.protocol.limits import DEFAULT_LIMITS
 from rtserve.protocol.types import Timings
 from rtserve.runtime.llm.params import GenerationEvent, SamplingParams
@@ -323,10 +323,20 @@ class GenerativeRoutes:
         try:
             if self.guard is not None:
                 self.guard.http_model(raw.headers, name)
-            llm = generation.generative(self.dataplane.registry.get(name))
+            mv = self.dataplane.registry.get(name)
+            llm = generation.engine_of(mv)
+            doc = (
+                openai.models_document([(name, self.started, llm.max_model_len)])["data"][0]
+                if llm is not None
+                else embeddings.model_entry(self.dataplane, mv, self.started)
+            )
+            if doc is None:
+                raise ModelNotFound(
+                    f"model: '{name}' is neither a generative nor an embedding model "
+                    f"(its route: /v2/models/{name}/infer)"
+                )
         except Exception as exc:
             return openai.error_answer(exc)
-        doc = openai.models_document([(name, self.started, llm.max_model_len)])["data"][0]
         return 200, orjson.dumps(doc), [JSON_TYPE]
 
     # ------------------------------------------------------------------ Triton generate
