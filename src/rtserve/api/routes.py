@@ -1,4 +1,5 @@
-"""The one route table of every HTTP entry (``rtserve serve``, Ray, Lambda).
+"""The one route table of every HTTP entry (``rtserve serve``, Ray, Lambda); gRPC's, by
+method path, is ``grpc_service.GRPC_ROUTES``.
 
 A request takes the first route whose method and path match: inference first (the hot
 path: one comparison and one suffix test), then model control, the generative routes,

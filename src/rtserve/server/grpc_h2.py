@@ -1,13 +1,13 @@
 """The V2 gRPC service on rtserve's own HTTP/2 framing, over the event loop's transport.
 
 grpcio's server spends about 150 µs of its one core per call in its own machinery (a
-completion-queue hop per call step); this transport serves the same ``GrpcFrontend``
-handlers with a few Python frames per call (docs/deploy.md has the figures). HPACK decoding
-comes from the ``hpack`` library. The pieces, each testable without a socket:
-``h2_frames`` (the preface, frames, header blocks, the frame type -> handler table),
-``h2_windows`` (flow-control arithmetic), ``h2_budgets`` (what a client may cost) and
-``h2_call`` (a call's headers, messages, handler context and stream state). This module
-is the connection that puts them together, and the server.
+completion-queue hop per call step); this transport serves the same route table
+(``rtserve.api.grpc_service.GRPC_ROUTES``) with a few Python frames per call
+(docs/deploy.md has the figures). HPACK decoding comes from the ``hpack`` library. The
+pieces, each testable without a socket: ``h2_frames`` (the preface, frames, header blocks,
+the frame type -> handler table), ``h2_windows`` (flow-control arithmetic), ``h2_budgets``
+(what a client may cost) and ``h2_call`` (a call's headers, messages, handler context and
+stream state). This module is the connection that puts them together, and the server.
 
 Bounds (a client is hostile), each decided before its cost is paid: a call is authenticated
 from its headers, before its message is read or inflated; streams per connection
@@ -36,10 +36,10 @@ from typing import Any
 import grpc
 from hpack import Decoder, HPACKError
 
+from rtserve.api.grpc_service import GrpcFrontend, Method, bind_routes, check_call_headers
 from rtserve.errors import RTServeError
 from rtserve.server.accept import TlsAcceptor
 from rtserve.server.errors import grpc_error
-from rtserve.server.grpc import SERVICE, GrpcFrontend, Method, check_call_headers, service_methods
 from rtserve.server.h2_budgets import (
     CALL_CREDIT,
     CALM_BURST,
@@ -153,8 +153,8 @@ _SETTINGS = {3: MAX_STREAMS, 4: INITIAL_WINDOW, 6: MAX_HEADER_BYTES}
 
 
 def _methods(frontend: GrpcFrontend) -> dict[bytes, Method]:
-    """The service's methods by HTTP/2 ``:path``."""
-    return {f"/{SERVICE.full_name}/{m.name}".encode(): m for m in service_methods(frontend)}
+    """The service's route table (``GRPC_ROUTES``) by HTTP/2 ``:path``."""
+    return {path.encode(): m for path, m in bind_routes(frontend).items()}
 
 
 class Connection(asyncio.Protocol):

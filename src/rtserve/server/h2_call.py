@@ -18,7 +18,7 @@ from urllib.parse import quote
 import grpc
 from hpack.hpack import encode_integer
 
-from rtserve.server.grpc import Method
+from rtserve.api.grpc_service import Method
 
 GRPC_PREFIX = struct.Struct(">BL")  # a message's prefix: compressed flag, length
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}

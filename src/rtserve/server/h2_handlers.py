@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import grpc
 
+from rtserve.api.grpc_service import Method
 from rtserve.server.errors import grpc_error, grpc_trailers
-from rtserve.server.grpc import Method
 from rtserve.server.h2_call import (
     GRPC_PREFIX,
     OK,
