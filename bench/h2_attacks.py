@@ -325,30 +325,6 @@ def made_you_reset(port: int, calls: int = 10_100, model: str = "a") -> tuple[in
         c.close()
 
 
-def unary_calls(
-    port: int, calls: int = 20_000, key: str | None = USER, method: str = "ModelInfer"
-) -> None:
-    """The hot path for comparison: ``calls`` calls (ModelInfer, or ``method`` with an
-    empty message), 100 at a time on one connection, each batch answered before the next
-    is sent."""
-    c = Raw(port)
-    body = grpc_message(infer_message("a") if method == "ModelInfer" else b"")
-    try:
-        for _ in range(calls // 100):
-            c.send(b"".join(c.call_frames(method, body, key)[1] for _ in range(100)))
-            ended = 0
-            while ended < 100:
-                got = c.frames(5.0, first=True)
-                if not got:
-                    raise RuntimeError("answers did not come")
-                ended += sum(1 for f in got if f[0] == HEADERS and f[1] & END_STREAM)
-                acks = sum(len(f[3]) for f in got if f[0] == DATA)
-                if acks:
-                    c.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", acks)))
-    finally:
-        c.close()
-
-
 # ---------------------------------------------------------------------------- the server side
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -121,13 +121,8 @@ class Suite:
 
     def _warm(self, running: servers.Running, workload: Workload) -> None:
         scratch = Measurement(running.peer.name, workload.name, "wrk", "warmup", 8)
-        wrk.measure(
-            running.url(workload.model_name),
-            self.inputs(workload)["lua"],
-            8,
-            self.plan.warmup_s,
-            scratch,
-        )
+        wrk.measure(running.url(workload.model_name), self.inputs(workload)["lua"], 8,
+                    self.plan.warmup_s, scratch)  # fmt: skip
 
     def wrk_point(
         self, running: servers.Running, workload: Workload, connections: int, seconds: float,
@@ -135,13 +130,8 @@ class Suite:
     ) -> Measurement:  # fmt: skip
         base = Measurement(running.peer.name, workload.name, "wrk", "closed", connections,
                            round=round_no)  # fmt: skip
-        return wrk.measure(
-            running.url(workload.model_name),
-            self.inputs(workload)["lua"],
-            connections,
-            seconds,
-            base,
-        )
+        return wrk.measure(running.url(workload.model_name), self.inputs(workload)["lua"],
+                           connections, seconds, base)  # fmt: skip
 
     def pa_point(
         self,
@@ -164,17 +154,9 @@ class Suite:
             / f"{workload.name}-{running.peer.name}-{client}-{mode}-{load:g}.csv"
         )
         csv_file.parent.mkdir(parents=True, exist_ok=True)
-        cmd = perf_analyzer.command(
-            client,
-            workload.model_name,
-            f"127.0.0.1:{port}",
-            self.inputs(workload)["pa"],
-            csv_file,
-            self.plan.pa_window_ms,
-            concurrency=concurrency,
-            rate=rate,
-            trials=self.plan.pa_trials,
-        )
+        cmd = perf_analyzer.command(client, workload.model_name, f"127.0.0.1:{port}", self.inputs(workload)["pa"],
+                                    csv_file, self.plan.pa_window_ms, concurrency=concurrency, rate=rate,
+                                    trials=self.plan.pa_trials)  # fmt: skip
         budget = self.plan.pa_window_ms / 1000 * (self.plan.pa_trials + 2) + 30
         point = perf_analyzer.measure(cmd, csv_file, base, timeout_s=budget)
         if point.error and "stable measurement" in point.error:

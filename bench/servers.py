@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import envs
-from bench.peers.common import PeerSettings, TensorSpec
+from bench.peers.common import PeerSettings
 from bench.procs import Server, free_port
 from bench.workloads import ROOT, WORK, Workload
 
@@ -22,12 +22,10 @@ INTER_OP_THREADS = 1
 
 @dataclass(frozen=True)
 class Peer:
-    """A server under test.
-
-    ``env`` names its virtual environment (``main`` is the project's own); ``v2`` says it speaks
-    the Open Inference Protocol (so perf_analyzer can measure it); ``kind`` is ``peer`` for the
-    compared servers and ``limit``/``reference`` for the yardsticks.
-    """
+    """A server under test: its recipe. ``env`` names its virtual environment (``main``: the
+    project's); ``module`` is what ``python -m`` runs (its settings travel in ``BENCH_PEER``);
+    ``v2``: it speaks the Open Inference Protocol (perf_analyzer can measure it); ``kind``:
+    ``peer``, or ``limit``/``reference`` for the yardsticks; ``env_vars``: extra environment."""
 
     name: str
     label: str
@@ -40,6 +38,8 @@ class Peer:
     start_timeout_s: float = 60.0
     distribution: str | None = None
     src: str | None = None  # rtserve only: the source tree to run (default: this checkout's)
+    module: str = ""
+    env_vars: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_rtserve(self) -> bool:
@@ -52,26 +52,29 @@ class Peer:
         return self.health.format(model=model)
 
 
+V2_READY, V2_INFER = "/v2/models/{model}/ready", "/v2/models/{model}/infer"
 PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
-        Peer("rtserve", "rtserve", "main", "/v2/models/{model}/ready", "/v2/models/{model}/infer",
-             v2=True, grpc=True, distribution="rtserve"),
-        Peer("bare_asgi", "bare ASGI (no model, limit)", "main", "/", "/v2/models/{model}/infer",
-             kind="limit", distribution="uvicorn"),
-        Peer("raw_asgi", "raw ASGI, 1 run/request", "main", "/", "/v2/models/{model}/infer",
-             kind="reference", distribution="uvicorn"),
-        Peer("fastapi", "naive FastAPI", "fastapi", "/health", "/infer", distribution="fastapi"),
-        Peer("mlserver", "MLServer", "mlserver", "/v2/models/{model}/ready", "/v2/models/{model}/infer",
-             v2=True, grpc=True, distribution="mlserver"),
-        Peer("litserve", "LitServe", "litserve", "/health", "/infer", distribution="litserve"),
-        Peer("bentoml", "BentoML", "bentoml", "/readyz", "/infer", distribution="bentoml"),
+        Peer("rtserve", "rtserve", "main", V2_READY, V2_INFER, v2=True, grpc=True, distribution="rtserve"),
+        Peer("bare_asgi", "bare ASGI (no model, limit)", "main", "/", V2_INFER, kind="limit",
+             distribution="uvicorn", module="bench.peers.bare_asgi"),
+        Peer("raw_asgi", "raw ASGI, 1 run/request", "main", "/", V2_INFER, kind="reference",
+             distribution="uvicorn", module="bench.peers.raw_asgi"),
+        Peer("fastapi", "naive FastAPI", "fastapi", "/health", "/infer", distribution="fastapi",
+             module="bench.peers.naive_fastapi"),
+        Peer("mlserver", "MLServer", "mlserver", V2_READY, V2_INFER, v2=True, grpc=True,
+             distribution="mlserver"),
+        Peer("litserve", "LitServe", "litserve", "/health", "/infer", distribution="litserve",
+             module="bench.peers.litserve_app"),
+        Peer("bentoml", "BentoML", "bentoml", "/readyz", "/infer", distribution="bentoml",
+             env_vars=(("BENTOML_DO_NOT_TRACK", "True"),)),
         Peer("rayserve", "Ray Serve", "rayserve", "/infer", "/infer", start_timeout_s=120.0,
-             distribution="ray"),
-        Peer("pytriton", "Triton (PyTriton)", "pytriton", "/v2/models/{model}/ready",
-             "/v2/models/{model}/infer", v2=True, grpc=True, start_timeout_s=120.0,
-             distribution="nvidia-pytriton"),
-        Peer("mosec", "mosec", "mosec", "/", "/inference", distribution="mosec"),
+             distribution="ray", module="bench.peers.rayserve_app",
+             env_vars=(("RAY_worker_niceness", "0"), ("RAY_USAGE_STATS_ENABLED", "0"))),
+        Peer("pytriton", "Triton (PyTriton)", "pytriton", V2_READY, V2_INFER, v2=True, grpc=True,
+             start_timeout_s=120.0, distribution="nvidia-pytriton", module="bench.peers.pytriton_app"),
+        Peer("mosec", "mosec", "mosec", "/", "/inference", distribution="mosec", module="bench.peers.mosec_app"),
     )
 }  # fmt: skip
 
@@ -108,10 +111,6 @@ class Running:
 
     def url(self, model: str) -> str:
         return self.base_url + self.peer.infer_path(model)
-
-
-def _triton_type(spec: TensorSpec) -> str:
-    return f"TYPE_{spec.datatype}"
 
 
 def _rtserve_repository(
@@ -200,16 +199,7 @@ def command(
             str(env.bin / "bentoml"), "serve", "bench.peers.bentoml_service:Onnx",
             "--host", cfg.host, "--port", str(cfg.port), "--working-dir", str(ROOT),
         ]  # fmt: skip
-    modules = {
-        "bare_asgi": "bench.peers.bare_asgi",
-        "raw_asgi": "bench.peers.raw_asgi",
-        "fastapi": "bench.peers.naive_fastapi",
-        "litserve": "bench.peers.litserve_app",
-        "rayserve": "bench.peers.rayserve_app",
-        "pytriton": "bench.peers.pytriton_app",
-        "mosec": "bench.peers.mosec_app",
-    }
-    return [python, "-m", modules[peer.name]]
+    return [python, "-m", peer.module]
 
 
 def environment(peer: Peer, cfg: PeerSettings, workdir: Path) -> dict[str, str]:
@@ -228,10 +218,9 @@ def environment(peer: Peer, cfg: PeerSettings, workdir: Path) -> dict[str, str]:
         OMP_NUM_THREADS=str(cfg.intra_op_threads),
         PYTHONUNBUFFERED="1",
     )
+    env.update(peer.env_vars)
     if peer.name == "bentoml":
-        env.update(BENTOML_DO_NOT_TRACK="True", BENTOML_HOME=str(workdir / "bentoml_home"))
-    if peer.name == "rayserve":
-        env.update(RAY_worker_niceness="0", RAY_USAGE_STATS_ENABLED="0")
+        env["BENTOML_HOME"] = str(workdir / "bentoml_home")
     if peer.name == "pytriton":
         env["LD_LIBRARY_PATH"] = str(venv / "lib")
         # PyTriton loads the interpreter's libpython from <prefix>/lib.

@@ -32,10 +32,11 @@ import numpy as np
 import yaml
 
 from bench import machine, procs, servers
-from bench.clients import openloop, openloop_c
+from bench.clients import openloop, openloop_c, wrk
 from bench.clients.wrk import lua_script
 from bench.peers.common import TensorSpec
 from bench.report import markdown_table
+from bench.results import Measurement
 from bench.workloads import WORK, Workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,16 +118,8 @@ def _pytriton(
     else:
         inputs = tuple(TensorSpec(n, "INT64", (seq,)) for n in ("input_ids", "attention_mask"))
         outputs = (TensorSpec("embedding", "FP32", (384,)),)
-    spec = Workload(
-        name=f"slo-{workload}-{seq}",
-        model_name=workload,
-        inputs=inputs,
-        outputs=outputs,
-        intra_op_threads=1,
-        open_loop_rates=(),
-        build=lambda path: Path(shutil.copy(model, path)),
-        sample=dict,
-    )
+    spec = Workload(f"slo-{workload}-{seq}", workload, inputs, outputs, 1, (),
+                    lambda path: Path(shutil.copy(model, path)), dict)  # fmt: skip
     served = WORK / "models" / spec.name / "model.onnx"
     served.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(model, served)  # always the file given, not one from an earlier run
@@ -254,21 +247,14 @@ def _post_once(url: str, body: bytes, timeout_s: float) -> tuple[int, float]:
 
 
 def _closed_loop(url: str, body: bytes, conns: int, seconds: float, cpus: str, work: Path) -> float:
-    """Answers (2xx) per second under ``conns`` closed-loop connections (wrk, one thread):
-    the model's capacity as a client that waits for each answer sees it."""
-    import re
-
+    """Answers (2xx) per second under ``conns`` closed-loop wrk connections (one thread)."""
     script = work / "closed.lua"
     script.write_text(lua_script(body))
-    cmd = [*_taskset(cpus), "wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s",
-           "--timeout", "10s", "-s", str(script), url]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60).stdout
-    found = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
-    if not found:
-        raise RuntimeError(f"wrk: no request count in {out!r}")
-    refused = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    took = float(found.group(2)) / (1000 if found.group(3) == "ms" else 1)
-    return (int(found.group(1)) - (int(refused.group(1)) if refused else 0)) / took
+    m = wrk.measure(url, script, conns, seconds, Measurement("", "", "wrk", "closed", conns),
+                    prefix=_taskset(cpus))  # fmt: skip
+    if m.error or not m.requests:
+        raise RuntimeError(f"wrk: {m.error or 'no request'}")
+    return (m.requests - m.errors) / m.requests * (m.rps or 0.0)
 
 
 def _idle_latency(url: str, body: bytes, count: int = 7) -> float:
@@ -446,11 +432,7 @@ def _combine(paths: list[Path], objective: float) -> list[str]:
     configuration's (fixed windows and Triton), their median, and each round's SLO p99."""
     rounds = [json.loads(p.read_text()) for p in paths]
     loads = sorted({r["load"] for rows in rounds for r in rows})
-    lines = [
-        "| load | SLO / best other, each round | median | SLO p99 ms, each round | "
-        f"rounds with SLO p99 <= {objective:g} ms |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+    table = []
     for load in loads:
         ratios, p99s = [], []
         for rows in rounds:
@@ -460,13 +442,10 @@ def _combine(paths: list[Path], objective: float) -> list[str]:
             best = other["goodput"] if other else 0.0
             ratios.append(s["goodput"] / best if best > 0 else float("inf"))
             p99s.append(s["p99_ms"])
-        within = sum(p <= objective for p in p99s)
-        lines.append(
-            f"| {load:g}x | {', '.join(f'{x:.2f}' for x in ratios)} "
-            f"| {float(np.median(ratios)):.2f} | {', '.join(f'{p:.0f}' for p in p99s)} "
-            f"| {within} of {len(p99s)} |"
-        )
-    return lines
+        table.append([f"{load:g}x", ", ".join(f"{x:.2f}" for x in ratios), f"{float(np.median(ratios)):.2f}",
+                      ", ".join(f"{p:.0f}" for p in p99s), f"{sum(p <= objective for p in p99s)} of {len(p99s)}"])  # fmt: skip
+    return markdown_table(["load", "SLO / best other, each round", "median", "SLO p99 ms, each round",
+                           f"rounds with SLO p99 <= {objective:g} ms"], table)  # fmt: skip
 
 
 def _best(rows: list[dict], labels: list[str]) -> dict | None:

@@ -328,30 +328,6 @@ async def _huge_bytes_shape() -> str:
     return await _malformed(header, f"Inference-Header-Content-Length: {len(header)}\r\n")
 
 
-async def _oversized_header() -> str:
-    return await _exchange(_post(INFER_PATH, _valid_body(), f"X-Big: {'a' * 100_000}\r\n"))
-
-
-async def _many_headers() -> str:
-    extra = "".join(f"X-H{i}: v\r\n" for i in range(300))
-    return await _exchange(_post(INFER_PATH, _valid_body(), extra))
-
-
-async def _long_url() -> str:
-    return await _exchange(_post(INFER_PATH + "?" + "q" * 20_000, _valid_body()))
-
-
-async def _smuggle() -> str:
-    return await _exchange(
-        b"POST " + INFER_PATH.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
-        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
-    )
-
-
-async def _gzip_bomb() -> str:
-    return await _malformed(_bomb(), "Content-Encoding: gzip\r\n")
-
-
 async def _disconnect_mid_body() -> str:
     reader, writer = await asyncio.open_connection("127.0.0.1", _HOSTILE_PORT[0])
     body = _valid_body()
@@ -418,36 +394,33 @@ async def _pipelined_unread() -> str:
     return "left"
 
 
-HOSTILE: dict[str, tuple[_Hostile, Callable[[], Awaitable[str]]]] = {}
-
-
-def _kind(name: str, what: str, expected: tuple[str, ...], run: Callable[[], Awaitable[str]]):
-    HOSTILE[name] = (_Hostile(name, what, frozenset(expected)), run)
-
-
-_kind("bad_json", "body that is not JSON", ("400",), lambda: _malformed(b'{"inputs": [{"na'))
-_kind("wrong_shape", "shape [1, 255] with 256 values", ("400",),
-      lambda: _malformed(_tensor(shape=[1, 255])))  # fmt: skip
-_kind("wrong_dtype", "INT64 and BYTES for an FP32 input", ("400",),
-      lambda: _malformed(_tensor(datatype="INT64")))  # fmt: skip
-_kind("string_values", '"0.5", null and true as FP32 values', ("400",),
-      lambda: _malformed(_tensor(data=["0.5", None, True] + [0.5] * 253)))  # fmt: skip
-_kind("wrong_name", "an input the model does not have", ("400",),
-      lambda: _malformed(_tensor(name="nope")))  # fmt: skip
-_kind("huge_shape", "FP32 shape [1, 2^30] with no data", ("400", "413"),
-      lambda: _malformed(_tensor(shape=[1, 1 << 30], data=[])))  # fmt: skip
-_kind("huge_bytes_shape", "binary BYTES shape [1, 2^30] with 0 data bytes", ("400", "413"),
-      _huge_bytes_shape)  # fmt: skip
-_kind("oversized_header", "one 100 KB header", ("431",), _oversized_header)
-_kind("many_headers", "300 headers", ("431",), _many_headers)
-_kind("long_url", "a 20 KB URL", ("414",), _long_url)
-_kind("smuggling", "Content-Length and Transfer-Encoding together", ("400",), _smuggle)
-_kind("gzip_bomb", "130 KB of gzip expanding to 128 MiB", ("413",), _gzip_bomb)
-_kind("disconnect_mid_body", "half a body, then a reset", (), _disconnect_mid_body)
-_kind("cancelled", "a whole valid request, reset before its answer", (), _cancelled)
-_kind("pipelined_burst", "20 inferences + 20 GETs in one write, all read",
-      ("all answered",), _pipelined_burst)  # fmt: skip
-_kind("pipelined_unread", "2,000 pipelined GETs never read for 5 s", (), _pipelined_unread)
+_SMUGGLE = (f"POST {INFER_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n").encode()  # fmt: skip
+HOSTILE: dict[str, tuple[_Hostile, Callable[[], Awaitable[str]]]] = {
+    name: (_Hostile(name, what, frozenset(expected)), run) for name, what, expected, run in (
+        ("bad_json", "body that is not JSON", ("400",), lambda: _malformed(b'{"inputs": [{"na')),
+        ("wrong_shape", "shape [1, 255] with 256 values", ("400",), lambda: _malformed(_tensor(shape=[1, 255]))),
+        ("wrong_dtype", "INT64 and BYTES for an FP32 input", ("400",), lambda: _malformed(_tensor(datatype="INT64"))),
+        ("string_values", '"0.5", null and true as FP32 values', ("400",),
+         lambda: _malformed(_tensor(data=["0.5", None, True] + [0.5] * 253))),
+        ("wrong_name", "an input the model does not have", ("400",), lambda: _malformed(_tensor(name="nope"))),
+        ("huge_shape", "FP32 shape [1, 2^30] with no data", ("400", "413"),
+         lambda: _malformed(_tensor(shape=[1, 1 << 30], data=[]))),
+        ("huge_bytes_shape", "binary BYTES shape [1, 2^30] with 0 data bytes", ("400", "413"), _huge_bytes_shape),
+        ("oversized_header", "one 100 KB header", ("431",),
+         lambda: _exchange(_post(INFER_PATH, _valid_body(), f"X-Big: {'a' * 100_000}\r\n"))),
+        ("many_headers", "300 headers", ("431",),
+         lambda: _exchange(_post(INFER_PATH, _valid_body(), "".join(f"X-H{i}: v\r\n" for i in range(300))))),
+        ("long_url", "a 20 KB URL", ("414",), lambda: _exchange(_post(INFER_PATH + "?" + "q" * 20_000, _valid_body()))),
+        ("smuggling", "Content-Length and Transfer-Encoding together", ("400",), lambda: _exchange(_SMUGGLE)),
+        ("gzip_bomb", "130 KB of gzip expanding to 128 MiB", ("413",),
+         lambda: _malformed(_bomb(), "Content-Encoding: gzip\r\n")),
+        ("disconnect_mid_body", "half a body, then a reset", (), _disconnect_mid_body),
+        ("cancelled", "a whole valid request, reset before its answer", (), _cancelled),
+        ("pipelined_burst", "20 inferences + 20 GETs in one write, all read", ("all answered",), _pipelined_burst),
+        ("pipelined_unread", "2,000 pipelined GETs never read for 5 s", (), _pipelined_unread),
+    )
+}  # fmt: skip
 # Slow-loris: expected answers are the timeouts' 408s.
 SLOW = {
     "slow_head": _Hostile("slow_head", "a header line every 2 s, never ending the head",

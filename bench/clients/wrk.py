@@ -112,13 +112,15 @@ def measure(
     base: Measurement,
     threads: int = 1,
     script_args: Sequence[str] = (),
+    prefix: Sequence[str] = (),
 ) -> Measurement:
     """Run wrk once; a failure becomes a Measurement with ``error`` set.
 
     ``script_args`` go to the Lua script's ``init``; extra counters its ``done`` hook
-    prints land in ``base.extra["counts"]``.
+    prints land in ``base.extra["counts"]``; ``prefix`` goes before wrk (taskset).
     """
     cmd = [
+        *prefix,
         "wrk",
         f"-t{min(threads, connections)}",
         f"-c{connections}",

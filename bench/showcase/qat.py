@@ -1,11 +1,6 @@
 """The QAT section of the optimization report: EfficientNet-Lite0 fine-tuned with fake
-quantization (``rtserve optimize --qat``), exported as QDQ INT8, against FP32 of the same run.
-
-    python -m bench.showcase --only qat --out /tmp/opt-qat.md    # this section alone
-
-The images are those of the EfficientNet section (eval: seed 1; training: seed 3, so no
-image is shared); there are no ImageNet labels for them, so the teacher's logits are the
-only target and accuracy is top-1 agreement with FP32.
+quantization (``rtserve optimize --qat``), against FP32 of the same run; accuracy is top-1
+agreement with FP32. ``python -m bench.showcase --only qat --out /tmp/opt-qat.md``.
 """
 
 from __future__ import annotations
@@ -53,20 +48,15 @@ def section(settings: Settings) -> str:
     lines = [
         "## EfficientNet-Lite0: quantization-aware training (`int8-qat`)",
         "",
-        "`rtserve optimize --torch-model ... --train ... --qat` fine-tunes a fake-quantized "
-        "copy of the model (torch.ao FX QAT: uint8 activations, int8 per-channel symmetric "
-        "weights, BatchNorm folded, ReLU6 as a fixed [0, 6] range) against the FP32 model's "
-        "logits, then exports QDQ ONNX that ONNX Runtime runs as `QLinearConv` / "
-        f"`QLinearAdd`. The first {OPTIONS.float_first} convolutions (`--qat-float-first "
-        f"{OPTIONS.float_first}`: the stem and blocks 0-1, whose rounding errors every later "
-        "layer carries) and the classifier's Gemm stay float. "
-        f"Training: {n_train} images (seed 3, none shared with the {settings.n_eval_images} "
-        f"evaluation images); activation ranges set on the first {OPTIONS.calibration_rows} "
-        f"and frozen; then {OPTIONS.epochs} epochs, batch {OPTIONS.batch_size}, of Adam on "
-        f"the biases only (lr {OPTIONS.lr:g}, cosine decay; the weights keep their FP32 "
-        f"values), loss: MSE to the FP32 logits. Static INT8 (the EfficientNet section) has "
-        "to keep convolutions in float to hold the budget; QAT keeps all but the first "
-        f"{OPTIONS.float_first} in INT8.",
+        "`rtserve optimize --torch-model ... --train ... --qat` fine-tunes a fake-quantized copy "
+        "(torch.ao FX QAT: uint8 activations, int8 per-channel weights, BatchNorm folded) against "
+        "the FP32 logits and exports QDQ ONNX (`QLinearConv` / `QLinearAdd` in ONNX Runtime). The "
+        f"first {OPTIONS.float_first} convolutions (`--qat-float-first`) and the classifier stay "
+        f"float. Training: {n_train} images (seed 3, none among the {settings.n_eval_images} "
+        f"evaluation images); ranges set on {OPTIONS.calibration_rows} and frozen; {OPTIONS.epochs} "
+        f"epochs, batch {OPTIONS.batch_size}, Adam on the biases only (lr {OPTIONS.lr:g}), MSE to the "
+        "FP32 logits. Static INT8 keeps convolutions float to hold the budget; QAT keeps all but "
+        f"the first {OPTIONS.float_first} in INT8.",
         "",
         f"Goal: >= {GOAL_SPEEDUP}x at batch 1 with top-1 agreement >= {GOAL_AGREEMENT}: "
         f"**{verdict}** ({speed:.2f}x, agreement {agreement:.3f}). Chosen: **{chosen}**.",

@@ -59,11 +59,9 @@ class Section:
 def _best_in_budget(result: OptimizeResult, prefix: str) -> str | None:
     from rtserve.optimize.report import within_budget
 
+    budget = (result.reference_score, result.max_accuracy_drop)
     names = [
-        m
-        for m in result.measurements
-        if m.name.startswith(prefix)
-        and within_budget(m, result.reference_score, result.max_accuracy_drop)
+        m for m in result.measurements if m.name.startswith(prefix) and within_budget(m, *budget)
     ]
     return max(names, key=lambda m: ratio(result, m.name)).name if names else None
 
@@ -77,20 +75,10 @@ def run_minilm(settings: Settings) -> Section:
     n = min(settings.n_sentences, len(sentences) - 16)
     eval_data = zoo.minilm_tokenize(sentences[:n], seq_len=32)
     calib = zoo.minilm_tokenize(sentences[n:], seq_len=32)
-    torch_model = zoo.minilm_module()
-    sources = TorchSources(
-        model=torch_model,
-        prune=[PruneSpec("magnitude", 0.1), PruneSpec("magnitude", 0.3)],
-    )
-    opts = options(
-        settings,
-        max_accuracy_drop=0.01,
-        calibration_methods=("minmax",),
-        static_op_types=("MatMul",),
-        fallback_max_steps=3,
-        num_heads=12,
-        hidden_size=384,
-    )
+    sources = TorchSources(model=zoo.minilm_module(),
+                           prune=[PruneSpec("magnitude", 0.1), PruneSpec("magnitude", 0.3)])  # fmt: skip
+    opts = options(settings, max_accuracy_drop=0.01, calibration_methods=("minmax",), static_op_types=("MatMul",),
+                   fallback_max_steps=3, num_heads=12, hidden_size=384)  # fmt: skip
     result = run_optimize(model, work / "variants", calib, eval_data, None, opts, sources)
     q = result.get("int8-dynamic")
     speed = ratio(result, "int8-dynamic")
@@ -107,20 +95,12 @@ def run_minilm(settings: Settings) -> Section:
         int8_name="int8-dynamic",
     )
     section.targets = [
-        Target(
-            "MiniLM INT8 (dynamic, per-channel) speed-up at batch 1",
-            speed,
-            1.6,
-            "MatMul-heavy at batch 1 with seq 32 and 2 shared cores: the INT8 GEMMs are "
-            "small and the non-GEMM work (attention softmax, layer norm, gather) is unchanged",
-        ),
-        Target(
-            "MiniLM INT8 mean cosine to FP32",
-            cos,
-            0.99,
-            "per-channel dynamic quantization of the attention and FFN weights",
-        ),
-    ]
+        Target("MiniLM INT8 (dynamic, per-channel) speed-up at batch 1", speed, 1.6,
+               "MatMul-heavy at batch 1 with seq 32 and 2 shared cores: the INT8 GEMMs are "
+               "small and the non-GEMM work (attention softmax, layer norm, gather) is unchanged"),
+        Target("MiniLM INT8 mean cosine to FP32", cos, 0.99,
+               "per-channel dynamic quantization of the attention and FFN weights"),
+    ]  # fmt: skip
     return section
 
 
@@ -132,12 +112,8 @@ def run_efficientnet(settings: Settings) -> Section:
     eval_data = {"image": zoo.efficientnet_preprocess(eval_images)}
     calib = {"image": zoo.efficientnet_preprocess(calib_images)}
     sources = TorchSources(model=zoo.efficientnet_module(), prune=[PruneSpec("magnitude", 0.2)])
-    opts = options(
-        settings,
-        max_accuracy_drop=0.03,
-        calibration_methods=("minmax", "percentile"),
-        fallback_max_steps=7,
-    )
+    opts = options(settings, max_accuracy_drop=0.03, calibration_methods=("minmax", "percentile"),
+                   fallback_max_steps=7)  # fmt: skip
     result = run_optimize(model, work / "variants", calib, eval_data, None, opts, sources)
     best = _best_in_budget(result, "int8-static")
     m = result.get(best) if best else None
@@ -164,25 +140,14 @@ def run_efficientnet(settings: Settings) -> Section:
             f"holding 0.97 kept {kept} convolution(s) in float, and each float island adds "
             "QuantizeLinear/DequantizeLinear pairs and float kernels, which eats the gain"
         )
+    int8_static = [x.score for x in result.measurements if x.name.startswith("int8-static")]
     section.targets = [
-        Target(
-            f"EfficientNet-Lite0 static INT8 speed-up at batch 1 ({best or 'none in budget'})",
-            ratio(result, best) if best else math.nan,
-            1.4,
-            why,
-        ),
-        Target(
-            "EfficientNet-Lite0 static INT8 top-1 agreement",
-            m.score
-            if m
-            else max(
-                (x.score for x in result.measurements if x.name.startswith("int8-static")),
-                default=math.nan,
-            ),
-            0.97,
-            "the fallback loop ran out of steps before the budget held",
-        ),
-    ]
+        Target(f"EfficientNet-Lite0 static INT8 speed-up at batch 1 ({best or 'none in budget'})",
+               ratio(result, best) if best else math.nan, 1.4, why),
+        Target("EfficientNet-Lite0 static INT8 top-1 agreement",
+               m.score if m else max(int8_static, default=math.nan), 0.97,
+               "the fallback loop ran out of steps before the budget held"),
+    ]  # fmt: skip
     return section
 
 
@@ -194,20 +159,11 @@ def run_digits(settings: Settings) -> Section:
     torch.manual_seed(0)
     teacher = zoo.train_digits_teacher(data, epochs=30)
     model = zoo.export_torch_classifier(teacher, work / "source.onnx")
-    sources = TorchSources(
-        model=teacher,
-        student=zoo.digits_student(),
-        train_inputs={"x": data["x_train"]},
-        train_labels=data["y_train"],
-        prune=[PruneSpec("structured", 0.5, 10), PruneSpec("magnitude", 0.5, 10)],
-        distill_epochs=80,
-    )
-    opts = options(
-        settings,
-        max_accuracy_drop=0.02,
-        calibration_methods=("minmax",),
-        iterations=max(settings.iterations, 300),
-    )
+    sources = TorchSources(model=teacher, student=zoo.digits_student(), train_inputs={"x": data["x_train"]},
+                           train_labels=data["y_train"], distill_epochs=80,
+                           prune=[PruneSpec("structured", 0.5, 10), PruneSpec("magnitude", 0.5, 10)])  # fmt: skip
+    opts = options(settings, max_accuracy_drop=0.02, calibration_methods=("minmax",),
+                   iterations=max(settings.iterations, 300))  # fmt: skip
     result = run_optimize(
         model, work / "variants", {"x": data["x_calib"]}, {"x": data["x_test"]},
         data["y_test"], opts, sources,
@@ -224,16 +180,10 @@ def run_digits(settings: Settings) -> Section:
         int8_name=_best_in_budget(result, "int8"),
     )
     section.targets = [
-        Target(
-            "Digits student speed-up over the teacher at batch 1", ratio(result, "distilled"), 3.0
-        ),
-        Target(
-            "Digits student accuracy within 2 points of the teacher (points of margin left)",
-            (0.02 - drop) * 100 if not math.isnan(drop) else math.nan,
-            0.0,
-            "the student is too small for the data",
-        ),
-    ]
+        Target("Digits student speed-up over the teacher at batch 1", ratio(result, "distilled"), 3.0),
+        Target("Digits student accuracy within 2 points of the teacher (points of margin left)",
+               (0.02 - drop) * 100 if not math.isnan(drop) else math.nan, 0.0, "the student is too small for the data"),
+    ]  # fmt: skip
     return section
 
 

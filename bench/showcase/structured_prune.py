@@ -106,19 +106,13 @@ def section(settings: Settings) -> str:
         "",
         f"`rtserve optimize ... --torch-model ... --train text.txt --prune "
         f"structured-heads:{SPEC.amount:g}:{SPEC.ffn_amount:g} --fine-tune-epochs "
-        f"{SPEC.fine_tune_epochs}` ranks the attention heads (norm of each head's contribution "
-        "to the layer output) across all layers and the FFN neurons (mean |activation| x norm "
-        "of their output weights) in each layer, cuts the weakest out of the matrices, "
-        "trains the smaller model on the unpruned one's outputs: first layer by layer (each "
-        "pruned layer learns to map the student's previous layer output to the teacher's "
-        "output of that layer), then end to end (1 - cosine of the embeddings plus the MSE "
-        "of every layer's hidden states; token embeddings frozen; at most "
-        f"{SPEC.fine_tune_seconds / 60:g} minutes in all here), exports it, and "
-        f"also quantizes it (INT8 dynamic, per-channel). Pruned model: {notes}. "
-        f"Held out: the first {EVAL_SENTENCES} sentences of `examples/data/sentences.txt`; "
-        f"distillation on {TRAIN_TEXTS} unlabelled texts (the other sentences, Python "
-        "documentation sentences from `pydoc_data`, and half-and-half joins of training "
-        "sentences). Accuracy is the cosine to the FP32 embeddings.",
+        f"{SPEC.fine_tune_epochs}` cuts the weakest attention heads (norm of their contribution) "
+        "and FFN neurons (mean |activation| x output-weight norm), trains the smaller model on the "
+        "unpruned one's outputs (layer by layer, then end to end on embedding cosine plus hidden-"
+        f"state MSE; at most {SPEC.fine_tune_seconds / 60:g} minutes here), exports it and also "
+        f"quantizes it (INT8 dynamic). Pruned model: {notes}. Held out: the first {EVAL_SENTENCES} "
+        f"sentences of `examples/data/sentences.txt`; distillation on {TRAIN_TEXTS} unlabelled texts "
+        "(the other sentences, `pydoc_data` sentences, joins of both). Accuracy: cosine to FP32.",
         "",
     ]
     for label, variant in (("pruned", name), ("pruned + INT8 dynamic", f"{name}-int8")):
@@ -128,14 +122,7 @@ def section(settings: Settings) -> str:
             f"{GOAL_COSINE}: **{'met' if met else 'missed'}** ({speed:.2f}x, cosine {cos:.4f})."
         )
     chosen = result.chosen.name if result.chosen else None
-    lines += [
-        "",
-        markdown_table(
-            result.measurements,
-            result.baseline,
-            result.reference_score,
-            result.max_accuracy_drop,
-            chosen,
-        ),  # fmt: skip
-    ]
+    table = markdown_table(result.measurements, result.baseline, result.reference_score,
+                           result.max_accuracy_drop, chosen)  # fmt: skip
+    lines += ["", table]
     return "\n".join(lines)
