@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from bench.report import markdown_table
 from bench.stats import median_ratio, ratio
 
 LABELS = {"transformers": "transformers generate (in-process, static batch)"}
@@ -54,11 +55,9 @@ def workload_table(result: dict[str, Any], workload: str) -> list[str]:
     )
     if not levels:
         return []
-    head = "| server | " + " | ".join(
-        f"{lv} stream{'s' if lv != '1' else ''}: tok/s (rounds) | TTFT p50/p99 ms | ITL p50/p99 ms"
-        for lv in levels
-    )
-    lines = [head + " |", "|---|" + "---:|---:|---:|" * len(levels)]
+    header = ["server"] + [h for lv in levels for h in (
+        f"{lv} stream{'s' if lv != '1' else ''}: tok/s (rounds)", "TTFT p50/p99 ms", "ITL p50/p99 ms")]  # fmt: skip
+    rows = []
     for server in result["servers"]:
         cells = []
         for lv in levels:
@@ -73,8 +72,8 @@ def workload_table(result: dict[str, Any], workload: str) -> list[str]:
                 p99 = _median(_cells(result, server, workload, lv, f"{metric}_p99_ms"))
                 cells.append(f"{_fmt(p50)} / {_fmt(p99)}" if p50 is not None else "-")
         if any(c != "-" for c in cells):
-            lines.append(f"| {LABELS.get(server, server)} | " + " | ".join(cells) + " |")
-    return lines
+            rows.append([LABELS.get(server, server), *cells])
+    return markdown_table(header, rows, numeric_from=1)
 
 
 def ratio_lines(result: dict[str, Any]) -> list[str]:

@@ -6,7 +6,6 @@ each attack is bounded. (The measuring ``main``, whose figures are in
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import threading
@@ -14,11 +13,12 @@ import time
 import urllib.request
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import numpy as np
 from hpack import Encoder
+
+from bench import procs
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH, PING, GOAWAY, WINDOW_UPDATE = range(9)
@@ -326,16 +326,11 @@ def made_you_reset(port: int, calls: int = 10_100, model: str = "a") -> tuple[in
 
 
 # ---------------------------------------------------------------------------- the server side
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+cpu_s = procs.cpu_seconds
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return procs.proc_status(pid)["rss_mib"]
 
 
 class Victim:

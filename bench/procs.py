@@ -203,6 +203,17 @@ def cpu_seconds(pid: int) -> float:
     return sum(cpu_split(pid))
 
 
+def proc_status(pid: int) -> dict[str, float]:
+    """A process's resident and peak memory (MiB), threads and open descriptors."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "Threads"):
+            fields[key] = float(value.split()[0])
+    return {"rss_mib": fields.get("VmRSS", 0.0) / 1024, "hwm_mib": fields.get("VmHWM", 0.0) / 1024,
+            "threads": fields.get("Threads", 0.0), "fds": float(len(os.listdir(f"/proc/{pid}/fd")))}  # fmt: skip
+
+
 class RedisServer:
     """redis-server on a free 127.0.0.1 port, without persistence, stopped by its process group.
 

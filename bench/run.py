@@ -1,12 +1,10 @@
-"""Entry point: ``python -m bench.run [--quick]`` from the repository root.
+"""``python -m bench.run [--quick]``: the serving comparison.
 
-Quick mode is the core serving comparison alone (MLP, one row per request, V2 JSON, 32
-connections; rtserve against a bare ASGI ceiling, a raw ASGI app that runs the model per
-request and the FastAPI tutorial pattern), in five alternating rounds whose per-round
-ratios are shown and whose median ratio is the headline; it writes
-docs/benchmarks-quick.md. ``--baseline-ref REF`` adds rtserve as of commit REF (a git
-worktree, same venv) to every round, for a before/after comparison in one run. Full mode adds every peer on both workloads with every client, closed
-and open loop, and writes docs/benchmarks.md with its plots.
+Quick: MLP, one row per request, V2 JSON, wrk -c32; rtserve against a bare ASGI ceiling, a raw
+ASGI app running the model per request and naive FastAPI, in five alternating rounds whose
+median per-round ratio is the headline (docs/benchmarks-quick.md); ``--baseline-ref REF`` adds
+rtserve as of REF (a git worktree) to every round. Full: every peer, both workloads, every
+client, closed and open loop (docs/benchmarks.md and its plots).
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from bench.clients import perf_analyzer, wrk
 from bench.procs import http_post
 from bench.report import RunRecord, load_record, render, render_details, save_record
 from bench.results import Measurement, save, short_error
-from bench.stats import combine_rounds, saturated
+from bench.stats import combine_rounds, rotated, saturated
 from bench.workloads import ROOT, WORKLOADS, Workload
 
 HEADLINE_PEERS = ["rtserve", "bare_asgi", "raw_asgi", "fastapi"]
@@ -207,8 +205,7 @@ class Suite:
         names = self.headline_peers
         pa_rounds = self.plan.rounds if self.plan.pa_rounds is None else self.plan.pa_rounds
         for round_no in range(self.plan.rounds):
-            shift = round_no % len(names)
-            order = names[shift:] + names[:shift]
+            order = rotated(names, round_no)
             self.log(f"headline round {round_no + 1}/{self.plan.rounds}: {', '.join(order)}")
             for name in order:
                 peer = self.peers[name]

@@ -1,16 +1,12 @@
-"""Open-loop benchmark of the SLO controller against fixed batching windows.
+"""Open-loop benchmark of the SLO controller against fixed batching windows (and Triton).
 
-One rtserve process serves the benchmark MLP under several configurations at once (the SLO
-controller with a p99 objective, and fixed windows of 0..N µs); Poisson clients offer load
-from 0.2x to 3x of the measured capacity to one configuration at a time, alternating. For
-each point: goodput (answers within the objective, per second, measured at the client from
-each request's scheduled send time) and the p99 of admitted (answered 200) requests.
+One rtserve serves the model under several configurations (``slo: {p99_ms}`` and fixed
+windows of 0..N µs); Poisson clients offer 0.2x-3x of the measured capacity to one at a time,
+alternating. Per point: goodput (answers within the objective per second, timed at the client
+from each scheduled send) and the p99 of answered requests. ``--workload mlp4096``: a
+compute-heavy MLP built here. ``--server-cpus``/``--client-cpus`` pin with taskset.
 
     python -m bench.slo_openloop --out bench/results/slo/mlp.md   # + .json, .png beside it
-    python -m bench.slo_openloop --loads 0.5,2 --windows 0,1000 --seconds 2   # a quick look
-
-``--workload mlp4096`` is a compute-heavy MLP (256->4096->4096->10, built here, seeded) whose
-16-row batch takes several ms. ``--server-cpus``/``--client-cpus`` pin the processes (taskset).
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ from bench.clients.wrk import lua_script
 from bench.peers.common import TensorSpec
 from bench.report import markdown_table
 from bench.results import Measurement
+from bench.stats import rotated
 from bench.workloads import WORK, Workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -230,20 +227,9 @@ def _server_state(port: int, model: str, objective_ms: float) -> dict[str, float
 
 
 def _post_once(url: str, body: bytes, timeout_s: float) -> tuple[int, float]:
-    """One JSON POST on a fresh connection: (status, seconds it took)."""
-    import http.client
-
-    parts = url.split("/", 3)
-    host, port = parts[2].split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/" + parts[3], body, {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        response.read()
-        return response.status, time.perf_counter() - t0
-    finally:
-        conn.close()
+    """One JSON POST: (status, seconds it took)."""
+    t0 = time.perf_counter()
+    return procs.http_post(url, body, timeout_s)[0], time.perf_counter() - t0
 
 
 def _closed_loop(url: str, body: bytes, conns: int, seconds: float, cpus: str, work: Path) -> float:
@@ -353,8 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"capacity ~{capacity:.0f} answers/s", flush=True)
         rows = []
         for i, load in enumerate(loads):
-            order = models[i % len(models) :] + models[: i % len(models)]
-            for m in order:
+            for m in rotated(models, i):
                 rows.append(
                     _load_point(args, m, load, i, capacity, urls, body, port, settled, triton, work)
                 )

@@ -2,22 +2,14 @@
 
     python -m bench.soak [--minutes 30] [--out docs/soak.md] [--plot docs/img/soak.png]
 
-Starts rtserve on 127.0.0.1 serving the example MLP (``make examples``), measures its
-capacity briefly (closed loop), then for ``--minutes`` offers ``--load`` x capacity of valid
-V2 JSON requests with Poisson arrivals (open loop) while hostile clients send malformed
-bodies, drip bytes (slow-loris), disconnect mid-request or before their answer, send
-oversized heads, pipelined bursts and gzip bombs. Every ``--sample-s`` seconds it records
-the server's RSS and open descriptors (``/proc/<pid>``) and the p99 of the valid requests
-answered in that window.
-
-A valid request is *lost* when it gets no answer, a broken answer or any status but 200,
-503 and 429; 503/429 are *shed* (overload refusals with Retry-After) and counted apart.
-The run passes when nothing is lost, no hostile request gets an unexpected answer, and RSS,
-descriptors and p99 are flat: the median of the last third of the samples is at most
-``FLAT_TOLERANCE`` above the median of the first third (p99: or at most ``P99_SLACK_MS``).
-
-The load runs in child processes of this module (``--role valid|capacity|hostile``) so that
-the sampler, the valid clients and the hostile clients do not share an event loop.
+rtserve serves the example MLP; after a short closed-loop capacity measurement, an open-loop
+client offers ``--load`` x capacity (Poisson) while hostile clients send malformed bodies,
+slow-loris drips, disconnects, oversized heads, pipelined bursts and gzip bombs. Every
+``--sample-s`` the server's RSS, descriptors and the window's p99 are recorded. A valid request
+is *lost* without an answer or with a status other than 200, 503, 429 (503/429: *shed*). The
+run passes when nothing is lost, every hostile client gets its expected answer, and RSS,
+descriptors and p99 stay flat (last third's median within ``FLAT_TOLERANCE`` of the first's,
+or an absolute slack). The clients run as child processes (``--role``), apart from the sampler.
 """
 
 from __future__ import annotations
@@ -534,20 +526,6 @@ async def _run_hostile(port: int, stop_file: Path, slow: int, report: Path) -> N
 
 
 # ---------------------------------------------------------------------------- the server
-def _proc_status(pid: int) -> dict[str, float]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM", "Threads"):
-            fields[key] = float(value.split()[0])
-    return {
-        "rss_mib": fields.get("VmRSS", 0.0) / 1024,
-        "hwm_mib": fields.get("VmHWM", 0.0) / 1024,
-        "threads": fields.get("Threads", 0.0),
-        "fds": float(len(os.listdir(f"/proc/{pid}/fd"))),
-    }
-
-
 def _start_server(workdir: Path) -> tuple[Server, int]:
     server, ports = procs.rtserve(workdir, "--model-repository", str(ROOT / "examples" / "repository"),
                                   "--model-control-mode", "explicit", "--load-model", MODEL,
@@ -791,7 +769,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     server, port = _start_server(workdir)
     try:
         time.sleep(1)
-        baseline = _proc_status(server.pid)
+        baseline = procs.proc_status(server.pid)
         # The hostile clients run from before the capacity measurement to the end, so the
         # capacity is what the server sustains for valid requests next to them.
         hostile = _child("hostile", hostile_rec, "--port", str(port), "--stop-file",
@@ -816,7 +794,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(max(0.0, next_sample - time.monotonic()))
             next_sample += args.sample_s
             now, cpu = time.time(), cpu_seconds(server.pid)
-            sample = {"t": now, **_proc_status(server.pid), "load1": os.getloadavg()[0],
+            sample = {"t": now, **procs.proc_status(server.pid), "load1": os.getloadavg()[0],
                       "server_cpu": (cpu - last_cpu) / (now - last_t)}  # fmt: skip
             last_cpu, last_t = cpu, now
             samples.append(sample)
@@ -825,7 +803,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         stop_file.touch()
         _end_child(hostile, 90)
         time.sleep(min(5.0, 2 * args.sample_s))  # what the server holds once the clients left
-        after = _proc_status(server.pid)
+        after = procs.proc_status(server.pid)
     finally:
         stop_file.touch()
         for child in (valid, hostile):

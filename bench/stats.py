@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from statistics import median
+from typing import TypeVar
 
 from bench.results import Measurement
+
+T = TypeVar("T")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -114,3 +117,10 @@ def round_ratios(
 def median_ratio(rows: Sequence[dict[str, float | None]], reference: str) -> float | None:
     """The median of the per-round ratios to ``reference`` (rounds without one are skipped)."""
     return _median(row.get(reference) for row in rows)
+
+
+def rotated(items: Sequence[T], round_no: int) -> list[T]:
+    """``items`` starting at ``round_no`` (mod its length): alternating rounds rotate the order
+    so that no server always runs first or right after the heaviest one."""
+    shift = round_no % len(items) if items else 0
+    return [*items[shift:], *items[:shift]]
