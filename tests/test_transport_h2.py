@@ -1,6 +1,6 @@
 """The pieces of the HTTP/2 gRPC transport, each without a socket: framing and the frame
-dispatch table, flow-control windows, the budgets a client spends, a call's headers and
-messages. (tests/test_grpc_h2.py and tests/test_h2_budgets.py drive the whole transport.)"""
+dispatch table, flow-control windows, the receive side's bookkeeping (request bytes held,
+windows given back), the budgets a client spends, a call's headers and messages. (tests/test_grpc_h2.py and tests/test_h2_budgets.py drive the whole transport.)"""
 
 from __future__ import annotations
 
@@ -16,8 +16,12 @@ from hpack import Decoder, Encoder
 
 from rtserve.errors import RTServeError
 from rtserve.server.h2_budgets import (
+    CONN_BUFFER,
+    CONN_WINDOW,
+    INITIAL_WINDOW,
     MAX_CALLS_PER_ADDRESS,
     REQUEST_STALL_S,
+    STREAM_WINDOW,
     WINDOW_STALL_S,
     CallBudget,
     FrameBudget,
@@ -63,6 +67,7 @@ from rtserve.server.h2_frames import (
     read_settings,
     settings_frame,
 )
+from rtserve.server.h2_receive import Receiver
 from rtserve.server.h2_send import MAX_OUT_PENDING, Outbox
 from rtserve.server.h2_windows import (
     MAX_WINDOW,
@@ -528,3 +533,134 @@ def test_a_settings_change_moves_every_stream_window() -> None:
     outbox.data(st, b"x" * 10, [].append)
     outbox.drop(st)
     assert st not in outbox.blocked and not st.pending and st.pending_bytes == 0
+
+
+# ---------------------------------------------------------------------- the receive side
+class Conn:
+    """The connection as the receive side sees it: its streams, the frames it sends."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.streams: dict[int, Stream] = {}
+        self.sent: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    def updates(self) -> list[tuple[int, int]]:
+        """The WINDOW_UPDATEs sent since the last look: (stream, increment)."""
+        out = []
+        for data in self.sent:
+            kind, sid = data[3], struct.unpack(">I", data[5:9])[0] & 0x7FFFFFFF
+            assert kind == WINDOW_UPDATE
+            out.append((sid, struct.unpack(">I", data[9:13])[0]))
+        self.sent.clear()
+        return out
+
+
+class Server:
+    """The server as the receive side sees it: the shared budget, the held connections."""
+
+    def __init__(self, max_message: int = 1 << 20) -> None:
+        self.budget = CallBudget(10, max_message)
+        self.held: dict[object, None] = {}
+        self.woken = 0
+
+    def wake(self) -> None:
+        self.woken += 1
+
+
+def _receiver() -> tuple[Receiver, Conn, Server]:
+    conn, server = Conn(), Server()
+    return Receiver(conn, server), conn, server
+
+
+def _open(conn: Conn, sid: int) -> Stream:
+    st = conn.streams[sid] = Stream(sid, INITIAL_WINDOW, 65535)
+    return st
+
+
+def _partial(recv: Receiver, st: Stream, n: int) -> None:
+    """``n`` bytes of a message not yet whole arrive on ``st``."""
+    assert recv.received(st, n)
+    st.buf += b"x" * n
+    recv.buffer(st, n)
+
+
+def test_the_connection_window_is_granted_once_and_given_back_in_large_updates() -> None:
+    recv, conn, _ = _receiver()
+    recv.grant()
+    assert recv.granted and conn.updates() == [(0, CONN_WINDOW - 65535)]
+    st = _open(conn, 1)
+    recv.inbound.consume(1000)
+    assert recv.received(st, 1000) and (st.recv_window, st.unreleased) == (
+        INITIAL_WINDOW - 1000,
+        1000,
+    )
+    recv.buffer(st, 1000)
+    recv.unary_taken(st)  # the one message went to the handler
+    assert (st.buffered, recv.buffered, st.unreleased) == (0, 0, 0)
+    assert conn.updates() == [] and recv.inbound.unacked == 1000  # not yet worth a frame
+    recv.conn_credit(CONN_WINDOW // 4)
+    assert conn.updates() == [(0, CONN_WINDOW // 4 + 1000)]
+    conn.closed = True
+    recv.conn_credit(CONN_WINDOW)  # a closed connection gives nothing back
+    assert conn.updates() == []
+
+
+def test_data_past_a_streams_window_is_refused() -> None:
+    recv, conn, _ = _receiver()
+    st = _open(conn, 1)
+    assert recv.received(st, INITIAL_WINDOW)
+    assert not recv.received(st, 1)
+
+
+def test_one_partial_message_leads_and_the_others_wait_for_room_in_turn() -> None:
+    recv, conn, _ = _receiver()
+    first, second = _open(conn, 1), _open(conn, 3)
+    _partial(recv, first, 60_000)
+    recv.credit(first)  # the leader: its window grows to STREAM_WINDOW
+    assert recv.leader is first
+    # (and the connection's window for what it received)
+    assert conn.updates() == [(1, STREAM_WINDOW - 5_536), (0, 60_000)]
+    queued = _open(conn, 5)  # whole messages queued for a streaming handler
+    queued.held = CONN_BUFFER
+    recv.buffer(queued, CONN_BUFFER)  # the connection now holds past CONN_BUFFER
+    _partial(recv, second, 1000)
+    recv.credit(second)  # no room: it waits, its bytes not given back
+    assert second.waits and list(recv.waiting) == [second] and conn.updates() == []
+    # The leader's message is whole and taken: the waiting one gets its window.
+    first.buf.clear()
+    recv.buffer(first, -first.buffered)
+    recv.promote()
+    assert not second.waits and not recv.waiting
+    assert conn.updates() == [(3, STREAM_WINDOW - (INITIAL_WINDOW - 1000))]
+    assert recv.leader is second
+
+
+def test_past_the_server_budget_a_connection_is_held_and_room_wakes_the_server() -> None:
+    recv, conn, server = _receiver()
+    st = _open(conn, 1)
+    server.budget.buffered = server.budget.max_buffered  # other connections hold it all
+    _partial(recv, st, 1000)
+    recv.credit(st)
+    assert server.held == {conn: None} and list(recv.waiting) == [st]
+    assert conn.updates() == []
+    server.budget.buffered -= 2000  # another connection's handler took a message
+    recv.buffer(st, -1)  # room made here too: the server looks at the held connections
+    assert server.woken == 1
+
+
+def test_a_streaming_message_taken_gives_its_window_back_and_a_stream_end_releases_all() -> None:
+    recv, conn, server = _receiver()
+    st = _open(conn, 1)
+    recv.received(st, 40_000)
+    st.held = 40_000  # four whole messages queued for the handler
+    recv.buffer(st, 40_000)
+    recv.credit(st)
+    assert conn.updates() == []  # queued requests are not given back
+    recv.taken(st, 30_000)
+    assert conn.updates() == [(1, 30_000)] and st.held == 10_000
+    recv.end(st)
+    assert (recv.buffered, server.budget.buffered, st.unreleased) == (0, 0, 0)
+    assert conn.updates() == [(0, 40_000)]  # every byte received back to the connection

@@ -5,9 +5,10 @@ completion-queue hop per call step); this transport serves the same route table
 (``rtserve.api.grpc_service.GRPC_ROUTES``) with a few Python frames per call
 (docs/deploy.md has the figures). HPACK decoding comes from the ``hpack`` library. The
 pieces, each testable without a socket: ``h2_frames`` (the preface, frames, header blocks,
-the frame type -> handler table), ``h2_windows`` (flow-control arithmetic), ``h2_budgets``
-(what a client may cost) and ``h2_call`` (a call's headers, messages, handler context and
-stream state). This module is the connection that puts them together, and the server.
+the frame type -> handler table), ``h2_windows`` (flow-control arithmetic), ``h2_receive``
+(the request bytes held and the windows given back), ``h2_budgets`` (what a client may
+cost) and ``h2_call`` (a call's headers, messages, handler context and stream state).
+This module is the connection that puts them together, and the server.
 
 Bounds (a client is hostile), each decided before its cost is paid: a call is authenticated
 from its headers, before its message is read or inflated; streams per connection
@@ -30,7 +31,6 @@ import logging
 import resource
 import ssl
 import time
-from collections import deque
 from typing import Any
 
 import grpc
@@ -94,7 +94,6 @@ from rtserve.server.h2_frames import (
     SETTINGS,
     STREAM_CLOSED,
     U32,
-    WINDOW_UPDATE,
     ConnectionError_,
     FrameReader,
     frame,
@@ -104,13 +103,12 @@ from rtserve.server.h2_frames import (
     unpad,
 )
 from rtserve.server.h2_handlers import streaming, unary
+from rtserve.server.h2_receive import Receiver
 from rtserve.server.h2_send import Outbox
 from rtserve.server.h2_windows import (
     DEFAULT_WINDOW,
     MAX_WINDOW,
-    ReceiveWindow,
     grown,
-    window_increment,
 )
 
 __all__ = [
@@ -177,11 +175,7 @@ class Connection(asyncio.Protocol):
         self.table_reset = False  # sent the dynamic table size update
         self.peer_window = DEFAULT_WINDOW  # the peer's initial stream window (SETTINGS)
         self.outbox = Outbox()  # answers waiting for window, the connection's send window
-        self.inbound = ReceiveWindow()  # connection-level, what the peer may still send us
-        self.granted = False  # CONN_WINDOW granted
-        self.buffered = 0  # request bytes held for handlers (Stream.buffered, summed)
-        self.leader: Stream | None = None  # the partial message let past CONN_BUFFER
-        self.waiting: deque[Stream] = deque()  # partial messages waiting for room, in turn
+        self.recv = Receiver(self, server)  # request bytes held, windows given back
         self.address = ""  # the client's IP address
         self.now = self.created = self.active = self.loop.time()
         self.budget = FrameBudget(self.loop.time)  # frames without progress, resets
@@ -200,15 +194,7 @@ class Connection(asyncio.Protocol):
             self.peer = f"ipv6:[{host}]:{peer[1]}" if ":" in host else f"ipv4:{host}:{peer[1]}"
         self.send(settings_frame(_SETTINGS))
         if not self.server.authenticating:
-            self._grant()
-
-    def _grant(self) -> None:
-        """The connection's full window: at once without keys, else after a call passed them
-        (until then a client has the protocol's 64 KiB)."""
-        self.granted = True
-        self.inbound.update_at = CONN_WINDOW // 4
-        self.inbound.grow(CONN_WINDOW - DEFAULT_WINDOW)
-        self.send(frame(WINDOW_UPDATE, 0, 0, U32.pack(CONN_WINDOW - DEFAULT_WINDOW)))
+            self.recv.grant()  # (with keys: once a call passed them)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -386,7 +372,8 @@ class Connection(asyncio.Protocol):
 
     def on_data(self, flags: int, sid: int, payload: memoryview) -> None:
         n = len(payload)
-        self.inbound.consume(n)
+        recv = self.recv
+        recv.inbound.consume(n)
         ended = flags & END_STREAM
         st = self.streams.get(sid)
         if st is None or st.remote_closed:
@@ -394,16 +381,14 @@ class Connection(asyncio.Protocol):
                 raise ConnectionError_(PROTOCOL_ERROR, "DATA on an idle stream")
             if not n:
                 self.budget.spend()
-            self._conn_credit(n)  # a stream closed or reset while the client was sending
+            recv.conn_credit(n)  # a stream closed or reset while the client was sending
             return
-        st.recv_window -= n
-        st.unreleased += n
-        if st.recv_window < 0:
+        if not recv.received(st, n):
             self._reset(st, FLOW_CONTROL_ERROR)
             return
         body = unpad(flags, payload)
         if st.local_closed:  # answered early (an error): discard the rest
-            self._release(st, n)
+            recv.release(st, n)
             if ended:
                 self._remote_end(st)
             return
@@ -423,11 +408,11 @@ class Connection(asyncio.Protocol):
                 if ended:
                     self._remote_end(st)
                 else:
-                    self._buffer(st, size)
+                    recv.buffer(st, size)
                 return
         size = len(body)
         st.buf += body
-        self._buffer(st, size)
+        recv.buffer(st, size)
         taken = self._messages(st)
         if taken < 0:
             return
@@ -436,9 +421,9 @@ class Connection(asyncio.Protocol):
         if ended:
             self._remote_end(st)
         elif not st.local_closed:
-            self.credit(st)
-            if self.waiting and self.leader is st and not st.buf:
-                self.promote()  # its message is whole: another may lead
+            recv.credit(st)
+            if recv.waiting and recv.leader is st and not st.buf:
+                recv.promote()  # its message is whole: another may lead
 
     def _messages(self, st: Stream) -> int:
         """Take whole messages out of the stream's buffer: how many, -1 if the call failed."""
@@ -472,102 +457,31 @@ class Connection(asyncio.Protocol):
                 return -1
             else:
                 st.message = data
-                self._buffer(st, -5)  # (the prefix, no longer held)
+                self.recv.buffer(st, -5)  # (the prefix, no longer held)
         return taken
 
-    # ------------------------------------------------------------------ receive budgets
-    def _buffer(self, st: Stream, n: int) -> None:
-        """``n`` more (or fewer) request bytes held for ``st``'s handler."""
-        st.buffered += n
-        self.buffered += n
-        server = self.server
-        budget = server.budget
-        budget.buffered += n
-        if n < 0 and server.held and not budget.full:
-            server.wake()
-
-    def _room(self, st: Stream) -> bool:
-        """Whether ``st``'s partial message may be given more window: as the connection's
-        one message let through (the leader, with STREAM_WINDOW), or within CONN_BUFFER;
-        never past SERVER_BUFFER."""
-        server = self.server
-        if server.budget.full:
-            server.held[self] = None  # woken when room is made (GrpcH2Server.wake)
-            return False
-        leader = self.leader
-        if leader is None or not leader.buf or not leader.open:
-            self.leader = leader = st
-        return leader is st or self.buffered <= CONN_BUFFER
-
-    def credit(self, st: Stream) -> None:
-        """Give the client back the window of what the handler took (and of partial
-        messages, within the budgets), never of requests still queued. Only the leader's
-        window grows past INITIAL_WINDOW: other streams' partial messages hold little."""
-        if not st.open:
-            return
-        partial = st.buffered - st.held
-        room = not partial or self._room(st)
-        target = STREAM_WINDOW if room and self.leader is st else INITIAL_WINDOW
-        if not room and not st.waits:  # the partial message waits for room
-            st.waits = True
-            self.waiting.append(st)
-        give = window_increment(
-            target, st.recv_window, st.held, 0 if room else partial, bool(st.buf)
-        )
-        if give:
-            st.recv_window += give
-            self.send(frame(WINDOW_UPDATE, 0, st.id, U32.pack(give)))
-            self._release(st, give)
-
+    # ------------------------------------------------------------------ receiving
     def taken(self, st: Stream, n: int) -> None:
         """A streaming call's handler took a message of ``n`` bytes (with its prefix)."""
-        st.held -= n
         st.since = self.loop.time()  # (the client may send again)
-        self._buffer(st, -n)
-        if not st.open:
-            self._release(st, n)
-        else:
-            self.credit(st)
-        if self.waiting:
-            self.promote()
+        self.recv.taken(st, n)
 
     def promote(self) -> None:
-        """Room was made: the partial messages that wait for it get window, in turn, until
-        one still finds none (a leader is chosen among them)."""
-        waiting = self.waiting
-        while waiting and not self.closed:
-            st = waiting.popleft()
-            st.waits = False
-            if st.id in self.streams and st.buf and st.open:
-                self.credit(st)
-                if st.waits:
-                    break
-
-    def _release(self, st: Stream, n: int) -> None:
-        """Give the connection's window back for ``n`` of the bytes received on ``st``."""
-        n = min(n, st.unreleased)
-        st.unreleased -= n
-        self._conn_credit(n)
-
-    def _conn_credit(self, n: int) -> None:
-        if n < 0 or self.closed:
-            return
-        increment = self.inbound.release(n)
-        if increment:
-            self.send(frame(WINDOW_UPDATE, 0, 0, U32.pack(increment)))
+        """Room was made (``Receiver.promote``: the server wakes held connections)."""
+        self.recv.promote()
 
     def stalled(self, now: float) -> None:
         """End the calls whose request made no progress for REQUEST_STALL_S: headers and
         no whole unary message, or a partial message (not while whole ones wait for the
         handler: then the server holds the client); WINDOW_STALL_S while the stream or the
         connection has no window left (the budgets hold the client)."""
-        open_window = self.inbound.available > 0
+        window_open = self.recv.window_open
         for st in list(self.streams.values()):
             method = st.method
             if not st.open or method is None or st.held:
                 continue
             if not method.streaming or st.buf:
-                limit, name = stall_limit(open_window and st.recv_window > 0)
+                limit, name = stall_limit(window_open(st))
                 if now - st.since <= limit:
                     continue
                 details = f"no request data for {limit:g} s ({name})"
@@ -601,14 +515,8 @@ class Connection(asyncio.Protocol):
             self.status(st, grpc.StatusCode.UNIMPLEMENTED, "expected one request message")
         else:
             data, st.message = st.message, None
-            if st.buffered:
-                self._buffer(st, -st.buffered)
-            if st.unreleased:  # (the connection's window back)
-                self._conn_credit(st.unreleased)
-                st.unreleased = 0
+            self.recv.unary_taken(st)  # (the connection's window back)
             st.task = self.loop.create_task(unary(self, st, method, data, self.server.max_message))
-            if self.waiting:
-                self.promote()
 
     # ------------------------------------------------------------------ calls
     def _start(self, st: Stream, headers: CallHeaders, ended: bool) -> None:
@@ -626,8 +534,8 @@ class Connection(asyncio.Protocol):
                 self.budget.spend(2)
                 self.status(st, *grpc_error(exc))
                 return
-        if not self.granted:
-            self._grant()
+        if not self.recv.granted:
+            self.recv.grant()
         if method is None:
             self.budget.spend(2)
             where = headers.path.decode("latin-1", "replace")[:200]
@@ -773,15 +681,8 @@ class Connection(asyncio.Protocol):
         if st.timer is not None:
             st.timer.cancel()
             st.timer = None
-        if st.buffered:
-            self._buffer(st, -st.buffered)
-        if st.unreleased:
-            self._release(st, st.unreleased)
-        if self.leader is st:
-            self.leader = None
         self.outbox.blocked.discard(st)
-        if self.waiting:
-            self.promote()
+        self.recv.end(st)
 
     def _drop(self, st: Stream) -> None:
         """The client reset the stream or left: stop its handler."""
@@ -866,7 +767,7 @@ class GrpcH2Server:
         while held and not self.budget.full:
             conn = next(iter(held))
             del held[conn]
-            if not conn.closed and conn.waiting:
+            if not conn.closed and conn.recv.waiting:
                 conn.promote()  # (held again, at the back, if it still finds no room)
 
     def room(self) -> bool:
