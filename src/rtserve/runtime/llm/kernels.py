@@ -83,3 +83,73 @@ def _build(name: str = "rtserve_paged_attention", source: Path = SOURCE) -> Any:
             "llm: rtserve's CPU kernels (%s) could not be built (%s); using torch's", name, exc
         )
         return None
+
+
+# ---- microbenchmark: python -m rtserve.runtime.llm.kernels --bench ----
+
+SHAPES = {  # SmolLM2-135M's linear layers (out x in)
+    "q/k/v": (960, 576),
+    "o": (576, 576),
+    "gate/up": (3072, 576),
+    "up": (1536, 576),
+    "down": (576, 1536),
+    "head": (49152, 576),
+}
+
+
+def bench(rows: tuple[int, ...] = (1, 2, 4, 8, 32), threads: tuple[int, ...] = (1, 2)) -> None:
+    """Least ms (of many repeats) of each SmolLM2 shape: torch's FP32 ``F.linear`` against the int8 / int4
+    kernels (their default activations), with the weight bytes read per second; then a
+    large-array read (the memory-bandwidth ceiling). Busy machines: indicative figures."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from rtserve.runtime.llm.quant import QuantLinear
+
+    ops = quant_ops()
+
+    def timed(fn: Callable[..., Any], *args: Any, budget: float = 0.25) -> float:
+        fn(*args)
+        times: list[float] = []
+        end = time.perf_counter() + budget
+        while len(times) < 5 or (time.perf_counter() < end and len(times) < 2000):
+            t = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - t)
+        return min(times) * 1e3
+
+    print("threads rows shape        fp32 ms  int8 ms  int4 ms  i8/a8 ms | GB/s fp32 int8 int4")
+    for nt in threads:
+        torch.set_num_threads(nt)
+        for name, (n, k) in SHAPES.items():
+            lin = torch.nn.Linear(k, n, bias=False)
+            q8, q4 = QuantLinear(lin, "int8", ops), QuantLinear(lin, "int4", ops)
+            a8 = QuantLinear(lin, "int8", ops, act=1)  # int8 activations (few rows)
+            for m in rows:
+                x = torch.randn(m, k)
+                for q in (q8, q4, a8):
+                    q.kernel_rows = max(m, q.kernel_rows)
+                with torch.inference_mode():
+                    ts = [timed(F.linear, x, lin.weight)] + [timed(q, x) for q in (q8, q4, a8)]
+                sizes = (4 * n * k, q8.nbytes, q4.nbytes)
+                gbs = [b / t / 1e6 for b, t in zip(sizes, ts[:3], strict=True)]
+                print(
+                    f"{nt:7d} {m:4d} {name:9s}{n:6d}x{k:<4d}"
+                    + "".join(f"{t:9.3f}" for t in ts)
+                    + " | "
+                    + " ".join(f"{g:4.0f}" for g in gbs)
+                )
+        big = torch.ones(64 << 20)  # 256 MB: read once per sum
+        t = timed(torch.sum, big, budget=1.0)
+        print(f"{nt:7d} read {big.numel() * 4 / t / 1e6:.1f} GB/s (torch sum of 256 MB)")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--bench" in sys.argv:
+        bench()
+    else:
+        print("usage: python -m rtserve.runtime.llm.kernels --bench")

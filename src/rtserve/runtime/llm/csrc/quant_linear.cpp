@@ -32,6 +32,8 @@ namespace {
 
 constexpr int64_t G = 32;  // group size along k
 constexpr int64_t MB = 4;  // activation rows per pass over a weight row
+// From this many activation rows the few-row paths give way to float32 tiles.
+constexpr int64_t FLOAT_ROWS = 4;
 
 // ---- plain loops -------------------------------------------------------------------------
 
@@ -181,109 +183,230 @@ void row_avx2(int fmt, const float* x, int64_t kp, const uint8_t* w, const float
   }
 }
 
-// int8 / int4 weights against activation rows quantized to int8 per group of 32 (xq, with
-// scale xs per group): integer dot products of 32 pairs in four instructions (maddubs, madd),
-// as llama.cpp's Q8_0 x Q8_0 does; one float FMA per group.
-template <int R>
-void row_q8(int fmt, const int8_t* xq, const float* xs, int64_t kp, const uint8_t* w,
-            const float* scales, const float* mins, const float* sumx, int64_t n, float* res) {
+// ---- few rows: integer dot products, NW weight rows at a time --------------------------
+// int8 / int4 weights against activation rows quantized per group of 32 to int8 (T int8_t:
+// maddubs + madd, llama.cpp's Q8_0 x Q8_0 on AVX2) or int16 (T int16_t: weights widened to
+// int16, madd; float32's result to ~1e-5). NW weight rows share each activation load and keep
+// NW x R independent accumulators (the FMA's latency hidden); one float FMA per group.
+constexpr int NW = 4;
+
+inline __m256i wide16(int fmt, const uint8_t* w, int64_t kp, int64_t n, int64_t g, int half) {
+  if (fmt == 0) {
+    const int8_t* wg = reinterpret_cast<const int8_t*>(w) + n * kp + g * G + half * 16;
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg)));
+  }
+  const __m128i b =
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * (kp / 2) + g * (G / 2)));
+  const __m128i low = _mm_set1_epi8(15);
+  return _mm256_cvtepu8_epi16(half ? _mm_and_si128(_mm_srli_epi16(b, 4), low)
+                                   : _mm_and_si128(b, low));
+}
+
+inline __m256i bytes32(int fmt, const uint8_t* w, int64_t kp, int64_t n, int64_t g) {
+  if (fmt == 0)
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * kp + g * G));
+  const __m128i b =
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * (kp / 2) + g * (G / 2)));
+  const __m128i low = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+}
+
+// Four sums (one per __m256) in one __m128.
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+template <typename T, int R, int W>
+void block_int(int fmt, const T* xq, const float* xs, int64_t kp, const uint8_t* w,
+               const float* scales, const float* mins, const float* sumx, int64_t n,
+               float res[][NW]) {
   const int64_t groups = kp / G;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  float offs[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), offs[r] = 0.f;
-  const float* sr = scales + n * groups;
-  if (fmt == 0) {
-    const int8_t* wr = reinterpret_cast<const int8_t*>(w) + n * kp;
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + g * G));
-      const __m256i aw = _mm256_sign_epi8(wv, wv);
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * kp + g * G));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sr[g] * xs[r * groups + g]),
-                                 acc[r]);
-      }
-    }
-  } else {
-    const uint8_t* wr = w + n * (kp / 2);
-    const float* mr = mins + n * groups;
-    const __m128i low = _mm_set1_epi8(15);
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * (G / 2)));
-      const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low),
-                                          _mm_and_si128(b, low));
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * kp + g * G));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sr[g] * xs[r * groups + g]),
-                                 acc[r]);
-        offs[r] += mr[g] * sumx[r * groups + g];
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]) + offs[r];
-}
-
-void rows_q8(int fmt, const int8_t* xq, const float* xs, int64_t m, int64_t kp,
-             const uint8_t* w, const float* scales, const float* mins, const float* sumx,
-             const float* bias, float* out, int64_t n_out, int64_t n0, int64_t n1) {
-  const int64_t groups = kp / G;
-  rows_blocked(m, bias, out, n_out, n0, n1, [&](auto R, int64_t r0, int64_t n, float* res) {
-    row_q8<decltype(R)::value>(fmt, xq + r0 * kp, xs + r0 * groups, kp, w, scales, mins,
-                               sumx ? sumx + r0 * groups : nullptr, n, res);
-  });
-}
-
-// int8 / int4 weights against activation rows quantized to int16 per group of 32 (a rounding
-// error of 1 / 65534 of the group's largest value: float32's result to within ~1e-5):
-// weights widened to int16 (one instruction for 16), multiplied and summed in pairs (madd),
-// the group's sum in int32, one float FMA per group.
-template <int R>
-void row_q16(int fmt, const int16_t* xq, const float* xs, int64_t kp, const uint8_t* w,
-             const float* scales, const float* mins, const float* sumx, int64_t n, float* res) {
-  const int64_t groups = kp / G;
-  __m256 acc[R];
-  float offs[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), offs[r] = 0.f;
-  const float* sr = scales + n * groups;
-  const float* mr = fmt == 1 ? mins + n * groups : nullptr;
-  const __m128i low = _mm_set1_epi8(15);
+  __m256 acc[R][W];
+  float offs[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) acc[r][j] = _mm256_setzero_ps(), offs[r][j] = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i w0, w1;
-    if (fmt == 0) {
-      const int8_t* wg = reinterpret_cast<const int8_t*>(w) + n * kp + g * G;
-      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg)));
-      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16)));
-    } else {
-      const __m128i b =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * (kp / 2) + g * (G / 2)));
-      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));
-      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));
-    }
-    for (int r = 0; r < R; ++r) {
-      const int16_t* xg = xq + r * kp + g * G;
-      const __m256i p = _mm256_add_epi32(
-          _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg))),
-          _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16))));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sr[g] * xs[r * groups + g]),
-                               acc[r]);
-      if (fmt == 1) offs[r] += mr[g] * sumx[r * groups + g];
+    for (int j = 0; j < W; ++j) {
+      const float sw = scales[(n + j) * groups + g];
+      if constexpr (sizeof(T) == 2) {
+        const __m256i w0 = wide16(fmt, w, kp, n + j, g, 0);
+        const __m256i w1 = wide16(fmt, w, kp, n + j, g, 1);
+        for (int r = 0; r < R; ++r) {
+          const T* xg = xq + r * kp + g * G;
+          const __m256i p = _mm256_add_epi32(
+              _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg))),
+              _mm256_madd_epi16(w1,
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16))));
+          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                      _mm256_set1_ps(sw * xs[r * groups + g]), acc[r][j]);
+        }
+      } else {
+        const __m256i wv = bytes32(fmt, w, kp, n + j, g);
+        const __m256i aw = fmt == 0 ? _mm256_sign_epi8(wv, wv) : wv;
+        for (int r = 0; r < R; ++r) {
+          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * kp + g * G));
+          if (fmt == 0) xv = _mm256_sign_epi8(xv, wv);
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                      _mm256_set1_ps(sw * xs[r * groups + g]), acc[r][j]);
+        }
+      }
+      if (fmt == 1)
+        for (int r = 0; r < R; ++r) offs[r][j] += mins[(n + j) * groups + g] * sumx[r * groups + g];
     }
   }
-  for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]) + offs[r];
+  for (int r = 0; r < R; ++r) {
+    if constexpr (W == NW) {
+      _mm_storeu_ps(res[r], _mm_add_ps(hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]),
+                                       _mm_loadu_ps(offs[r])));
+    } else {
+      for (int j = 0; j < W; ++j) res[r][j] = hsum(acc[r][j]) + offs[r][j];
+    }
+  }
 }
 
-void rows_q16(int fmt, const int16_t* xq, const float* xs, int64_t m, int64_t kp,
-              const uint8_t* w, const float* scales, const float* mins, const float* sumx,
-              const float* bias, float* out, int64_t n_out, int64_t n0, int64_t n1) {
+template <typename T>
+void rows_int(int fmt, const T* xq, const float* xs, int64_t m, int64_t kp, const uint8_t* w,
+              const float* scales, const float* mins, const float* sumx, const float* bias,
+              float* out, int64_t n_out, int64_t n0, int64_t n1) {
   const int64_t groups = kp / G;
-  rows_blocked(m, bias, out, n_out, n0, n1, [&](auto R, int64_t r0, int64_t n, float* res) {
-    row_q16<decltype(R)::value>(fmt, xq + r0 * kp, xs + r0 * groups, kp, w, scales, mins,
-                                sumx ? sumx + r0 * groups : nullptr, n, res);
-  });
+  float res[2][NW];
+  for (int64_t r0 = 0; r0 < m; r0 += 2) {
+    const int rows = m - r0 >= 2 ? 2 : 1;
+    const T* x = xq + r0 * kp;
+    const float* s = xs + r0 * groups;
+    const float* sx = sumx ? sumx + r0 * groups : nullptr;
+    for (int64_t n = n0; n < n1;) {
+      const int wn = n1 - n >= NW ? NW : 1;
+      if (wn == NW) {
+        if (rows == 2) block_int<T, 2, NW>(fmt, x, s, kp, w, scales, mins, sx, n, res);
+        else block_int<T, 1, NW>(fmt, x, s, kp, w, scales, mins, sx, n, res);
+      } else {
+        if (rows == 2) block_int<T, 2, 1>(fmt, x, s, kp, w, scales, mins, sx, n, res);
+        else block_int<T, 1, 1>(fmt, x, s, kp, w, scales, mins, sx, n, res);
+      }
+      for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < wn; ++j)
+          out[(r0 + r) * n_out + n + j] = res[r][j] + (bias ? bias[n + j] : 0.f);
+      n += wn;
+    }
+  }
+}
+
+// ---- many rows: weights dequantized to a float32 tile, then a 6 x 16 FMA microkernel ----
+// A tile holds 16 output columns x KC inputs, k-major (tile[k][16]: the 16 weights of
+// input k side by side), dequantized once and read by every activation row: the
+// conversion is paid once per weight however many rows there are. The microkernel keeps
+// 6 rows x 16 columns in 12 registers; per input it loads two weight vectors, broadcasts
+// six activations and issues twelve FMAs (the layout of a float GEMM's inner kernel).
+constexpr int64_t NT = 16;   // output columns per tile (threads split on these: 64 bytes)
+constexpr int64_t KC = 256;  // inputs per tile (16 KB of float32)
+
+// Eight consecutive weights k..k+7 (k a multiple of 8) of output row `row`, as float32.
+inline __m256 load8(int fmt, const uint8_t* w, const float* scales, const float* mins,
+                    int64_t kp, int64_t row, int64_t k) {
+  const int64_t groups = kp / G, g = k / G;
+  if (fmt == 2) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(w) + row * kp + k;
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  }
+  const __m256 s = _mm256_broadcast_ss(scales + row * groups + g);
+  if (fmt == 0)
+    return _mm256_mul_ps(i8x8(reinterpret_cast<const int8_t*>(w) + row * kp + k), s);
+  const int c = static_cast<int>((k % G) / 8);  // 0, 1: low nibbles of bytes 0-7, 8-15; 2, 3: high
+  const __m128i b =
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + row * (kp / 2) + g * (G / 2) + (c & 1) * 8));
+  const __m128i q = _mm_and_si128(c >= 2 ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(15));
+  return _mm256_fmadd_ps(u8x8(q), s, _mm256_broadcast_ss(mins + row * groups + g));
+}
+
+// Rows n..n+wn (wn <= 16; the rest zero), inputs k0..k0+kc, into tile[kc][16].
+void dequant_tile(int fmt, const uint8_t* w, const float* scales, const float* mins,
+                  int64_t kp, int64_t n, int64_t wn, int64_t k0, int64_t kc, float* tile) {
+  for (int64_t half = 0; half < 2; ++half) {
+    for (int64_t k = 0; k < kc; k += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) {
+        const int64_t col = half * 8 + j;
+        r[j] = col < wn ? load8(fmt, w, scales, mins, kp, n + col, k0 + k) : _mm256_setzero_ps();
+      }
+      // 8 x 8 transpose: r[j] holds row j's inputs k..k+7; out[i] input k+i's 8 rows
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      float* o = tile + k * NT + half * 8;
+      _mm256_storeu_ps(o + 0 * NT, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + 1 * NT, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * NT, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * NT, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * NT, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * NT, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * NT, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * NT, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+  }
+}
+
+// R rows x 16 columns over kc inputs: acc (R x 16 floats, row stride NT) += x . tile.
+// (Named registers, not arrays: GCC keeps arrays of vectors on the stack here.)
+template <int R>
+void micro(const float* x, int64_t kp, const float* tile, int64_t kc, float* acc) {
+#define RT_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5)
+#define RT_DECL(i) __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = _mm256_setzero_ps(); \
+  if constexpr (R > i) a##i##0 = _mm256_loadu_ps(acc + i * NT), a##i##1 = _mm256_loadu_ps(acc + i * NT + 8);
+#define RT_FMA(i) if constexpr (R > i) { const __m256 v = _mm256_broadcast_ss(x + i * kp + k); \
+  a##i##0 = _mm256_fmadd_ps(v, b0, a##i##0); a##i##1 = _mm256_fmadd_ps(v, b1, a##i##1); }
+#define RT_STORE(i) if constexpr (R > i) { _mm256_storeu_ps(acc + i * NT, a##i##0); \
+  _mm256_storeu_ps(acc + i * NT + 8, a##i##1); }
+  RT_ROWS(RT_DECL)
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(tile + k * NT), b1 = _mm256_loadu_ps(tile + k * NT + 8);
+    RT_ROWS(RT_FMA)
+  }
+  RT_ROWS(RT_STORE)
+#undef RT_ROWS
+#undef RT_DECL
+#undef RT_FMA
+#undef RT_STORE
+}
+
+void rows_tile(int fmt, const float* x, int64_t m, int64_t kp, const uint8_t* w,
+               const float* scales, const float* mins, const float* bias, float* out,
+               int64_t n_out, int64_t n0, int64_t n1) {
+  thread_local std::vector<float> tile, acc;
+  tile.resize(KC * NT);
+  acc.resize(m * NT);
+  for (int64_t n = n0; n < n1; n += NT) {
+    const int64_t wn = std::min<int64_t>(NT, n1 - n);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < NT; ++j) acc[r * NT + j] = bias && j < wn ? bias[n + j] : 0.f;
+    for (int64_t k0 = 0; k0 < kp; k0 += KC) {
+      const int64_t kc = std::min<int64_t>(KC, kp - k0);
+      dequant_tile(fmt, w, scales, mins, kp, n, wn, k0, kc, tile.data());
+      for (int64_t r0 = 0; r0 < m; r0 += 6) {
+        const float* xr = x + r0 * kp + k0;
+        float* a = acc.data() + r0 * NT;
+        switch (std::min<int64_t>(6, m - r0)) {
+          case 1: micro<1>(xr, kp, tile.data(), kc, a); break;
+          case 2: micro<2>(xr, kp, tile.data(), kc, a); break;
+          case 3: micro<3>(xr, kp, tile.data(), kc, a); break;
+          case 4: micro<4>(xr, kp, tile.data(), kc, a); break;
+          case 5: micro<5>(xr, kp, tile.data(), kc, a); break;
+          default: micro<6>(xr, kp, tile.data(), kc, a); break;
+        }
+      }
+    }
+    for (int64_t r = 0; r < m; ++r)
+      std::memcpy(out + r * n_out + n, acc.data() + r * NT, wn * sizeof(float));
+  }
 }
 
 void rows_avx2(int fmt, const float* x, int64_t m, int64_t kp, const uint8_t* w,
@@ -326,7 +449,44 @@ void rows_int_plain(int fmt, const T* xq, const float* xs, int64_t m, int64_t kp
   }
 }
 
+// One group of 32 activations to int8 / int16 (symmetric, round to nearest even); its scale.
+template <typename T>
+float quantize_group(const float* x, T* q) {
+  const float top = sizeof(T) == 1 ? 127.f : 32767.f;
+#ifdef RT_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float scale = _mm_cvtss_f32(h) / top;
+  const __m256 inv = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+  __m256i i[4];
+  for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
+  // packs interleave 128-bit lanes: permute back to element order
+  const __m256i a = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[0], i[1]), 0xd8);
+  const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[2], i[3]), 0xd8);
+  if constexpr (sizeof(T) == 2) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), a);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), b);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi16(a, b), 0xd8));
+  }
+  return scale;
+#else
+  float amax = 0.f;
+  for (int j = 0; j < G; ++j) amax = std::max(amax, std::abs(x[j]));
+  const float scale = amax / top;
+  const float inv = scale > 0.f ? 1.f / scale : 0.f;
+  for (int j = 0; j < G; ++j) q[j] = static_cast<T>(std::nearbyint(x[j] * inv));
+  return scale;
+#endif
+}
+
 }  // namespace
+
 
 bool has_avx2() {
 #ifdef RT_AVX2
@@ -379,81 +539,64 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale
   const float* sp = fmt != 2 ? scales.data_ptr<float>() : nullptr;
   const float* mp = fmt == 1 ? mins.data_ptr<float>() : nullptr;
   float* os = out.data_ptr<float>();
-  // int4: the sum of each group of each activation row (for the minimum's term)
-  std::vector<float> sumx;
-  if (fmt == 1) {
-    sumx.resize(m * groups);
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        float s = 0.f;
-        for (int64_t j = 0; j < G; ++j) s += xs[r * kp + g * G + j];
-        sumx[r * groups + g] = s;
-      }
-  }
-  const float* sx = fmt == 1 ? sumx.data() : nullptr;
-  // act (int8 / int4 weights): 0 float32 activations; 1 each activation row quantized to
-  // int8 per group of 32, 2 to int16 (symmetric, round to nearest; integer dot products)
   TORCH_CHECK(act >= 0 && act <= 2, "act: expected 0 (float32), 1 (int8) or 2 (int16)");
+  // Few rows of int8 / int4 weights (act 1, 2): each activation row quantized per group of 32
+  // to int8 (1) or int16 (2), integer dot products. From FLOAT_ROWS rows, bfloat16 weights,
+  // or act 0: weights dequantized to float32 a few rows at a time (exact float32 sums).
+  const bool ints = fmt != 2 && act != 0 && m < FLOAT_ROWS;
+  const bool q8 = ints && act == 1, q16 = ints && act == 2;
+  std::vector<float> sumx;  // int4: each group's sum of each activation row (the minimum's term)
   std::vector<int8_t> xq;
   std::vector<int16_t> xq16;
   std::vector<float> xscale;
-  const bool q8 = act == 1 && fmt != 2, q16 = act == 2 && fmt != 2;
-  if (q8 || q16) {
-    const float top = q8 ? 127.f : 32767.f;
+  const bool few = m < FLOAT_ROWS;
+  if (fmt == 1 && few) {
+    sumx.resize(m * groups);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < G; ++j) sum += xs[r * kp + g * G + j];
+        sumx[r * groups + g] = sum;
+      }
+  }
+  if (ints) {
     (q8 ? xq.resize(m * kp) : xq16.resize(m * kp));
     xscale.resize(m * groups);
     for (int64_t r = 0; r < m; ++r)
       for (int64_t g = 0; g < groups; ++g) {
-        const float* xg = xs + r * kp + g * G;
-        float amax = 0.f;
-        for (int64_t j = 0; j < G; ++j) amax = std::max(amax, std::abs(xg[j]));
-        const float scale = amax / top;
-        const float inv = scale > 0.f ? 1.f / scale : 0.f;
-        for (int64_t j = 0; j < G; ++j) {
-          const float v = std::nearbyint(xg[j] * inv);
-          if (q8)
-            xq[r * kp + g * G + j] = static_cast<int8_t>(v);
-          else
-            xq16[r * kp + g * G + j] = static_cast<int16_t>(v);
-        }
-        xscale[r * groups + g] = scale;
+        const int64_t at = r * kp + g * G;
+        xscale[r * groups + g] = q8 ? quantize_group(xs + at, xq.data() + at)
+                                    : quantize_group(xs + at, xq16.data() + at);
       }
   }
-  // about 64 KB of weights per task: small enough to balance two threads on any layer
+  const float* sx = fmt == 1 && few ? sumx.data() : nullptr;
+  // Threads split the output columns in blocks of 16 (64 bytes of each output row: no two
+  // threads write one cache line), about 64 KB of weights per task at least.
   const int64_t row_bytes = fmt == 1 ? kp / 2 : fmt == 0 ? kp : 2 * kp;
-  const int64_t grain = std::max<int64_t>(8, (64 << 10) / std::max<int64_t>(row_bytes, 1));
-  at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
-    if (q16) {
-#ifdef RT_AVX2
-      if (simd) {
-        rows_q16(static_cast<int>(fmt), xq16.data(), xscale.data(), m, kp, w, sp, mp, sx, bp, os,
-                 n_out, n0, n1);
-        return;
-      }
-#endif
-      rows_int_plain(static_cast<int>(fmt), xq16.data(), xscale.data(), m, kp, w, sp, mp, sx, bp,
-                     os, n_out, n0, n1);
-      return;
-    }
-    if (q8) {
-#ifdef RT_AVX2
-      if (simd) {
-        rows_q8(static_cast<int>(fmt), xq.data(), xscale.data(), m, kp, w, sp, mp, sx, bp, os,
-                n_out, n0, n1);
-        return;
-      }
-#endif
-      rows_int_plain(static_cast<int>(fmt), xq.data(), xscale.data(), m, kp, w, sp, mp, sx, bp,
-                     os, n_out, n0, n1);
-      return;
-    }
+  const int64_t blocks = (n_out + 15) / 16;
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(16 * row_bytes, 1));
+  const int f = static_cast<int>(fmt);
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * 16, n1 = std::min(n_out, b1 * 16);
 #ifdef RT_AVX2
     if (simd) {
-      rows_avx2(static_cast<int>(fmt), xs, m, kp, w, sp, mp, sx, bp, os, n_out, n0, n1);
+      if (q16)
+        rows_int(f, xq16.data(), xscale.data(), m, kp, w, sp, mp, sx, bp, os, n_out, n0, n1);
+      else if (q8)
+        rows_int(f, xq.data(), xscale.data(), m, kp, w, sp, mp, sx, bp, os, n_out, n0, n1);
+      else if (few)
+        rows_avx2(f, xs, m, kp, w, sp, mp, sx, bp, os, n_out, n0, n1);
+      else
+        rows_tile(f, xs, m, kp, w, sp, mp, bp, os, n_out, n0, n1);
       return;
     }
 #endif
-    rows_plain(static_cast<int>(fmt), xs, m, kp, w, sp, mp, bp, os, n_out, n0, n1);
+    if (q16)
+      rows_int_plain(f, xq16.data(), xscale.data(), m, kp, w, sp, mp, sx, bp, os, n_out, n0, n1);
+    else if (q8)
+      rows_int_plain(f, xq.data(), xscale.data(), m, kp, w, sp, mp, sx, bp, os, n_out, n0, n1);
+    else
+      rows_plain(f, xs, m, kp, w, sp, mp, bp, os, n_out, n0, n1);
   });
   return out;
 }
