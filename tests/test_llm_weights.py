@@ -47,7 +47,7 @@ def _linear(n: int, k: int, bias: bool, seed: int = 0) -> torch.nn.Linear:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("n", "k"), [(37, 70), (1, 32), (33, 129)])
-@pytest.mark.parametrize("m", [1, 5, 20])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 20])
 def test_the_kernel_matches_a_dequantized_matmul_on_odd_shapes(ops, fmt, n, k, m) -> None:  # type: ignore[no-untyped-def]
     lin = _linear(n, k, bias=n % 2 == 1)
     q = QuantLinear(lin, fmt, ops)
@@ -94,11 +94,12 @@ def test_the_dequantized_weights_are_close_to_the_originals() -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("act", [0, 1, 2])
-def test_the_avx2_loops_plain_loops_and_torch_agree(ops, fmt, act) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("m", [6, 20])  # integer dot products; float32 tiles
+def test_the_avx2_loops_plain_loops_and_torch_agree(ops, fmt, act, m) -> None:  # type: ignore[no-untyped-def]
     if not ops.has_avx2():
         pytest.skip("this CPU has no AVX2 + FMA: the plain loops are the only ones")
     lin = _linear(300, 576, bias=True)
-    x = torch.randn(6, 576)
+    x = torch.randn(m, 576)
     q = QuantLinear(lin, fmt, ops, act=act)
     plain = QuantLinear(lin, fmt, ops, act=act)
     plain.simd = False
@@ -116,11 +117,42 @@ def test_many_rows_use_dequantized_tiles_and_match_the_kernel(ops) -> None:  # t
     lin = _linear(5000, 64, bias=False)  # more output rows than one tile
     q = QuantLinear(lin, "int8", ops, act=0)
     x = torch.randn(40, 64)
+    q.kernel_rows = 16
     with torch.inference_mode():
         tiled = q(x)  # 40 rows > kernel_rows: dequantized tiles and torch's GEMM
         q.kernel_rows = 64
         kernel = q(x)
     assert (tiled - kernel).abs().max() <= 1e-4 * float(tiled.abs().max())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_path_of_the_kernel_matches_float64_on_smollm2_shapes(ops, fmt) -> None:  # type: ignore[no-untyped-def]
+    # 1-7 rows: integer dot products, 4 weight rows a pass (int16 activations: ~float32's
+    # result; int8: llama.cpp's Q8_0 x Q8_0 error); 8+ rows: float32 tiles of 16 columns
+    # (1000 columns: a tail of 8); two threads split the columns and give the same bits.
+    lin = _linear(1000, 576, bias=True, seed=3)
+    q = QuantLinear(lin, fmt, ops)
+    w = q.dequantized().double()
+    threads = torch.get_num_threads()
+    try:
+        for m in (1, 2, 3, 7, 8, 13, 32):
+            x = torch.randn(m, 576)
+            want = x.double() @ w.t() + lin.bias.detach().double()
+            scale = float((x.abs().double() @ w.abs().t()).max())
+            with torch.inference_mode():
+                torch.set_num_threads(1)
+                one = q(x)
+                torch.set_num_threads(2)
+                two = q(x)
+                assert torch.equal(one, two), m
+                assert (one.double() - want).abs().max() <= 1e-5 * scale, m
+                if fmt == "int8" and m < 8:  # int8 activations: half a step of 1/127 a group
+                    q.act = 1
+                    err = (q(x).double() - want).abs().max()
+                    q.act = 2
+                    assert 1e-5 * scale < err <= scale / 254, m
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

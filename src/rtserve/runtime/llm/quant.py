@@ -11,9 +11,10 @@ at load from the FP32 / BF16 checkpoint, activations kept in float32.
 
 At one stream decoding reads every weight once per token, so tokens per second follow the
 bytes. ``QuantLinear`` runs rtserve's kernel (csrc/quant_linear.cpp: AVX2 + FMA, plain loops
-elsewhere) for the rows of a decode step (up to ``GEMV_ROWS``); for more rows (a prompt's
-prefill) it dequantizes ``TILE_ROWS`` output rows of weights at a time to float32 and runs
-torch's GEMM on them, so no full FP32 copy is kept. Without the built kernel, or off CPU,
+elsewhere) for up to ``GEMV_ROWS`` rows: below 8 rows integer dot products over activations
+quantized per group (``act``), from 8 rows float32 tiles of dequantized weights shared by all
+rows; for more rows (a long prompt's prefill) it dequantizes ``TILE_ROWS`` output rows of
+weights at a time to float32 and runs torch's GEMM on them, so no full FP32 copy is kept. Without the built kernel, or off CPU,
 torch operators do the same (dequantize per tile, then ``F.linear``)."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 WEIGHTS = ("fp32", "bf16", "int8", "int4")
 GROUP = 32
-GEMV_ROWS = 16  # up to this many rows: the kernel; more: dequantized tiles and torch's GEMM
+GEMV_ROWS = 256  # up to this many rows: the kernel; more: dequantized tiles and torch's GEMM
 TILE_ROWS = 4096  # output rows of weights dequantized at once for a large-M product
 FMT = {"int8": 0, "int4": 1, "bf16": 2}
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 1.125, "int4": 0.75}

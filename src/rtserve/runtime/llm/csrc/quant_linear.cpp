@@ -33,7 +33,7 @@ namespace {
 constexpr int64_t G = 32;  // group size along k
 constexpr int64_t MB = 4;  // activation rows per pass over a weight row
 // From this many activation rows the few-row paths give way to float32 tiles.
-constexpr int64_t FLOAT_ROWS = 4;
+constexpr int64_t FLOAT_ROWS = 8;
 
 // ---- plain loops -------------------------------------------------------------------------
 
@@ -217,54 +217,71 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// One group of weight row `row` against activation rows x0 (and x1 when R is 2): the
+// group's int32 partial sums (eight lanes) in p0, p1.
+template <typename T, int R>
+inline void dot_group(int fmt, const uint8_t* w, int64_t kp, int64_t row, int64_t g,
+                      const T* x0, const T* x1, __m256i& p0, __m256i& p1) {
+  auto ld = [](const T* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  if constexpr (sizeof(T) == 2) {
+    const __m256i w0 = wide16(fmt, w, kp, row, g, 0), w1 = wide16(fmt, w, kp, row, g, 1);
+    p0 = _mm256_add_epi32(_mm256_madd_epi16(w0, ld(x0)), _mm256_madd_epi16(w1, ld(x0 + 16)));
+    if constexpr (R > 1)
+      p1 = _mm256_add_epi32(_mm256_madd_epi16(w0, ld(x1)), _mm256_madd_epi16(w1, ld(x1 + 16)));
+  } else {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i wv = bytes32(fmt, w, kp, row, g);
+    // maddubs multiplies unsigned by signed bytes: int8 weights lend their sign to x
+    const __m256i aw = fmt == 0 ? _mm256_sign_epi8(wv, wv) : wv;
+    const __m256i a0 = fmt == 0 ? _mm256_sign_epi8(ld(x0), wv) : ld(x0);
+    p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, a0), ones);
+    if constexpr (R > 1) {
+      const __m256i a1 = fmt == 0 ? _mm256_sign_epi8(ld(x1), wv) : ld(x1);
+      p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, a1), ones);
+    }
+  }
+}
+
+// W (1 or NW) weight rows from n against R (1 or 2) activation rows: res[r][j].
+// (Named registers, not arrays: GCC keeps arrays of vectors on the stack here.)
 template <typename T, int R, int W>
 void block_int(int fmt, const T* xq, const float* xs, int64_t kp, const uint8_t* w,
                const float* scales, const float* mins, const float* sumx, int64_t n,
                float res[][NW]) {
   const int64_t groups = kp / G;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][W];
-  float offs[R][W];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < W; ++j) acc[r][j] = _mm256_setzero_ps(), offs[r][j] = 0.f;
+  const __m256 z = _mm256_setzero_ps();
+  __m256 c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z;
   for (int64_t g = 0; g < groups; ++g) {
-    for (int j = 0; j < W; ++j) {
-      const float sw = scales[(n + j) * groups + g];
-      if constexpr (sizeof(T) == 2) {
-        const __m256i w0 = wide16(fmt, w, kp, n + j, g, 0);
-        const __m256i w1 = wide16(fmt, w, kp, n + j, g, 1);
-        for (int r = 0; r < R; ++r) {
-          const T* xg = xq + r * kp + g * G;
-          const __m256i p = _mm256_add_epi32(
-              _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg))),
-              _mm256_madd_epi16(w1,
-                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16))));
-          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
-                                      _mm256_set1_ps(sw * xs[r * groups + g]), acc[r][j]);
-        }
-      } else {
-        const __m256i wv = bytes32(fmt, w, kp, n + j, g);
-        const __m256i aw = fmt == 0 ? _mm256_sign_epi8(wv, wv) : wv;
-        for (int r = 0; r < R; ++r) {
-          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * kp + g * G));
-          if (fmt == 0) xv = _mm256_sign_epi8(xv, wv);
-          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
-          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
-                                      _mm256_set1_ps(sw * xs[r * groups + g]), acc[r][j]);
-        }
+    const T* x0 = xq + g * G;
+    const T* x1 = xq + kp + g * G;
+    const float s0 = xs[g], s1 = R > 1 ? xs[groups + g] : 0.f;
+#define RT_STEP(j)                                                                       \
+  if constexpr (W > j) {                                                                 \
+    __m256i p0, p1;                                                                      \
+    dot_group<T, R>(fmt, w, kp, n + j, g, x0, x1, p0, p1);                               \
+    const float sw = scales[(n + j) * groups + g];                                       \
+    c0##j = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(sw * s0), c0##j);     \
+    if constexpr (R > 1)                                                                 \
+      c1##j = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(sw * s1), c1##j);   \
+  }
+    RT_STEP(0) RT_STEP(1) RT_STEP(2) RT_STEP(3)
+#undef RT_STEP
+  }
+  if constexpr (W == NW) {
+    _mm_storeu_ps(res[0], hsum4(c00, c01, c02, c03));
+    if constexpr (R > 1) _mm_storeu_ps(res[1], hsum4(c10, c11, c12, c13));
+  } else {
+    res[0][0] = hsum(c00);
+    if constexpr (R > 1) res[1][0] = hsum(c10);
+  }
+  if (fmt == 1)  // the minimums' term: sum over groups of min * (the group's sum of x)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < W; ++j) {
+        float o = 0.f;
+        for (int64_t g = 0; g < groups; ++g)
+          o += mins[(n + j) * groups + g] * sumx[r * groups + g];
+        res[r][j] += o;
       }
-      if (fmt == 1)
-        for (int r = 0; r < R; ++r) offs[r][j] += mins[(n + j) * groups + g] * sumx[r * groups + g];
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    if constexpr (W == NW) {
-      _mm_storeu_ps(res[r], _mm_add_ps(hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]),
-                                       _mm_loadu_ps(offs[r])));
-    } else {
-      for (int j = 0; j < W; ++j) res[r][j] = hsum(acc[r][j]) + offs[r][j];
-    }
-  }
 }
 
 template <typename T>
@@ -273,13 +290,13 @@ void rows_int(int fmt, const T* xq, const float* xs, int64_t m, int64_t kp, cons
               float* out, int64_t n_out, int64_t n0, int64_t n1) {
   const int64_t groups = kp / G;
   float res[2][NW];
-  for (int64_t r0 = 0; r0 < m; r0 += 2) {
-    const int rows = m - r0 >= 2 ? 2 : 1;
-    const T* x = xq + r0 * kp;
-    const float* s = xs + r0 * groups;
-    const float* sx = sumx ? sumx + r0 * groups : nullptr;
-    for (int64_t n = n0; n < n1;) {
-      const int wn = n1 - n >= NW ? NW : 1;
+  for (int64_t n = n0; n < n1;) {
+    const int wn = n1 - n >= NW ? NW : 1;
+    for (int64_t r0 = 0; r0 < m; r0 += 2) {  // the NW weight rows stay in L1 for every row
+      const int rows = m - r0 >= 2 ? 2 : 1;
+      const T* x = xq + r0 * kp;
+      const float* s = xs + r0 * groups;
+      const float* sx = sumx ? sumx + r0 * groups : nullptr;
       if (wn == NW) {
         if (rows == 2) block_int<T, 2, NW>(fmt, x, s, kp, w, scales, mins, sx, n, res);
         else block_int<T, 1, NW>(fmt, x, s, kp, w, scales, mins, sx, n, res);
@@ -290,8 +307,8 @@ void rows_int(int fmt, const T* xq, const float* xs, int64_t m, int64_t kp, cons
       for (int r = 0; r < rows; ++r)
         for (int j = 0; j < wn; ++j)
           out[(r0 + r) * n_out + n + j] = res[r][j] + (bias ? bias[n + j] : 0.f);
-      n += wn;
     }
+    n += wn;
   }
 }
 
@@ -305,16 +322,17 @@ constexpr int64_t NT = 16;   // output columns per tile (threads split on these:
 constexpr int64_t KC = 256;  // inputs per tile (16 KB of float32)
 
 // Eight consecutive weights k..k+7 (k a multiple of 8) of output row `row`, as float32.
-inline __m256 load8(int fmt, const uint8_t* w, const float* scales, const float* mins,
+template <int fmt>
+inline __m256 load8(const uint8_t* w, const float* scales, const float* mins,
                     int64_t kp, int64_t row, int64_t k) {
   const int64_t groups = kp / G, g = k / G;
-  if (fmt == 2) {
+  if constexpr (fmt == 2) {
     const uint16_t* p = reinterpret_cast<const uint16_t*>(w) + row * kp + k;
     const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   }
   const __m256 s = _mm256_broadcast_ss(scales + row * groups + g);
-  if (fmt == 0)
+  if constexpr (fmt == 0)
     return _mm256_mul_ps(i8x8(reinterpret_cast<const int8_t*>(w) + row * kp + k), s);
   const int c = static_cast<int>((k % G) / 8);  // 0, 1: low nibbles of bytes 0-7, 8-15; 2, 3: high
   const __m128i b =
@@ -324,14 +342,15 @@ inline __m256 load8(int fmt, const uint8_t* w, const float* scales, const float*
 }
 
 // Rows n..n+wn (wn <= 16; the rest zero), inputs k0..k0+kc, into tile[kc][16].
-void dequant_tile(int fmt, const uint8_t* w, const float* scales, const float* mins,
+template <int fmt>
+void dequant_tile(const uint8_t* w, const float* scales, const float* mins,
                   int64_t kp, int64_t n, int64_t wn, int64_t k0, int64_t kc, float* tile) {
   for (int64_t half = 0; half < 2; ++half) {
     for (int64_t k = 0; k < kc; k += 8) {
       __m256 r[8];
       for (int j = 0; j < 8; ++j) {
         const int64_t col = half * 8 + j;
-        r[j] = col < wn ? load8(fmt, w, scales, mins, kp, n + col, k0 + k) : _mm256_setzero_ps();
+        r[j] = col < wn ? load8<fmt>(w, scales, mins, kp, n + col, k0 + k) : _mm256_setzero_ps();
       }
       // 8 x 8 transpose: r[j] holds row j's inputs k..k+7; out[i] input k+i's 8 rows
       const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
@@ -390,7 +409,9 @@ void rows_tile(int fmt, const float* x, int64_t m, int64_t kp, const uint8_t* w,
       for (int64_t j = 0; j < NT; ++j) acc[r * NT + j] = bias && j < wn ? bias[n + j] : 0.f;
     for (int64_t k0 = 0; k0 < kp; k0 += KC) {
       const int64_t kc = std::min<int64_t>(KC, kp - k0);
-      dequant_tile(fmt, w, scales, mins, kp, n, wn, k0, kc, tile.data());
+      if (fmt == 0) dequant_tile<0>(w, scales, mins, kp, n, wn, k0, kc, tile.data());
+      else if (fmt == 1) dequant_tile<1>(w, scales, mins, kp, n, wn, k0, kc, tile.data());
+      else dequant_tile<2>(w, scales, mins, kp, n, wn, k0, kc, tile.data());
       for (int64_t r0 = 0; r0 < m; r0 += 6) {
         const float* xr = x + r0 * kp + k0;
         float* a = acc.data() + r0 * NT;
