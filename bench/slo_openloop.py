@@ -272,6 +272,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--workload", choices=sorted(MODELS), default="mlp")
     add("--seq", type=int, default=32, help="MiniLM tokens per request")
     add("--max-batch", type=int, default=32, help="max_batch_size of each config")
+    add("--src", type=Path, help="serve from this source tree (an older commit's, for an A/B)")
     add("--objective-ms", type=float, default=10.0)
     add("--loads", default="0.2,0.5,1,1.5,2,3")
     add("--windows", default="0,200,1000,5000", help="fixed windows, µs")
@@ -307,7 +308,9 @@ def main(argv: list[str] | None = None) -> None:
     models = _repository(repo, model_file, objective, windows, args.max_batch)
     body = work / "body.json"
     body.write_bytes(_request_body(args.workload, args.seq))
-    server, ports = procs.rtserve(work, "--model-repository", str(repo), cpus=args.server_cpus)
+    server, ports = procs.rtserve(
+        work, "--model-repository", str(repo), cpus=args.server_cpus, src=args.src
+    )
     port = ports["http_port"]
     urls = {m: f"http://127.0.0.1:{port}/v2/models/{m}/infer" for m in models}
     triton: dict[str, tuple[str, object]] = {}
