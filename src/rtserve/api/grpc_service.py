@@ -684,8 +684,3 @@ def bind_routes(frontend: GrpcFrontend) -> dict[str, Method]:
         path: Method(r.name, MethodType(r.handler, frontend), r.parse, r.serialize, r.streaming)
         for path, r in GRPC_ROUTES.items()
     }
-
-
-def service_methods(frontend: GrpcFrontend) -> list[Method]:
-    """The service's methods bound to ``frontend``, in the table's order."""
-    return list(bind_routes(frontend).values())

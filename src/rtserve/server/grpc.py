@@ -21,7 +21,6 @@ from rtserve.api.grpc_service import (
     Method,
     bind_routes,
     check_call_headers,
-    service_methods,
 )
 from rtserve.errors import RTServeError
 from rtserve.server.errors import grpc_error
@@ -34,7 +33,6 @@ __all__ = [
     "GrpcServers",
     "Method",
     "check_call_headers",
-    "service_methods",
     "start_grpc_server",
 ]
 
