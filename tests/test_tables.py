@@ -12,6 +12,7 @@ a cold start imports its module.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 from collections import deque
 from pathlib import Path
@@ -210,3 +211,18 @@ def test_without_its_line_a_section_is_an_unknown_field_and_lines_say_the_object
     # the ensemble's says it has no queue of its own.
     with pytest.raises(ConfigError, match="priority_levels: expected no priority_levels"):
         parse_model_config({"backend": "ensemble", "priority_levels": 2}, "m", "m/config.yaml")
+
+
+def test_the_backends_table_is_plain_data_below_config_and_the_core() -> None:
+    """``config.py`` and ``core/factory.py`` both read it: it imports neither (nor anything
+    of rtserve), and names modules instead of importing them."""
+    source = Path(backends.__file__).read_text()
+    imported = [
+        alias.name if isinstance(node, ast.Import) else f"{node.module}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    ]
+    assert not [name for name in imported if name.startswith("rtserve")], imported
+    for name, backend in backends.BACKENDS.items():
+        assert (backend.runtime is None) != (backend.builder is None), name
