@@ -5,7 +5,8 @@ compiled once into a matcher and kept in a bounded LRU cache; each sequence deco
 own copy of that matcher, which gives the tokens allowed next (a bit per vocabulary entry,
 about 0.03 ms per step on SmolLM2's 49,152) and takes each chosen token. End of sequence is
 allowed only where the grammar may end; once it can take nothing more the sequence finishes
-("stop"). JSON grammars are compact: no whitespace between tokens outside strings.
+("stop"). JSON grammars are compact: no whitespace between tokens outside strings, and a
+number's digits are bounded where its schema leaves them open (``bounded_numbers``).
 
 Compiling runs in one worker thread with a timeout (``compile_timeout_s``): a slow schema is
 refused without stalling the event loop or the step loop. The parser's own limits bound
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import math
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -58,6 +60,61 @@ def _limits() -> Any:
     )
 
 
+# A number's digits where its schema leaves them open: without a bound a model (a random-weight
+# one, a small one in a loop) can write digits until max_tokens and the JSON never parses.
+MAX_INTEGER = 2**53 - 1  # (the integers every JSON parser reads exactly)
+DECIMALS = 6  # a number without multipleOf: at most this many decimals, no exponent
+_LITERALS = ("enum", "const", "default", "examples")  # (values, not schemas)
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """``schema`` with each integer's and number's open bounds closed at +-``MAX_INTEGER``
+    and a number without ``multipleOf`` held to ``DECIMALS`` decimals (unless a bound of
+    its own is finer); what it decodes still matches ``schema``. A copy, made without
+    recursion (a schema may nest deeper than Python's stack)."""
+    top: dict[str, Any] = {}
+    stack: list[tuple[Any, Any]] = [({"schema": schema}, top)]
+    while stack:
+        source, copy = stack.pop()
+        items = source.items() if isinstance(source, dict) else enumerate(source)
+        for key, value in items:
+            literal = isinstance(source, dict) and key in _LITERALS
+            if isinstance(value, dict | list) and not literal:
+                copy[key] = {} if isinstance(value, dict) else [None] * len(value)
+                stack.append((value, copy[key]))
+            else:
+                copy[key] = value
+        if isinstance(source, dict):
+            _close_numbers(source, copy)
+    return top["schema"]
+
+
+def _close_numbers(source: dict[str, Any], copy: dict[str, Any]) -> None:
+    kinds = source.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    if not {"integer", "number"} & {k for k in kinds if isinstance(k, str)}:
+        return
+
+    def number(key: str) -> bool:
+        value = source.get(key)
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    if not number("minimum") and not number("exclusiveMinimum"):
+        copy["minimum"] = -MAX_INTEGER
+    if not number("maximum") and not number("exclusiveMaximum"):
+        copy["maximum"] = MAX_INTEGER
+
+    def coarse(key: str) -> bool:  # (a multiple of 10**-DECIMALS, or no bound)
+        if not number(key) or isinstance(source[key], int):
+            return True
+        scaled = source[key] * 10**DECIMALS
+        return not math.isfinite(scaled) or abs(scaled - round(scaled)) < 1e-6
+
+    bounds = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+    if "number" in kinds and "multipleOf" not in source and all(map(coarse, bounds)):
+        copy["multipleOf"] = 10.0**-DECIMALS
+
+
 def grammar_text(constraint: Constraint) -> str:
     """The llguidance grammar of ``constraint``; InvalidInput naming the field if it is not
     one."""
@@ -79,7 +136,9 @@ def grammar_text(constraint: Constraint) -> str:
                 f"{FIELD}: expected a JSON schema (an object), got {type(spec).__name__}"
             )
         try:
-            return str(llguidance.LLMatcher.grammar_from_json_schema(spec, options))
+            return str(
+                llguidance.LLMatcher.grammar_from_json_schema(bounded_numbers(spec), options)
+            )
         except (ValueError, TypeError) as exc:
             raise InvalidInput(f"{FIELD}: the JSON schema cannot be used: {exc}"[:300]) from exc
     if kind == "regex":
