@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import importlib.util
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from rtserve.config import parse_model_config  # noqa: E402
 from rtserve.errors import ConfigError  # noqa: E402
 from tests.conftest import RunningServer, post_json, start_server  # noqa: E402
 
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HIDDEN = 16
 WORDS = [
     "the",
@@ -86,6 +88,44 @@ def _encoder(path: Path) -> None:
     onnx.save(model, str(path))
 
 
+TORCH_NET = f"""
+import numpy as np
+import torch
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self, table):
+        super().__init__()
+        self.register_buffer("table", torch.from_numpy(table))
+
+    def forward(self, input_ids, attention_mask):
+        x = self.table[input_ids] * attention_mask.unsqueeze(-1).to(torch.float32)
+        return torch.tanh(torch.cumsum(x, dim=1))
+
+
+def build():
+    rng = np.random.default_rng(7)
+    return Encoder(rng.normal(size=({len(WORDS) + 2}, {HIDDEN})).astype(np.float32))
+"""
+
+
+def _torch_encoder(model: Path) -> None:
+    """The ONNX encoder's function as a torch module (the torch backend's factory)."""
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "net.py").write_text(TORCH_NET)
+    _tokenizer().save(str(model / "1" / "tokenizer.json"))
+    ids = [{"name": n, "datatype": "INT64", "shape": [-1]} for n in ("input_ids", "attention_mask")]
+    config = {
+        "backend": "torch",
+        "max_batch_size": 16,
+        "inputs": ids,
+        "outputs": [{"name": "last_hidden_state", "datatype": "FP32", "shape": [-1, HIDDEN]}],
+        "torch": {"factory": "net:build"},
+        "embedding": {"pooling": "mean"},
+    }
+    (model / "config.yaml").write_text(yaml.safe_dump(config))
+
+
 def _tokenizer() -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -112,6 +152,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
             _tokenizer().save(str(root / name / "vocab" / "tokenizer.json"))
         else:
             _tokenizer().save(str(root / name / "1" / "tokenizer.json"))
+    if HAVE_TORCH:
+        _torch_encoder(root / "enc-torch")
     running = start_server(root, tmp_path_factory.mktemp("pooling-work"))
     yield running
     running.stop()
@@ -162,6 +204,20 @@ def test_mean_pooling_equals_numpy_over_the_v2_token_states(server: RunningServe
     status, by_ids = _embed(server, {"model": "enc-mean", "input": rows})
     assert status == 200, by_ids
     np.testing.assert_allclose([d["embedding"] for d in by_ids["data"]], got, atol=1e-6)
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="needs torch")
+def test_a_torch_encoder_pools_to_the_onnx_encoder_s_vectors(server: RunningServer) -> None:
+    status, onnx_doc = _embed(server, {"model": "enc-mean", "input": TEXTS})
+    assert status == 200, onnx_doc
+    status, torch_doc = _embed(server, {"model": "enc-torch", "input": TEXTS})
+    assert status == 200, torch_doc
+    np.testing.assert_allclose(
+        [d["embedding"] for d in torch_doc["data"]],
+        [d["embedding"] for d in onnx_doc["data"]],
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_cls_pooling_is_the_first_token_with_a_tokenizer_directory(server: RunningServer) -> None:
