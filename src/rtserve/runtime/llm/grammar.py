@@ -172,9 +172,10 @@ class GrammarState:
         if m.is_error() or m.is_stopped():
             return None  # (the engine ends it)
         bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        if bits.shape[0] >= vocab:  # (0 / 1 bytes read as bools: no copy, no torch fill)
+            return torch.from_numpy(bits[:vocab].view(np.bool_))
         out = torch.zeros(vocab, dtype=torch.bool)
-        n = min(vocab, bits.shape[0])
-        out[:n] = torch.from_numpy(bits[:n].astype(np.bool_))
+        out[: bits.shape[0]] = torch.from_numpy(bits.view(np.bool_))
         return out
 
     def accept(self, token: int) -> None:
