@@ -211,6 +211,17 @@ inline __m256i bytes32(int fmt, const uint8_t* w, int64_t kp, int64_t n, int64_t
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
 }
 
+// sum a[i] * b[i] (eight lanes at a time; a scalar chain would cost its latency per term)
+inline float dot(const float* a, const float* b, int64_t len) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float tail = 0.f;
+  for (; i < len; ++i) tail += a[i] * b[i];
+  return hsum(acc) + tail;
+}
+
 // Four sums (one per __m256) in one __m128.
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -224,7 +235,16 @@ inline void dot_group(int fmt, const uint8_t* w, int64_t kp, int64_t row, int64_
                       const T* x0, const T* x1, __m256i& p0, __m256i& p1) {
   auto ld = [](const T* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
   if constexpr (sizeof(T) == 2) {
-    const __m256i w0 = wide16(fmt, w, kp, row, g, 0), w1 = wide16(fmt, w, kp, row, g, 1);
+    __m256i w0, w1;
+    if (fmt == 0) {
+      w0 = wide16(0, w, kp, row, g, 0), w1 = wide16(0, w, kp, row, g, 1);
+    } else {  // one load: low nibbles (elements 0-15), high nibbles (16-31)
+      const __m128i b =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + row * (kp / 2) + g * (G / 2)));
+      const __m128i low = _mm_set1_epi8(15);
+      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));
+      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));
+    }
     p0 = _mm256_add_epi32(_mm256_madd_epi16(w0, ld(x0)), _mm256_madd_epi16(w1, ld(x0 + 16)));
     if constexpr (R > 1)
       p1 = _mm256_add_epi32(_mm256_madd_epi16(w0, ld(x1)), _mm256_madd_epi16(w1, ld(x1 + 16)));
@@ -276,12 +296,7 @@ void block_int(int fmt, const T* xq, const float* xs, int64_t kp, const uint8_t*
   }
   if (fmt == 1)  // the minimums' term: sum over groups of min * (the group's sum of x)
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < W; ++j) {
-        float o = 0.f;
-        for (int64_t g = 0; g < groups; ++g)
-          o += mins[(n + j) * groups + g] * sumx[r * groups + g];
-        res[r][j] += o;
-      }
+      for (int j = 0; j < W; ++j) res[r][j] += dot(mins + (n + j) * groups, sumx + r * groups, groups);
 }
 
 template <typename T>
@@ -470,6 +485,20 @@ void rows_int_plain(int fmt, const T* xq, const float* xs, int64_t m, int64_t kp
   }
 }
 
+// The sum of a group of 32 floats.
+inline float group_sum(const float* x) {
+#ifdef RT_AVX2
+  const __m256 a = _mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8));
+  const __m256 b = _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24));
+  return hsum(_mm256_add_ps(a, b));
+#else
+  float s[4] = {0.f, 0.f, 0.f, 0.f};  // four chains, not one
+  for (int j = 0; j < G; j += 4)
+    for (int i = 0; i < 4; ++i) s[i] += x[j + i];
+  return (s[0] + s[1]) + (s[2] + s[3]);
+#endif
+}
+
 // One group of 32 activations to int8 / int16 (symmetric, round to nearest even); its scale.
 template <typename T>
 float quantize_group(const float* x, T* q) {
@@ -574,11 +603,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale
   if (fmt == 1 && few) {
     sumx.resize(m * groups);
     for (int64_t r = 0; r < m; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        float sum = 0.f;
-        for (int64_t j = 0; j < G; ++j) sum += xs[r * kp + g * G + j];
-        sumx[r * groups + g] = sum;
-      }
+      for (int64_t g = 0; g < groups; ++g) sumx[r * groups + g] = group_sum(xs + r * kp + g * G);
   }
   if (ints) {
     (q8 ? xq.resize(m * kp) : xq16.resize(m * kp));
