@@ -658,7 +658,12 @@ class TreeModel:
             if a.kind == "regression":
                 out["predict"] = v
             else:
-                proba = np.stack([1 - v, v], axis=1) if self._binary else v
+                if self._binary:  # (np.stack costs more than the model's one row)
+                    proba = np.empty((n, 2), v.dtype)
+                    proba[:, 1] = v
+                    np.subtract(1, v, out=proba[:, 0])
+                else:
+                    proba = v
                 if "predict_proba" in self.wanted:
                     out["predict_proba"] = (
                         a.proba_fn(x) if a.proba_fn is not None and not self._binary else proba
@@ -677,14 +682,16 @@ class TreeModel:
             out["margin"] = a.margin(x)
         if self.contributing:
             flags = feeds.get(CONTRIBUTIONS)
-            if flags is not None and flags.any():
+            if flags is not None and (flags[0] if n == 1 else flags.any()):
                 c = np.asarray(a.contributions(x), dtype=np.float64)  # type: ignore[misc]
                 out[CONTRIBUTIONS] = c
                 out[REASONS] = self._reasons(c, out)
             else:
                 shape = (n, *self.outputs[-2].shape[1:]) if batched else self.outputs[-2].shape
                 out[CONTRIBUTIONS] = np.zeros((n, *shape[1:]) if batched else shape)
-                out[REASONS] = np.full((n, self.k), b"", dtype=object)
+                reasons = np.empty((n, self.k), dtype=object)
+                reasons.fill(b"")
+                out[REASONS] = reasons
         if not batched:
             out = {k: v[0] for k, v in out.items()}
         return out

@@ -105,6 +105,10 @@ class SchedulingPolicy(ABC):
     when. Every call comes from the event loop's thread."""
 
     engine: BatcherView
+    # Whether the batcher may run a request at once on arrival when it is idle and ``next``
+    # gives that request alone (``batcher.py``, direct runs); ``next`` must then be a pure
+    # decision that a call from a frontend's callback does not upset.
+    allows_direct = False
 
     def bind(self, engine: BatcherView) -> None:
         """Called once by the batcher this policy schedules for, at its construction."""

@@ -7,6 +7,15 @@ the next batch, concatenates it along dimension 0, runs it on a free instance an
 the outputs back to each request's future. Small models run inline on the event loop (a
 thread hop would cost more than the compute); larger ones run on executor threads, and each
 batch completes all its futures with a single ``call_soon_threadsafe``.
+
+Direct runs (an automatic rule): an inline model whose one-row batches take at most
+``DIRECT_MAX_NS`` (measured as it serves) runs a request at once, in the frontend's callback
+that submits it, when the batcher is idle (nothing queued or running) and the policy would
+dispatch it alone anyway; this skips the wakeup of the gather loop and its extra event loop
+step. At most one request per event loop step runs so: the others that arrive in the same
+step are queued and batched as usual, so concurrent load still uses the batcher. The log
+says when a model starts and stops doing so; ``RTSERVE_DIRECT_MAX_US`` sets the bound in
+microseconds (0: never).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +49,19 @@ Result = tuple[Outputs | None, BaseException | None, int]
 log = logging.getLogger(__name__)
 
 BatchObserver = Callable[[int, int], None]  # (rows in batch, compute ns)
+
+
+def _direct_max_ns() -> int:
+    raw = os.environ.get("RTSERVE_DIRECT_MAX_US", "100")
+    try:
+        return max(0, int(float(raw) * 1000))
+    except ValueError:
+        log.warning("RTSERVE_DIRECT_MAX_US=%r is not a number; using 100", raw[:40])
+        return 100_000
+
+
+# One-row batches at most this long (ns) may run directly on arrival (see the docstring).
+DIRECT_MAX_NS = _direct_max_ns()
 
 
 class Batcher:
@@ -86,6 +109,13 @@ class Batcher:
         self.cancelled = 0  # requests whose client went away before their batch ran
         self.policy = policy
         policy.bind(self)
+        # Direct runs: allowed by the policy, the mode and the bound; ``solo_ns``: a moving
+        # average of one-row batch times (-1: none measured yet).
+        self._direct_max_ns = DIRECT_MAX_NS if inline and policy.allows_direct else 0
+        self.solo_ns = -1.0
+        self.direct = False  # one-row batches are fast enough (solo_ns <= the bound)
+        self._direct_used = False  # a direct run happened in this event loop step
+        self.direct_runs = 0
         # Called per request before its decode: the policy's own, without a hop through here.
         self.refuse_early = policy.refuse_early
 
@@ -162,12 +192,45 @@ class Batcher:
         if on_done is not None:
             request.on_done = on_done
             future.add_done_callback(on_done)
+        wakeup = self._wakeup
+        if (
+            self.direct
+            and self._idle_wait  # (so nothing else is queued or running)
+            and not self._direct_used
+            and self.free
+            and self.policy.queue_depth == 1
+            and wakeup is not None
+            and not wakeup.done()
+        ):
+            step = self.policy.next(self._now(), self.free[-1])
+            if step is not None and step.batch:
+                self._direct_used = True
+                loop.call_soon(self._direct_step_over)
+                self.direct_runs += 1
+                self.run_now(step.batch)
+                return future
         if timeout_s > 0:
             request.timer = loop.call_later(timeout_s, self._expire, request, timeout_s)
-        wakeup = self._wakeup
         if wakeup is not None and not wakeup.done() and (self._idle_wait or self.policy.wake_now()):
             wakeup.set_result(None)
         return future
+
+    def _direct_step_over(self) -> None:
+        self._direct_used = False
+
+    def _learn_solo(self, ns: int) -> None:
+        """A one-row batch took ``ns``: update ``solo_ns`` and whether direct runs pay."""
+        self.solo_ns = ns if self.solo_ns < 0 else self.solo_ns + 0.2 * (ns - self.solo_ns)
+        # (on at the bound, off at 1.5x it: a time near the bound does not flip it back and forth)
+        limit = self._direct_max_ns * (1.5 if self.direct else 1.0)
+        direct = self.solo_ns <= limit
+        if direct != self.direct:
+            self.direct = direct
+            log.info(
+                "model %s: one-row batches take %.0f us; requests on an idle batcher %s",
+                self.name, self.solo_ns / 1e3,
+                "now run directly on arrival" if direct else "go through the gather loop again",
+            )  # fmt: skip
 
     def _expire(self, request: Request, timeout_s: float) -> None:
         if not request.future.done():
@@ -309,6 +372,8 @@ class Batcher:
         total_rows = sum(p.rows for p in batch)
         # A batch that failed and was rerun teaches the policy nothing about batch times.
         self.policy.finished(batch, total_rows, instance, start, end, failed=alone is not None)
+        if total_rows == 1 and self._direct_max_ns and error is None and alone is None:
+            self._learn_solo(end - start)
         if self._on_batch is not None:
             self._on_batch(total_rows, end - start)
             if alone is not None:

@@ -12,6 +12,8 @@ from rtserve.scheduling.policy import DynamicBatchPolicy
 
 
 class WindowPolicy(SchedulingPolicy):
+    allows_direct = True
+
     def __init__(
         self, policy: DynamicBatchPolicy, max_queue: int, more_expected: Callable[[], bool]
     ) -> None:
