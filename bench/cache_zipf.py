@@ -16,7 +16,6 @@ import json
 import re
 import shutil
 import sys
-import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from bench import machine, servers
+from bench import machine, procs, servers
 from bench.clients import wrk
 from bench.procs import RedisServer, cpu_seconds
 from bench.report import fmt_ms, fmt_ratio, fmt_rps, markdown_table
@@ -343,10 +342,7 @@ RTSERVE = replace(servers.PEERS["rtserve"], start_timeout_s=90.0)
 
 def scrape(base: str, metric: str) -> float:
     """Sum of every sample of ``metric`` on /metrics (0 when absent)."""
-    with urllib.request.urlopen(base + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    pattern = re.compile(rf"^{re.escape(metric)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
-    return sum(float(v) for v in pattern.findall(text))
+    return sum(value for name, _, value in procs.metrics(base) if name == metric)
 
 
 # One-off inputs of run n are numbered from (n + 1) * ONE_OFFS_PER_RUN: exact in FP32 (< 2**24)

@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -53,6 +54,19 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
         return int(exc.code)
     except (OSError, ValueError):
         return None
+
+
+def metrics(base: str) -> list[tuple[str, dict[str, str], float]]:
+    """The samples of ``base``/metrics (Prometheus text): (name, labels, value)."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = []
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            head, _, value = line.rpartition(" ")
+            name, _, labels = head.partition("{")
+            found.append((name, dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value)))
+    return found
 
 
 def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]:

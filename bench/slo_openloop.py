@@ -201,27 +201,23 @@ def _server_state(port: int, model: str, objective_ms: float) -> dict[str, float
     as the server timed them (reception to encoded answer; the histogram bucket at the
     objective, or the largest below it), all its answers, and for ``slo`` the controller's
     budget factor and the batches run so far (count and rows)."""
-    import urllib.request
-
     from rtserve.observability.metrics import LATENCY_BUCKETS
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     bound = max((b for b in LATENCY_BUCKETS if b <= objective_ms / 1e3 + 1e-12), default=0.0)
     out = {"within": 0.0, "answered": 0.0}
-    for line in text.splitlines():
-        if f'model="{model}"' not in line or line.startswith("#"):
+    for name, labels, value in procs.metrics(f"http://127.0.0.1:{port}"):
+        if labels.get("model") != model:
             continue
-        name = line.split("{", 1)[0]
-        value = float(line.rsplit(" ", 1)[1])
         if name == "rtserve_request_duration_seconds_bucket":
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            if le == "+Inf":
+            if labels["le"] == "+Inf":
                 out["answered"] = value
-            elif abs(float(le) - bound) < 1e-12:
+            elif abs(float(labels["le"]) - bound) < 1e-12:
                 out["within"] = value
         elif name in (
-            "rtserve_slo_budget_factor", "rtserve_batch_size_sum", "rtserve_batch_size_count"
-        ):  # fmt: skip
+            "rtserve_slo_budget_factor",
+            "rtserve_batch_size_sum",
+            "rtserve_batch_size_count",
+        ):
             out[name] = value
     return out
 
