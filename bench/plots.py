@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -66,9 +67,14 @@ def _draw(
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
+    return save(fig, out)
+
+
+def save(fig: Any, out: Path, dpi: int | None = None) -> Path:
+    """Lay out, write (its folder made) and close a figure."""
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    fig.savefig(out, dpi=dpi or "figure")
     plt.close(fig)
     return out
 

@@ -437,10 +437,7 @@ def _best(rows: list[dict], labels: list[str]) -> dict | None:
 
 
 def _plot(rows: list[dict], models: list[str], objective: float, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.plots import plt, save
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for m in models:
@@ -463,9 +460,7 @@ def _plot(rows: list[dict], models: list[str], objective: float, path: Path, tit
     left.legend(fontsize=8)
     right.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path, dpi=90)
 
 
 def _share(x: float | None) -> str:

@@ -619,10 +619,7 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 def plot(samples: list[dict[str, Any]], windows: list[dict[str, Any]], t0: float, path: Path):
     """RSS, descriptors, latency and the machine's load over the run, one panel each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.plots import plt, save
 
     fig, axes = plt.subplots(4, 1, figsize=(9, 9.5), sharex=True)
     minutes = [(s["t"] - t0) / 60 for s in samples]
@@ -649,10 +646,7 @@ def plot(samples: list[dict[str, Any]], windows: list[dict[str, Any]], t0: float
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle("rtserve soak: MLP at ~70% of capacity next to hostile clients")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path, dpi=100)
 
 
 def markdown(run: dict[str, Any], plot_path: Path | None, out: Path) -> str:
