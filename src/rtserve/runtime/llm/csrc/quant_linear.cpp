@@ -286,6 +286,17 @@ void block_int(int fmt, const T* xq, const float* xs, int64_t kp, const uint8_t*
   }
     RT_STEP(0) RT_STEP(1) RT_STEP(2) RT_STEP(3)
 #undef RT_STEP
+    // Four int8 rows read side by side are four short streams to the hardware prefetcher
+    // (the LM head from memory ran at half the speed of one row at a time): fetch the
+    // block two ahead in order, a line per 64 bytes read. (int4 ran slower with it.)
+    if (W == NW && fmt == 0) {
+      const int64_t rb = fmt == 1 ? kp / 2 : kp;
+      const int64_t ahead = 2 * NW * rb, done = g * (fmt == 1 ? G / 2 : G) * NW;
+      const char* base = reinterpret_cast<const char*>(w) + n * rb + ahead;
+      const int64_t step = fmt == 1 ? G / 2 * NW : G * NW;  // bytes of this group, all rows
+      for (int64_t off = done - done % 64; off < done + step; off += 64)
+        _mm_prefetch(base + off, _MM_HINT_T0);
+    }
   }
   if constexpr (W == NW) {
     _mm_storeu_ps(res[0], hsum4(c00, c01, c02, c03));
