@@ -152,7 +152,8 @@ async def test_a_model_that_turns_slow_stops_running_directly() -> None:
         assert fut.done()
         runs += 1
         await settle()
-    assert runs == 1  # the moving average passed 1.5x the bound after one slow run
+    # The running median climbs 5% a run: from 20 us past 150 us in about 41 runs.
+    assert 30 < runs < 50
     fut = b.submit(row(), 1, Timings())
     assert not fut.done()
     await fut
@@ -191,7 +192,7 @@ async def test_a_direct_run_that_fails_answers_its_request_with_the_error() -> N
     b = make(rt, clock)
     b.start()
     await first_batch(b)
-    rt.fail_next = RuntimeError("boom")
+    rt.fail_next = RuntimeError("boom")  # (a failed run teaches nothing about its time)
     fut = b.submit(row(), 1, Timings())
     assert fut.done() and isinstance(fut.exception(), InferenceFailed)
     assert "m:1" in str(fut.exception())

@@ -116,6 +116,7 @@ class Batcher:
         self.direct = False  # one-row batches are fast enough (solo_ns <= the bound)
         self._direct_used = False  # a direct run happened in this event loop step
         self.direct_runs = 0
+        self._direct_changes = 0  # (the first change each way is logged at INFO)
         # Called per request before its decode: the policy's own, without a hop through here.
         self.refuse_early = policy.refuse_early
 
@@ -219,14 +220,23 @@ class Batcher:
         self._direct_used = False
 
     def _learn_solo(self, ns: int) -> None:
-        """A one-row batch took ``ns``: update ``solo_ns`` and whether direct runs pay."""
-        self.solo_ns = ns if self.solo_ns < 0 else self.solo_ns + 0.2 * (ns - self.solo_ns)
+        """A one-row batch took ``ns``: update ``solo_ns`` and whether direct runs pay.
+
+        ``solo_ns`` follows the median (steps of 5% at most towards each sample): one
+        run preempted by another process on a busy machine says nothing of the model."""
+        solo = self.solo_ns
+        if solo < 0:
+            self.solo_ns = ns
+        else:
+            self.solo_ns = min(solo * 1.05, ns) if ns > solo else max(solo * 0.95, ns)
         # (on at the bound, off at 1.5x it: a time near the bound does not flip it back and forth)
         limit = self._direct_max_ns * (1.5 if self.direct else 1.0)
         direct = self.solo_ns <= limit
         if direct != self.direct:
             self.direct = direct
-            log.info(
+            self._direct_changes += 1
+            log.log(
+                logging.INFO if self._direct_changes <= 2 else logging.DEBUG,
                 "model %s: one-row batches take %.0f us; requests on an idle batcher %s",
                 self.name, self.solo_ns / 1e3,
                 "now run directly on arrival" if direct else "go through the gather loop again",
