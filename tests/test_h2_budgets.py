@@ -1,6 +1,6 @@
 """rtserve's HTTP/2 gRPC transport against clients that try to make it pay: each budget is
 decided before its cost is paid (server/grpc_h2.py). The attacks are written frame by frame
-(``bench/h2_attacks.py``, which also measures them) against a real server with API keys on;
+(``tests/h2_attacks.py``) against a real server with API keys on;
 each test asserts first on what bounds the attack (a refusal, a reset, GOAWAY), then that the
 server's memory stayed near its baseline and that a valid client kept being answered."""
 
@@ -17,7 +17,18 @@ import numpy as np
 import pytest
 from hpack import Decoder
 
-from bench.h2_attacks import (
+from rtserve.protocol import grpc_service_pb2 as pb
+from rtserve.server.grpc_h2 import (
+    CONN_BUFFER,
+    CONN_WINDOW,
+    INITIAL_WINDOW,
+    MAX_CALLS_PER_ADDRESS,
+    MAX_RESETS,
+    REQUEST_STALL_S,
+    STREAM_WINDOW,
+)
+from tests.conftest import RunningServer, start_server
+from tests.h2_attacks import (
     DATA,
     END_HEADERS,
     END_STREAM,
@@ -43,17 +54,6 @@ from bench.h2_attacks import (
     settings_window_flood,
     window_update_flood,
 )
-from rtserve.protocol import grpc_service_pb2 as pb
-from rtserve.server.grpc_h2 import (
-    CONN_BUFFER,
-    CONN_WINDOW,
-    INITIAL_WINDOW,
-    MAX_CALLS_PER_ADDRESS,
-    MAX_RESETS,
-    REQUEST_STALL_S,
-    STREAM_WINDOW,
-)
-from tests.conftest import RunningServer, start_server
 from tests.models import build_scale
 
 USER = "user-token-0123456789abcdef"  # models a, big and held

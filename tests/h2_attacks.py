@@ -1,7 +1,7 @@
 """Hostile HTTP/2 clients against rtserve's gRPC transport, written frame by frame, and a
 valid client calling ``ServerLive`` beside them; ``tests/test_h2_budgets.py`` asserts on how
-each attack is bounded. (The measuring ``main``, whose figures are in
-``bench/results/security.md``, is retired: it is in the tree at commit 33a12e5.)
+each attack is bounded. (The measuring ``bench.h2_attacks`` whose figures are in
+``bench/results/security.md`` is retired: it is in the tree at commit 33a12e5.)
 """
 
 from __future__ import annotations
