@@ -1,12 +1,11 @@
 """Response-cache benchmark: a Zipf stream with repeats against rtserve, five cache setups.
 
-A request is one of ``hot`` inputs drawn with Zipf(``exponent``) popularity or a one-off
-input, mixed so that the stream's repeat rate (the best hit rate any cache could reach) is
-``repeat``. rtserve starts afresh per setup (no cache, L1, L2 = Redis, L1+L2, L1+L2 restarted
-on a warm Redis); wrk walks the stream with a Lua script that counts the ``x-rtserve-cache``
-header. ``--model mlp`` (transport-bound), ``minilm`` (compute-bound) or ``all``; ``--quick``:
-one short round. Results: docs/benchmarks-cache.md (one section per model between marker
-comments) and bench/.work/cache/results*.json.
+A request is one of ``hot`` inputs drawn with Zipf popularity or a one-off input, mixed so
+that the stream's repeat rate (the best hit rate any cache could reach) is 50%. rtserve
+starts afresh per setup (no cache, L1, L2 = Redis, L1+L2, L1+L2 restarted on a warm Redis);
+wrk walks the stream with a Lua script that counts the ``x-rtserve-cache`` header.
+``--model mlp`` (transport-bound), ``minilm`` (compute-bound) or ``all``; ``--quick``: one
+short round. Results: docs/benchmarks-cache.md, one section per model between marker comments.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import json
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,18 +33,17 @@ from bench.workloads import MINILM, MINILM_SEQ_LEN, MLP, ROOT, WORK, Workload
 WORKDIR = WORK / "cache"
 DOC = ROOT / "docs" / "benchmarks-cache.md"
 SENTENCES = ROOT / "examples" / "data" / "sentences.txt"
-CACHE_HEADER = "x-rtserve-cache"
 MODELS = ("mlp", "minilm")
+REPEAT, EXPONENT, SEED = 0.5, 1.0, 0  # target repeat rate, Zipf exponent, stream seed
+L1_BYTES = 256 * 1024 * 1024
+# One-off inputs of run n are numbered from (n + 1) * ONE_OFFS_PER_RUN: exact in FP32 (< 2**24)
+# for 80 runs of up to 200k one-offs each, and no run sees another run's one-offs.
+ONE_OFFS_PER_RUN = 200_000
 
+# args: host:port, hot bodies (one a line), the stream (one int a line: 0 = a one-off input,
+# k = hot input k), the one-off body's prefix and suffix files, the first one-off number.
 _LUA = r"""
--- args: host:port, file of hot bodies (one per line), stream file (one int per line:
--- 0 = a one-off input, k = hot input k), one-off body prefix file, suffix file, and the
--- first one-off number (distinct per run, so no run sees another run's one-offs). A one-off
--- body is prefix .. __FRESH__ .. suffix (the number itself, or for MiniLM two token ids
--- derived from it).
-local reqs, stream, pos, fresh = {}, {}, 0, 0
-local headers = {}
-local prefix, suffix
+local reqs, stream, pos, fresh, headers, prefix, suffix = {}, {}, 0, 0, {}
 local counts = {memory = 0, redis = 0, miss = 0, bypass = 0, none = 0}
 local threads = {}
 
@@ -73,7 +72,7 @@ function request()
 end
 
 function response(status, hdrs, body)
-  local c = hdrs["__HEADER__"]
+  local c = hdrs["x-rtserve-cache"]
   if c == nil then c = "none" else c = c:gsub("^hit%-", "") end
   if counts[c] == nil then c = "none" end
   counts[c] = counts[c] + 1
@@ -97,24 +96,57 @@ end
 """
 
 
-NOTES = """\
-How to read it:
-- The MLP is transport-bound (a few µs per row): a hit saves the batcher's wait and the model
-  run but still pays HTTP, the key (BLAKE2b over the 1 KB input) and the L1 lookup.
-- L2 costs a Redis round trip on every L1 miss (reads batched per event-loop turn as one MGET,
-  writes pipelined); it earns its keep across replicas and restarts (the *restarted* row).
-- "server CPU µs/req" is rtserve's own CPU per answer, steadier than req/s on a shared machine.
-"""
+# ----------------------------------------------------------------------------- the inputs
+def _mlp_bodies(hot: int, seed: int) -> tuple[list[str], str, str]:
+    """``hot`` MLP bodies and the one-off body's prefix and suffix: the spare row with its
+    first value a counter (large, so never equal to a hot row, whose values lie in [-1, 1])."""
+    rows = np.random.default_rng(seed + 1).uniform(-1.0, 1.0, size=(hot + 1, 256))
+    rows = np.round(rows.astype(np.float32).astype(np.float64), 4)
+    tensor = {"name": "input", "shape": [1, 256], "datatype": "FP32"}
+    lines = [
+        orjson.dumps({"inputs": [{**tensor, "data": r.tolist()}]}).decode() for r in rows[:hot]
+    ]
+    rest = ",".join(f"{v:.4f}" for v in rows[hot][1:])
+    prefix = '{"inputs":[{"name":"input","shape":[1,256],"datatype":"FP32","data":['
+    return lines, prefix, f",{rest}]}}]}}"
 
-MINILM_NOTES = """\
-How to read it:
-- MiniLM is compute-bound (milliseconds per row): a hit saves almost the whole request, so
-  throughput follows the miss rate, up to 1 / (1 - hit rate) times.
-- p99 is set by the misses, which still wait for a batch.
-- "best possible" is the repeat rate of the requests that setup sent (the hit rate of a cache
-  starting empty); the *restarted* row can beat it, Redis already holding the hot inputs.
-- "server CPU µs/req" is rtserve's own CPU per answer, steadier than req/s on a shared machine.
-"""
+
+def _minilm_body(feeds: dict[str, np.ndarray], i: int) -> str:
+    """One MiniLM body from row ``i`` of ``feeds`` (inputs it lacks: zeros)."""
+    tensors = []
+    for name in (spec.name for spec in MINILM.inputs):
+        row = feeds[name][i] if name in feeds else [0] * MINILM_SEQ_LEN
+        data = [int(v) for v in row]
+        tensors.append(
+            {"name": name, "shape": [1, MINILM_SEQ_LEN], "datatype": "INT64", "data": data}
+        )
+    return orjson.dumps({"inputs": tensors}).decode()
+
+
+def _minilm_bodies(hot: int, seed: int) -> tuple[list[str], str, str]:
+    """``hot`` tokenized sentences of examples/data/sentences.txt, and the one-off body's
+    prefix and suffix: the spare sentence with two token ids inserted after [CLS]."""
+    from rtserve.optimize.text import minilm_tokenize
+
+    lines = (s.strip() for s in SENTENCES.read_text(encoding="utf-8").splitlines())
+    pool = list(dict.fromkeys(s for s in lines if s and not s.startswith("#")))
+    order = np.random.default_rng(seed + 1).permutation(len(pool))
+    feeds = minilm_tokenize([pool[i] for i in order], seq_len=MINILM_SEQ_LEN)
+    # Keep sentences whose token rows differ (truncation to seq_len could merge two).
+    keys = [row.tobytes() for row in feeds["input_ids"]]
+    keep = [i for i, key in enumerate(keys) if keys.index(key) == i]
+    if len(keep) < hot + 1:
+        raise SystemExit(f"{SENTENCES} has {len(keep)} distinct sentences (need {hot + 1})")
+    feeds = {k: v[keep[: hot + 1]] for k, v in feeds.items()}
+    spare = minilm_tokenize([pool[order[keep[hot]]]], seq_len=MINILM_SEQ_LEN - 2)
+    marks = (-7_777_777, -7_777_778)
+    ids, mask = spare["input_ids"], spare["attention_mask"]
+    template = {
+        "input_ids": np.concatenate([ids[:, :1], [marks], ids[:, 1:]], 1),
+        "attention_mask": np.concatenate([[[1, 1, 1]], mask[:, 1:]], 1),
+    }
+    prefix, suffix = _minilm_body(template, 0).split(f"{marks[0]},{marks[1]}")
+    return [_minilm_body(feeds, i) for i in range(hot)], prefix, suffix
 
 
 @dataclass(frozen=True)
@@ -124,48 +156,42 @@ class ModelSpec:
     name: str
     workload: Workload
     title: str
-    describe: str  # the hot inputs, for the report ("2000 hot MLP inputs (256 FP32)")
+    describe: str  # the hot inputs, for the report
+    bodies: Callable[[int, int], tuple[list[str], str, str]]
+    fresh_lua: str  # Lua expression that turns the one-off number into the body's slot
     connections: int
+    hot: int
     length: tuple[int, int]  # stream length: (quick, full)
     duration: tuple[int, int]  # seconds per setup: (quick, full)
-    hot: int
-    fresh_lua: str  # Lua expression that turns the one-off number into the body's slot
     notes: str
 
 
+_CPU_NOTE = '- "server CPU µs/req" is rtserve\'s own CPU per answer, steadier than req/s here.\n'
 SPECS = {
     "mlp": ModelSpec(
-        name="mlp",
-        workload=MLP,
-        title="Response cache (Zipf stream with repeats)",
-        describe="{hot} hot MLP inputs (256 FP32)",
-        connections=32,
-        length=(100_000, 300_000),
-        duration=(5, 10),
-        hot=2000,
-        fresh_lua="fresh",
-        notes=NOTES,
+        "mlp", MLP, "Response cache (Zipf stream with repeats)", "{hot} hot MLP inputs (256 FP32)",
+        _mlp_bodies, "fresh", connections=32, hot=2000, length=(100_000, 300_000), duration=(5, 10),
+        notes="How to read it:\n"
+        "- The MLP is transport-bound (µs per row): a hit saves the batcher's wait and the model\n"
+        "  run but still pays HTTP, the key (BLAKE2b over the 1 KB input) and the L1 lookup.\n"
+        "- L2 costs a Redis round trip on every L1 miss (reads batched per event-loop turn,\n"
+        "  writes pipelined); it earns its keep across replicas and restarts (*restarted*).\n"
+        + _CPU_NOTE,
     ),
     "minilm": ModelSpec(
-        name="minilm",
-        workload=MINILM,
-        title="Response cache on MiniLM, a compute-bound model (Zipf stream with repeats)",
-        describe=(
-            "{hot} hot sentences (examples/data/sentences.txt, tokenized to "
-            f"{MINILM_SEQ_LEN} INT64 tokens) for all-MiniLM-L6-v2"
-        ),
-        connections=8,
-        length=(5_000, 15_000),
-        duration=(8, 18),
-        hot=300,
-        # Two token ids in 1000..20999 (ordinary word pieces), distinct for every number
-        # below 20000**2; one-offs of a run are numbered from (run + 1) * ONE_OFFS_PER_RUN.
-        fresh_lua=(
-            'string.format("%d,%d", 1000 + fresh % 20000, 1000 + math.floor(fresh / 20000) % 20000)'
-        ),
-        notes=MINILM_NOTES,
+        "minilm", MINILM, "Response cache on MiniLM, a compute-bound model (Zipf stream with repeats)",
+        f"{{hot}} hot sentences (examples/data/sentences.txt, {MINILM_SEQ_LEN} INT64 tokens) for "
+        "all-MiniLM-L6-v2", _minilm_bodies,
+        # Two ordinary word-piece ids in 1000..20999, distinct for every number below 20000**2.
+        'string.format("%d,%d", 1000 + fresh % 20000, 1000 + math.floor(fresh / 20000) % 20000)',
+        connections=8, hot=300, length=(5_000, 15_000), duration=(8, 18),
+        notes="How to read it:\n"
+        "- MiniLM is compute-bound (ms per row): a hit saves almost the whole request, so\n"
+        "  throughput follows the miss rate, up to 1 / (1 - hit rate) times; misses set p99.\n"
+        "- \"best possible\": the repeat rate of the requests that setup sent; *restarted* can\n"
+        "  beat it, Redis already holding the hot inputs.\n" + _CPU_NOTE,
     ),
-}
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -218,7 +244,7 @@ def zipf_stream(
 def repeat_rate(stream: np.ndarray) -> float:
     """Share of requests whose input appeared earlier in the stream (one-offs never do)."""
     hot = stream[stream > 0]
-    return (len(hot) - len(np.unique(hot))) / len(stream)
+    return (len(hot) - len(np.unique(hot))) / len(stream) if len(stream) else 0.0
 
 
 def stream_for(
@@ -236,95 +262,6 @@ def stream_for(
     return stream, rate
 
 
-def _row(values: np.ndarray) -> list[float]:
-    return [round(float(v), 4) for v in values]
-
-
-def write_inputs(folder: Path, stream: np.ndarray, hot: int, seed: int) -> list[str]:
-    """Files the Lua script reads; returns its arguments after host:port."""
-    rng = np.random.default_rng(seed + 1)
-    rows = rng.uniform(-1.0, 1.0, size=(hot + 1, 256)).astype(np.float32)
-    lines = [
-        orjson.dumps(
-            {"inputs": [{"name": "input", "shape": [1, 256], "datatype": "FP32", "data": _row(r)}]}
-        ).decode()
-        for r in rows[:hot]
-    ]
-    # One-off bodies: the spare row with its first value replaced by a counter (large, so it
-    # never equals a hot row, whose values lie in [-1, 1]).
-    rest = ",".join(f"{v:.4f}" for v in _row(rows[hot][1:]))
-    prefix = '{"inputs":[{"name":"input","shape":[1,256],"datatype":"FP32","data":['
-    return _lua_files(folder, lines, stream, prefix, f",{rest}]}}]}}")
-
-
-def _lua_files(
-    folder: Path, hot: list[str], stream: np.ndarray, prefix: str, suffix: str
-) -> list[str]:
-    """The files the Lua script reads (hot bodies, the stream, one-off prefix and suffix)."""
-    texts = ("\n".join(hot) + "\n", "\n".join(str(int(k)) for k in stream) + "\n", prefix, suffix)
-    paths = [folder / name for name in ("hot.txt", "stream.txt", "prefix.txt", "suffix.txt")]
-    for path, text in zip(paths, texts, strict=True):
-        path.write_text(text)
-    return [str(p) for p in paths]
-
-
-def model_dir(spec: ModelSpec) -> Path:
-    """Where a model's stream, Lua script and runs live (the MLP's where they always were)."""
-    return WORKDIR if spec.name == "mlp" else WORKDIR / spec.name
-
-
-def sentences() -> list[str]:
-    """Distinct sentences of examples/data/sentences.txt ('#' lines and blanks skipped)."""
-    seen: dict[str, None] = {}
-    for line in SENTENCES.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            seen.setdefault(line, None)
-    return list(seen)
-
-
-def _minilm_body(names: tuple[str, ...], feeds: dict[str, np.ndarray], i: int) -> str:
-    inputs = []
-    for name in names:
-        row = feeds[name][i] if name in feeds else np.zeros(MINILM_SEQ_LEN, dtype=np.int64)
-        data = [int(v) for v in row]
-        inputs.append(
-            {"name": name, "shape": [1, MINILM_SEQ_LEN], "datatype": "INT64", "data": data}
-        )
-    return orjson.dumps({"inputs": inputs}).decode()
-
-
-def write_minilm_inputs(folder: Path, stream: np.ndarray, hot: int, seed: int) -> list[str]:
-    """The MiniLM counterpart of :func:`write_inputs`: hot bodies are tokenized sentences."""
-    from rtserve.optimize.text import minilm_tokenize
-
-    names = tuple(spec.name for spec in MINILM.inputs)
-    pool = sentences()
-    order = np.random.default_rng(seed + 1).permutation(len(pool))
-    feeds = minilm_tokenize([pool[i] for i in order], seq_len=MINILM_SEQ_LEN)
-    # Keep sentences whose token rows differ (truncation to seq_len could merge two).
-    keys = [feeds["input_ids"][i].tobytes() for i in range(len(pool))]
-    keep = [i for i, key in enumerate(keys) if keys.index(key) == i]
-    if len(keep) < hot + 1:
-        raise SystemExit(
-            f"--hot {hot}: {SENTENCES} has {len(keep)} distinct sentences (need hot + 1)"
-        )
-    feeds = {k: v[keep[: hot + 1]] for k, v in feeds.items()}
-    lines = [_minilm_body(names, feeds, i) for i in range(hot)]
-    # One-off bodies: the spare sentence with two token ids made from the one-off number
-    # inserted after [CLS] (tokenized to seq_len - 2, so the row stays seq_len long).
-    spare = minilm_tokenize([pool[order[keep[hot]]]], seq_len=MINILM_SEQ_LEN - 2)
-    marks = (-7_777_777, -7_777_778)
-    template = {
-        "input_ids": np.concatenate(
-            [spare["input_ids"][:, :1], [marks], spare["input_ids"][:, 1:]], 1
-        ),
-        "attention_mask": np.concatenate([[[1, 1, 1]], spare["attention_mask"][:, 1:]], 1),
-    }
-    prefix, suffix = _minilm_body(names, template, 0).split(f"{marks[0]},{marks[1]}")
-    return _lua_files(folder, lines, stream, prefix, suffix)
-
-
 # ----------------------------------------------------------------------------- one run
 def cache_config(setup: Setup, redis_url: str, l1_bytes: int) -> dict[str, Any]:
     """The ``response_cache`` section of rtserve's model config for ``setup`` (empty: none)."""
@@ -340,38 +277,24 @@ def cache_config(setup: Setup, redis_url: str, l1_bytes: int) -> dict[str, Any]:
 RTSERVE = replace(servers.PEERS["rtserve"], start_timeout_s=90.0)
 
 
-def scrape(base: str, metric: str) -> float:
-    """Sum of every sample of ``metric`` on /metrics (0 when absent)."""
-    return sum(value for name, _, value in procs.metrics(base) if name == metric)
-
-
-# One-off inputs of run n are numbered from (n + 1) * ONE_OFFS_PER_RUN: exact in FP32 (< 2**24)
-# for 80 runs of up to 200k one-offs each.
-ONE_OFFS_PER_RUN = 200_000
-
-
 def measure(
-    setup: Setup,
-    args: argparse.Namespace,
-    redis_proc: RedisServer,
-    lua_args: list[str],
-    run_no: int,
-    spec: ModelSpec = SPECS["mlp"],
-) -> Result:
+    setup: Setup, args: argparse.Namespace, redis: RedisServer, lua_args: list[str], run_no: int,
+    spec: ModelSpec,
+) -> Result:  # fmt: skip
     """One setup: a fresh rtserve with this setup's cache, wrk walking the stream."""
-    folder = model_dir(spec) / "runs" / re.sub(r"[^a-z0-9]+", "-", setup.name.lower()).strip("-")
+    folder = WORKDIR / spec.name / re.sub(r"[^a-z0-9]+", "-", setup.name.lower()).strip("-")
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     if not setup.warm_redis:
-        redis_proc.flush()
-    config = cache_config(setup, redis_proc.url, args.l1_bytes)
+        redis.flush()
+    config = cache_config(setup, redis.url, L1_BYTES)
     running = servers.start(RTSERVE, spec.workload, folder, model_config=config)
     try:
         host = running.base_url.removeprefix("http://")
         base = Measurement("rtserve", spec.name, "wrk-zipf", "closed", args.connections)
         cpu_before = cpu_seconds(running.server.pid)
         point = wrk.measure(
-            running.url(spec.workload.model_name), model_dir(spec) / "zipf.lua",
+            running.url(spec.workload.model_name), WORKDIR / spec.name / "zipf.lua",
             args.connections, args.duration, base,
             script_args=[host, *lua_args, str((run_no + 1) * ONE_OFFS_PER_RUN)],
         )  # fmt: skip
@@ -379,38 +302,20 @@ def measure(
         counts = point.extra.get("counts")
         if point.error or not counts:
             raise RuntimeError(f"{setup.name}: wrk gave no result ({point.error or 'no counts'})")
-        redis_errors = (
-            scrape(running.base_url, "rtserve_cache_redis_errors_total") if setup.redis else 0.0
+        redis_errors = sum(
+            value
+            for name, _, value in procs.metrics(running.base_url)
+            if name == "rtserve_cache_redis_errors_total"
         )
     finally:
         servers.stop(running)
-    return Result(
-        setup=setup.name,
-        rps=point.rps,
-        p50_ms=point.p50_ms or 0.0,
-        p99_ms=point.p99_ms or 0.0,
-        requests=point.requests,
-        errors=point.errors,
-        tiers={k: int(counts.get(k, 0)) for k in ("memory", "redis", "miss", "bypass", "none")},
-        redis_errors=redis_errors,
-        server_cpu_us=cpu / max(1, point.requests) * 1e6,
-    )
-
-
-def _median(results: list[Result]) -> Result:
-    """The round with the median throughput (its latencies and hit counts come with it)."""
-    ordered = sorted(results, key=lambda r: r.rps)
-    return ordered[(len(ordered) - 1) // 2]
+    tiers = {k: int(counts.get(k, 0)) for k in ("memory", "redis", "miss", "bypass", "none")}
+    return Result(setup.name, point.rps or 0.0, point.p50_ms or 0.0, point.p99_ms or 0.0,
+                  point.requests, point.errors, tiers, redis_errors,
+                  server_cpu_us=cpu / max(1, point.requests) * 1e6)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- report
-def walked_repeat_rate(stream: np.ndarray, sent: int) -> float:
-    """Repeat rate of the first ``sent`` requests of the looped stream (one-offs never repeat)."""
-    if sent <= 0:
-        return 0.0
-    return repeat_rate(np.resize(stream, sent))
-
-
 def report(
     results: list[Result],
     args: argparse.Namespace,
@@ -418,6 +323,7 @@ def report(
     stream: np.ndarray,
     spec: ModelSpec = SPECS["mlp"],
 ) -> str:
+    """The model's page section: one row per setup (each the median round by throughput)."""
     base = results[0]
     one_offs = int((stream == 0).sum())
     distinct = len(np.unique(stream[stream > 0])) + one_offs
@@ -468,9 +374,8 @@ def update_doc(existing: str, model: str, text: str) -> str:
         return head + section + ("\n" + tail if tail.strip() else "")
     if not existing.strip():
         return section
-    later = [_markers(m)[0] for m in MODELS[MODELS.index(model) + 1 :]]
-    for marker in later:  # keep the sections in MODELS order
-        if marker in existing:
+    for marker in [_markers(m)[0] for m in MODELS[MODELS.index(model) + 1 :]]:
+        if marker in existing:  # keep the sections in MODELS order
             head, tail = existing.split(marker, 1)
             return head + section + "\n" + marker + tail
     return existing.rstrip("\n") + "\n\n" + section
@@ -478,41 +383,37 @@ def update_doc(existing: str, model: str, text: str) -> str:
 
 def run_model(spec: ModelSpec, args: argparse.Namespace) -> str:
     """Every setup of one model, ``args.rounds`` times; returns the page section."""
-    folder = model_dir(spec)
+    folder = WORKDIR / spec.name
     folder.mkdir(parents=True, exist_ok=True)
-    stream, rate = stream_for(args.length, args.hot, args.exponent, args.repeat, args.seed)
+    stream, rate = stream_for(args.length, args.hot, args.exponent, REPEAT, SEED)
     spec.workload.model_path()  # build the model once, outside the timed runs
-    if spec.name == "mlp":
-        lua_args = write_inputs(folder, stream, args.hot, args.seed)
-    else:
-        lua_args = write_minilm_inputs(folder, stream, args.hot, args.seed)
-    lua = _LUA.replace("__MODEL__", spec.workload.model_name).replace("__HEADER__", CACHE_HEADER)
-    (folder / "zipf.lua").write_text(lua.replace("__FRESH__", spec.fresh_lua))
+    hot, prefix, suffix = spec.bodies(args.hot, SEED)
+    texts = {"hot.txt": "\n".join(hot) + "\n", "stream.txt": "\n".join(map(str, stream)) + "\n",
+             "prefix.txt": prefix, "suffix.txt": suffix}  # fmt: skip
+    for name, text in texts.items():
+        (folder / name).write_text(text)
+    lua_args = [str(folder / name) for name in texts]
+    lua = _LUA.replace("__MODEL__", spec.workload.model_name).replace("__FRESH__", spec.fresh_lua)
+    (folder / "zipf.lua").write_text(lua)
     print(f"{spec.name}: stream of {len(stream)} requests, repeat rate {rate:.1%}", flush=True)
 
-    redis_proc = RedisServer(WORKDIR)
+    redis = RedisServer(WORKDIR)
     runs: dict[str, list[Result]] = {s.name: [] for s in SETUPS}
-    done: list[Result] = []
     try:
         for round_no in range(args.rounds):
             for setup in SETUPS:
-                result = measure(setup, args, redis_proc, lua_args, len(done), spec)
-                result.best_rate = walked_repeat_rate(stream, result.requests)
-                done.append(result)
-                runs[setup.name].append(result)
-                print(
-                    f"{spec.name} round {round_no + 1} {setup.name:>18}: "
-                    f"{result.rps:8,.0f} req/s  "
-                    f"p50 {result.p50_ms:.2f} ms  p99 {result.p99_ms:.2f} ms  "
-                    f"cpu {result.server_cpu_us:.0f} us/req  hit {result.hit_rate:.1%} "
-                    f"(best {result.best_rate:.1%})  errors {result.errors}",
-                    flush=True,
-                )
+                done = sum(map(len, runs.values()))
+                r = measure(setup, args, redis, lua_args, done, spec)
+                r.best_rate = repeat_rate(np.resize(stream, r.requests))
+                runs[setup.name].append(r)
+                print(f"{spec.name} round {round_no + 1} {setup.name:>18}: {r.rps:8,.0f} req/s  "
+                      f"p50 {r.p50_ms:.2f} ms  p99 {r.p99_ms:.2f} ms  cpu {r.server_cpu_us:.0f} us/req  "
+                      f"hit {r.hit_rate:.1%} (best {r.best_rate:.1%})  errors {r.errors}", flush=True)  # fmt: skip
     finally:
-        redis_proc.stop()
-    results = [_median(runs[s.name]) for s in SETUPS]
-    name = "results.json" if spec.name == "mlp" else f"results-{spec.name}.json"
-    (WORKDIR / name).write_text(json.dumps([r.__dict__ for r in results], indent=2) + "\n")
+        redis.stop()
+    # Per setup the round with the median throughput (its latencies and hits come with it).
+    results = [sorted(rs, key=lambda r: r.rps)[(len(rs) - 1) // 2] for rs in runs.values()]
+    (folder / "results.json").write_text(json.dumps([r.__dict__ for r in results], indent=2))
     return report(results, args, rate, stream, spec)
 
 
@@ -520,36 +421,22 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m bench.cache_zipf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add = parser.add_argument
-    add("--model", choices=(*MODELS, "all"), default="mlp", help="mlp, minilm, or all (in turn)")
-    add("--quick", action="store_true", help="short runs, one round")
-    add("--repeat", type=float, default=0.5, help="target repeat rate (0-1)")
-    add("--hot", type=int, help="distinct repeating inputs (mlp 2000, minilm 300)")
-    add("--exponent", type=float, default=1.0, help="Zipf exponent")
-    add("--length", type=int, help="stream length (mlp 300000 / quick 100000; minilm 15000 / 5000)")
-    add("--duration", type=int, help="seconds per setup (mlp 10 / quick 5; minilm 18 / 8)")
-    add("--rounds", type=int, help="rounds (3, quick 1)")
-    add("--connections", type=int, help="wrk connections (mlp 32, minilm 8)")
-    add("--l1-bytes", type=int, default=256 * 1024 * 1024, help="L1 max_bytes")
-    add("--seed", type=int, default=0)
-    add("--out", type=Path, default=DOC)
+    parser.add_argument(
+        "--model", choices=(*MODELS, "all"), default="mlp", help="one, or all in turn"
+    )
+    parser.add_argument("--quick", action="store_true", help="short runs, one round")
+    parser.add_argument("--out", type=Path, default=DOC, help="the page its sections go to")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
         print("wrk is not installed (make system-deps installs it)", file=sys.stderr)
         return 2
-
-    WORKDIR.mkdir(parents=True, exist_ok=True)
-    models = MODELS if args.model == "all" else (args.model,)
-    for model in models:
+    full = int(not args.quick)
+    for model in MODELS if args.model == "all" else (args.model,):
         spec = SPECS[model]
-        margs = argparse.Namespace(**vars(args))
-        margs.argv = argv
-        margs.length = args.length or spec.length[0 if args.quick else 1]
-        margs.duration = args.duration or spec.duration[0 if args.quick else 1]
-        margs.rounds = args.rounds or (1 if args.quick else 3)
-        margs.hot = args.hot or spec.hot
-        margs.connections = args.connections or spec.connections
-        text = run_model(spec, margs)
+        plan = argparse.Namespace(argv=argv, length=spec.length[full], duration=spec.duration[full],
+                                  rounds=(1, 3)[full], hot=spec.hot, connections=spec.connections,
+                                  exponent=EXPONENT)  # fmt: skip
+        text = run_model(spec, plan)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         existing = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
         args.out.write_text(update_doc(existing, model, text), encoding="utf-8")
