@@ -34,7 +34,7 @@ LOOKUP_WINDOW = 8192  # prompt lookup searches the last this many tokens
 
 
 MATCH_CAP = 64  # a candidate's match is followed back at most this many tokens
-STEP_TOKENS = 16  # tokens a decode step verifies in all (quant.GEMV_ROWS: the kernel's rows)
+STEP_TOKENS = 16  # tokens a decode step verifies in all (more rows make a step compute-bound)
 
 
 def matches(tokens: list[int], ngram_min: int) -> tuple[np.ndarray, np.ndarray]:
