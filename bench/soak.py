@@ -483,12 +483,8 @@ def summarize(samples: list[dict], windows: list[dict], valid: dict, hostile: di
 
 
 # ---------------------------------------------------------------------------- report
-def _fmt(value: Any, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return f"{value:,}" if isinstance(value, int) else str(value)
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.2f}"
 
 
 def _duration(seconds: float) -> str:
@@ -550,8 +546,8 @@ def markdown(run: dict[str, Any], plot_path: Path | None, out: Path) -> str:
         *[(f"lost: {reason}", f"{n:,}") for reason, n in s["lost_reasons"].items()],
     ]  # fmt: skip
     names = {"rss_mib": "server RSS (MiB)", "fds": "open descriptors", "p99_ms": "p99 of valid requests (ms)"}  # fmt: skip
-    series = [(names[k], _fmt(v["first"], 2), _fmt(v["last"], 2),
-               "-" if v["change"] is None else f"{v['change']:+.1%}", _fmt(v["max"], 2),
+    series = [(names[k], _fmt(v["first"]), _fmt(v["last"]),
+               "-" if v["change"] is None else f"{v['change']:+.1%}", _fmt(v["max"]),
                "-" if v["flat"] is None else ("yes" if v["flat"] else "**no**"))
               for k, v in s["series"].items()]  # fmt: skip
     hostile = run["hostile"]
