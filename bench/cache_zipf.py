@@ -100,8 +100,8 @@ end
 def _mlp_bodies(hot: int, seed: int) -> tuple[list[str], str, str]:
     """``hot`` MLP bodies and the one-off body's prefix and suffix: the spare row with its
     first value a counter (large, so never equal to a hot row, whose values lie in [-1, 1])."""
-    rows = np.random.default_rng(seed + 1).uniform(-1.0, 1.0, size=(hot + 1, 256))
-    rows = np.round(rows.astype(np.float32).astype(np.float64), 4)
+    rng = np.random.default_rng(seed + 1)
+    rows = rng.uniform(-1.0, 1.0, size=(hot + 1, 256)).astype(np.float32).astype(float).round(4)
     tensor = {"name": "input", "shape": [1, 256], "datatype": "FP32"}
     lines = [
         orjson.dumps({"inputs": [{**tensor, "data": r.tolist()}]}).decode() for r in rows[:hot]

@@ -97,8 +97,8 @@ def _repository(root: Path, model: Path, objective_ms: float, windows: list[int]
 def _pytriton(workload: str, model: Path, seq: int, windows: list[int], work: Path):
     """Triton (bundled by PyTriton) with its dynamic batcher, one server per window (µs),
     serving the same ONNX file on one ONNX Runtime thread: label -> (infer URL, handle)."""
+    inputs: tuple[TensorSpec, ...] = (TensorSpec("input", "FP32", (256,)),)
     if workload.startswith("mlp"):
-        inputs = (TensorSpec("input", "FP32", (256,)),)
         outputs = (TensorSpec("output", "FP32", (10,)),)
     else:
         inputs = tuple(TensorSpec(n, "INT64", (seq,)) for n in ("input_ids", "attention_mask"))

@@ -497,7 +497,8 @@ def plot(run: dict[str, Any], path: Path) -> None:
 
     t0, samples = run["t0"], run["samples"]
     windows = [w for w in run["windows"] if w["p99_ms"] is not None and w["t"] >= t0]
-    panels = [  # (points, y label, [(key, label, colour)])
+    panels: list[tuple[list[dict], str | None, list[tuple[str, str | None, str]]]] = [
+        # (points, y label, [(key, legend label, colour)])
         (samples, "server RSS (MiB)", [("rss_mib", None, "black")]),
         (samples, "open descriptors", [("fds", None, "tab:blue")]),
         (windows, "valid requests (ms)", [("p99_ms", "p99", "tab:red"), ("p50_ms", "p50", "tab:gray")]),
