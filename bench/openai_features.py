@@ -17,7 +17,7 @@ p50 and p99 of each and the req/s ratio.
 
 Results: ``bench/results/openai-<workload>.json`` and a section of
 ``docs/benchmarks-generative.md`` each (``--quick``: a short check; its JSON goes to
-``bench/.work/`` and the page is left alone unless ``--doc`` is given).
+``bench/.work/`` and the page is left alone).
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import orjson
-import yaml
 
-from bench import machine, procs
+from bench import generative, machine, procs
 from bench.clients import wrk
 from bench.clients.sse import Stream, chat_body, closed_loop
 from bench.results import Measurement
-from bench.stats import percentile
+from bench.stats import percentile, ratio, rotated
 
 ROOT = Path(__file__).resolve().parent.parent
 LLM_MODEL = ROOT / "examples" / "llm-repository" / "smollm2"
@@ -100,17 +100,29 @@ QUICK = Plan(rounds=2, streams=4, requests_per_stream=1, max_tokens=16, embed_co
              embed_seconds=2.0, mask_walks=2)  # fmt: skip
 
 
-def _median(values: list[float | None]) -> float | None:
-    kept = [v for v in values if v is not None]
-    return round(statistics.median(kept), 3) if kept else None
-
-
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
-def _ratio(value: float | None, reference: float | None) -> float | None:
-    return round(value / reference, 3) if value and reference else None
+def _alternate(
+    rounds: int, sides: list[str], measure: Callable[[str], dict[str, Any]], key: str
+) -> dict[str, Any]:
+    """Both sides once per round, the order rotating; each round's ratio is the second
+    side's ``key`` over the first's, and ``median_ratio`` the median of those."""
+    entries = []
+    for r in range(rounds):
+        entry: dict[str, Any] = {}
+        for side in rotated(sides, r):
+            entry[side] = row = measure(side)
+            print(f"  round {r + 1} {side}: {key} {row[key]}, errors {row['errors']}", flush=True)
+        share = ratio(entry[sides[1]][key], entry[sides[0]][key])
+        entry["ratio"] = None if share is None else round(share, 3)
+        entries.append(entry)
+    shares = [e["ratio"] for e in entries if e["ratio"] is not None]
+    return {
+        "rounds": entries,
+        "median_ratio": round(statistics.median(shares), 3) if shares else None,
+    }
 
 
 # --------------------------------------------------------------------------- structured
@@ -146,75 +158,57 @@ def _valid(text: str) -> bool:
 
 
 def summarize(streams: list[Stream], wall: float, constrained: bool) -> dict[str, Any]:
+    """``generative.summarize``'s row, with tokens per answer and, for ``constrained``,
+    how many answers ended and how many of those match the schema."""
     ok = [s for s in streams if s.error is None and s.chunks]
-    tokens = sum(s.tokens for s in ok)
-    row: dict[str, Any] = {
-        "requests": len(streams),
-        "errors": len(streams) - len(ok),
-        "tokens": tokens,
-        "seconds": round(wall, 3),
-        "tok_s": round(tokens / wall, 1) if wall and tokens else None,
-        "tokens_per_answer": round(tokens / len(ok), 1) if ok else None,
-        "cut_at_max_tokens": sum(1 for s in ok if s.finish_reason == "length"),
-    }
+    row = generative.summarize(streams, wall)
+    row["tokens_per_answer"] = round(row["tokens"] / len(ok), 1) if ok else None
+    row["cut_at_max_tokens"] = sum(1 for s in ok if s.finish_reason == "length")
     if constrained:  # (an answer cut at max_tokens is unfinished JSON: not counted)
         ended = [s for s in ok if s.finish_reason == "stop"]
         row["ended"] = len(ended)
         row["ended_valid"] = sum(1 for s in ended if _valid(s.text))
-    first_error = next((s.error for s in streams if s.error), None)
-    if first_error:
-        row["first_error"] = first_error[:300]
     return row
 
 
-def _llm_server(work: Path) -> tuple[procs.Server, str]:
+def _serve(
+    work: Path, source: Path, names: tuple[str, ...], timeout_s: float
+) -> tuple[procs.Server, str]:
+    """rtserve on a repository holding the models ``names`` of the example repository ``source``."""
     repo = work / "repo"
-    (repo / "smollm2").mkdir(parents=True, exist_ok=True)
-    if not (repo / "smollm2" / "1").exists():
-        (repo / "smollm2" / "1").symlink_to(LLM_MODEL / "1")
-    config = yaml.safe_load((LLM_MODEL / "config.yaml").read_text())
-    (repo / "smollm2" / "config.yaml").write_text(yaml.safe_dump(config))
-    server, ports = procs.rtserve(work, "--model-repository", str(repo), timeout_s=600)
+    for name in names:
+        (repo / name).mkdir(parents=True, exist_ok=True)
+        if not (repo / name / "1").exists():
+            (repo / name / "1").symlink_to(source / name / "1")
+        (repo / name / "config.yaml").write_text((source / name / "config.yaml").read_text())
+    server, ports = procs.rtserve(work, "--model-repository", str(repo), timeout_s=timeout_s)
     base = f"http://127.0.0.1:{ports['http_port']}"
-    server.wait_ready(base + "/v2/health/ready", timeout_s=600)
+    server.wait_ready(base + "/v2/health/ready", timeout_s=timeout_s)
     return server, base
 
 
 def measure_structured(plan: Plan, work: Path) -> dict[str, Any]:
     """Alternating rounds of 32 unconstrained and 32 schema streams on one server."""
     n = plan.streams * plan.requests_per_stream
-    rounds: list[dict[str, Any]] = []
     with procs.bench_lock():
         mask = mask_time(plan.mask_walks)  # (before the server starts: the cores are free)
         print(f"  mask per row: p50 {mask['mask_us_p50']} us, p99 {mask['mask_us_p99']} us "
               f"({mask['steps']} steps x {plan.mask_walks})", flush=True)  # fmt: skip
-        server, base = _llm_server(work)
+        server, base = _serve(work, LLM_MODEL.parent, (LLM_MODEL.name,), 600)
         url = base + "/v1/chat/completions"
+
+        def side(name: str) -> dict[str, Any]:
+            bodies = [chat(i, plan.max_tokens, name == "schema") for i in range(n)]
+            streams, wall = asyncio.run(closed_loop(url, bodies, plan.streams, plan.deadline_s))
+            return summarize(streams, wall, name == "schema")
+
         try:
             warm = [chat(i, 8, c) for i in range(4) for c in (False, True)]
             asyncio.run(closed_loop(url, warm, 4))
-            for r in range(plan.rounds):
-                entry: dict[str, Any] = {}
-                for constrained in (False, True) if r % 2 == 0 else (True, False):
-                    side = "schema" if constrained else "plain"
-                    bodies = [chat(i, plan.max_tokens, constrained) for i in range(n)]
-                    streams, wall = asyncio.run(
-                        closed_loop(url, bodies, plan.streams, plan.deadline_s)
-                    )
-                    entry[side] = row = summarize(streams, wall, constrained)
-                    print(f"  round {r + 1} {side}: {row['tok_s']} tok/s, "
-                          f"{row['tokens_per_answer']} tokens/answer, errors {row['errors']}",
-                          flush=True)  # fmt: skip
-                entry["ratio"] = _ratio(entry["schema"]["tok_s"], entry["plain"]["tok_s"])
-                rounds.append(entry)
+            result = _alternate(plan.rounds, ["plain", "schema"], side, "tok_s")
         finally:
             server.stop()
-    return {
-        "rounds": rounds,
-        "median_ratio": _median([e["ratio"] for e in rounds]),
-        "mask": mask,
-        "schema": SCHEMA,
-    }
+    return result | {"mask": mask, "schema": SCHEMA}
 
 
 def mask_time(walks: int) -> dict[str, Any]:
@@ -318,19 +312,6 @@ ROUTES: dict[str, tuple[str, Callable[[str], bytes]]] = {
 }
 
 
-def _embedding_server(work: Path) -> tuple[procs.Server, str]:
-    repo = work / "repo"
-    for name in EMBEDDING_MODELS:
-        (repo / name).mkdir(parents=True, exist_ok=True)
-        if not (repo / name / "1").exists():
-            (repo / name / "1").symlink_to(EXAMPLES / name / "1")
-        (repo / name / "config.yaml").write_text((EXAMPLES / name / "config.yaml").read_text())
-    server, ports = procs.rtserve(work, "--model-repository", str(repo), timeout_s=300)
-    base = f"http://127.0.0.1:{ports['http_port']}"
-    server.wait_ready(base + "/v2/health/ready", timeout_s=300)
-    return server, base
-
-
 def _same_vectors(base: str, text: str) -> float:
     """The largest difference between the two routes' vectors of ``text`` (0: the same)."""
     status, v1 = procs.http_post(base + ROUTES["v1"][0], v1_body(text))
@@ -349,40 +330,23 @@ def measure_embeddings(plan: Plan, work: Path) -> dict[str, Any]:
     for route, (_, body) in ROUTES.items():
         scripts[route] = work / f"{route}.lua"
         scripts[route].write_text(rotating_script([body(t) for t in texts]))
-    rounds: list[dict[str, Any]] = []
+
+    def side(route: str, seconds: float = plan.embed_seconds) -> dict[str, Any]:
+        m = wrk.measure(base + ROUTES[route][0], scripts[route], plan.embed_concurrency, seconds,
+                        Measurement("rtserve", "embeddings", "wrk", route, plan.embed_concurrency))  # fmt: skip
+        return {"rps": round(m.rps, 1), "p50_ms": _ms(m.p50_ms), "p99_ms": _ms(m.p99_ms),
+                "requests": m.requests, "errors": m.errors, "error": m.error}  # fmt: skip
+
     with procs.bench_lock():
-        server, base = _embedding_server(work)
+        server, base = _serve(work, EXAMPLES, EMBEDDING_MODELS, 300)
         try:
             difference = _same_vectors(base, texts[0])
-            for route, (path, _) in ROUTES.items():  # (warm-up: both routes, a second each)
-                wrk.measure(base + path, scripts[route], plan.embed_concurrency, 1,
-                            Measurement("rtserve", "embeddings", "wrk", route, 0))  # fmt: skip
-            for r in range(plan.rounds):
-                entry: dict[str, Any] = {}
-                for route in ("v1", "v2") if r % 2 == 0 else ("v2", "v1"):
-                    m = wrk.measure(
-                        base + ROUTES[route][0],
-                        scripts[route],
-                        plan.embed_concurrency,
-                        plan.embed_seconds,
-                        Measurement("rtserve", "embeddings", "wrk", route, plan.embed_concurrency),
-                    )
-                    entry[route] = row = {
-                        "rps": round(m.rps, 1), "p50_ms": _ms(m.p50_ms), "p99_ms": _ms(m.p99_ms),
-                        "requests": m.requests, "errors": m.errors, "error": m.error,
-                    }  # fmt: skip
-                    print(f"  round {r + 1} {route}: {row['rps']} req/s, p50 {row['p50_ms']} ms, "
-                          f"p99 {row['p99_ms']} ms, errors {row['errors']}", flush=True)  # fmt: skip
-                entry["ratio"] = _ratio(entry["v1"]["rps"], entry["v2"]["rps"])
-                rounds.append(entry)
+            for route in ROUTES:  # (warm-up: both routes, a second each)
+                side(route, 1)
+            result = _alternate(plan.rounds, ["v2", "v1"], side, "rps")
         finally:
             server.stop()
-    return {
-        "rounds": rounds,
-        "median_ratio": _median([e["ratio"] for e in rounds]),
-        "max_vector_difference": difference,
-        "texts": len(texts),
-    }
+    return result | {"max_vector_difference": difference, "texts": len(texts)}
 
 
 # --------------------------------------------------------------------------- reports
@@ -491,8 +455,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--quick", action="store_true", help="a short end-to-end check")
-    parser.add_argument("--doc", type=Path, help=f"the page (default {DOC.relative_to(ROOT)}; "
-                        "none with --quick)")  # fmt: skip
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in WORKLOADS]
@@ -501,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else Plan()
     if args.rounds:
         plan = Plan(**{**asdict(plan), "rounds": args.rounds})
-    doc = args.doc if args.doc or args.quick else DOC
+    doc = None if args.quick else DOC  # (a quick check leaves the page alone)
     command = "python -m bench openai " + " ".join(argv if argv is not None else [])
     for name in names:
         out = (WORK if args.quick else RESULTS) / f"openai-{name}.json"
