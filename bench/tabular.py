@@ -6,6 +6,9 @@ LightGBM of the same size, served by rtserve (each execution choice), MLServer
 Per server and model: rows/s at capacity (wrk, closed loop, one row per request), then
 p50/p99 at half of that rate (the C open-loop client: Poisson arrivals, latency from each
 scheduled send). Rounds alternate the servers. ``python -m bench.tabular --rounds 3``.
+``--direct-ab``: a second rtserve with direct runs off (``RTSERVE_DIRECT_MAX_US=0``: every
+request through the batcher's gather loop), measured in the same rounds as
+"rtserve-nodirect".
 """
 
 from __future__ import annotations
@@ -240,6 +243,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=4)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tabular.json")
     ap.add_argument("--no-peers", action="store_true", help="rtserve and the floor only")
+    ap.add_argument("--direct-ab", action="store_true",
+                    help="also an rtserve with direct runs off (RTSERVE_DIRECT_MAX_US=0)")  # fmt: skip
+    ap.add_argument("--models", default="",
+                    help="comma-separated rtserve models to measure (e.g. xgb-onnx,lgb-native)")  # fmt: skip
     args = ap.parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
     models = WORK / "models"
@@ -262,9 +269,22 @@ def main(argv: list[str] | None = None) -> None:
     servers["rtserve"] = start([sys.executable, "-m", "rtserve.cli", "serve", "--model-repository",
                                 str(repo), "--host", "127.0.0.1", "--http-port", "18000",
                                 "--grpc-port", "0"], WORK / "rtserve.log", env)  # fmt: skip
+    if args.models:
+        names = [n for n in names if n in args.models.split(",")]
+    if args.direct_ab:
+        servers["rtserve-nodirect"] = start([sys.executable, "-m", "rtserve.cli", "serve",
+                                             "--model-repository", str(repo), "--host", "127.0.0.1",
+                                             "--http-port", "18001", "--grpc-port", "0"],
+                                            WORK / "rtserve-nodirect.log",
+                                            dict(env, RTSERVE_DIRECT_MAX_US="0"))  # fmt: skip
     for n in names:
         dt = "FP32" if n.startswith("xgb") else "FP64"
         targets[f"rtserve {n}"] = (f"http://127.0.0.1:18000/v2/models/{n}/infer", v2_body(row, dt))
+        if args.direct_ab:
+            targets[f"rtserve-nodirect {n}"] = (
+                f"http://127.0.0.1:18001/v2/models/{n}/infer",
+                v2_body(row, dt),
+            )
     if not args.no_peers:
         app = WORK / "naive_fastapi_tabular.py"
         app.write_text(FASTAPI_APP.format(models=models))
@@ -285,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
                 )
     try:
         wait_http("http://127.0.0.1:18000/v2/health/ready")
+        if "rtserve-nodirect" in servers:
+            wait_http("http://127.0.0.1:18001/v2/health/ready")
         if "fastapi" in servers:
             wait_http("http://127.0.0.1:18090/docs")
         if "mlserver" in servers:

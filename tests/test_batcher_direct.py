@@ -200,3 +200,22 @@ async def test_a_direct_run_that_fails_answers_its_request_with_the_error() -> N
     ok = b.submit(row(4.0), 1, Timings())
     assert ok.done() and np.all(ok.result()["y"] == 8.0)
     await b.stop()
+
+
+@run_async
+async def test_one_preempted_run_delays_direct_runs_only_a_few_requests() -> None:
+    clock = FakeClock()
+    rt = TimedRuntime(clock, us_per_batch=5000)  # the first run was preempted: 5 ms
+    b = make(rt, clock)
+    b.start()
+    await first_batch(b)
+    rt.us = 20
+    gathered = 0
+    while not b.direct:
+        fut = b.submit(row(), 1, Timings())
+        await fut
+        await settle()
+        gathered += 1
+    assert gathered <= 8  # (halving: 5 ms to under 100 us in 6 runs)
+    assert b.submit(row(), 1, Timings()).done()
+    await b.stop()

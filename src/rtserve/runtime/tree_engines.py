@@ -104,11 +104,68 @@ def treelite_engine(framework: str, model: Any, path: Path, n_features: int, kin
     dmatrix = tl2cgen.DMatrix
     multi = kind == "multiclass"
 
-    def predict(x: np.ndarray) -> np.ndarray:
+    def many(x: np.ndarray) -> np.ndarray:
         out = predictor.predict(dmatrix(x))
         return out.reshape(x.shape[0], -1) if multi else out.reshape(x.shape[0])
 
+    one = _treelite_one_row(lib, n_features, many, multi)
+
+    def predict(x: np.ndarray) -> np.ndarray:
+        return one(x) if one is not None and x.shape[0] == 1 else many(x)
+
     return Engine("treelite", predict, f"library {lib.name}", lib.stat().st_size)
+
+
+def _treelite_one_row(lib: Path, n_features: int, many: Predict, multi: bool) -> Predict | None:
+    """One row through the compiled library's own ``predict(union Entry*, int, leaf*)``,
+    without tl2cgen's DMatrix and thread pool per call (they cost more than the trees of
+    one row). None when the library is not the expected single-target kind, or its answers
+    on check rows (NaNs included) differ from ``many`` (tl2cgen's predictor)."""
+    import ctypes
+    import sys
+
+    types = {b"float32": np.float32, b"float64": np.float64}
+    try:
+        so = ctypes.CDLL(str(lib))
+        so.get_num_target.restype = ctypes.c_int32
+        so.get_num_feature.restype = ctypes.c_int32
+        so.get_threshold_type.restype = ctypes.c_char_p
+        so.get_leaf_output_type.restype = ctypes.c_char_p
+        classes = ctypes.c_int32()
+        if so.get_num_target() != 1 or so.get_num_feature() != n_features:
+            return None
+        so.get_num_class(ctypes.byref(classes))
+        threshold = types[so.get_threshold_type()]
+        leaf = types[so.get_leaf_output_type()]
+        run = so.predict
+    except (OSError, AttributeError, KeyError):
+        return None
+    if sys.byteorder != "little":
+        return None
+    run.restype = None
+    run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    width = classes.value
+    wide = threshold is np.float64  # (an Entry of 8 bytes: ``missing`` is its low word)
+
+    def one(x: np.ndarray) -> np.ndarray:
+        row = np.array(x[0], dtype=threshold)  # (a copy: the Entry array)
+        missing = np.isnan(row)
+        if missing.any():
+            words = row.view(np.int32)
+            (words[::2] if wide else words)[missing] = -1
+        out = np.zeros(width, leaf)
+        run(row.ctypes.data, 0, out.ctypes.data)
+        return out.reshape(1, width) if multi else out
+
+    rng = np.random.default_rng(0)
+    check = rng.normal(size=(8, n_features)).astype(threshold)
+    check[::3, :: max(1, n_features // 4)] = np.nan
+    for r in range(check.shape[0]):
+        got, want = one(check[r : r + 1]), np.asarray(many(check[r : r + 1]))
+        if got.shape != want.shape or not np.array_equal(got, want, equal_nan=True):
+            log.warning("%s: its own one-row predict differs from tl2cgen's; not used", lib)
+            return None
+    return one
 
 
 def _cached_library(path: Path, key: str) -> Path:

@@ -222,13 +222,14 @@ class Batcher:
     def _learn_solo(self, ns: int) -> None:
         """A one-row batch took ``ns``: update ``solo_ns`` and whether direct runs pay.
 
-        ``solo_ns`` follows the median (steps of 5% at most towards each sample): one
-        run preempted by another process on a busy machine says nothing of the model."""
+        ``solo_ns`` goes half way down to a shorter time but only 5% up to a longer one: a
+        run preempted by another process on a busy machine says little of the model, and a
+        model that is slow for good still turns direct runs off within a few dozen runs."""
         solo = self.solo_ns
         if solo < 0:
             self.solo_ns = ns
         else:
-            self.solo_ns = min(solo * 1.05, ns) if ns > solo else max(solo * 0.95, ns)
+            self.solo_ns = min(solo * 1.05, ns) if ns > solo else (solo + ns) / 2
         # (on at the bound, off at 1.5x it: a time near the bound does not flip it back and forth)
         limit = self._direct_max_ns * (1.5 if self.direct else 1.0)
         direct = self.solo_ns <= limit
