@@ -29,7 +29,7 @@ import sys
 import time
 import zlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -86,15 +86,6 @@ def _records(report: Path) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------- valid load
-@dataclass
-class _Window:
-    sent: int = 0
-    ok: int = 0
-    shed: int = 0
-    lost: int = 0
-    latencies: list[float] = field(default_factory=list)
-
-
 class _ValidConnection(_Connection):
     """Reads the body and the keep-alive of each answer; ``outcome`` names how it ended."""
 
@@ -132,12 +123,13 @@ class _ValidClient(_Client):
     def __init__(self, port: int) -> None:
         request = _post(INFER_PATH, _valid_body())
         super().__init__("127.0.0.1", port, request, VALID_CONNECTIONS)
-        self.window = _Window()
+        self.window: collections.Counter[str] = collections.Counter()  # since the last sample
         self.totals: collections.Counter[str] = collections.Counter()
+        self.latencies: list[float] = []  # the window's, of answers with outputs
 
     def submit(self, scheduled: float) -> None:
         self.totals["sent"] += 1
-        self.window.sent += 1
+        self.window["sent"] += 1
         super().submit(scheduled)
 
     def _send(self, conn: _Connection, scheduled: float) -> None:
@@ -156,16 +148,14 @@ class _ValidClient(_Client):
         if conn not in self.busy:
             return
         self.busy.discard(conn)
-        outcome, w = cast(_ValidConnection, conn).outcome, self.window
+        outcome = cast(_ValidConnection, conn).outcome  # "ok" exactly when ok
+        kind = outcome if outcome in ("ok", "shed") else "lost"
+        self.window[kind] += 1
+        self.totals[kind] += 1
         if ok:
-            w.ok += 1
-            w.latencies.append(time.perf_counter() - conn.scheduled)
-        elif outcome == "shed":
-            w.shed += 1
-        else:
-            w.lost += 1
+            self.latencies.append(time.perf_counter() - conn.scheduled)
+        elif kind == "lost":
             self.totals[f"lost: {outcome}"] += 1
-        self.totals[outcome if outcome in ("ok", "shed") else "lost"] += 1
         if cast(_ValidConnection, conn).keep:
             self._release(conn)
         elif self.waiting and len(self.busy) + self.opening < self.max_connections:
@@ -179,10 +169,10 @@ class _ValidClient(_Client):
             self.idle.remove(conn)
 
     def take_window(self) -> dict[str, Any]:
-        w, self.window = self.window, _Window()
-        lat = np.asarray(w.latencies) * 1000.0
+        w, lat = self.window, np.asarray(self.latencies) * 1000.0
+        self.window, self.latencies = collections.Counter(), []
         pct = (lambda q: round(float(np.percentile(lat, q)), 3)) if lat.size else (lambda q: None)
-        return {"t": time.time(), "sent": w.sent, "ok": w.ok, "shed": w.shed, "lost": w.lost,
+        return {"t": time.time(), **{k: w[k] for k in ("sent", "ok", "shed", "lost")},
                 "p50_ms": pct(50), "p99_ms": pct(99), "max_ms": pct(100),
                 "connections": len(self.busy) + len(self.idle), "outstanding": self.outstanding}  # fmt: skip
 
