@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -141,24 +141,13 @@ class Recipe:
     ready_path: str
 
 
+def _rtserve_recipe(weights: str, **options: Any) -> Recipe:
+    return Recipe(partial(_rtserve, weights=weights, **options), "/v2/health/ready")
+
+
 SERVERS: dict[str, Recipe] = {
-    **{f"rtserve-{w}": Recipe(partial(_rtserve, weights=w), "/v2/health/ready") for w in WEIGHTS},
-    **{
-        f"rtserve-{w}-lookup": Recipe(
-            partial(_rtserve, weights=w, speculative=True), "/v2/health/ready"
-        )
-        for w in ("fp32", "int8")
-    },
-    # BENCH_BASELINE_SRC=<other checkout>/src adds that code as a server (before/after).
-    **(
-        {
-            "rtserve-fp32-baseline": Recipe(
-                partial(_rtserve, weights="fp32", src=BASELINE_SRC), "/v2/health/ready"
-            )
-        }
-        if BASELINE_SRC
-        else {}
-    ),
+    **{f"rtserve-{w}": _rtserve_recipe(w) for w in WEIGHTS},
+    **{f"rtserve-{w}-lookup": _rtserve_recipe(w, speculative=True) for w in ("fp32", "int8")},
     **{
         f"vllm-{d}": Recipe(
             partial(vllm.start, dtype=d, model=MODEL, model_dir=MODEL_DIR), "/health"
@@ -170,6 +159,8 @@ SERVERS: dict[str, Recipe] = {
         for q in llamacpp.QUANTS
     },
 }
+if BASELINE_SRC:  # BENCH_BASELINE_SRC=<other checkout>/src adds that code (before/after)
+    SERVERS["rtserve-fp32-baseline"] = _rtserve_recipe("fp32", src=BASELINE_SRC)
 IN_PROCESS = "transformers"  # static generate at batch = concurrency, stories only
 
 
@@ -275,7 +266,7 @@ def measure_hf(work: Path, plan: Plan, timeout_s: float = 600) -> dict[str, Any]
 
 
 # --------------------------------------------------------------------------- orchestration
-def run(plan: Plan, names: list[str], out: Path | None, command: str) -> dict[str, Any]:
+def run(plan: Plan, names: list[str], out: Path, command: str) -> dict[str, Any]:
     """Every server once per round, the order rotating between rounds; the JSON is saved
     after each server so an interrupted run keeps what it measured."""
     work = ROOT / "bench" / ".work" / "generative"
@@ -300,9 +291,8 @@ def run(plan: Plan, names: list[str], out: Path | None, command: str) -> dict[st
                 entry[name] = measure_hf(work / f"r{r}" / name, plan)
             else:
                 entry[name] = measure_server(name, work / f"r{r}" / name, plan)
-            if out:
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
     return result
 
 
@@ -316,29 +306,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--servers", default=",".join([*SERVERS, IN_PROCESS]))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int)
-    parser.add_argument("--max-tokens", type=int)
-    parser.add_argument("--out", type=Path, help=f"JSON (default {RESULTS.relative_to(ROOT)})")
-    parser.add_argument("--doc", type=Path, help=f"the page (default {DOC.relative_to(ROOT)})")
     args = parser.parse_args(argv)
-    names = args.servers.split(",")
+    names, workloads = args.servers.split(","), tuple(args.workloads.split(","))
     unknown = [n for n in names if n not in SERVERS and n != IN_PROCESS]
     if unknown:
         parser.error(
             f"--servers: unknown {', '.join(unknown)}; known: {', '.join(SERVERS)}, {IN_PROCESS}"
         )
-    workloads = tuple(args.workloads.split(","))
     if any(w not in WORKLOADS for w in workloads):
         parser.error(f"--workloads: expected some of {', '.join(WORKLOADS)}")
-    plan = QUICK if args.quick else Plan()
-    plan = Plan(**{**plan.__dict__, "workloads": workloads})
-    if args.rounds:
-        plan = Plan(**{**plan.__dict__, "rounds": args.rounds})
-    if args.max_tokens:
-        plan = Plan(**{**plan.__dict__, "max_tokens": args.max_tokens})
+    plan = replace(QUICK if args.quick else Plan(), workloads=workloads)
+    plan = replace(plan, rounds=args.rounds) if args.rounds else plan
     # the committed files come only from full runs; a quick run writes under bench/.work
-    quick_dir = ROOT / "bench" / ".work" / "generative"
-    out = args.out or (quick_dir / "quick.json" if args.quick else RESULTS)
-    doc = args.doc or (quick_dir / "quick.md" if args.quick else DOC)
+    quick = ROOT / "bench" / ".work" / "generative"
+    out, doc = (quick / "quick.json", quick / "quick.md") if args.quick else (RESULTS, DOC)
     command = " ".join(
         ["python -m bench generative", *(argv if argv is not None else sys.argv[1:])]
     )

@@ -4,11 +4,7 @@ median over rounds with every round shown; TTFT and ITL p50/p99 beside the token
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
-
-import orjson
 
 from bench.report import markdown_table
 from bench.stats import median_ratio, ratio
@@ -136,17 +132,3 @@ def render(result: dict[str, Any]) -> str:
     if problems:
         lines += ["## Failures", "", *problems, ""]
     return "\n".join(lines)
-
-
-def main() -> None:
-    """``python -m bench.generative_report RESULTS.json [PAGE.md]``: render again."""
-    result = orjson.loads(Path(sys.argv[1]).read_bytes())
-    text = render(result)
-    if len(sys.argv) > 2:
-        Path(sys.argv[2]).write_text(text)
-    else:
-        print(text)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.results import Measurement
@@ -42,20 +41,6 @@ class RunRecord:
     caveat: str = ""
     headline_rounds: list[Measurement] = field(default_factory=list)  # each round's wrk points
     baseline: str = ""  # the commit the baseline rtserve ran from, when there was one
-
-
-def save_record(path: Path, record: RunRecord) -> None:
-    """The whole record as JSON, so a report can be re-rendered without measuring again."""
-    path.write_text(json.dumps(asdict(record), indent=1))
-
-
-def load_record(path: Path) -> RunRecord:
-    data = json.loads(path.read_text())
-    for key in ("headline", "matrix", "limits", "headline_rounds"):
-        data[key] = [Measurement.from_dict(m) for m in data.get(key, [])]
-    for key in ("loads", "plots"):
-        data[key] = [tuple(item) for item in data[key]]
-    return RunRecord(**data)
 
 
 def fmt_rps(value: float | None) -> str:

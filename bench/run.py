@@ -26,7 +26,7 @@ from pathlib import Path
 from bench import baseline, envs, limits, machine, plots, servers
 from bench.clients import perf_analyzer, wrk
 from bench.procs import http_post
-from bench.report import RunRecord, load_record, render, render_details, save_record
+from bench.report import RunRecord, render, render_details
 from bench.results import Measurement, save, short_error
 from bench.stats import combine_rounds, rotated, saturated
 from bench.workloads import ROOT, WORKLOADS, Workload
@@ -55,7 +55,6 @@ class Plan:
     pa_open_clients: tuple[str, ...] = ("pa-http-binary",)
     matrix: bool = True
     workloads: tuple[str, ...] = ("mlp", "minilm")
-    peers: tuple[str, ...] = tuple(MATRIX_ORDER)
 
 
 # Five rounds of four servers (five with a baseline) at 4 s each, perf_analyzer in the first
@@ -302,9 +301,8 @@ class Suite:
                 limit_rows.append(
                     Measurement.failed(limits.PEER, name, "in-process", "limit", 0, str(exc))
                 )
-            for peer_name in self.plan.peers:
-                peer = servers.PEERS[peer_name]
-                points += self.peer_matrix(peer, workload)
+            for peer_name in MATRIX_ORDER:
+                points += self.peer_matrix(servers.PEERS[peer_name], workload)
         return points, limit_rows
 
 
@@ -323,10 +321,9 @@ def versions(plan: Plan) -> dict[str, str]:
     found["uvicorn / uvloop / httptools / orjson (references)"] = " / ".join(
         envs.installed_version(main, d) for d in ("uvicorn", "uvloop", "httptools", "orjson")
     )
-    names = set(HEADLINE_PEERS) | (set(plan.peers) if plan.matrix else set())
-    for name in MATRIX_ORDER:
+    for name in MATRIX_ORDER if plan.matrix else HEADLINE_PEERS:
         peer = servers.PEERS[name]
-        if name not in names or peer.env == "main" or peer.distribution is None:
+        if peer.env == "main" or peer.distribution is None:
             continue
         env = envs.peer_env(peer.env)
         if env.stamp.exists():
@@ -395,38 +392,18 @@ def _command_line(args: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="rtserve benchmark suite")
-    add = parser.add_argument
-    add("--quick", action="store_true", help="the core comparison only (~4 min)")
-    add("--peers", help="comma-separated subset of peers for the full matrix")
-    add("--workloads", help="comma-separated subset: mlp,minilm")
-    add("--rounds", type=int, help="headline rounds (default 5)")
-    add("--baseline-ref", metavar="GIT_REF", help="also rtserve as of this commit (a git worktree, "
-        "same venv) in every headline round: before/after in one run")  # fmt: skip
-    add("--out", type=Path, help="report path (default docs/benchmarks[-quick].md)")
-    add("--render", type=Path, metavar="RUN_DIR", help="re-render a finished run's record.json")
+    parser = argparse.ArgumentParser(prog="python -m bench serving|quick", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="the core comparison only (~4 min)")
+    parser.add_argument("--rounds", type=int, help="headline rounds (default 5)")
+    parser.add_argument("--baseline-ref", metavar="GIT_REF", help="also rtserve as of this commit "
+                        "(a git worktree, same venv) in every headline round")  # fmt: skip
+    parser.add_argument("--out", type=Path, help="report path (default docs/benchmarks[-quick].md)")
     args = parser.parse_args(argv)
-    if args.render:
-        record = load_record(args.render / "record.json")
-        if record.matrix:
-            record.plots = draw_plots(record)
-        default = "benchmarks-quick.md" if record.mode.startswith("quick") else "benchmarks.md"
-        publish(record, args.out or ROOT / "docs" / default)
-        return 0
-
     plan = QUICK if args.quick else FULL
-    if args.peers:
-        unknown = set(args.peers.split(",")) - set(servers.PEERS)
-        if unknown:
-            parser.error(f"unknown peers: {', '.join(sorted(unknown))}")
-        plan = replace(plan, peers=tuple(p for p in MATRIX_ORDER if p in args.peers.split(",")))
-    if args.workloads:
-        plan = replace(plan, workloads=tuple(args.workloads.split(",")))
     if args.rounds:
         plan = replace(plan, rounds=args.rounds)
     out = args.out or ROOT / "docs" / ("benchmarks-quick.md" if plan.quick else "benchmarks.md")
-
-    started = time.monotonic()
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     run_dir = ROOT / "bench" / "results" / "raw" / f"{stamp}-{'quick' if plan.quick else 'full'}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -437,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 base = stack.enter_context(baseline.checkout(args.baseline_ref))
             except RuntimeError as exc:
                 parser.error(str(exc))
-        return _measure(plan, run_dir, out, started, base, argv)
+        return _measure(plan, run_dir, out, base, argv)
     return 1  # not reached: the block returns
 
 
@@ -445,10 +422,10 @@ def _measure(
     plan: Plan,
     run_dir: Path,
     out: Path,
-    started: float,
     base: baseline.Baseline | None,
     argv: list[str] | None,
 ) -> int:
+    started = time.monotonic()
     suite = Suite(plan, run_dir, base)
     facts = machine.facts()
     order = list(MATRIX_ORDER)
@@ -496,7 +473,6 @@ def _measure(
         record.versions[labels[BASELINE]] = f"{base.sha[:10]}: {base.subject}"
     record.duration_s = time.monotonic() - started
     record.plots = draw_plots(record) if plan.matrix else []
-    save_record(run_dir / "record.json", record)
     publish(record, out)
     suite.log(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out} "
               f"in {record.duration_s / 60:.1f} min")  # fmt: skip

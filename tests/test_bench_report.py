@@ -128,21 +128,6 @@ def test_a_peer_failing_every_point_the_same_way_gets_one_row() -> None:
     assert "| MLServer | 1–64 | — |" in text
 
 
-def test_record_round_trips_through_json(tmp_path: Path) -> None:
-    from bench.report import load_record, save_record
-
-    record = _record(
-        headline=[_point("rtserve", 100, 1.0)],
-        matrix=[Measurement.failed("mosec", "mlp", "wrk", "closed", 8, "refused")],
-        loads=[("mlp", "mosec", "1.00 / 1.00 / 1.00")],
-        plots=[("caption", "img/x.png")],
-    )
-    save_record(tmp_path / "record.json", record)
-    again = load_record(tmp_path / "record.json")
-    assert again == record
-    assert render(again, "B") == render(record, "B")
-
-
 def test_plots_write_png_files(tmp_path: Path) -> None:
     from bench import plots
 

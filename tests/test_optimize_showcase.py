@@ -34,7 +34,7 @@ def test_showcase_command_line_answers_help_from_the_repository() -> None:
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert "--models" in proc.stdout and "minilm,efficientnet,digits" in proc.stdout
+    assert "--only" in proc.stdout and "early-exit" in proc.stdout
 
 
 def test_render_lists_targets_sections_and_the_regenerating_command(

@@ -12,6 +12,7 @@ import math
 import os
 import pathlib
 import platform
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -317,36 +318,16 @@ RUNNERS: dict[str, Callable[[Settings], Section]] = {
     "efficientnet": run_efficientnet,
     "digits": run_digits,
 }
-
-
 # Sections with a module of their own, appended after the models' sections; each can run
 # alone: `python -m bench.showcase --only NAME[,NAME] --out /tmp/x.md`.
 SECTIONS = {"prune": "structured_prune", "edge": "edge", "qat": "qat", "early-exit": "early_exit"}
+# Sections written by other commands (``rtserve optimize-llm``): kept when the page is remade.
+KEPT_FROM = "\n## Generative models: `rtserve optimize-llm`"
+WORK = pathlib.Path("optimize-out/showcase")
 
 
 def _section(name: str, settings: Settings) -> str:
     return str(importlib.import_module(f"bench.showcase.{SECTIONS[name]}").section(settings))
-
-
-def _run_only(
-    parser: argparse.ArgumentParser, names: list[str], settings: Settings, out: pathlib.Path
-) -> int:
-    """``--only``: the named sections alone, written to ``out``."""
-    unknown = set(names) - set(SECTIONS)
-    if unknown:
-        parser.error(
-            f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}"
-        )
-    start = time.perf_counter()
-    text = "".join(_section(name, settings) + "\n" for name in names)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(f"wrote {out} in {(time.perf_counter() - start) / 60:.1f} min")
-    return 0
-
-
-# Sections written by other commands (``rtserve optimize-llm``): kept when the page is remade.
-KEPT_FROM = "\n## Generative models: `rtserve optimize-llm`"
 
 
 def _kept_sections(page: pathlib.Path) -> str:
@@ -355,9 +336,27 @@ def _kept_sections(page: pathlib.Path) -> str:
     return "" if at < 0 else old[at:]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _models(settings: Settings, img_dir: pathlib.Path) -> list[Section]:
+    """Every model of ``RUNNERS`` optimized, plotted and its chosen variant published."""
     from rtserve.optimize.publish import publish
 
+    sections = []
+    for name, runner in RUNNERS.items():
+        t0 = time.perf_counter()
+        section = runner(settings)
+        section.seconds = time.perf_counter() - t0
+        sections.append(section)
+        r = section.result
+        chosen = r.chosen.name if r.chosen else None
+        plot(r.measurements, img_dir / f"optimization-{section.slug}.png", section.title, chosen)
+        if r.chosen is not None:
+            repo = WORK.parent / "repository" / section.slug
+            publish(repo, r.chosen, r.measurements, r.max_accuracy_drop)
+        print(f"{name}: done in {section.seconds:.0f} s, chosen {chosen}")
+    return sections
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.showcase",
         description=__doc__.splitlines()[0] if __doc__ else None,
@@ -367,58 +366,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="report to write (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--work", default="optimize-out/showcase", type=pathlib.Path,
-        help="folder for exported models and variants (default: %(default)s)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--models", default="minilm,efficientnet,digits",
-        help="comma list of showcase models (default: %(default)s)",
-    )  # fmt: skip
-    parser.add_argument(
         "--only",
         help=f"comma list of sections ({', '.join(SECTIONS)}) to run alone, written to --out",
     )
     parser.add_argument("--quick", action="store_true", help="small sets and few iterations")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     quick = args.quick
     settings = Settings(
-        work=args.work,
+        work=WORK,
         iterations=20 if quick else 100,
         max_seconds=1.0 if quick else 3.0,
         n_eval_images=40 if quick else 300,
         n_calib_images=24 if quick else 200,
         n_sentences=60 if quick else 300,
-        progress=not args.no_progress,
+        progress=sys.stderr.isatty(),
     )
-    if args.only:
-        return _run_only(parser, args.only.split(","), settings, args.out)
-    unknown = set(args.models.split(",")) - set(RUNNERS)
+    only = args.only.split(",") if args.only else []
+    unknown = set(only) - set(SECTIONS)
     if unknown:
         parser.error(
-            f"--models: unknown {', '.join(sorted(unknown))}; choose from {', '.join(RUNNERS)}"
+            f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}"
         )
-    img_dir = args.out.parent / "img"
-    sections = []
     start = time.perf_counter()
-    for name in args.models.split(","):
-        t0 = time.perf_counter()
-        section = RUNNERS[name](settings)
-        section.seconds = time.perf_counter() - t0
-        sections.append(section)
-        r = section.result
-        chosen = r.chosen.name if r.chosen else None
-        plot(r.measurements, img_dir / f"optimization-{section.slug}.png", section.title, chosen)
-        if r.chosen is not None:
-            repo = args.work.parent / "repository" / section.slug
-            publish(repo, r.chosen, r.measurements, r.max_accuracy_drop)
-        print(f"{name}: done in {section.seconds:.0f} s, chosen {chosen}")
-    extra = "".join("\n" + _section(name, settings) for name in SECTIONS)
-    text = render(sections, img_dir, args.out, time.perf_counter() - start) + extra
-    text += _kept_sections(args.out)
+    if only:
+        text = "".join(_section(name, settings) + "\n" for name in only)
+    else:
+        img_dir = args.out.parent / "img"
+        sections = _models(settings, img_dir)
+        extra = "".join("\n" + _section(name, settings) for name in SECTIONS)
+        text = render(sections, img_dir, args.out, time.perf_counter() - start) + extra
+        text += _kept_sections(args.out)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} in {(time.perf_counter() - start) / 60:.1f} min")
     np.set_printoptions()
     return 0
 
