@@ -52,12 +52,12 @@ BatchObserver = Callable[[int, int], None]  # (rows in batch, compute ns)
 
 
 def _direct_max_ns() -> int:
-    raw = os.environ.get("RTSERVE_DIRECT_MAX_US", "100")
+    raw = os.environ.get("RTSERVE_DIRECT_MAX_US", "200")
     try:
         return max(0, int(float(raw) * 1000))
     except ValueError:
-        log.warning("RTSERVE_DIRECT_MAX_US=%r is not a number; using 100", raw[:40])
-        return 100_000
+        log.warning("RTSERVE_DIRECT_MAX_US=%r is not a number; using 200", raw[:40])
+        return 200_000
 
 
 # One-row batches at most this long (ns) may run directly on arrival (see the docstring).
