@@ -186,7 +186,7 @@ async def _run_valid(port: int, rate: float, duration_s: float, window_s: float,
     start = time.perf_counter()
     end, next_window = start + duration_s, start + window_s
     next_arrival = start + rng.exponential(1.0 / rate)
-    while next_arrival < end:
+    while True:
         now = time.perf_counter()
         while next_arrival <= now and next_arrival < end:
             client.submit(next_arrival)
@@ -194,6 +194,8 @@ async def _run_valid(port: int, rate: float, duration_s: float, window_s: float,
         if now >= next_window:
             _emit(report, client.take_window())
             next_window += window_s
+        if next_arrival >= end:
+            break
         # At least TICK_S between wake-ups: arrivals due meanwhile go out together (timed
         # from their own scheduled time), so the client's cost per request stays flat.
         await asyncio.sleep(max(TICK_S, min(next_arrival, next_window) - time.perf_counter()))
