@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rtserve.optimize.errors import OptimizeError
+from rtserve.optimize.export import export_module
 from rtserve.optimize.pipeline import OptimizeOptions
 from rtserve.optimize.text import minilm_path, minilm_tokenize, offline
 
@@ -96,30 +97,9 @@ def export_minilm(path: pathlib.Path, seq_len: int = 32) -> pathlib.Path:
     The legacy TorchScript exporter with eager attention is used so that ONNX Runtime's
     transformer optimizer can fuse attention afterwards.
     """
-    import torch
-
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    model = minilm_module()
     example = minilm_tokenize(["an example sentence", "another one"], seq_len=seq_len)
-    args = (torch.from_numpy(example["input_ids"]), torch.from_numpy(example["attention_mask"]))
-    with torch.no_grad():
-        torch.onnx.export(
-            model,
-            args,
-            str(path),
-            input_names=["input_ids", "attention_mask"],
-            output_names=["embedding"],
-            dynamic_axes={
-                "input_ids": {0: "batch", 1: "sequence"},
-                "attention_mask": {0: "batch", 1: "sequence"},
-                "embedding": {0: "batch"},
-            },
-            opset_version=17,
-            do_constant_folding=True,
-            dynamo=False,
-        )
-    return path
+    axes = {name: {0: "batch", 1: "sequence"} for name in example} | {"embedding": {0: "batch"}}
+    return export_module(minilm_module(), path, example, ["embedding"], axes)
 
 
 # ImageNet preprocessing of the Lite family: (x - 127) / 128 on 0..255 RGB.
@@ -157,25 +137,9 @@ def efficientnet_preprocess(images: Sequence[np.ndarray] | np.ndarray) -> np.nda
 
 def export_efficientnet_lite0(path: pathlib.Path) -> pathlib.Path:
     """Export EfficientNet-Lite0 to ONNX: input ``image`` [batch, 3, 224, 224], output ``logits``."""
-    import torch
-
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    model = efficientnet_module()
-    example = torch.zeros(2, 3, EFFICIENTNET_SIZE, EFFICIENTNET_SIZE)
-    with torch.no_grad():
-        torch.onnx.export(
-            model,
-            (example,),
-            str(path),
-            input_names=["image"],
-            output_names=["logits"],
-            dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}},
-            opset_version=17,
-            do_constant_folding=True,
-            dynamo=False,
-        )
-    return path
+    example = {"image": np.zeros((2, 3, EFFICIENTNET_SIZE, EFFICIENTNET_SIZE), np.float32)}
+    axes = {"image": {0: "batch"}, "logits": {0: "batch"}}
+    return export_module(efficientnet_module(), path, example, ["logits"], axes)
 
 
 def digits_teacher() -> torch.nn.Module:
@@ -247,14 +211,7 @@ def export_torch_classifier(
     model: torch.nn.Module, path: pathlib.Path, n_features: int = DIGITS_FEATURES
 ) -> pathlib.Path:
     """Export a [batch, n_features] -> [batch, classes] torch model with input ``x``, output ``logits``."""
-    from rtserve.optimize.export import export_module
-
-    return export_module(
-        model,
-        path,
-        example_inputs={"x": np.zeros((2, n_features), dtype=np.float32)},
-        output_names=["logits"],
-    )
+    return export_module(model, path, {"x": np.zeros((2, n_features), np.float32)}, ["logits"])
 
 
 def _source_images() -> list[np.ndarray]:
