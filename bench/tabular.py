@@ -6,9 +6,9 @@ LightGBM of the same size, served by rtserve (each execution choice), MLServer
 Per server and model: rows/s at capacity (wrk, closed loop, one row per request), then
 p50/p99 at half of that rate (the C open-loop client: Poisson arrivals, latency from each
 scheduled send). Rounds alternate the servers. ``python -m bench.tabular --rounds 3``.
-``--direct-ab``: a second rtserve with direct runs off (``RTSERVE_DIRECT_MAX_US=0``: every
-request through the batcher's gather loop), measured in the same rounds as
-"rtserve-nodirect".
+``--direct-ab``: a second rtserve with direct runs on (``RTSERVE_DIRECT_MAX_US=200``: an idle
+batcher runs a cheap model's request on arrival, see scheduling/batcher.py), measured in
+the same rounds as "rtserve-direct".
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tabular.json")
     ap.add_argument("--no-peers", action="store_true", help="rtserve and the floor only")
     ap.add_argument("--direct-ab", action="store_true",
-                    help="also an rtserve with direct runs off (RTSERVE_DIRECT_MAX_US=0)")  # fmt: skip
+                    help="also an rtserve with direct runs on (RTSERVE_DIRECT_MAX_US=200)")  # fmt: skip
     ap.add_argument("--models", default="",
                     help="comma-separated rtserve models to measure (e.g. xgb-onnx,lgb-native)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -272,16 +272,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.models:
         names = [n for n in names if n in args.models.split(",")]
     if args.direct_ab:
-        servers["rtserve-nodirect"] = start([sys.executable, "-m", "rtserve.cli", "serve",
+        servers["rtserve-direct"] = start([sys.executable, "-m", "rtserve.cli", "serve",
                                              "--model-repository", str(repo), "--host", "127.0.0.1",
                                              "--http-port", "18001", "--grpc-port", "0"],
-                                            WORK / "rtserve-nodirect.log",
-                                            dict(env, RTSERVE_DIRECT_MAX_US="0"))  # fmt: skip
+                                            WORK / "rtserve-direct.log",
+                                            dict(env, RTSERVE_DIRECT_MAX_US="200"))  # fmt: skip
     for n in names:
         dt = "FP32" if n.startswith("xgb") else "FP64"
         targets[f"rtserve {n}"] = (f"http://127.0.0.1:18000/v2/models/{n}/infer", v2_body(row, dt))
         if args.direct_ab:
-            targets[f"rtserve-nodirect {n}"] = (
+            targets[f"rtserve-direct {n}"] = (
                 f"http://127.0.0.1:18001/v2/models/{n}/infer",
                 v2_body(row, dt),
             )
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
     try:
         wait_http("http://127.0.0.1:18000/v2/health/ready")
-        if "rtserve-nodirect" in servers:
+        if "rtserve-direct" in servers:
             wait_http("http://127.0.0.1:18001/v2/health/ready")
         if "fastapi" in servers:
             wait_http("http://127.0.0.1:18090/docs")

@@ -30,13 +30,26 @@ class TimedRuntime(DoublingRuntime):
         return super().run(instance, feeds)
 
 
-def make(rt: DoublingRuntime, clock: FakeClock, inline: bool = True, delay_us: int = 0) -> Batcher:
+def make(
+    rt: DoublingRuntime,
+    clock: FakeClock,
+    inline: bool = True,
+    delay_us: int = 0,
+    bound_us: int = 200,
+) -> Batcher:
+    """A batcher made with ``RTSERVE_DIRECT_MAX_US=bound_us`` (read at import: set here)."""
     policy = DynamicBatchPolicy(
         rt.max_batch_size, DynamicBatching(max_queue_delay_us=delay_us, adaptive_delay=False)
     )
-    return Batcher(
-        "m:1", rt, WindowPolicy(policy, 64, lambda: True), batched=True, inline=inline, clock=clock
-    )
+    saved = batcher_module.DIRECT_MAX_NS
+    batcher_module.DIRECT_MAX_NS = bound_us * 1000
+    try:
+        return Batcher(
+            "m:1", rt, WindowPolicy(policy, 64, lambda: True), batched=True, inline=inline,
+            clock=clock,
+        )  # fmt: skip
+    finally:
+        batcher_module.DIRECT_MAX_NS = saved
 
 
 def row(value: float = 1.0) -> dict[str, np.ndarray]:
@@ -121,13 +134,8 @@ async def test_a_slow_model_a_threaded_one_or_a_zero_bound_never_runs_directly()
     assert threaded.direct_runs == 0
     await threaded.stop()
 
-    saved = batcher_module.DIRECT_MAX_NS
-    batcher_module.DIRECT_MAX_NS = 0  # RTSERVE_DIRECT_MAX_US=0
-    try:
-        clock = FakeClock()
-        off = make(TimedRuntime(clock, us_per_batch=5), clock)
-    finally:
-        batcher_module.DIRECT_MAX_NS = saved
+    clock = FakeClock()
+    off = make(TimedRuntime(clock, us_per_batch=5), clock, bound_us=0)  # the default
     off.start()
     for _ in range(3):
         fut = off.submit(row(), 1, Timings())

@@ -1,6 +1,6 @@
 """One-row requests to tree models: LightGBM's single-row C API answers exactly as
 ``Booster.predict``; through a real server, JSON and binary one-row requests are answered
-right, and a cheap model runs them directly on arrival."""
+right, and with direct runs on a cheap model runs them on arrival."""
 
 from __future__ import annotations
 
@@ -101,9 +101,12 @@ def _stats(base: str, model: str) -> dict[str, Any]:
     return doc
 
 
-def test_one_row_requests_through_the_server_json_binary_and_concurrent(tmp_path: Path) -> None:
+def test_one_row_requests_through_the_server_json_binary_and_concurrent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     clf, booster, x = _repo(tmp_path / "repo")
     x = np.nan_to_num(x)  # (JSON has no NaN)
+    monkeypatch.setenv("RTSERVE_DIRECT_MAX_US", "200")  # direct runs on (off by default)
     s = start_server(tmp_path / "repo", tmp_path / "s")
     try:
         for i in range(30):  # sequential one-row requests (a closed loop of one client)

@@ -8,14 +8,16 @@ the outputs back to each request's future. Small models run inline on the event 
 thread hop would cost more than the compute); larger ones run on executor threads, and each
 batch completes all its futures with a single ``call_soon_threadsafe``.
 
-Direct runs (an automatic rule): an inline model whose one-row batches take at most
-``DIRECT_MAX_NS`` (measured as it serves) runs a request at once, in the frontend's callback
-that submits it, when the batcher is idle (nothing queued or running) and the policy would
-dispatch it alone anyway; this skips the wakeup of the gather loop and its extra event loop
-step. At most one request per event loop step runs so: the others that arrive in the same
-step are queued and batched as usual, so concurrent load still uses the batcher. The log
-says when a model starts and stops doing so; ``RTSERVE_DIRECT_MAX_US`` sets the bound in
-microseconds (0: never).
+Direct runs (an option, off by default: ``RTSERVE_DIRECT_MAX_US``, a bound in
+microseconds): an inline model whose one-row batches take at most that long (measured as it
+serves) runs a request at once, in the frontend's callback that submits it, when the
+batcher is idle (nothing queued or running) and the policy would dispatch it alone anyway;
+this skips the wakeup of the gather loop and its extra event loop step. At most one request
+per event loop step runs so: the others that arrive in the same step are queued and
+batched as usual, so concurrent load still uses the batcher (but the first request of a
+burst runs alone, which can cost more than the step it saves: on a 2-core machine with
+the load client on it, one-row requests measured no faster either way). The log says when
+a model starts and stops doing so.
 """
 
 from __future__ import annotations
@@ -52,15 +54,16 @@ BatchObserver = Callable[[int, int], None]  # (rows in batch, compute ns)
 
 
 def _direct_max_ns() -> int:
-    raw = os.environ.get("RTSERVE_DIRECT_MAX_US", "200")
+    raw = os.environ.get("RTSERVE_DIRECT_MAX_US", "0")
     try:
         return max(0, int(float(raw) * 1000))
     except ValueError:
-        log.warning("RTSERVE_DIRECT_MAX_US=%r is not a number; using 200", raw[:40])
-        return 200_000
+        log.warning("RTSERVE_DIRECT_MAX_US=%r is not a number; direct runs stay off", raw[:40])
+        return 0
 
 
-# One-row batches at most this long (ns) may run directly on arrival (see the docstring).
+# One-row batches at most this long (ns) may run directly on arrival (see the docstring;
+# 0: off). 200 us (RTSERVE_DIRECT_MAX_US=200) covers the compiled and ONNX tree models.
 DIRECT_MAX_NS = _direct_max_ns()
 
 
