@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ def story(i: int) -> Messages:
     return [{"role": "user", "content": f"Write a short story number {i} about a cat."}]
 
 
+@cache
 def document(tokens: int = 1000) -> str:
     """Sentences of examples/data/sentences.txt, in order, up to about ``tokens`` tokens."""
     from tokenizers import Tokenizer
@@ -65,16 +66,7 @@ def document(tokens: int = 1000) -> str:
 
 def summary_request(i: int) -> Messages:
     # a different first line per request: the answers are not prefix-cache replays
-    return [{"role": "user", "content": f"Document {i}:\n{_doc()}\n\nSummarize it."}]
-
-
-_DOCUMENT: list[str] = []
-
-
-def _doc() -> str:
-    if not _DOCUMENT:
-        _DOCUMENT.append(document())
-    return _DOCUMENT[0]
+    return [{"role": "user", "content": f"Document {i}:\n{document()}\n\nSummarize it."}]
 
 
 @dataclass(frozen=True)

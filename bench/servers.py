@@ -85,7 +85,10 @@ def baseline_peer(ref: str, src: Path) -> Peer:
                    src=str(src), distribution=None)  # fmt: skip
 
 
-def peer_settings(workload: Workload, workdir: Path) -> PeerSettings:
+def peer_settings(
+    workload: Workload, workdir: Path, max_wait_ms: float = MAX_WAIT_MS
+) -> PeerSettings:
+    """The settings every peer reads (from ``BENCH_PEER``), on ports the OS has free."""
     return PeerSettings(
         model_name=workload.model_name,
         model_path=str(workload.model_path()),
@@ -94,8 +97,11 @@ def peer_settings(workload: Workload, workdir: Path) -> PeerSettings:
         intra_op_threads=workload.intra_op_threads,
         inter_op_threads=INTER_OP_THREADS,
         max_batch_size=MAX_BATCH,
-        max_wait_ms=MAX_WAIT_MS,
+        max_wait_ms=max_wait_ms,
         workdir=str(workdir),
+        port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
     )
 
 
@@ -249,14 +255,7 @@ def start(
     if workdir.exists():
         shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    cfg = replace(
-        peer_settings(workload, workdir),
-        port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-    )
-    if max_wait_ms is not None:
-        cfg = replace(cfg, max_wait_ms=max_wait_ms)
+    cfg = peer_settings(workload, workdir, MAX_WAIT_MS if max_wait_ms is None else max_wait_ms)
     if peer.name == "rayserve":
         cfg = replace(cfg, workdir=f"/tmp/rtb-ray-{os.getpid()}")
     server = Server(

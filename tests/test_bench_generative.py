@@ -52,10 +52,12 @@ def test_poisson_sends_every_request_and_reports_errors(server: RunningServer) -
     assert row["ttft_p50_ms"] <= row["ttft_p99_ms"]
 
 
-def test_a_measured_round_renders_every_table(server: RunningServer) -> None:
+def test_a_measured_round_renders_every_table(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     url = _url(server)
     # the tiny model (a small vocabulary, 1,024 positions) gets a short document
-    generative._DOCUMENT[:] = ["The cat sat on the mat by the door. " * 6]
+    monkeypatch.setattr(generative, "document", lambda: "The cat sat on the mat by the door. " * 6)
     measured = {w: generative.measure_workload(url, w, PLAN) for w in ("stories", "summarize")}
     assert measured["stories"]["4"]["tokens"] == 4 * PLAN.requests_per_stream * 12
     assert measured["summarize"]["1"]["errors"] == 0
