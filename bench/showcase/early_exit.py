@@ -91,28 +91,18 @@ def _feeds(test: dict[str, np.ndarray], names: Sequence[str], rows: slice) -> di
     return {n: np.ascontiguousarray(test[n][rows]) for n in names}
 
 
-def _per_request(model: Any, feeds: list[dict[str, np.ndarray]], threshold: float | None) -> Any:
-    extra = {} if threshold is None else {"exit_threshold": np.full(1, threshold, np.float32)}
+def _runs(
+    model: Any, feeds: list[dict[str, np.ndarray]], threshold: float | None
+) -> Callable[[], None]:
+    """One ``model.run`` per feed (a request or a batch), each row with ``exit_threshold``
+    unless ``threshold`` is None."""
+    if threshold is not None:
+        feeds = [{**f, "exit_threshold": np.full(len(next(iter(f.values()))), threshold, np.float32)}
+                 for f in feeds]  # fmt: skip
 
     def run() -> None:
         for f in feeds:
-            model.run(0, {**f, **extra} if extra else f)
-
-    return run
-
-
-def _batched(
-    model: Any, batches: list[dict[str, np.ndarray]], threshold: float | None
-) -> Callable[[], None]:
-    def run() -> None:
-        for f in batches:
-            rows = len(next(iter(f.values())))
-            extra = (
-                {}
-                if threshold is None
-                else {"exit_threshold": np.full(rows, threshold, np.float32)}
-            )
-            model.run(0, {**f, **extra})
+            model.run(0, f)
 
     return run
 
@@ -139,8 +129,8 @@ def measure(
     early, plain = _runtime(directory, True), _runtime(directory, False)
     torch.set_num_threads(THREADS)
     try:
-        variants = {"plain": _per_request(plain, singles, None)}
-        variants |= {f"{p.threshold}": _per_request(early, singles, p.threshold) for p in points}
+        variants = {"plain": _runs(plain, singles, None)}
+        variants |= {f"{p.threshold}": _runs(early, singles, p.threshold) for p in points}
         timed = _time_rounds(variants, rounds, seconds)
         baseline = timed["plain"] / n
         rows = [
@@ -187,9 +177,9 @@ def _batch_modes(
     try:
         timed = _time_rounds(
             {
-                "plain": _batched(plain, batches, None),
-                "rows": _batched(rows_mode, batches, t),
-                "all": _batched(all_mode, batches, t),
+                "plain": _runs(plain, batches, None),
+                "rows": _runs(rows_mode, batches, t),
+                "all": _runs(all_mode, batches, t),
             },
             rounds,
             seconds,
@@ -201,27 +191,12 @@ def _batch_modes(
 
 def _table(r: ModelResult) -> str:
     depth = r.trained.net.exit_layers[-1]
-    rows = [
-        [
-            "no exits",
-            f"{r.baseline_accuracy:.4f}",
-            "0.0",
-            f"{depth:.2f}",
-            f"{r.baseline_ms:.2f}",
-            "1.00x",
-        ]
-    ]
+    rows = [["no exits", f"{r.baseline_accuracy:.4f}", "0.0", f"{depth:.2f}", f"{r.baseline_ms:.2f}", "1.00x"]]  # fmt: skip
     rows += [[f"{row.point.threshold:g}" + (" **knee**" if row is r.knee else ""), f"{row.point.accuracy:.4f}",
               f"{(row.point.accuracy - r.baseline_accuracy) * 100:+.1f}", f"{row.point.mean_layers:.2f}",
               f"{row.ms:.2f}", f"{row.speedup:.2f}x"] for row in r.rows]  # fmt: skip
-    header = [
-        "exit_threshold",
-        "accuracy",
-        "Δ points",
-        f"mean layers (of {depth})",
-        "ms / request",
-        "speed-up",
-    ]
+    header = ["exit_threshold", "accuracy", "Δ points", f"mean layers (of {depth})",
+              "ms / request", "speed-up"]  # fmt: skip
     return "\n".join(markdown_table(header, rows, numeric_from=0))
 
 

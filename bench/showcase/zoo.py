@@ -26,7 +26,6 @@ from rtserve.optimize.text import minilm_path, minilm_tokenize, offline
 if TYPE_CHECKING:
     import torch
 
-MINILM_DIM = 384
 EFFICIENTNET_SIZE = 224
 DIGITS_FEATURES = 64
 DIGITS_CLASSES = 10
