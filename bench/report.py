@@ -265,9 +265,12 @@ def headline_section(record: RunRecord) -> list[str]:
         rows.append([record.labels.get(m.peer, m.peer), m.client, *_figures(m, share), note])
     header = ["server", "client", "req/s", "p50 ms", "p90 ms", "p99 ms", "errors",
               "req/s × rtserve JSON", "note"]  # fmt: skip
-    lines = lines[:4] + headline_summary(record) + lines[4:]
+    measured = {m.peer for m in record.headline_rounds}
+    refs = [p for p in (*HEADLINE_REFERENCES, BASELINE) if p in measured]
+    per_round = round_ratios(record.headline_rounds, "rtserve", refs)
+    lines = lines[:4] + headline_summary(record, refs, per_round) + lines[4:]
     lines += markdown_table(header, rows)
-    lines += round_ratio_section(record)
+    lines += round_ratio_section(record, refs, per_round)
     lines += ["", "Goals of the core serving issue:", ""]
     mark = {True: "met", False: "**not met**", None: "not measured"}
     lines += markdown_table(
@@ -278,15 +281,10 @@ def headline_section(record: RunRecord) -> list[str]:
     return lines
 
 
-def _references(record: RunRecord) -> list[str]:
-    peers = {m.peer for m in record.headline_rounds}
-    return [p for p in (*HEADLINE_REFERENCES, BASELINE) if p in peers]
-
-
-def headline_summary(record: RunRecord) -> list[str]:
+def headline_summary(
+    record: RunRecord, refs: list[str], rows: list[dict[str, float | None]]
+) -> list[str]:
     """The headline sentence: median per-round ratios of rtserve's JSON throughput."""
-    refs = _references(record)
-    rows = round_ratios(record.headline_rounds, "rtserve", refs)
     if not rows:
         return []
     parts = [
@@ -307,10 +305,10 @@ def headline_summary(record: RunRecord) -> list[str]:
     return lines
 
 
-def round_ratio_section(record: RunRecord) -> list[str]:
+def round_ratio_section(
+    record: RunRecord, refs: list[str], rows: list[dict[str, float | None]]
+) -> list[str]:
     """Each round's ratios: servers of a round ran back to back, so these pair like with like."""
-    refs = _references(record)
-    rows = round_ratios(record.headline_rounds, "rtserve", refs)
     if not rows:
         return []
     rt = {m.round: m for m in record.headline_rounds if m.peer == "rtserve"}
