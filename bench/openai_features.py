@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 import orjson
