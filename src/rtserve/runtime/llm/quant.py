@@ -64,20 +64,9 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     w = _padded(weight)
     n, kp = w.shape
     groups = w.view(n, kp // GROUP, GROUP)
-    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
-    best_err = torch.full_like(lo, float("inf"))
-    best_scale, best_min = torch.ones_like(lo), lo.clone()
-    for ratio in CLIPS:
-        mid = (lo + hi) / 2
-        a, b = mid + (lo - mid) * ratio, mid + (hi - mid) * ratio
-        scale = (b - a) / 15.0
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round((groups - a[..., None]) / safe[..., None]).clamp_(0, 15)
-        err = ((q * safe[..., None] + a[..., None] - groups) ** 2).sum(dim=2)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_scale = torch.where(better, safe, best_scale)
-        best_min = torch.where(better, a, best_min)
+    flat_scale, flat_min = _group_grid(groups.reshape(-1, GROUP))
+    best_scale = flat_scale.view(n, kp // GROUP)
+    best_min = flat_min.view(n, kp // GROUP)
     q = torch.round((groups - best_min[..., None]) / best_scale[..., None]).clamp_(0, 15)
     q = q.to(torch.uint8)
     packed = q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)
@@ -331,8 +320,8 @@ def hessians(
 
 
 def _group_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and minimum [N] of a group of columns ``w`` [N, 32]: ``quantize_int4``'s range
-    search."""
+    """Scale and minimum [N] of each group ``w`` [N, 32]: the range search of
+    ``quantize_int4`` (and of the GPTQ pass, one group of columns at a time)."""
     lo, hi = w.amin(dim=1), w.amax(dim=1)
     best_err = torch.full_like(lo, float("inf"))
     best_scale, best_min = torch.ones_like(lo), lo.clone()
