@@ -33,6 +33,7 @@ import yaml
 from bench import machine, procs
 from bench.clients.sse import Messages, Stream, chat_body, closed_loop
 from bench.peers import llamacpp, vllm
+from bench.results import write_section
 from bench.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -320,5 +321,5 @@ def main(argv: list[str] | None = None) -> None:
     from bench.generative_report import render
 
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(render(result))
+    write_section(doc, "generative", render(result))
     print(f"wrote {out} and {doc}")

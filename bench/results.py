@@ -66,3 +66,21 @@ def load(path: Path) -> list[Measurement]:
         for line in path.read_text().splitlines()
         if line.strip()
     ]
+
+
+MARK = "<!-- bench {} -->"
+END = "<!-- /bench {} -->"
+
+
+def write_section(doc: Path, key: str, text: str) -> None:
+    """Replace the text between the page's markers for ``key`` (appended when absent): a
+    suite rewrites its own section of a results page and keeps the rest."""
+    page = doc.read_text() if doc.exists() else ""
+    start, end = MARK.format(key), END.format(key)
+    block = f"{start}\n{text.strip()}\n{end}"
+    if start in page and end in page:
+        head, rest = page.split(start, 1)
+        page = head + block + rest.split(end, 1)[1]
+    else:
+        page = page.rstrip("\n") + f"\n\n{block}\n"
+    doc.write_text(page)

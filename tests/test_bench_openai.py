@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from bench import openai_features as bench
+from bench import results
 from bench.clients.sse import Stream
 
 
@@ -14,14 +15,18 @@ def test_write_section_replaces_between_its_markers_and_appends_when_absent(
     tmp_path: Path,
 ) -> None:
     doc = tmp_path / "page.md"
-    doc.write_text(f"# Page\n\n{bench.MARK.format('a')}\nold\n{bench.END.format('a')}\n\ntail\n")
-    bench.write_section(doc, "a", "new\nlines")
-    bench.write_section(doc, "b", "other")
+    doc.write_text(
+        f"# Page\n\n{results.MARK.format('a')}\nold\n{results.END.format('a')}\n\ntail\n"
+    )
+    results.write_section(doc, "a", "new\nlines")
+    results.write_section(doc, "b", "other")
     text = doc.read_text()
     assert "old" not in text and "new\nlines" in text and text.index("tail") > text.index("new")
-    assert text.rstrip().endswith(f"{bench.MARK.format('b')}\nother\n{bench.END.format('b')}")
-    bench.write_section(doc, "a", "again")
-    assert doc.read_text().count(bench.MARK.format("a")) == 1 and "again" in doc.read_text()
+    assert text.rstrip().endswith(f"{results.MARK.format('b')}\nother\n{results.END.format('b')}")
+    results.write_section(doc, "a", "again")
+    assert doc.read_text().count(results.MARK.format("a")) == 1 and "again" in doc.read_text()
+    # the openai suite's sections keep the page's existing markers
+    assert results.MARK.format("openai: structured") == "<!-- bench openai: structured -->"
 
 
 def test_rotating_script_holds_every_body_once() -> None:
