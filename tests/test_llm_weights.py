@@ -127,15 +127,16 @@ def test_many_rows_use_dequantized_tiles_and_match_the_kernel(ops) -> None:  # t
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_path_of_the_kernel_matches_float64_on_smollm2_shapes(ops, fmt) -> None:  # type: ignore[no-untyped-def]
-    # 1-7 rows: integer dot products, 4 weight rows a pass (int16 activations: ~float32's
-    # result; int8: llama.cpp's Q8_0 x Q8_0 error); 8+ rows: float32 tiles of 16 columns
+    # Few rows (int8: up to 31, int4: up to 11): integer dot products, 4 weight rows a pass
+    # (int16 activations: ~float32's result; int8: llama.cpp's Q8_0 x Q8_0 error); more rows
+    # (and bf16 from 8): float32 tiles of 16 columns
     # (1000 columns: a tail of 8); two threads split the columns and give the same bits.
     lin = _linear(1000, 576, bias=True, seed=3)
     q = QuantLinear(lin, fmt, ops)
     w = q.dequantized().double()
     threads = torch.get_num_threads()
     try:
-        for m in (1, 2, 3, 7, 8, 13, 32):
+        for m in (1, 2, 3, 7, 8, 11, 12, 13, 31, 32):
             x = torch.randn(m, 576)
             want = x.double() @ w.t() + lin.bias.detach().double()
             scale = float((x.abs().double() @ w.abs().t()).max())

@@ -11,8 +11,8 @@ at load from the FP32 / BF16 checkpoint, activations kept in float32.
 
 At one stream decoding reads every weight once per token, so tokens per second follow the
 bytes. ``QuantLinear`` runs rtserve's kernel (csrc/quant_linear.cpp: AVX2 + FMA, plain loops
-elsewhere) for up to ``GEMV_ROWS`` rows: below 8 rows integer dot products over activations
-quantized per group (``act``), from 8 rows float32 tiles of dequantized weights shared by all
+elsewhere) for up to ``GEMV_ROWS`` rows: below 32 rows (int8; int4: 12) integer dot products over activations
+quantized per group (``act``), from there float32 tiles of dequantized weights shared by all
 rows; for more rows (a long prompt's prefill) it dequantizes ``TILE_ROWS`` output rows of
 weights at a time to float32 and runs torch's GEMM on them, so no full FP32 copy is kept. Without the built kernel, or off CPU,
 torch operators do the same (dequantize per tile, then ``F.linear``)."""
