@@ -37,6 +37,7 @@ import orjson
 from bench import generative, machine, procs
 from bench.clients import wrk
 from bench.clients.sse import Stream, chat_body, closed_loop
+from bench.report import markdown_table
 from bench.results import Measurement, write_section
 from bench.stats import percentile, ratio, rotated
 
@@ -368,16 +369,17 @@ def structured_section(result: dict[str, Any]) -> str:
         "`response_format` (`json_schema`, strict) and without it (with `ignore_eos`); "
         "tokens counted from `usage`. Rounds alternate which side goes first.",
         "",
-        "| round | unconstrained tok/s | schema tok/s | ratio | schema tokens / answer "
-        "| schema answers ended / valid | schema answers cut at max_tokens |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for i, e in enumerate(data["rounds"], 1):
-        p, s = e["plain"], e["schema"]
-        lines.append(
-            f"| {i} | {p['tok_s']} | {s['tok_s']} | {e['ratio']}x | {s['tokens_per_answer']} | "
-            f"{s.get('ended')} / {s.get('ended_valid')} | {s['cut_at_max_tokens']} |"
-        )
+    header = ["round", "unconstrained tok/s", "schema tok/s", "ratio", "schema tokens / answer",
+              "schema answers ended / valid", "schema answers cut at max_tokens"]  # fmt: skip
+    rows = [
+        [str(i), str(e["plain"]["tok_s"]), str(e["schema"]["tok_s"]), f"{e['ratio']}x",
+         str(e["schema"]["tokens_per_answer"]),
+         f"{e['schema'].get('ended')} / {e['schema'].get('ended_valid')}",
+         str(e["schema"]["cut_at_max_tokens"])]
+        for i, e in enumerate(data["rounds"], 1)
+    ]  # fmt: skip
+    lines += markdown_table(header, rows, numeric_from=0)
     lines += [
         "",
         f"**Median ratio (schema / unconstrained): {data['median_ratio']}x** (goal >= 0.9x).",
@@ -410,15 +412,15 @@ def embeddings_section(result: dict[str, Any]) -> str:
         f"rounds alternate which route goes first. The two routes' vectors of one sentence "
         f"differ by at most {data['max_vector_difference']:.2g}.",
         "",
-        "| round | /v1/embeddings req/s | p50 / p99 ms | V2 infer req/s | p50 / p99 ms | ratio |",
-        "|---:|---:|---:|---:|---:|---:|",
     ]
-    for i, e in enumerate(data["rounds"], 1):
-        a, b = e["v1"], e["v2"]
-        lines.append(
-            f"| {i} | {a['rps']} | {a['p50_ms']} / {a['p99_ms']} | {b['rps']} | "
-            f"{b['p50_ms']} / {b['p99_ms']} | {e['ratio']}x |"
-        )
+    header = ["round", "/v1/embeddings req/s", "p50 / p99 ms", "V2 infer req/s", "p50 / p99 ms",
+              "ratio"]  # fmt: skip
+    rows = [
+        [str(i), str(e["v1"]["rps"]), f"{e['v1']['p50_ms']} / {e['v1']['p99_ms']}",
+         str(e["v2"]["rps"]), f"{e['v2']['p50_ms']} / {e['v2']['p99_ms']}", f"{e['ratio']}x"]
+        for i, e in enumerate(data["rounds"], 1)
+    ]  # fmt: skip
+    lines += markdown_table(header, rows, numeric_from=0)
     lines += ["", f"**Median ratio (/v1 / V2 req/s): {data['median_ratio']}x** (goal >= 0.9x)."]
     return "\n".join(lines)
 
