@@ -266,17 +266,18 @@ def main(argv: list[str] | None = None) -> None:
     servers: dict[str, Any] = {}
     ports = WORK / "ports.json"
     ports.unlink(missing_ok=True)
-    servers["rtserve"] = start([sys.executable, "-m", "rtserve.cli", "serve", "--model-repository",
-                                str(repo), "--host", "127.0.0.1", "--http-port", "18000",
-                                "--grpc-port", "0"], WORK / "rtserve.log", env)  # fmt: skip
+
+    def serve(port: int) -> list[str]:
+        return [sys.executable, "-m", "rtserve.cli", "serve", "--model-repository", str(repo),
+                "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0"]  # fmt: skip
+
+    servers["rtserve"] = start(serve(18000), WORK / "rtserve.log", env)
     if args.models:
         names = [n for n in names if n in args.models.split(",")]
     if args.direct_ab:
-        servers["rtserve-direct"] = start([sys.executable, "-m", "rtserve.cli", "serve",
-                                             "--model-repository", str(repo), "--host", "127.0.0.1",
-                                             "--http-port", "18001", "--grpc-port", "0"],
-                                            WORK / "rtserve-direct.log",
-                                            dict(env, RTSERVE_DIRECT_MAX_US="200"))  # fmt: skip
+        servers["rtserve-direct"] = start(
+            serve(18001), WORK / "rtserve-direct.log", dict(env, RTSERVE_DIRECT_MAX_US="200")
+        )
     for n in names:
         dt = "FP32" if n.startswith("xgb") else "FP64"
         targets[f"rtserve {n}"] = (f"http://127.0.0.1:18000/v2/models/{n}/infer", v2_body(row, dt))
