@@ -95,6 +95,14 @@ inline __m256 i8x8(const int8_t* p) {
 
 inline __m256 u8x8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 
+// One group's 32 weights (w0..w3, eight each) times 32 activations, in eight float lanes.
+inline __m256 dot32(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float* xg) {
+  __m256 d = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+  d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), d);
+  d = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), d);
+  return _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), d);
+}
+
 // Output rows n0..n1 against the m activation rows in blocks of up to MB rows: row(R, r0, n,
 // res) computes one weight row against rows r0..r0+R (R a compile-time constant) into res.
 template <typename Row>
@@ -132,11 +140,7 @@ void row_avx2(int fmt, const float* x, int64_t kp, const uint8_t* w, const float
       const __m256 s = _mm256_broadcast_ss(sr + g);
       for (int r = 0; r < R; ++r) {
         const float* xg = x + r * kp + g * G;
-        __m256 d = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-        d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), d);
-        d = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), d);
-        d = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), d);
-        acc[r] = _mm256_fmadd_ps(d, s, acc[r]);
+        acc[r] = _mm256_fmadd_ps(dot32(w0, w1, w2, w3, xg), s, acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
@@ -156,11 +160,7 @@ void row_avx2(int fmt, const float* x, int64_t kp, const uint8_t* w, const float
       const __m256 s = _mm256_broadcast_ss(sr + g);
       for (int r = 0; r < R; ++r) {
         const float* xg = x + r * kp + g * G;
-        __m256 d = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-        d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), d);
-        d = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), d);
-        d = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), d);
-        acc[r] = _mm256_fmadd_ps(d, s, acc[r]);
+        acc[r] = _mm256_fmadd_ps(dot32(w0, w1, w2, w3, xg), s, acc[r]);
         offs[r] += mr[g] * sumx[r * groups + g];
       }
     }
