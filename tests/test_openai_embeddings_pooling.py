@@ -342,3 +342,28 @@ def test_a_bad_embedding_section_is_a_config_error_naming_the_field(
 ) -> None:
     with pytest.raises(ConfigError, match=rf"models/enc/config.yaml: {re.escape(field)}: "):
         parse_model_config({"embedding": section}, "enc", "models/enc/config.yaml")
+
+
+def test_an_unloaded_model_leaves_the_embedder_cache(tmp_path: Path) -> None:
+    from rtserve.engine import Engine
+    from rtserve.server import embeddings
+
+    for name in ("enc-a", "enc-b"):
+        (tmp_path / name / "1").mkdir(parents=True)
+        _encoder(tmp_path / name / "1" / "model.onnx")
+        (tmp_path / name / "config.yaml").write_text(
+            yaml.safe_dump({"max_batch_size": 4, "embedding": {"pooling": "mean"}})
+        )
+    with Engine.from_repository(tmp_path, model_control_mode="explicit").sync() as engine:
+        engine.load("enc-a")
+        engine.load("enc-b")
+        dataplane = engine.engine.dataplane
+        a = dataplane.registry.get_loaded("enc-a")
+        assert embeddings.embedder(dataplane, a) is not None
+        assert any(held is a for held, _ in embeddings._EMBEDDERS.values())
+        engine.unload("enc-a")
+        del a
+        b = dataplane.registry.get_loaded("enc-b")
+        assert embeddings.embedder(dataplane, b) is not None  # a miss drops unloaded versions
+        held = [v.config.name for v, _ in embeddings._EMBEDDERS.values()]
+        assert held == ["enc-b"]

@@ -171,6 +171,11 @@ def embedder(dataplane: DataPlane, mv: ModelVersion) -> Embedder | None:
     whose ``embedding:`` section does not fit its signature raises, saying why."""
     cached = _EMBEDDERS.get(id(mv))
     if cached is None or cached[0] is not mv:
+        # (a miss: versions unloaded since the last one are dropped, so the cache holds no
+        # unloaded model alive)
+        live = {id(v) for v in dataplane.registry.loaded_versions()}
+        for key in [k for k in _EMBEDDERS if k not in live]:
+            del _EMBEDDERS[key]
         try:
             found: Embedder | RTServeError | None = _embedder(dataplane, mv)
         except RTServeError as exc:
