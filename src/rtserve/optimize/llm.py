@@ -1,8 +1,9 @@
-"""``rtserve optimize-llm``: the weight formats (and prompt-lookup speculation) of a
+"""``rtserve optimize-llm``: the weight formats (and speculative decoding) of a
 ``backend: llm`` model, measured on this machine and chosen under a quality budget.
 
-For each variant (``llm.weights`` fp32 / bf16 / int8 / int4, and ``+lookup``: the same
-weights with ``llm.speculative: {method: prompt_lookup}``), in one process:
+For each variant (``llm.weights`` fp32 / bf16 / int8 / int4; ``+lookup``: the same weights
+with ``llm.speculative: {method: prompt_lookup}``; ``+draft``: with ``{method: draft}``, a
+``--draft`` model drafting), in one process:
 
 - speed, through rtserve's own engine (the server's, without HTTP): output tok/s at 1, 8
   and 32 concurrent streams of greedy chat answers (``ignore_eos``), time to first token,
@@ -10,8 +11,17 @@ weights with ``llm.speculative: {method: prompt_lookup}``), in one process:
   variants take turns in alternating rounds, as ``rtserve optimize`` times ONNX variants;
 - quality against the FP32 model (``rtserve.runtime.llm.quality``): next-token top-1 agreement and
   mean KL under teacher forcing on held-out natural text already on disk, perplexity, and
-  greedy agreement over the first 32 tokens of chat prompts. A ``+lookup`` variant has
-  its weights' quality: greedy speculative output is the plain greedy output.
+  greedy agreement over the first 32 tokens of chat prompts. A ``+lookup`` or ``+draft``
+  variant has its weights' quality: greedy speculative output is the plain greedy output.
+
+A draft is a model directory or a model name of the source's repository with the source's
+tokenizer (checked as the engine checks it), optionally ``@FORMAT``, or a bare format
+(``int4``): the source itself at that format. The engine finds a draft by name in its
+model's repository and loads it in its config.yaml's ``llm.weights``, so each draft is a
+repository entry: the variants are timed from ``WORK/draft-repo/`` (the source and each
+draft linked there, a draft's config.yaml giving its format), and a chosen ``+draft`` is
+written with its draft beside it as ``NAME-draft`` (a served model of its own), unless
+the draft, unchanged, already is a model of ``--out``'s repository.
 
 The chooser is ``rtserve optimize``'s (``report.choose``): the fastest at one stream within
 the budget (top-1 agreement drop and perplexity increase), kept at FP32 when its speed-up
@@ -40,7 +50,29 @@ from rtserve.optimize.report import choice_note, choose, noise_band, speedup
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
 LOOKUP = "+lookup"
+DRAFT = "+draft"
 BASELINE = "fp32"
+STAGED = "source"  # the source's name in WORK/draft-repo/
+WRITTEN = "# written by rtserve optimize-llm"
+
+
+def weights_of(name: str) -> str:
+    """The weight format of variant ``name`` (``int8+lookup``: int8)."""
+    return name.split("+", 1)[0]
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A ``--draft``: ``version_dir`` drafts at ``weights``; its variants are named
+    ``<weights>`` + ``suffix`` (``+draft``; ``+draft:<label>`` when there are several)."""
+
+    spec: str
+    label: str  # its model name in WORK/draft-repo/
+    version_dir: pathlib.Path
+    weights: str
+    itself: bool = False  # the source model at ``weights``
+    as_is: bool = True  # its own directory and config.yaml's weights (no @FORMAT)
+    suffix: str = DRAFT
 
 
 @dataclass
@@ -59,6 +91,7 @@ class LlmOptimizeOptions:
     noise_band: float = 0.2
     threads: int = 0
     kv_cache_bytes: int = 256 << 20
+    drafts: tuple[Draft, ...] = ()  # each adds a +draft variant of the --speculative weights
 
     @classmethod
     def quick(cls, **changes: Any) -> LlmOptimizeOptions:
@@ -68,7 +101,13 @@ class LlmOptimizeOptions:
         return replace(base, **changes)
 
     def variants(self) -> list[str]:
-        return [*self.weights, *(w + LOOKUP for w in self.speculative if w in self.weights)]
+        spec = [w for w in self.speculative if w in self.weights]
+        drafted = [w + d.suffix for d in self.drafts for w in spec]
+        return [*self.weights, *(w + LOOKUP for w in spec), *drafted]
+
+    def draft_of(self, name: str) -> Draft | None:
+        """The draft of variant ``name`` (None: not a +draft variant)."""
+        return next((d for d in self.drafts if name == weights_of(name) + d.suffix), None)
 
 
 @dataclass
@@ -109,15 +148,145 @@ def source_llm_section(version_dir: pathlib.Path) -> tuple[dict[str, Any], dict[
     return config, dict(config.get("llm") or {})
 
 
-def variant_llm(base: dict[str, Any], name: str) -> dict[str, Any]:
-    """The ``llm:`` mapping of variant ``name`` (``int8``, ``int8+lookup``)."""
+def variant_llm(base: dict[str, Any], name: str, draft_model: str = "") -> dict[str, Any]:
+    """The ``llm:`` mapping of variant ``name`` (``int8``, ``int8+lookup``, ``int8+draft``:
+    drafted by the repository's model ``draft_model``)."""
     llm = dict(base)
     llm.pop("speculative", None)
-    weights = name.removesuffix(LOOKUP)
-    llm["weights"] = weights
+    llm["weights"] = weights_of(name)
     if name.endswith(LOOKUP):
         llm["speculative"] = {"method": "prompt_lookup", "num_tokens": 4, "max_batch": 4}
+    elif name.startswith(llm["weights"] + DRAFT):
+        if not draft_model:
+            raise ValueError(f"{name}: a +draft variant needs its draft model's name")
+        llm["speculative"] = {"method": "draft", "draft_model": draft_model, "num_tokens": 4,
+                              "max_batch": 4}  # fmt: skip
     return llm
+
+
+def _newest_version(model_dir: pathlib.Path) -> pathlib.Path | None:
+    """The version directory the engine takes from a model directory (the highest number
+    with a config.json)."""
+    if not model_dir.is_dir():
+        return None
+    versions = sorted(
+        (int(d.name), d)
+        for d in model_dir.iterdir()
+        if d.name.isdigit() and (d / "config.json").is_file()
+    )
+    return versions[-1][1] if versions else None
+
+
+def _draft_dir(head: str, spec: str, version_dir: pathlib.Path) -> pathlib.Path:
+    """The version directory ``--draft`` ``head`` names: a version or model directory, or a
+    model of the source's repository."""
+    path = pathlib.Path(head)
+    root = version_dir.resolve().parent.parent
+    if not path.is_dir():
+        if "/" in head or head in ("", ".", "..") or not (root / head).is_dir():
+            raise OptimizeError(
+                f"--draft {spec}: no directory {head!r} and no model {head!r} in the source's "
+                f"repository {root}"
+            )
+        path = root / head
+    if (path / "config.json").is_file():
+        return path
+    newest = _newest_version(path)
+    if newest is None:
+        raise OptimizeError(
+            f"--draft {spec}: {path} has no config.json and no <version>/config.json "
+            "(expected a model version directory or a model directory)"
+        )
+    return newest
+
+
+def resolve_drafts(version_dir: pathlib.Path, specs: tuple[str, ...]) -> tuple[Draft, ...]:
+    """The ``--draft`` specs (``DIR_OR_NAME[@FORMAT]``, or a bare FORMAT: the source at it),
+    each checked as the engine checks a draft model (it loads, the source's tokenizer, no
+    larger vocabulary); errors name ``--draft``."""
+    from rtserve.errors import ConfigError
+    from rtserve.runtime.llm.speculative import check_draft
+
+    tokenizer: Any = None
+    vocab = 0
+    out: list[Draft] = []
+    labels = {STAGED}
+    for spec in specs:
+        head, at, fmt = spec.rpartition("@")
+        if not at:
+            head, fmt = spec, ""
+        elif fmt not in FORMATS:
+            raise OptimizeError(
+                f"--draft {spec}: unknown weight format {fmt!r}; choose from {', '.join(FORMATS)}"
+            )
+        if not at and spec in FORMATS:
+            draft = Draft(spec, spec, version_dir, spec, itself=True, as_is=False)
+        else:
+            draft_dir = _draft_dir(head, spec, version_dir)
+            try:
+                _, own = source_llm_section(draft_dir)
+            except OptimizeError as exc:
+                raise OptimizeError(f"--draft {spec}: {exc}") from None
+            weights = fmt or str(own.get("weights", "fp32"))
+            if weights not in FORMATS:
+                raise OptimizeError(
+                    f"--draft {spec}: {draft_dir.parent / 'config.yaml'}: llm.weights "
+                    f"{weights!r} is not one of {', '.join(FORMATS)}"
+                )
+            if tokenizer is None:
+                from transformers import AutoConfig, AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(version_dir)
+                vocab = int(AutoConfig.from_pretrained(version_dir).vocab_size)
+            try:
+                check_draft(draft_dir, tokenizer, vocab, f"--draft {spec}", head)
+            except ConfigError as exc:
+                raise OptimizeError(str(exc)) from None
+            model = draft_dir.parent.name if draft_dir.name.isdigit() else draft_dir.name
+            label = model + (f"-{fmt}" if fmt else "")
+            draft = Draft(spec, label, draft_dir, weights, as_is=not fmt)
+        label, n = draft.label, 2
+        while label in labels:
+            label, n = f"{draft.label}-{n}", n + 1
+        labels.add(label)
+        out.append(replace(draft, label=label))
+    if len(out) > 1:
+        out = [replace(d, suffix=f"{DRAFT}:{d.label}") for d in out]
+    return tuple(out)
+
+
+def draft_config(draft: Draft) -> dict[str, Any]:
+    """The config.yaml of ``draft``'s repository entry: its own (the source's when it
+    drafts for itself) at its weights, without speculation."""
+    config, llm = source_llm_section(draft.version_dir)
+    llm.pop("speculative", None)
+    llm["weights"] = draft.weights
+    return {**config, "backend": "llm", "llm": llm}
+
+
+def stage_drafts(root: pathlib.Path, version_dir: pathlib.Path,
+                 drafts: tuple[Draft, ...]) -> pathlib.Path:  # fmt: skip
+    """``root/source/1/`` and ``root/<label>/1/`` per draft (the files linked, each draft's
+    ``draft_config``): a repository where the engine finds the drafts by name. The source's
+    version directory there."""
+    import yaml
+
+    if root.exists():
+        shutil.rmtree(root)
+
+    def link(src: pathlib.Path, dst: pathlib.Path) -> None:
+        dst.mkdir(parents=True)
+        for f in src.iterdir():
+            if f.is_file():
+                (dst / f.name).symlink_to(f.resolve())
+
+    link(version_dir, root / STAGED / "1")
+    for d in drafts:
+        link(d.version_dir, root / d.label / "1")
+        (root / d.label / "config.yaml").write_text(
+            yaml.safe_dump(draft_config(d), sort_keys=False)
+        )
+    return root / STAGED / "1"
 
 
 def _engine(version_dir: pathlib.Path, name: str, base: dict[str, Any],
@@ -126,7 +295,8 @@ def _engine(version_dir: pathlib.Path, name: str, base: dict[str, Any],
     from rtserve.runtime.llm.engine import LlmEngine
     from rtserve.runtime.llm.options import LlmOptions
 
-    llm = variant_llm(base, name)
+    draft = options.draft_of(name)
+    llm = variant_llm(base, name, draft.label if draft else "")
     llm.update(device="cpu", threads=options.threads, kv_cache_bytes=options.kv_cache_bytes)
     llm["max_num_seqs"] = max(int(llm.get("max_num_seqs", 64)), max(options.streams))
     try:
@@ -195,9 +365,11 @@ async def _round(engine: Any, prompts: list[list[int]], streams: int, max_tokens
 
 
 def measure_speed(version_dir: pathlib.Path, options: LlmOptimizeOptions, progress: bool = True,
-                  skipped: dict[str, str] | None = None) -> dict[str, Speed]:  # fmt: skip
+                  skipped: dict[str, str] | None = None,
+                  staged: pathlib.Path | None = None) -> dict[str, Speed]:  # fmt: skip
     """Every variant's engine built once; rounds alternate between them. A variant whose
-    engine cannot be built is left out, the reason in ``skipped``."""
+    engine cannot be built is left out, the reason in ``skipped``. ``staged``: the source in
+    ``stage_drafts``'s repository (where +draft variants run)."""
     import gc
 
     from rtserve.runtime.llm import quality
@@ -210,7 +382,8 @@ def measure_speed(version_dir: pathlib.Path, options: LlmOptimizeOptions, progre
             gc.collect()
             before = _rss_mb()
             try:
-                engines[name] = _engine(version_dir, name, base, options)
+                where = staged if staged is not None and options.draft_of(name) else version_dir
+                engines[name] = _engine(where, name, base, options)
             except OptimizeError:
                 raise
             except Exception as exc:
@@ -221,7 +394,7 @@ def measure_speed(version_dir: pathlib.Path, options: LlmOptimizeOptions, progre
                     print(f"{name}: not built: {why}", flush=True)
                 continue
             speeds[name] = Speed(resident_mb=max(0.0, _rss_mb() - before),
-                                 weight_bytes=weight_bytes(version_dir, name.removesuffix(LOOKUP)))  # fmt: skip
+                                 weight_bytes=weight_bytes(version_dir, weights_of(name)))  # fmt: skip
             if progress:
                 print(f"loaded {name}: {speeds[name].resident_mb:.0f} MB resident", flush=True)
         if not engines:
@@ -279,7 +452,7 @@ def measurements(speeds: dict[str, Speed], qualities: dict[str, Any],
     streams, the score next-token top-1 agreement with FP32."""
     out = []
     for name, s in speeds.items():
-        q = qualities[name.removesuffix(LOOKUP)]
+        q = qualities[weights_of(name)]
         m = Measurement(name, name, s.weight_bytes, peak_mem_mb=s.resident_mb)
         one = s.tok_s.get(1) or s.tok_s[min(s.tok_s)]
         m.round_p50_ms = [1e3 / t for t in one]
@@ -294,8 +467,12 @@ def measurements(speeds: dict[str, Speed], qualities: dict[str, Any],
             "greedy_exact": q.greedy_exact,
             **{f"ttft_p50_ms_{k}": statistics.median(v) for k, v in s.ttft_ms.items() if v},
         }  # fmt: skip
-        if name.endswith(LOOKUP):
-            m.notes.append(f"quality of {name.removesuffix(LOOKUP)} (greedy output identical)")
+        if name != weights_of(name):
+            m.notes.append(f"quality of {weights_of(name)} (greedy output identical)")
+        draft = options.draft_of(name)
+        if draft is not None:
+            whose = "the model itself" if draft.itself else draft.spec
+            m.notes.append(f"drafts: {whose} at {draft.weights}")
         if q.ppl_change > options.max_ppl_increase:
             m.notes.append(f"perplexity {100 * q.ppl_change:+.1f}% over budget")
         out.append(m)
@@ -369,13 +546,22 @@ class LlmResult:
         return text + ("\n" if self.skipped else "")
 
 
-def run_llm(version_dir: pathlib.Path, options: LlmOptimizeOptions,
-            progress: bool = True) -> LlmResult:  # fmt: skip
+def run_llm(version_dir: pathlib.Path, options: LlmOptimizeOptions, progress: bool = True,
+            work: pathlib.Path | None = None) -> LlmResult:  # fmt: skip
+    """Measure every variant and choose; ``work``: where the drafts' repository is staged
+    (``WORK/draft-repo/``; a temporary folder without)."""
+    import tempfile
+
     skipped: dict[str, str] = {}
-    speeds = measure_speed(version_dir, options, progress, skipped)
+    with tempfile.TemporaryDirectory() as tmp:
+        staged = None
+        if options.drafts:
+            root = (work if work is not None else pathlib.Path(tmp)) / "draft-repo"
+            staged = stage_drafts(root, version_dir, options.drafts)
+        speeds = measure_speed(version_dir, options, progress, skipped, staged)
     if progress:
         print("quality against FP32 ...", flush=True)
-    built = {n.removesuffix(LOOKUP) for n in speeds}
+    built = {weights_of(n) for n in speeds}
     qualities = measure_quality(version_dir, options, built) if speeds else {}
     ms = measurements(speeds, qualities, options)
     base = next((m for m in ms if m.name == BASELINE), None)
@@ -397,9 +583,33 @@ def _place(src: pathlib.Path, dst: pathlib.Path) -> None:
         shutil.copy2(src, dst)
 
 
+def draft_target(out: pathlib.Path, draft: Draft) -> tuple[str, pathlib.Path | None]:
+    """The name ``out``'s config.yaml gives ``draft``, and the model directory to write it
+    to (None: that model of ``out``'s repository already is the draft)."""
+    if draft.as_is and not draft.itself:
+        model = draft.version_dir.parent.name
+        there = _newest_version(out.parent / model)
+        if there is not None and there.resolve() == draft.version_dir.resolve():
+            return model, None
+    name = f"{out.name}-draft"
+    return name, out.parent / name
+
+
+def check_draft_target(out: pathlib.Path) -> None:
+    """``OUT-draft`` (where a chosen draft is written) is free or written by optimize-llm."""
+    target = out.parent / f"{out.name}-draft"
+    config = target / "config.yaml"
+    if target.exists() and not (config.is_file() and config.read_text().startswith(WRITTEN)):
+        raise OptimizeError(
+            f"--draft: {target} exists and was not written by optimize-llm (a chosen draft "
+            "model is written there, beside --out); choose another --out"
+        )
+
+
 def publish_llm(out: pathlib.Path, version_dir: pathlib.Path, result: LlmResult) -> pathlib.Path:
     """``out/config.yaml`` (the source's, with the chosen ``llm.weights`` / speculative),
-    ``out/1/`` (the checkpoint's files) and ``out/optimization.json``."""
+    ``out/1/`` (the checkpoint's files) and ``out/optimization.json``; a chosen ``+draft``'s
+    draft beside ``out`` as ``NAME-draft/`` unless ``draft_target`` finds it there."""
     import yaml
 
     assert result.chosen is not None
@@ -407,18 +617,36 @@ def publish_llm(out: pathlib.Path, version_dir: pathlib.Path, result: LlmResult)
         raise OptimizeError(f"--out must be REPO/NAME, got {out}")
     config, base = source_llm_section(version_dir)
     config = dict(config)
-    config["llm"] = variant_llm(base, result.chosen.name)
+    draft = result.options.draft_of(result.chosen.name)
+    draft_record: dict[str, Any] | None = None
+    draft_model = ""
+    if draft is not None:
+        draft_model, target = draft_target(out, draft)
+        if target is not None:
+            check_draft_target(out)
+            (target / "1").mkdir(parents=True, exist_ok=True)
+            for f in draft.version_dir.iterdir():
+                if f.is_file():
+                    _place(f, target / "1" / f.name)
+            head = f"{WRITTEN}: the draft model of {out.name}\n"
+            (target / "config.yaml").write_text(
+                head + yaml.safe_dump(draft_config(draft), sort_keys=False)
+            )
+        draft_record = {"spec": draft.spec, "model": draft_model, "weights": draft.weights,
+                        "written": str(target) if target is not None else None}  # fmt: skip
+    config["llm"] = variant_llm(base, result.chosen.name, draft_model)
     version = out / "1"
     version.mkdir(parents=True, exist_ok=True)
     for f in version_dir.iterdir():
         if f.is_file():
             _place(f, version / f.name)
-    text = f"# written by rtserve optimize-llm: {result.chosen.name} was chosen\n"
+    text = f"{WRITTEN}: {result.chosen.name} was chosen\n"
     (out / "config.yaml").write_text(text + yaml.safe_dump(config, sort_keys=False))
     o = result.options
     record = {
         "chosen": result.chosen.name,
         "llm": config["llm"],
+        **({"draft": draft_record} if draft_record else {}),
         "budget": {"max_top1_drop": o.max_top1_drop, "max_ppl_increase": o.max_ppl_increase},
         "noise_band": result.noise,
         "rule": "fastest at one stream within the quality budget, beyond the noise band",
@@ -436,6 +664,12 @@ def _names(text: str, flag: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
     return names
 
 
+def draft_specs(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--draft`` (repeated, each a comma list), in order, each once."""
+    specs = (s.strip() for text in getattr(args, "draft", None) or () for s in text.split(","))
+    return tuple(dict.fromkeys(s for s in specs if s))
+
+
 def options_from_args(args: argparse.Namespace) -> LlmOptimizeOptions:
     from rtserve.optimize.args import number
 
@@ -449,6 +683,11 @@ def options_from_args(args: argparse.Namespace) -> LlmOptimizeOptions:
     missing = [w for w in speculative if w not in weights]
     if missing:
         raise OptimizeError(f"--speculative {missing[0]}: not among --weights {args.weights}")
+    if draft_specs(args) and not speculative:
+        raise OptimizeError(
+            "--draft: its variants are the --speculative weights with the draft; "
+            "--speculative is empty"
+        )
     try:
         streams = tuple(int(s) for s in args.streams.split(","))
     except ValueError:
@@ -490,9 +729,13 @@ def cmd_optimize_llm(args: argparse.Namespace) -> int:
     )
     check_folder(out, "--out")
     check_folder(work, "--work")
-    work.mkdir(parents=True, exist_ok=True)
     source_llm_section(version_dir)  # (a wrong backend is refused before minutes of work)
-    result = run_llm(version_dir, options, progress=not args.no_progress)
+    if draft_specs(args):
+        options = replace(options, drafts=resolve_drafts(version_dir, draft_specs(args)))
+        if any(draft_target(out, d)[1] is not None for d in options.drafts):
+            check_draft_target(out)
+    work.mkdir(parents=True, exist_ok=True)
+    result = run_llm(version_dir, options, progress=not args.no_progress, work=work)
     table = result.table()
     head = f"{version_dir}: weight formats and speculation against FP32\n\n"
     (work / "report.md").write_text(head + table)
@@ -516,8 +759,9 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "optimize-llm",
         help="measure an LLM's weight formats and speculation; write the fastest in budget",
-        description="Build each llm.weights format (fp32, bf16, int8, int4) and prompt-lookup "
-        "speculation of a backend: llm model, measure tok/s at 1, 8 and 32 streams, TTFT, "
+        description="Build each llm.weights format (fp32, bf16, int8, int4) and speculative "
+        "decoding (prompt lookup, --draft models) of a backend: llm model, measure tok/s at "
+        "1, 8 and 32 streams, TTFT, "
         "resident memory and quality against FP32 on this machine, and write the fastest "
         "within the quality budget as a model directory.",
     )
@@ -529,8 +773,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--weights", default=",".join(FORMATS),
                    help="comma list of weight formats (default: %(default)s)")  # fmt: skip
     p.add_argument("--speculative", default="int8",
-                   help="weight formats that also get a prompt-lookup variant, comma list, "
-                   "'' for none (default: %(default)s)")  # fmt: skip
+                   help="weight formats that also get a prompt-lookup variant (and one per "
+                   "--draft), comma list, '' for none (default: %(default)s)")  # fmt: skip
+    p.add_argument("--draft", action="append", metavar="DIR_OR_NAME[@FORMAT]|FORMAT",
+                   help="a draft model for +draft variants (speculative decoding, method: "
+                   "draft): a model or version directory, or a model of the source's "
+                   "repository, with the source's tokenizer, at its config's llm.weights or "
+                   "@FORMAT; a bare FORMAT (int4): the source itself at it. Comma list or "
+                   "repeated; a chosen draft is written beside --out as NAME-draft "
+                   "(default: none)")  # fmt: skip
     p.add_argument("--max-top1-drop", type=float, default=0.025,
                    help="budget: next-token top-1 agreement with FP32 may fall by this much "
                    "(default: %(default)s)")  # fmt: skip

@@ -231,25 +231,51 @@ def resolve_draft(version_dir: Path, spec: SpeculativeOptions, tokenizer: Any, v
             f"(expected {model_dir}/<version>/config.json)"
         )
     draft_dir = versions[-1][1]
+    check_draft(draft_dir, tokenizer, vocab, field_name, name)
+    return draft_dir
+
+
+def check_draft(draft_dir: Path, tokenizer: Any, vocab: int, where: str, name: str) -> None:
+    """``draft_dir`` loads and has ``tokenizer``'s vocabulary and at most ``vocab`` tokens;
+    errors start with ``where`` and call the draft ``name``."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
         draft_tok = AutoTokenizer.from_pretrained(draft_dir)
         config = AutoConfig.from_pretrained(draft_dir)
     except Exception as exc:
-        raise ConfigError(f"{field_name}: {draft_dir} does not load: {exc}") from exc
+        raise ConfigError(f"{where}: {draft_dir} does not load: {exc}") from exc
     if draft_tok.get_vocab() != tokenizer.get_vocab():
         raise ConfigError(
-            f"{field_name}: {name!r} has another tokenizer than this model (expected the "
+            f"{where}: {name!r} has another tokenizer than this model (expected the "
             f"same vocabulary, token for token: its drafts are token ids of this model)"
         )
     draft_vocab = int(getattr(config, "vocab_size", 0) or 0)
     if draft_vocab > vocab:
         raise ConfigError(
-            f"{field_name}: {name!r} has a larger vocabulary ({draft_vocab}) than this "
+            f"{where}: {name!r} has a larger vocabulary ({draft_vocab}) than this "
             f"model ({vocab}); expected at most {vocab}"
         )
-    return draft_dir
+
+
+def draft_weights(draft_dir: Path) -> str:
+    """The draft's ``llm.weights`` (its model's config.yaml; fp32 without one)."""
+    import yaml
+
+    from rtserve.runtime.llm.options import WEIGHTS
+
+    path = draft_dir.parent / "config.yaml"
+    try:
+        config = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: does not load: {exc}") from exc
+    llm = config.get("llm") if isinstance(config, dict) else None
+    weights = llm.get("weights", "fp32") if isinstance(llm, dict) else "fp32"
+    if weights not in WEIGHTS:
+        raise ConfigError(
+            f"{path}: llm.weights: expected one of {', '.join(WEIGHTS)}, got {weights!r}"
+        )
+    return str(weights)
 
 
 @dataclass(slots=True)
@@ -261,15 +287,28 @@ class _DraftState:
 class DraftModel:
     """A small causal LM that drafts for the sequences, one transformers key/value cache
     per sequence (outside the KV pool; cut back to the tokens kept after each step, dropped
-    when the sequence ends or is preempted)."""
+    when the sequence ends or is preempted). Its linear layers are in the ``llm.weights``
+    of its own config.yaml (``quant``: a model can draft for itself at int4)."""
 
     def __init__(self, draft_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
         from transformers import AutoModelForCausalLM
 
+        weights = draft_weights(draft_dir)
         model: Any = AutoModelForCausalLM.from_pretrained(
             draft_dir, dtype=dtype, attn_implementation="sdpa"
         )
         self.model = model.to(device).eval()
+        if weights != "fp32":
+            from rtserve.runtime.llm import kernels, quant
+
+            quant.plan(self.model, weights)
+            if weights == "int4":
+                quant.calibrate(self.model)
+            make = quant.maker(kernels.quant_ops() if device.type == "cpu" else None)
+            for module in list(self.model.modules()):
+                for name, child in list(module.named_children()):
+                    if type(child) is torch.nn.Linear:
+                        setattr(module, name, make(child))
         self.device = device
         self.states: dict[int, _DraftState] = {}
         params = inspect.signature(self.model.forward).parameters
