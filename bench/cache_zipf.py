@@ -5,7 +5,7 @@ that the stream's repeat rate (the best hit rate any cache could reach) is 50%. 
 starts afresh per setup (no cache, L1, L2 = Redis, L1+L2, L1+L2 restarted on a warm Redis);
 wrk walks the stream with a Lua script that counts the ``x-rtserve-cache`` header.
 ``--model mlp`` (transport-bound), ``minilm`` (compute-bound) or ``all``; ``--quick``: one
-short round. Results: docs/benchmarks-cache.md, one section per model between marker comments.
+short round. Results: docs/benchmarks-cache.md, one section per model (``results.write_section``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from bench import machine, procs, servers
 from bench.clients import wrk
 from bench.procs import RedisServer, cpu_seconds
 from bench.report import fmt_ms, fmt_ratio, fmt_rps, markdown_table
-from bench.results import Measurement
+from bench.results import Measurement, write_section
 from bench.workloads import MINILM, MINILM_SEQ_LEN, MLP, ROOT, WORK, Workload
 
 WORKDIR = WORK / "cache"
@@ -360,27 +360,6 @@ def report(
     return "\n".join(lines) + "\n\n" + spec.notes
 
 
-def _markers(model: str) -> tuple[str, str]:
-    return f"<!-- cache_zipf:{model}:begin -->", f"<!-- cache_zipf:{model}:end -->"
-
-
-def update_doc(existing: str, model: str, text: str) -> str:
-    """The page with ``model``'s section (between marker comments) set to ``text``; the rest kept."""
-    begin, end = _markers(model)
-    section = f"{begin}\n{text.rstrip()}\n{end}\n"
-    if begin in existing and end in existing:
-        head, rest = existing.split(begin, 1)
-        tail = rest.split(end, 1)[1].lstrip("\n")
-        return head + section + ("\n" + tail if tail.strip() else "")
-    if not existing.strip():
-        return section
-    for marker in [_markers(m)[0] for m in MODELS[MODELS.index(model) + 1 :]]:
-        if marker in existing:  # keep the sections in MODELS order
-            head, tail = existing.split(marker, 1)
-            return head + section + "\n" + marker + tail
-    return existing.rstrip("\n") + "\n\n" + section
-
-
 def run_model(spec: ModelSpec, args: argparse.Namespace) -> str:
     """Every setup of one model, ``args.rounds`` times; returns the page section."""
     folder = WORKDIR / spec.name
@@ -438,8 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                                   exponent=EXPONENT)  # fmt: skip
         text = run_model(spec, plan)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        existing = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
-        args.out.write_text(update_doc(existing, model, text), encoding="utf-8")
+        write_section(args.out, f"cache_zipf: {model}", text)
         print(text, flush=True)
     return 0
 

@@ -48,8 +48,3 @@ def model_alone(workload: Workload, seconds_per_size: float) -> list[Measurement
             )
         )
     return results
-
-
-def best(measurements: list[Measurement]) -> Measurement | None:
-    ok = [m for m in measurements if m.ok and m.mode == "limit"]
-    return max(ok, key=lambda m: m.rps) if ok else None

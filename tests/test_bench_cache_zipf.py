@@ -14,6 +14,7 @@ import pytest
 from bench import cache_zipf
 from bench.clients import wrk
 from bench.procs import RedisServer, alive
+from bench.results import write_section
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -42,12 +43,14 @@ def test_cache_config_follows_the_setup() -> None:
     )
 
 
-def test_update_doc_rewrites_only_its_own_section_in_model_order() -> None:
-    page = cache_zipf.update_doc("", "minilm", "## MiniLM v1")
-    page = cache_zipf.update_doc(page, "mlp", "## MLP v1")
-    assert page.index("## MLP v1") < page.index("## MiniLM v1")
-    page = cache_zipf.update_doc(page, "minilm", "## MiniLM v2")
-    assert "## MiniLM v1" not in page and "## MiniLM v2" in page and "## MLP v1" in page
+def test_each_model_rewrites_only_its_own_section(tmp_path: pathlib.Path) -> None:
+    page = tmp_path / "cache.md"
+    write_section(page, "cache_zipf: mlp", "## MLP v1")
+    write_section(page, "cache_zipf: minilm", "## MiniLM v1")
+    write_section(page, "cache_zipf: minilm", "## MiniLM v2")
+    text = page.read_text()
+    assert "## MiniLM v1" not in text and "## MiniLM v2" in text and "## MLP v1" in text
+    assert text.index("## MLP v1") < text.index("## MiniLM v2")
 
 
 def test_report_table_shows_ratio_to_no_cache_and_hit_counts() -> None:

@@ -8,16 +8,11 @@ per request, which matters where the client shares the server's cores.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("openloop.c")
 BUILD = Path(__file__).resolve().parent.parent / ".work" / "openloop"
-
-
-def available() -> bool:
-    return shutil.which(os.environ.get("CC", "cc")) is not None
 
 
 def build() -> Path:
