@@ -23,6 +23,7 @@ On AVX-512 machines decode attention, the SiLU gate and the exponentials run on 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -65,8 +66,13 @@ def _build(name: str = "rtserve_paged_attention", source: Path = SOURCE) -> Any:
     try:
         from torch.utils import cpp_extension
 
+        # torch's builder hashes the listed sources only: the name carries the headers' too
+        # (a changed header is a new build, not a stale cached one)
+        digest = hashlib.sha256()
+        for header in sorted(source.parent.glob("*.h")):
+            digest.update(header.read_bytes())
         return cpp_extension.load(
-            name,
+            f"{name}_{digest.hexdigest()[:10]}",
             [str(source)],
             extra_cflags=[
                 "-O3",

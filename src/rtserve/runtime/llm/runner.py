@@ -145,6 +145,17 @@ class ModelRunner:
         ):
             self.decode_kernel = kernels.paged_decode()
         self.bytes_per_token = per_token
+        # A decode step of a few rows in one call (int8 / int4 weights, fused layers)
+        self.stack: Any = None
+        self.stack_rows = 0
+        if make is not None and self.fused and self.decode_kernel is not None:
+            self.stack = decode_stack(self.model, kernels.quant_ops())
+            if self.stack is not None:
+                self.stack_rows = int(self.stack.max_rows())
+                log.info(
+                    "llm %s: decode steps of up to %d rows in one call (decode stack)",
+                    version_dir, self.stack_rows,
+                )  # fmt: skip
         log.info(
             "llm %s: %d layers, %d KV blocks of %d tokens (%d MiB) on %s, %s",
             version_dir, layers, self.num_blocks, self.block_size,
@@ -224,6 +235,14 @@ class ModelRunner:
         ``extra``: (item, start, count) for more rows after those, exact: the logits at
         ``count`` tokens of item ``item`` from its ``start``-th in this step (a prompt's
         logprobs)."""
+        if (
+            self.stack is not None
+            and not extra
+            and not step.prefill_tokens
+            and len(step.items) <= self.stack_rows
+            and all(n == 1 for _, n in step.items)
+        ):
+            return self._stacked(step, rows)
         ctx, ids, positions, last = self._context(step)
         kept = [last[r] for r in rows]
         if extra:
@@ -253,6 +272,96 @@ class ModelRunner:
         finally:
             attention.set_step(None)
         return out.logits[0]
+
+    def _stacked(self, step: Step, rows: list[int]) -> torch.Tensor:
+        """``forward`` for a step of single-token items only, its decoder layers in one
+        ``DecodeStack`` call: the embeddings and rotary positions here, then the final norm
+        and the head on the rows that sample."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        for seq, _ in step.items:
+            p = seq.computed
+            blocks = seq.blocks
+            ids.append(seq.tokens[p])
+            positions.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+            tables.append(blocks[: p // bs + 1])
+        widest = max(len(t) for t in tables)
+        inner = self.model.model
+        x = inner.embed_tokens(torch.tensor(ids)).contiguous()
+        cos, sin = inner.rotary_emb(x[None], torch.tensor([positions]))
+        self.stack.run(
+            x,
+            cos[0].contiguous(),
+            sin[0].contiguous(),
+            self.k_cache,
+            self.v_cache,
+            torch.tensor(slots),
+            torch.tensor([t + [t[0]] * (widest - len(t)) for t in tables]),
+            torch.tensor([p + 1 for p in positions]),
+        )
+        if len(rows) != len(ids):
+            x = x[rows]
+        return self.model.lm_head(inner.norm(x))  # type: ignore[no-any-return]
+
+
+def decode_stack(model: torch.nn.Module, ops: Any) -> Any | None:
+    """``model``'s decoder layers as one ``DecodeStack`` (csrc/decode_stack.h), or None: the
+    stack needs a Llama or Qwen2 causal LM whose every layer is a ``FusedDecoderLayer`` with
+    its four products on the int8 / int4 kernel (activation rows quantized, input widths a
+    multiple of 32) and a plain linear head."""
+    config: Any = getattr(model, "config", None)
+    inner: Any = getattr(model, "model", None)
+    layers = list(getattr(inner, "layers", None) or [])
+    if (
+        ops is None
+        or not hasattr(ops, "DecodeStack")
+        or getattr(config, "model_type", None) not in ("llama", "qwen2")
+        or getattr(config, "final_logit_softcapping", None) is not None
+        or getattr(config, "logit_scale", None) is not None
+        or not layers
+        or not all(type(layer) is FusedDecoderLayer for layer in layers)
+        or not hasattr(inner, "rotary_emb")
+        or not hasattr(inner, "embed_tokens")
+    ):
+        return None
+    first = layers[0].self_attn
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or first.heads)
+    simd: bool | None = None
+    stack = None
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.qkv, attn.o_proj, mlp.gate_up, mlp.down]
+        for q in linears:
+            if not (
+                isinstance(q, quant.QuantLinear)
+                and q.fmt in ("int8", "int4")
+                and q.ops is not None
+                and q.act in (1, 2)
+                and q.kp == q.in_features
+                and simd in (None, q.simd)
+            ):
+                return None
+            simd = q.simd
+        if stack is None:
+            stack = ops.DecodeStack(
+                int(config.hidden_size), first.heads, kv_heads, first.head_dim, first.scaling,
+                bool(simd),
+            )  # fmt: skip
+        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        stack.add_layer(
+            norm1.weight.detach().float(),
+            norm1.eps,
+            norm2.weight.detach().float(),
+            norm2.eps,
+            [t for q in linears for t in (q.qweight, q.scales, q.mins, q.bias)],
+            [quant.FMT[q.fmt] for q in linears],
+            [q.act for q in linears],
+        )
+    return stack
 
 
 class PackedLinear(torch.nn.Module):

@@ -1,13 +1,7 @@
-// rtserve's CPU kernels for the generation engine (float32): decode attention that reads the
-// paged KV pool in place, the fused RMSNorm and SiLU gate, and RoPE with the key/value store.
-//
-// Decode attention: each decoding sequence has one new query token per head. Its keys and
-// values stay in the pool's blocks: no gathered copy, no padding to the longest context in
-// the step. Work is split over sequences in parts of about equal context; each token's key
-// and value rows are read once, in block order, the next block fetched ahead (blocks are
-// scattered over the pool, which the hardware prefetcher cannot guess). With AVX-512 the
-// query heads that share a kv head stay in registers: 16 tokens' dot products are summed
-// together, the weighted values accumulate in registers over the whole context.
+// rtserve's CPU kernels for the generation engine (float32), one operation per call: decode
+// attention that reads the paged KV pool in place, the fused RMSNorm and SiLU gate, RoPE with
+// the key/value store, and the greedy LM head's screen. Their building blocks are in
+// attention_kernels.h.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -18,7 +12,12 @@
 #include <cstring>
 #include <vector>
 
+#include "attention_kernels.h"
+
+using namespace rt_attn;
+
 namespace {
+
 
 void check(const torch::Tensor& t, const char* name, int64_t dims, c10::ScalarType type) {
   TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor");
@@ -27,286 +26,8 @@ void check(const torch::Tensor& t, const char* name, int64_t dims, c10::ScalarTy
   TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-inline void axpy(float* y, float a, const float* x, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-// exp(x) in a form the compiler vectorizes (libm's expf is a scalar call): 2^n * e^r with
-// |r| <= ln2 / 2 and a degree-6 polynomial for e^r (Cephes' coefficients), a few ulp; x is
-// clamped to [-87, 88] (e^-87 ~ 1.6e-38: nothing next to a softmax's largest term).
-inline float fast_exp(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
-}
-
 }  // namespace
 
-// Calls f(t, row) for each of a sequence's ``len`` cached tokens, in block order, where
-// ``row`` is token t's row (all kv heads) in ``pool``; the next block's same row is fetched
-// ahead, one cache line at a time.
-template <class F>
-inline void for_each_row(const float* pool, const int64_t* blocks_of, int64_t len,
-                         int64_t block_size, int64_t row, F&& f, bool fetch_ahead = true) {
-  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-    const int64_t n_in = std::min(block_size, len - t0);
-    const float* here = pool + blocks_of[b] * block_size * row;
-    const float* next = fetch_ahead && t0 + block_size < len
-                            ? pool + blocks_of[b + 1] * block_size * row
-                            : nullptr;
-    for (int64_t i = 0; i < n_in; ++i) {
-      if (next != nullptr)
-        for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(next + i * row + c);
-      f(t0 + i, here + i * row);
-    }
-  }
-}
-
-// One sequence's decode attention: query qn [H, DIM] against its ``len`` cached tokens,
-// found through ``blocks_of``; out on [H, DIM]. ``DIM`` > 0 is the head size known at
-// compile time (the dot products and sums unroll into registers); 0 reads ``dim``.
-template <int DIM>
-void attend(const float* qn, float* on, const float* kc, const float* vc, const int64_t* blocks_of,
-            int64_t len, int64_t heads, int64_t groups, int64_t dim_rt, int64_t block_size,
-            int64_t row, float fscale, std::vector<float>& scores) {
-  const int64_t dim = DIM > 0 ? DIM : dim_rt;
-  scores.resize(heads * len);
-  float* s = scores.data();
-  for_each_row(kc, blocks_of, len, block_size, row, [&](int64_t t, const float* k) {
-    for (int64_t hq = 0; hq < heads; ++hq)
-      s[hq * len + t] = dot(qn + hq * dim, k + (hq / groups) * dim, dim) * fscale;
-  });
-  for (int64_t hq = 0; hq < heads; ++hq) {
-    float* sh = s + hq * len;
-    const float top = *std::max_element(sh, sh + len);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < len; ++t) {
-      sh[t] = fast_exp(sh[t] - top);
-      total += sh[t];
-    }
-    const float inv = 1.f / total;
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
-  }
-  std::fill(on, on + heads * dim, 0.f);
-  for_each_row(vc, blocks_of, len, block_size, row, [&](int64_t t, const float* v) {
-    for (int64_t hq = 0; hq < heads; ++hq)
-      axpy(on + hq * dim, s[hq * len + t], v + (hq / groups) * dim, dim);
-  });
-}
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-namespace {
-
-// fast_exp on 16 lanes.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-}
-
-// Lane j of the result: the sum of v[j]'s 16 lanes (16 horizontal sums in 45 operations
-// instead of 16 reductions of 8 each).
-inline __m512 sum16(const __m512* v) {
-  __m512 a[8];
-  for (int j = 0; j < 8; ++j)  // per 128-bit lane: [x, y, x, y] partial sums of a pair
-    a[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
-                         _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  __m512 c[4];
-  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: 4 vectors' partial sums
-    const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
-    c[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 f0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44),
-                                  _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
-  const __m512 f1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44),
-                                  _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xDD));
-}
-
-inline __mmask16 first(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
-
-// Scores of GC query heads (rows of q, DIM apart) sharing one kv head (at ``koff`` in a
-// token's row) against ``len`` cached tokens: s[g * len + t], scaled. The queries stay in
-// registers; each token's 16-lane products are summed 16 tokens at a time.
-template <int DIM, int GC>
-void scores16(const float* q, const float* kc, const int64_t* blocks_of, int64_t len,
-              int64_t block_size, int64_t row, int64_t koff, float scale, float* s,
-              bool fetch_ahead) {
-  constexpr int V = DIM / 16;
-  __m512 qr[GC][V];
-  for (int g = 0; g < GC; ++g)
-    for (int v = 0; v < V; ++v) qr[g][v] = _mm512_loadu_ps(q + g * DIM + v * 16);
-  __m512 part[GC][16];
-  int c = 0;
-  int64_t t0 = 0;
-  const __m512 vscale = _mm512_set1_ps(scale);
-  auto flush = [&](int n) {
-    for (int g = 0; g < GC; ++g) {
-      for (int j = n; j < 16; ++j) part[g][j] = _mm512_setzero_ps();
-      _mm512_mask_storeu_ps(s + g * len + t0, first(n), _mm512_mul_ps(sum16(part[g]), vscale));
-    }
-  };
-  for_each_row(
-      kc, blocks_of, len, block_size, row,
-      [&](int64_t, const float* token) {
-        const float* k = token + koff;
-        __m512 kv[V];
-        for (int v = 0; v < V; ++v) kv[v] = _mm512_loadu_ps(k + v * 16);
-        for (int g = 0; g < GC; ++g) {
-          __m512 a = _mm512_mul_ps(qr[g][0], kv[0]);
-          for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(qr[g][v], kv[v], a);
-          part[g][c] = a;
-        }
-        if (++c == 16) {
-          flush(16);
-          t0 += 16;
-          c = 0;
-        }
-      },
-      fetch_ahead);
-  if (c > 0) flush(c);
-}
-
-// o[g * DIM ..] = inv[g] * sum_t p[g * len + t] * v_t for GC heads sharing one kv head; the
-// sums stay in registers over the whole context.
-template <int DIM, int GC>
-void values16(const float* p, const float* vc, const int64_t* blocks_of, int64_t len,
-              int64_t block_size, int64_t row, int64_t voff, const float* inv, float* o,
-              bool fetch_ahead) {
-  constexpr int V = DIM / 16;
-  __m512 acc[GC][V];
-  for (int g = 0; g < GC; ++g)
-    for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
-  for_each_row(
-      vc, blocks_of, len, block_size, row,
-      [&](int64_t t, const float* token) {
-        const float* vr = token + voff;
-        __m512 vv[V];
-        for (int v = 0; v < V; ++v) vv[v] = _mm512_loadu_ps(vr + v * 16);
-        for (int g = 0; g < GC; ++g) {
-          const __m512 w = _mm512_set1_ps(p[g * len + t]);
-          for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(w, vv[v], acc[g][v]);
-        }
-      },
-      fetch_ahead);
-  for (int g = 0; g < GC; ++g) {
-    const __m512 w = _mm512_set1_ps(inv[g]);
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(o + g * DIM + v * 16, _mm512_mul_ps(acc[g][v], w));
-  }
-}
-
-// In place: s[t] = exp(s[t] - max); returns 1 / sum.
-inline float softmax_terms(float* s, int64_t len) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  int64_t t = 0;
-  for (; t + 16 <= len; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
-  if (t < len) top = _mm512_mask_max_ps(top, first(len - t), top, _mm512_maskz_loadu_ps(first(len - t), s + t));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-  __m512 total = _mm512_setzero_ps();
-  for (t = 0; t + 16 <= len; t += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-    _mm512_storeu_ps(s + t, e);
-    total = _mm512_add_ps(total, e);
-  }
-  if (t < len) {
-    const __mmask16 k = first(len - t);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
-    _mm512_mask_storeu_ps(s + t, k, e);
-    total = _mm512_mask_add_ps(total, k, total, e);
-  }
-  return 1.f / _mm512_reduce_add_ps(total);
-}
-
-template <int DIM>
-constexpr int max_group() { return 24 / (DIM / 16) < 8 ? 24 / (DIM / 16) : 8; }
-
-template <int DIM, int GC>
-void attend_heads(const float* qn, float* on, const float* kc, const float* vc,
-                  const int64_t* blocks_of, int64_t len, int64_t block_size, int64_t row,
-                  int64_t kv_off, float fscale, float* s, float* inv, bool fetch_ahead) {
-  scores16<DIM, GC>(qn, kc, blocks_of, len, block_size, row, kv_off, fscale, s, fetch_ahead);
-  for (int g = 0; g < GC; ++g) inv[g] = softmax_terms(s + g * len, len);
-  values16<DIM, GC>(s, vc, blocks_of, len, block_size, row, kv_off, inv, on, fetch_ahead);
-}
-
-// One sequence's decode attention with AVX-512, DIM a multiple of 16: per kv head, its
-// query heads in register-sized groups.
-template <int DIM>
-void attend_simd(const float* qn, float* on, const float* kc, const float* vc,
-                 const int64_t* blocks_of, int64_t len, int64_t heads, int64_t groups,
-                 int64_t /* dim: DIM */, int64_t block_size, int64_t row, float fscale,
-                 std::vector<float>& scores) {
-  constexpr int GMAX = max_group<DIM>();
-  scores.resize(heads * len + heads);
-  float* s = scores.data();
-  float* inv = s + heads * len;
-  const int64_t kv_heads = heads / groups;
-  for (int64_t kh = 0; kh < kv_heads; ++kh) {
-    for (int64_t g0 = 0; g0 < groups; g0 += GMAX) {
-      const int gc = static_cast<int>(std::min<int64_t>(GMAX, groups - g0));
-      const int64_t h = kh * groups + g0;
-      const bool ahead = kh == 0 && g0 == 0;  // later passes find the rows in cache
-#define RTSERVE_HEADS(N)                                                                      \
-  case N:                                                                                     \
-    if constexpr (N <= GMAX)                                                                  \
-      attend_heads<DIM, N>(qn + h * DIM, on + h * DIM, kc, vc, blocks_of, len, block_size,    \
-                           row, kh * DIM, fscale, s + h * len, inv + h, ahead);               \
-    break;
-      switch (gc) {
-        RTSERVE_HEADS(1)
-        RTSERVE_HEADS(2)
-        RTSERVE_HEADS(3)
-        RTSERVE_HEADS(4)
-        RTSERVE_HEADS(5)
-        RTSERVE_HEADS(6)
-        RTSERVE_HEADS(7)
-        RTSERVE_HEADS(8)
-        default:
-          break;
-      }
-#undef RTSERVE_HEADS
-    }
-  }
-}
-
-}  // namespace
-#endif  // __AVX512F__
 
 // query [nd, H, D]; k_cache, v_cache [blocks, block_size, KVH, D]; tables [nd, width] (block
 // ids, padded); lengths [nd] (context tokens, the new one included). Returns [nd, H, D].
@@ -356,18 +77,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
     seen += length[n];
     while (p < parts && seen * parts >= total * p) first[p++] = n + 1;
   }
-  // Head sizes known at compile time unroll into registers (explicit 16-lane code with
-  // AVX-512); others run the generic loop.
-#if defined(__AVX512F__)
-#define RTSERVE_ATTEND(D) attend_simd<D>
-#else
-#define RTSERVE_ATTEND(D) attend<D>
-#endif
-  const auto attend_one = dim == 64    ? RTSERVE_ATTEND(64)
-                          : dim == 128 ? RTSERVE_ATTEND(128)
-                          : dim == 32  ? RTSERVE_ATTEND(32)
-                                       : attend<0>;
-#undef RTSERVE_ATTEND
+  const AttendFn attend_one = attend_for(dim);
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t n = first[begin]; n < first[end]; ++n) {
@@ -396,16 +106,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   float* os = out.data_ptr<float>();
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xs + r * n;
-      float* orow = os + r * n;
-      float sq = 0.f;
-#pragma omp simd reduction(+ : sq)
-      for (int64_t i = 0; i < n; ++i) sq += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + feps);
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) orow[i] = w[i] * (xr[i] * inv);
-    }
+    for (int64_t r = begin; r < end; ++r) rms_row(xs + r * n, w, os + r * n, n, feps);
   });
   return out;
 }
@@ -420,26 +121,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   const float* g = gate_up.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gr = g + r * 2 * n;
-      const float* ur = gr + n;
-      float* orow = o + r * n;
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      for (; i + 16 <= n; i += 16) {
-        const __m512 a = _mm512_loadu_ps(gr + i);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), a));
-        const __m512 silu = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-        _mm512_storeu_ps(orow + i, _mm512_mul_ps(silu, _mm512_loadu_ps(ur + i)));
-      }
-#endif
-      const int64_t done = i;
-#pragma omp simd
-      for (int64_t j = done; j < n; ++j) {
-        const float a = gr[j];
-        orow[j] = a / (1.f + fast_exp(-a)) * ur[j];
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_row(g + r * 2 * n, g + r * 2 * n + n, o + r * n, n);
   });
   return out;
 }
@@ -473,22 +155,13 @@ void rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::
   const float* sn = sin.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
-  const int64_t width = qkv.size(1), half = dim / 2, row = kv_heads * dim;
+  const int64_t width = qkv.size(1), row = kv_heads * dim;
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* xt = x + t * width;
       const float* c = cs + t * dim;
       const float* s = sn + t * dim;
-      for (int64_t h = 0; h < heads + kv_heads; ++h) {
-        float* a = xt + h * dim;
-        float* b = a + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float lo = a[i], hi = b[i];
-          a[i] = lo * c[i] - hi * s[i];
-          b[i] = hi * c[half + i] + lo * s[half + i];
-        }
-      }
+      rope_heads(xt, c, s, heads + kv_heads, dim);
       std::memcpy(kc + slot[t] * row, xt + heads * dim, row * sizeof(float));
       std::memcpy(vc + slot[t] * row, xt + (heads + kv_heads) * dim, row * sizeof(float));
     }
@@ -597,3 +270,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "RoPE on fused q/k/v rows, keys and values into the pool");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate/up output (CPU, float32)");
 }
+

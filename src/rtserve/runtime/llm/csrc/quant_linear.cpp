@@ -660,7 +660,15 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale
   return out;
 }
 
+#include "decode_stack.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "weight-only int8 / int4 / bfloat16 linear (CPU, float32 rows)");
   m.def("has_avx2", &has_avx2, "whether the AVX2 + FMA loops were compiled in");
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "a Llama / Qwen2 decode step in one call")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double, bool>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("max_rows", &DecodeStack::max_rows)
+      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
