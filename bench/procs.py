@@ -269,22 +269,24 @@ class RedisServer:
 
 
 def rtserve(
-    workdir: Path, *args: str, cpus: str = "", src: Path | None = None, timeout_s: float = 120.0
-) -> tuple[Server, dict[str, int]]:
+    workdir: Path, *args: str, cpus: str = "", src: Path | None = None, timeout_s: float = 120.0,
+    env: Mapping[str, str] | None = None,
+) -> tuple[Server, dict[str, int]]:  # fmt: skip
     """``rtserve serve ARGS`` on 127.0.0.1 with ports the OS picks (read from its ports file),
-    pinned to ``cpus`` (taskset) and run from the source tree ``src`` when given."""
+    pinned to ``cpus`` (taskset), run from the source tree ``src`` when given, with ``env``
+    added to the environment."""
     root = Path(__file__).resolve().parent.parent
     ports = workdir / "ports.json"
     ports.unlink(missing_ok=True)
     argv = [*(["taskset", "-c", cpus] if cpus else []), sys.executable, "-m", "rtserve.cli",
             "serve", "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
             "--ports-file", str(ports), *args]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    environ = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     if src is not None:
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(src.resolve()), env.get("PYTHONPATH")])
+        environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(src.resolve()), environ.get("PYTHONPATH")])
         )
-    server = Server("rtserve", argv, env, workdir / "server.log", cwd=root)
+    server = Server("rtserve", argv, environ, workdir / "server.log", cwd=root)
     deadline = time.monotonic() + timeout_s
     while not (ports.exists() and ports.stat().st_size):
         if server.proc.poll() is not None or time.monotonic() > deadline:

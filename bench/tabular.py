@@ -17,19 +17,19 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.clients import openloop_c, wrk
+from bench import procs
+from bench.clients import openloop, openloop_c, wrk
+from bench.results import Measurement
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "bench" / ".work" / "tabular"
@@ -86,23 +86,17 @@ def rtserve_repo(out: Path, models: Path) -> list[str]:
     return names
 
 
-def mlserver_repo(out: Path, models: Path) -> None:
+def mlserver_repo(out: Path, models: Path, port: int) -> None:
     for name, impl, file in (
         ("xgb", "mlserver_xgboost.XGBoostModel", "model.json"),
         ("lgb", "mlserver_lightgbm.LightGBMModel", "model.txt"),
     ):
-        d = out / name
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "model-settings.json").write_text(
-            json.dumps(
-                {"name": name, "implementation": impl, "parameters": {"uri": str(models / file)}}
-            )  # fmt: skip
-        )
-    (out / "settings.json").write_text(
-        json.dumps(
-            {"http_port": 18080, "grpc_port": 18081, "metrics_port": 18082, "parallel_workers": 0}
-        )  # fmt: skip
-    )
+        (out / name).mkdir(parents=True, exist_ok=True)
+        settings = {"name": name, "implementation": impl, "parameters": {"uri": str(models / file)}}
+        (out / name / "model-settings.json").write_text(json.dumps(settings))
+    settings = {"http_port": port, "grpc_port": procs.free_port(),
+                "metrics_port": procs.free_port(), "parallel_workers": 0}  # fmt: skip
+    (out / "settings.json").write_text(json.dumps(settings))
 
 
 FASTAPI_APP = """
@@ -123,69 +117,31 @@ async def pl(req: Request):
 """
 
 
-def wait_http(url: str, timeout: float = 900) -> None:
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready within {timeout} s")
-
-
-def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    with log.open("wb") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True)  # fmt: skip
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
 def v2_body(row: np.ndarray, datatype: str) -> bytes:
     return json.dumps({"inputs": [{"name": "features" if datatype else "input-0",
                                    "datatype": datatype or "FP32", "shape": [1, FEATURES],
                                    "data": row.tolist()}]}).encode()  # fmt: skip
 
 
-def capacity(url: str, body: bytes, seconds: float, conns: int = 4) -> dict[str, float]:
+def capacity(url: str, body: bytes, seconds: float, conns: int = 4) -> Measurement:
     script = WORK / f"wrk-{abs(hash(url))}.lua"
     script.write_text(wrk.lua_script(body))
-    cmd = ["wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--latency", "-s",
-           str(script), url]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 30).stdout
-    return wrk.parse(out)
+    return wrk.measure(
+        url, script, conns, seconds, Measurement("", "tabular", "wrk", "closed", conns)
+    )
 
 
 def half_load(url: str, body: bytes, rate: float, seconds: float) -> dict[str, float]:
     """p50/p99 (ms) of one-row requests offered at ``rate``/s, open loop."""
-    host_port, path = url.split("//", 1)[1].split("/", 1)
-    host, port = host_port.split(":")
+    host, port, path = url.split("/")[2].split(":") + ["/" + url.split("/", 3)[3]]
     req = WORK / f"req-{abs(hash(url))}.http"
-    req.write_bytes(
-        f"POST /{path} HTTP/1.1\r\nHost: {host_port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    req.write_bytes(openloop.post_request(host, int(port), path, body))
     result = WORK / "openloop.json"
     result.unlink(missing_ok=True)
     cmd = openloop_c.command(host, int(port), req, rate, seconds, 1, 8, 2.0, result)
     subprocess.run(cmd, capture_output=True, timeout=seconds + 60, check=False)
     data = json.loads(result.read_text())
-    lat = data.get("latency_ms")
-    if isinstance(lat, dict):
-        return {"p50_ms": lat.get("p50", float("nan")), "p99_ms": lat.get("p99", float("nan")),
-                "errors": data.get("errors", 0)}  # fmt: skip
-    lat = sorted(lat or [float("nan")])
+    lat = sorted(data.get("latency_ms") or [float("nan")])
     return {"p50_ms": lat[len(lat) // 2], "p99_ms": lat[int(len(lat) * 0.99)],
             "errors": data.get("errors", 0)}  # fmt: skip
 
@@ -260,77 +216,60 @@ def main(argv: list[str] | None = None) -> None:
 
     repo = WORK / "rtserve-repo"
     names = rtserve_repo(repo, models)
-    row = rows[0]
-    targets: dict[str, tuple[str, bytes]] = {}
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    servers: dict[str, Any] = {}
-    ports = WORK / "ports.json"
-    ports.unlink(missing_ok=True)
-
-    def serve(port: int) -> list[str]:
-        return [sys.executable, "-m", "rtserve.cli", "serve", "--model-repository", str(repo),
-                "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0"]  # fmt: skip
-
-    servers["rtserve"] = start(serve(18000), WORK / "rtserve.log", env)
     if args.models:
         names = [n for n in names if n in args.models.split(",")]
-    if args.direct_ab:
-        servers["rtserve-direct"] = start(
-            serve(18001), WORK / "rtserve-direct.log", dict(env, RTSERVE_DIRECT_MAX_US="200")
-        )
-    for n in names:
-        dt = "FP32" if n.startswith("xgb") else "FP64"
-        targets[f"rtserve {n}"] = (f"http://127.0.0.1:18000/v2/models/{n}/infer", v2_body(row, dt))
-        if args.direct_ab:
-            targets[f"rtserve-direct {n}"] = (
-                f"http://127.0.0.1:18001/v2/models/{n}/infer",
-                v2_body(row, dt),
-            )
-    if not args.no_peers:
-        app = WORK / "naive_fastapi_tabular.py"
-        app.write_text(FASTAPI_APP.format(models=models))
-        servers["fastapi"] = start([sys.executable, "-m", "uvicorn", "naive_fastapi_tabular:app",
-                                    "--port", "18090", "--log-level", "warning",
-                                    "--app-dir", str(WORK)], WORK / "fastapi.log")  # fmt: skip
-        body = json.dumps({"rows": [row.tolist()]}).encode()
-        targets["fastapi xgb"] = ("http://127.0.0.1:18090/xgb", body)
-        targets["fastapi lgb"] = ("http://127.0.0.1:18090/lgb", body)
-        if MLSERVER.exists():
-            mrepo = WORK / "mlserver-repo"
-            mlserver_repo(mrepo, models)
-            servers["mlserver"] = start([str(MLSERVER), "start", str(mrepo)], WORK / "mlserver.log")
+    row = rows[0]
+    targets: dict[str, tuple[str, bytes]] = {}
+    servers: list[procs.Server] = []
+    bases: dict[str, str] = {}
+    try:
+        direct = {"rtserve-direct": {"RTSERVE_DIRECT_MAX_US": "200"}} if args.direct_ab else {}
+        for label, env in {"rtserve": {}, **direct}.items():
+            server, ports = procs.rtserve(WORK / label, "--model-repository", str(repo), env=env)
+            servers.append(server)
+            bases[label] = f"http://127.0.0.1:{ports['http_port']}"
+            server.wait_ready(bases[label] + "/v2/health/ready", 900)
+        for n in names:
+            body = v2_body(row, "FP32" if n.startswith("xgb") else "FP64")
+            for label, base in bases.items():
+                targets[f"{label} {n}"] = (f"{base}/v2/models/{n}/infer", body)
+        if not args.no_peers:
+            (WORK / "naive_fastapi_tabular.py").write_text(FASTAPI_APP.format(models=models))
+            port = procs.free_port()
+            argv = [sys.executable, "-m", "uvicorn", "naive_fastapi_tabular:app", "--port",
+                    str(port), "--log-level", "warning", "--app-dir", str(WORK)]  # fmt: skip
+            servers.append(procs.Server("fastapi", argv, os.environ, WORK / "fastapi.log", ROOT))
+            servers[-1].wait_ready(f"http://127.0.0.1:{port}/docs", 900)
+            body = json.dumps({"rows": [row.tolist()]}).encode()
+            for n in ("xgb", "lgb"):
+                targets[f"fastapi {n}"] = (f"http://127.0.0.1:{port}/{n}", body)
+        if not args.no_peers and MLSERVER.exists():
+            port, mrepo = procs.free_port(), WORK / "mlserver-repo"
+            mlserver_repo(mrepo, models, port)
+            argv = [str(MLSERVER), "start", str(mrepo)]
+            servers.append(procs.Server("mlserver", argv, os.environ, WORK / "mlserver.log", ROOT))
+            servers[-1].wait_ready(f"http://127.0.0.1:{port}/v2/health/ready", 900)
             for n in ("xgb", "lgb"):
                 targets[f"mlserver {n}"] = (
-                    f"http://127.0.0.1:18080/v2/models/{n}/infer",
+                    f"http://127.0.0.1:{port}/v2/models/{n}/infer",
                     v2_body(row, ""),
                 )
-    try:
-        wait_http("http://127.0.0.1:18000/v2/health/ready")
-        if "rtserve-direct" in servers:
-            wait_http("http://127.0.0.1:18001/v2/health/ready")
-        if "fastapi" in servers:
-            wait_http("http://127.0.0.1:18090/docs")
-        if "mlserver" in servers:
-            wait_http("http://127.0.0.1:18080/v2/health/ready")
         for name, (url, body) in targets.items():  # each answers before it is measured
-            req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=30) as r:
-                assert r.status == 200, name
+            assert procs.http_post(url, body)[0] == 200, name
         results: dict[str, list[dict[str, float]]] = {k: [] for k in targets}
         for rnd in range(args.rounds):
             order = list(targets) if rnd % 2 == 0 else list(reversed(targets))
             for name in order:
                 url, body = targets[name]
                 cap = capacity(url, body, args.seconds)
-                lat = half_load(url, body, max(1.0, cap["rps"] / 2), args.seconds)
-                res = {"rps": cap["rps"], "cap_errors": cap["errors"], **lat}
-                results[name].append(res)
-                print(f"round {rnd + 1} {name}: {cap['rps']:.0f} rows/s at capacity; at "
-                      f"{cap['rps'] / 2:.0f}/s p50 {lat['p50_ms']:.3f} ms p99 "
+                lat = half_load(url, body, max(1.0, cap.rps / 2), args.seconds)
+                results[name].append({"rps": cap.rps, "cap_errors": cap.errors, **lat})
+                print(f"round {rnd + 1} {name}: {cap.rps:.0f} rows/s at capacity; at "
+                      f"{cap.rps / 2:.0f}/s p50 {lat['p50_ms']:.3f} ms p99 "
                       f"{lat['p99_ms']:.3f} ms", flush=True)  # fmt: skip
     finally:
-        for p in servers.values():
-            stop(p)
+        for server in servers:
+            server.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
