@@ -34,7 +34,7 @@ from bench import machine, procs
 from bench.clients.sse import Messages, Stream, chat_body, closed_loop
 from bench.peers import llamacpp, vllm
 from bench.results import write_section
-from bench.stats import percentile
+from bench.stats import percentile, rotated
 
 ROOT = Path(__file__).resolve().parent.parent
 LLM_REPO = ROOT / "examples" / "llm-repository"
@@ -274,7 +274,7 @@ def run(plan: Plan, names: list[str], out: Path, command: str) -> dict[str, Any]
         "rounds": [],
     }
     for r in range(plan.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
+        order = rotated(names, r)
         print(f"round {r + 1}/{plan.rounds}: {', '.join(order)}", flush=True)
         entry: dict[str, Any] = {}
         result["rounds"].append(entry)

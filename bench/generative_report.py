@@ -3,11 +3,10 @@ median over rounds with every round shown; TTFT and ITL p50/p99 beside the token
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from bench.report import markdown_table
-from bench.stats import median_ratio, ratio
+from bench.stats import median_ratio, middle, ratio
 
 LABELS = {"transformers": "transformers generate (in-process, static batch)"}
 # (subject, reference, workload, streams): tok/s ratios taken within each round
@@ -19,11 +18,6 @@ RATIOS = [
     ("rtserve-fp32-lookup", "rtserve-fp32", "summarize", "1"),
     ("rtserve-int8-lookup", "rtserve-int8", "summarize", "1"),
 ]
-
-
-def _median(values: list[float | None]) -> float | None:
-    kept = [v for v in values if v is not None]
-    return statistics.median(kept) if kept else None
 
 
 def _fmt(value: float | None) -> str:
@@ -62,10 +56,10 @@ def workload_table(result: dict[str, Any], workload: str) -> list[str]:
                 cells += ["-", "-", "-"]
                 continue
             rounds = " / ".join(_fmt(v) for v in tok)
-            cells.append(f"**{_fmt(_median(tok))}** ({rounds})")
+            cells.append(f"**{_fmt(middle(tok))}** ({rounds})")
             for metric in ("ttft", "itl"):
-                p50 = _median(_cells(result, server, workload, lv, f"{metric}_p50_ms"))
-                p99 = _median(_cells(result, server, workload, lv, f"{metric}_p99_ms"))
+                p50 = middle(_cells(result, server, workload, lv, f"{metric}_p50_ms"))
+                p99 = middle(_cells(result, server, workload, lv, f"{metric}_p99_ms"))
                 cells.append(f"{_fmt(p50)} / {_fmt(p99)}" if p50 is not None else "-")
         if any(c != "-" for c in cells):
             rows.append([LABELS.get(server, server), *cells])

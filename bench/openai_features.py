@@ -289,21 +289,6 @@ def v2_body(text: str) -> bytes:
     return orjson.dumps({"inputs": [tensor]})
 
 
-def rotating_script(bodies: list[bytes]) -> str:
-    """A wrk script that POSTs ``bodies`` in turn (one wrk thread) and prints percentiles."""
-    text = "".join(b.decode() for b in bodies)
-    level = 1
-    while f"]{'=' * level}]" in text:
-        level += 1
-    eq = "=" * level
-    items = ",\n".join(f"[{eq}[{b.decode()}]{eq}]" for b in bodies)
-    return wrk.lua_script(bodies[0]) + (
-        f"bodies = {{\n{items}\n}}\nlocal i = 0\n"
-        "request = function()\n  i = i % #bodies + 1\n"
-        '  return wrk.format("POST", nil, nil, bodies[i])\nend\n'
-    )
-
-
 ROUTES: dict[str, tuple[str, Callable[[str], bytes]]] = {
     "v1": ("/v1/embeddings", v1_body),
     "v2": ("/v2/models/text-embedding/infer", v2_body),
@@ -327,7 +312,8 @@ def measure_embeddings(plan: Plan, work: Path) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     for route, (_, body) in ROUTES.items():
         scripts[route] = work / f"{route}.lua"
-        scripts[route].write_text(rotating_script([body(t) for t in texts]))
+        bodies = [body(t) for t in texts]
+        scripts[route].write_text(wrk.lua_script(bodies[0], rotate=bodies))
 
     def side(route: str, seconds: float = plan.embed_seconds) -> dict[str, Any]:
         m = wrk.measure(base + ROUTES[route][0], scripts[route], plan.embed_concurrency, seconds,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,7 +105,8 @@ def measurement_rows(
     rows: list[list[str]] = []
     rank = {name: i for i, name in enumerate(order)}
     ordered = sorted(measurements, key=lambda m: (rank.get(m.peer, len(rank)), m.load))
-    for peer_points in _by_peer(ordered):
+    for _, group in itertools.groupby(ordered, key=lambda m: m.peer):
+        peer_points = list(group)
         errors = {m.error for m in peer_points}
         if len(peer_points) > 1 and None not in errors and len(errors) == 1:
             m = peer_points[0]
@@ -118,16 +120,6 @@ def measurement_rows(
                 share = ratio(m.p99_ms, ref.p99_ms) if m.mode == "open" else ratio(m.rps, ref.rps)
             rows.append([labels.get(m.peer, m.peer), f"{m.load:g}", *_figures(m, share), _note(m)])
     return rows
-
-
-def _by_peer(ordered: Sequence[Measurement]) -> list[list[Measurement]]:
-    groups: list[list[Measurement]] = []
-    for m in ordered:
-        if groups and groups[-1][0].peer == m.peer:
-            groups[-1].append(m)
-        else:
-            groups.append([m])
-    return groups
 
 
 def _figures(m: Measurement, share: float | None) -> list[str]:
@@ -222,17 +214,10 @@ def headline_goals(points: Sequence[Measurement], rounds: Sequence[Measurement] 
         ("fastapi", 6.0, "rtserve JSON req/s vs naive FastAPI (c)"),
     ):
         other = at.get(peer)
-        share = (
-            median_ratio(rows, peer) if rows else ratio(rt.rps, other.rps) if rt and other else None
-        )
-        goals.append(
-            Goal(
-                title,
-                f">= {target:g}x",
-                fmt_ratio(share),
-                None if share is None else share >= target,
-            )
-        )
+        share = ratio(rt.rps, other.rps) if rt and other else None
+        share = median_ratio(rows, peer) if rows else share
+        met = None if share is None else share >= target
+        goals.append(Goal(title, f">= {target:g}x", fmt_ratio(share), met))
     raw = at.get("raw_asgi")
     known = rt and raw and rt.p99_ms is not None and raw.p99_ms is not None
     shown = f"{fmt_ms(rt.p99_ms)} vs {fmt_ms(raw.p99_ms)} ms" if known else "—"  # type: ignore[union-attr]

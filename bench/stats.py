@@ -37,7 +37,8 @@ def ratio(value: float | None, reference: float | None) -> float | None:
     return value / reference
 
 
-def _median(values: Iterable[float | None]) -> float | None:
+def middle(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are numbers (None and NaN left out), or None."""
     kept = [v for v in values if v is not None and not math.isnan(v)]
     return float(median(kept)) if kept else None
 
@@ -62,10 +63,10 @@ def combine_rounds(measurements: Sequence[Measurement]) -> list[Measurement]:
             client,
             mode,
             load,
-            rps=_median(m.rps for m in good) or 0.0,
-            p50_ms=_median(m.p50_ms for m in good),
-            p90_ms=_median(m.p90_ms for m in good),
-            p99_ms=_median(m.p99_ms for m in good),
+            rps=middle(m.rps for m in good) or 0.0,
+            p50_ms=middle(m.p50_ms for m in good),
+            p90_ms=middle(m.p90_ms for m in good),
+            p99_ms=middle(m.p99_ms for m in good),
             errors=sum(m.errors for m in items),
             requests=sum(m.requests for m in good),
             round=len(good),
@@ -116,7 +117,7 @@ def round_ratios(
 
 def median_ratio(rows: Sequence[dict[str, float | None]], reference: str) -> float | None:
     """The median of the per-round ratios to ``reference`` (rounds without one are skipped)."""
-    return _median(row.get(reference) for row in rows)
+    return middle(row.get(reference) for row in rows)
 
 
 def rotated(items: Sequence[T], round_no: int) -> list[T]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from bench import openai_features as bench
 from bench import results
+from bench.clients import wrk
 from bench.clients.sse import Stream
 
 
@@ -31,7 +32,7 @@ def test_write_section_replaces_between_its_markers_and_appends_when_absent(
 
 def test_rotating_script_holds_every_body_once() -> None:
     bodies = [bench.v1_body(t) for t in ("one ]] two", "three")]
-    script = bench.rotating_script(bodies)
+    script = wrk.lua_script(bodies[0], rotate=bodies)
     assert "request = function()" in script and "i % #bodies + 1" in script
     assert "]=]" in script  # (a longer bracket: a body holds "]]")
     for body in bodies:

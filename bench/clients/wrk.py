@@ -23,18 +23,30 @@ end
 """
 
 
-def lua_script(body: bytes, content_type: str = "application/json") -> str:
-    """A wrk script that POSTs ``body`` and prints exact percentiles as one JSON line."""
-    text = body.decode()
-    level = 1
-    while f"]{'=' * level}]" in text:
-        level += 1
-    eq = "=" * level
-    return (
-        'wrk.method = "POST"\n'
-        f"wrk.body = [{eq}[{text}]{eq}]\n"
+def _long_string(text: str) -> str:
+    """``text`` as a Lua long string whose brackets nothing in ``text`` closes."""
+    eq = "="
+    while f"]{eq}]" in text:
+        eq += "="
+    return f"[{eq}[{text}]{eq}]"
+
+
+def lua_script(
+    body: bytes, content_type: str = "application/json", rotate: Sequence[bytes] = ()
+) -> str:
+    """A wrk script that POSTs ``body`` (or each of ``rotate`` in turn, for one wrk thread)
+    and prints exact percentiles as one JSON line."""
+    script = (
+        f'wrk.method = "POST"\nwrk.body = {_long_string(body.decode())}\n'
         f'wrk.headers["Content-Type"] = "{content_type}"\n' + _DONE_HOOK
     )
+    if rotate:
+        items = ",\n".join(_long_string(b.decode()) for b in rotate)
+        script += (
+            f"bodies = {{\n{items}\n}}\nlocal i = 0\nrequest = function()\n"
+            '  i = i % #bodies + 1\n  return wrk.format("POST", nil, nil, bodies[i])\nend\n'
+        )
+    return script
 
 
 def parse(output: str) -> dict[str, float]:
