@@ -94,28 +94,15 @@ def ensure(name: str, timeout_s: float = 1500.0, retry_failed: bool = False) -> 
     started = time.monotonic()
     with env.log.open("w") as log:
         try:
+            steps: list[tuple[list[str], float]] = [
+                ([str(env.python), "-m", "pip", "install", "-q", *REQUIREMENTS[name]], timeout_s),
+                *(([str(env.python), *args], 600.0) for args in POST_INSTALL.get(name, [])),
+            ]
             if not env.python.exists():
+                steps.insert(0, ([_base_python(), "-m", "venv", str(env.path)], 120.0))
+            for argv, limit in steps:
                 subprocess.run(
-                    [_base_python(), "-m", "venv", str(env.path)],
-                    check=True,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    timeout=120,
-                )
-            subprocess.run(
-                [str(env.python), "-m", "pip", "install", "-q", *REQUIREMENTS[name]],
-                check=True,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=timeout_s,
-            )
-            for args in POST_INSTALL.get(name, []):
-                subprocess.run(
-                    [str(env.python), *args],
-                    check=True,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    timeout=600,
+                    argv, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=limit
                 )
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
             log.flush()
