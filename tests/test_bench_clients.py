@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -65,24 +64,6 @@ def test_wrk_parse_prefers_done_hook_and_counts_non_2xx_as_errors() -> None:
     assert parsed["p90_ms"] == pytest.approx(2.857)
     assert parsed["p99_ms"] == pytest.approx(4.321)
     assert parsed["errors"] == 2283
-
-
-def test_wrk_parse_falls_back_to_text_output() -> None:
-    text_only = "\n".join(line for line in WRK_OUTPUT.splitlines() if "BENCH_JSON" not in line)
-    parsed = wrk.parse(text_only)
-    assert parsed["rps"] == pytest.approx(2277.88)
-    assert parsed["requests"] == 2283
-    assert parsed["p50_ms"] == pytest.approx(0.486)
-    assert parsed["p90_ms"] == pytest.approx(2.86)
-    assert parsed["p99_ms"] == pytest.approx(4.32)
-    assert parsed["errors"] == 2283
-
-
-def test_wrk_parse_counts_socket_errors() -> None:
-    text = "  Socket errors: connect 1, read 2, write 3, timeout 4\nRequests/sec:   10.00\n"
-    parsed = wrk.parse(text)
-    assert parsed["errors"] == 10
-    assert math.isnan(parsed["p99_ms"])
 
 
 def test_wrk_parse_rejects_output_without_throughput() -> None:

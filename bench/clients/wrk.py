@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,67 +48,35 @@ def lua_script(
     return script
 
 
-def parse(output: str) -> dict[str, float]:
-    """Throughput, percentiles (ms) and error count from wrk's output.
-
-    Prefers the JSON line from the ``done`` hook; falls back to wrk's own text (``--latency``).
-    """
+def _done_line(output: str) -> dict[str, int]:
+    """The ``done`` hook's JSON line; ValueError when wrk printed none (it failed)."""
     for line in output.splitlines():
         if line.startswith(_MARKER):
-            data = json.loads(line[len(_MARKER) :])
-            seconds = data["duration_us"] / 1e6
-            errors = sum(data[k] for k in ("connect", "read", "write", "status", "timeout"))
-            return {
-                "requests": data["requests"],
-                "rps": data["requests"] / seconds if seconds else 0.0,
-                "p50_ms": data["p50_us"] / 1000,
-                "p90_ms": data["p90_us"] / 1000,
-                "p99_ms": data["p99_us"] / 1000,
-                "errors": errors,
-            }
-    return _parse_text(output)
+            return dict(json.loads(line[len(_MARKER) :]))
+    raise ValueError(f"no result line in wrk's output: {output.strip()[-160:]!r}")
 
 
-_UNITS_MS = {"us": 1e-3, "ms": 1.0, "s": 1000.0, "m": 60000.0}
-
-
-def _duration_ms(text: str) -> float:
-    match = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
-    if not match:
-        raise ValueError(f"not a wrk duration: {text!r}")
-    return float(match.group(1)) * _UNITS_MS[match.group(2)]
-
-
-def _parse_text(output: str) -> dict[str, float]:
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", output)
-    if not rps:
-        raise ValueError("no Requests/sec in wrk output")
-    result: dict[str, float] = {"rps": float(rps.group(1))}
-    total = re.search(r"(\d+) requests in", output)
-    result["requests"] = int(total.group(1)) if total else 0
-    for pct in (50, 90, 99):
-        found = re.search(rf"^\s+{pct}%\s+(\S+)", output, re.MULTILINE)
-        result[f"p{pct}_ms"] = _duration_ms(found.group(1)) if found else float("nan")
-    errors = 0
-    socket = re.search(
-        r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", output
-    )
-    if socket:
-        errors += sum(int(g) for g in socket.groups())
-    status = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
-    if status:
-        errors += int(status.group(1))
-    result["errors"] = errors
-    return result
+def parse(output: str) -> dict[str, float]:
+    """Throughput, percentiles (ms) and error count from the ``done`` hook's JSON line."""
+    data = _done_line(output)
+    seconds = data["duration_us"] / 1e6
+    return {
+        "requests": data["requests"],
+        "rps": data["requests"] / seconds if seconds else 0.0,
+        "p50_ms": data["p50_us"] / 1000,
+        "p90_ms": data["p90_us"] / 1000,
+        "p99_ms": data["p99_us"] / 1000,
+        "errors": sum(data[k] for k in ("connect", "read", "write", "status", "timeout")),
+    }
 
 
 def done_counts(output: str) -> dict[str, int]:
     """Counters a script's ``done`` hook added to the JSON line beyond the standard ones."""
-    for line in output.splitlines():
-        if line.startswith(_MARKER):
-            data = json.loads(line[len(_MARKER) :])
-            return {k: int(v) for k, v in data.items() if k not in _STANDARD}
-    return {}
+    try:
+        data = _done_line(output)
+    except ValueError:
+        return {}
+    return {k: int(v) for k, v in data.items() if k not in _STANDARD}
 
 
 _STANDARD = {"requests", "duration_us", "connect", "read", "write", "status", "timeout",
