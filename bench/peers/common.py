@@ -99,25 +99,12 @@ def decode_v2(body: bytes | bytearray | str | dict[str, Any], cfg: PeerSettings)
 
 def encode_v2(outputs: Feeds, cfg: PeerSettings) -> bytes:
     """V2 JSON response; orjson writes the numpy arrays directly."""
-    return orjson.dumps(
-        {
-            "model_name": cfg.model_name,
-            "outputs": [
-                {
-                    "name": name,
-                    "datatype": NUMPY_TO_V2[array.dtype.name],
-                    "shape": list(array.shape),
-                    "data": array.reshape(-1),
-                }
-                for name, array in outputs.items()
-            ],
-        },
-        option=orjson.OPT_SERIALIZE_NUMPY,
-    )
+    return orjson.dumps(v2_dict(outputs, cfg, plain=False), option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def v2_dict(outputs: Feeds, cfg: PeerSettings) -> dict[str, Any]:
-    """The V2 response as plain Python, for frameworks that serialise answers themselves."""
+def v2_dict(outputs: Feeds, cfg: PeerSettings, plain: bool = True) -> dict[str, Any]:
+    """The V2 response; ``plain``: values as lists, for frameworks that serialise answers
+    themselves (else the arrays, for ``encode_v2``)."""
     return {
         "model_name": cfg.model_name,
         "outputs": [
@@ -125,7 +112,7 @@ def v2_dict(outputs: Feeds, cfg: PeerSettings) -> dict[str, Any]:
                 "name": name,
                 "datatype": NUMPY_TO_V2[array.dtype.name],
                 "shape": list(array.shape),
-                "data": array.reshape(-1).tolist(),
+                "data": array.reshape(-1).tolist() if plain else array.reshape(-1),
             }
             for name, array in outputs.items()
         ],
