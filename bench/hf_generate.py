@@ -12,16 +12,10 @@ import time
 
 import orjson
 
-
-def prompts(n: int) -> list[list[dict[str, str]]]:
-    """The benchmark's chat messages, the same the servers are sent."""
-    return [
-        [{"role": "user", "content": f"Write a short story number {i} about a cat."}]
-        for i in range(n)
-    ]
+from bench.generative import story
 
 
-def run(model_dir: str, batches: list[int], max_tokens: int, repeats: int, threads: int) -> None:
+def run(model_dir: str, batches: list[int], max_tokens: int, threads: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -32,7 +26,7 @@ def run(model_dir: str, batches: list[int], max_tokens: int, repeats: int, threa
     def generate(batch: int) -> tuple[float, int]:
         texts = [
             tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
-            for m in prompts(batch)
+            for m in map(story, range(batch))
         ]
         enc = tokenizer(texts, return_tensors="pt", padding=True)
         start = time.perf_counter()
@@ -49,10 +43,9 @@ def run(model_dir: str, batches: list[int], max_tokens: int, repeats: int, threa
 
     generate(1)
     for batch in batches:
-        for _ in range(repeats):
-            seconds, tokens = generate(batch)
-            line = {"batch": batch, "seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
-            print(orjson.dumps(line).decode(), flush=True)
+        seconds, tokens = generate(batch)
+        line = {"batch": batch, "seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
+        print(orjson.dumps(line).decode(), flush=True)
 
 
 def main() -> None:
@@ -60,11 +53,10 @@ def main() -> None:
     parser.add_argument("model_dir")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    run(args.model_dir, batches, args.max_tokens, args.repeats, args.threads)
+    run(args.model_dir, batches, args.max_tokens, args.threads)
 
 
 if __name__ == "__main__":
