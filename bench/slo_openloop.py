@@ -395,10 +395,8 @@ def _plot(rows: list[dict], models: list[str], objective: float, path: Path, tit
 def _write(args, rows, models, capacity, took) -> None:  # type: ignore[no-untyped-def]
     """The round's page (``--out``), its raw points (.json) and plot (.png) beside it."""
     objective = args.objective_ms
-    groups = {
-        "fixed": [m for m in models if m.startswith("w")],
-        "Triton": [m for m in models if m.startswith("triton")],
-    }
+    groups = {name: [m for m in models if m.startswith(prefix)]
+              for name, prefix in (("fixed", "w"), ("Triton", "triton"))}  # fmt: skip
     groups = {name: labels for name, labels in groups.items() if labels}
     header = ["load", "SLO goodput/s", "SLO p99 ms", "SLO refused"]
     for name in groups:
