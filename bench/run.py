@@ -85,14 +85,11 @@ class Suite:
             folder = self.run_dir / "inputs" / workload.name
             folder.mkdir(parents=True, exist_ok=True)
             body = workload.v2_body()
-            (folder / "body.json").write_bytes(body)
-            (folder / "post.lua").write_text(wrk.lua_script(body))
-            (folder / "pa-data.json").write_text(workload.perf_analyzer_data())
-            self.files[workload.name] = {
-                "body": folder / "body.json",
-                "lua": folder / "post.lua",
-                "pa": folder / "pa-data.json",
-            }
+            files = {"body": folder / "body.json", "lua": folder / "post.lua", "pa": folder / "pa-data.json"}  # fmt: skip
+            files["body"].write_bytes(body)
+            files["lua"].write_text(wrk.lua_script(body))
+            files["pa"].write_text(workload.perf_analyzer_data())
+            self.files[workload.name] = files
         return self.files[workload.name]
 
     @contextlib.contextmanager
@@ -145,11 +142,8 @@ class Suite:
         mode = "open" if rate is not None else "closed"
         load = rate if rate is not None else float(concurrency or 1)
         base = Measurement(running.peer.name, workload.name, client, mode, load, round=round_no)
-        csv_file = (
-            self.run_dir
-            / "pa"
-            / f"{workload.name}-{running.peer.name}-{client}-{mode}-{load:g}.csv"
-        )
+        csv_name = f"{workload.name}-{running.peer.name}-{client}-{mode}-{load:g}.csv"
+        csv_file = self.run_dir / "pa" / csv_name
         csv_file.parent.mkdir(parents=True, exist_ok=True)
         cmd = perf_analyzer.command(client, workload.model_name, f"127.0.0.1:{port}", self.inputs(workload)["pa"],
                                     csv_file, self.plan.pa_window_ms, concurrency=concurrency, rate=rate,
