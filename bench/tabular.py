@@ -198,11 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=4)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tabular.json")
-    ap.add_argument("--no-peers", action="store_true", help="rtserve and the floor only")
     ap.add_argument("--direct-ab", action="store_true",
                     help="also an rtserve with direct runs on (RTSERVE_DIRECT_MAX_US=200)")  # fmt: skip
-    ap.add_argument("--models", default="",
-                    help="comma-separated rtserve models to measure (e.g. xgb-onnx,lgb-native)")  # fmt: skip
     args = ap.parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
     models = WORK / "models"
@@ -216,8 +213,6 @@ def main(argv: list[str] | None = None) -> None:
 
     repo = WORK / "rtserve-repo"
     names = rtserve_repo(repo, models)
-    if args.models:
-        names = [n for n in names if n in args.models.split(",")]
     row = rows[0]
     targets: dict[str, tuple[str, bytes]] = {}
     servers: list[procs.Server] = []
@@ -233,17 +228,16 @@ def main(argv: list[str] | None = None) -> None:
             body = v2_body(row, "FP32" if n.startswith("xgb") else "FP64")
             for label, base in bases.items():
                 targets[f"{label} {n}"] = (f"{base}/v2/models/{n}/infer", body)
-        if not args.no_peers:
-            (WORK / "naive_fastapi_tabular.py").write_text(FASTAPI_APP.format(models=models))
-            port = procs.free_port()
-            argv = [sys.executable, "-m", "uvicorn", "naive_fastapi_tabular:app", "--port",
-                    str(port), "--log-level", "warning", "--app-dir", str(WORK)]  # fmt: skip
-            servers.append(procs.Server("fastapi", argv, os.environ, WORK / "fastapi.log", ROOT))
-            servers[-1].wait_ready(f"http://127.0.0.1:{port}/docs", 900)
-            body = json.dumps({"rows": [row.tolist()]}).encode()
-            for n in ("xgb", "lgb"):
-                targets[f"fastapi {n}"] = (f"http://127.0.0.1:{port}/{n}", body)
-        if not args.no_peers and MLSERVER.exists():
+        (WORK / "naive_fastapi_tabular.py").write_text(FASTAPI_APP.format(models=models))
+        port = procs.free_port()
+        argv = [sys.executable, "-m", "uvicorn", "naive_fastapi_tabular:app", "--port",
+                str(port), "--log-level", "warning", "--app-dir", str(WORK)]  # fmt: skip
+        servers.append(procs.Server("fastapi", argv, os.environ, WORK / "fastapi.log", ROOT))
+        servers[-1].wait_ready(f"http://127.0.0.1:{port}/docs", 900)
+        body = json.dumps({"rows": [row.tolist()]}).encode()
+        for n in ("xgb", "lgb"):
+            targets[f"fastapi {n}"] = (f"http://127.0.0.1:{port}/{n}", body)
+        if MLSERVER.exists():
             port, mrepo = procs.free_port(), WORK / "mlserver-repo"
             mlserver_repo(mrepo, models, port)
             argv = [str(MLSERVER), "start", str(mrepo)]

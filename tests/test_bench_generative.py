@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from bench import generative
-from bench.clients.sse import chat_body, closed_loop, poisson
+from bench.clients.sse import chat_body, closed_loop
 from bench.generative_report import render
 from tests.conftest import RunningServer, start_server
 from tests.llm_models import build_llm
@@ -42,10 +42,10 @@ def test_each_streamed_token_is_stamped_in_order(server: RunningServer) -> None:
         assert s.ttft is not None and s.ttft > 0 and len(s.itls) == len(s.chunks) - 1
 
 
-def test_poisson_sends_every_request_and_reports_errors(server: RunningServer) -> None:
+def test_every_request_is_sent_and_errors_are_reported(server: RunningServer) -> None:
     bodies = [chat_body(generative.MODEL, generative.story(i), 4) for i in range(5)]
     bodies.append(chat_body("no-such-model", generative.story(0), 4))
-    streams, wall = asyncio.run(poisson(_url(server), bodies, rate=50.0))
+    streams, wall = asyncio.run(closed_loop(_url(server), bodies, 2))
     row = generative.summarize(streams, wall)
     assert row["requests"] == 6 and row["errors"] == 1 and row["tokens"] == 20
     assert "HTTP 404" in row["first_error"]

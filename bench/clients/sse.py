@@ -1,14 +1,12 @@
 """OpenAI chat completions over server-sent events, each token chunk timestamped (aiohttp).
 
 Drives any OpenAI-compatible server (rtserve's ``backend: llm``, vLLM): closed-loop streams at
-a fixed concurrency for tokens/s, Poisson arrivals for time to first token (TTFT) and
-inter-token latency (ITL).
+a fixed concurrency for tokens/s, time to first token (TTFT) and inter-token latency (ITL).
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,10 +40,6 @@ class Stream:
     @property
     def itls(self) -> list[float]:
         return [b - a for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
-
-    @property
-    def done(self) -> float:
-        return self.chunks[-1] if self.chunks else self.sent
 
 
 def chat_body(
@@ -123,23 +117,4 @@ async def closed_loop(
                 streams.append(await stream_chat(session, url, queue.pop()))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return streams, time.perf_counter() - start
-
-
-async def poisson(
-    url: str, bodies: Sequence[dict[str, Any]], rate: float, seed: int = 0
-) -> tuple[list[Stream], float]:
-    """Send ``bodies`` at exponential gaps of mean 1/rate (open loop); (streams, wall s)."""
-    rng = random.Random(seed)
-    async with _session(len(bodies)) as session:
-        start = time.perf_counter()
-        at = start
-        tasks = []
-        for body in bodies:
-            at += rng.expovariate(rate)
-            delay = at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(stream_chat(session, url, body)))
-        streams = list(await asyncio.gather(*tasks))
         return streams, time.perf_counter() - start
