@@ -42,16 +42,14 @@ ONE_OFFS_PER_RUN = 200_000
 
 # args: host:port, hot bodies (one a line), the stream (one int a line: 0 = a one-off input,
 # k = hot input k), the one-off body's prefix and suffix files, the first one-off number.
-_LUA = r"""
+_LUA = (
+    r"""
 local reqs, stream, pos, fresh, headers, prefix, suffix = {}, {}, 0, 0, {}
-local counts = {memory = 0, redis = 0, miss = 0, bypass = 0, none = 0}
-local threads = {}
+counts = {memory = 0, redis = 0, miss = 0, bypass = 0, none = 0}
 
 local function slurp(path)
   local f = assert(io.open(path, "rb")); local s = f:read("*a"); f:close(); return s
 end
-
-function setup(thread) table.insert(threads, thread) end
 
 function init(args)
   headers = {["Host"] = args[1], ["Content-Type"] = "application/json"}
@@ -76,24 +74,10 @@ function response(status, hdrs, body)
   if c == nil then c = "none" else c = c:gsub("^hit%-", "") end
   if counts[c] == nil then c = "none" end
   counts[c] = counts[c] + 1
-  memory, redis_, miss, bypass, none =
-    counts.memory, counts.redis, counts.miss, counts.bypass, counts.none
-end
-
-done = function(summary, latency, requests)
-  local sum = {memory = 0, redis_ = 0, miss = 0, bypass = 0, none = 0}
-  for _, t in ipairs(threads) do
-    for k, _ in pairs(sum) do sum[k] = sum[k] + (t:get(k) or 0) end
-  end
-  local e = summary.errors
-  io.write(string.format('BENCH_JSON {"requests":%d,"duration_us":%d,"connect":%d,"read":%d,'
-    .. '"write":%d,"status":%d,"timeout":%d,"p50_us":%d,"p90_us":%d,"p99_us":%d,'
-    .. '"memory":%d,"redis":%d,"miss":%d,"bypass":%d,"none":%d}\n',
-    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
-    latency:percentile(50), latency:percentile(90), latency:percentile(99),
-    sum.memory, sum.redis_, sum.miss, sum.bypass, sum.none))
 end
 """
+    + wrk.DONE_HOOK
+)
 
 
 # ----------------------------------------------------------------------------- the inputs

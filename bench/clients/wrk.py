@@ -11,13 +11,22 @@ from bench.results import Measurement
 
 _MARKER = "BENCH_JSON "
 
-_DONE_HOOK = """
+# Prints the run's figures as one JSON line, with the per-thread values of a script's global
+# ``counts`` table (if any) summed over the threads.
+DONE_HOOK = """
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+
 done = function(summary, latency, requests)
-  local e = summary.errors
+  local e, sum, extra = summary.errors, {}, ""
+  for _, t in ipairs(threads) do
+    for k, v in pairs(t:get("counts") or {}) do sum[k] = (sum[k] or 0) + v end
+  end
+  for k, v in pairs(sum) do extra = extra .. string.format(',"%s":%d', k, v) end
   io.write(string.format('BENCH_JSON {"requests":%d,"duration_us":%d,"connect":%d,"read":%d,'
-    .. '"write":%d,"status":%d,"timeout":%d,"p50_us":%d,"p90_us":%d,"p99_us":%d}\\n',
+    .. '"write":%d,"status":%d,"timeout":%d,"p50_us":%d,"p90_us":%d,"p99_us":%d%s}\\n',
     summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
-    latency:percentile(50), latency:percentile(90), latency:percentile(99)))
+    latency:percentile(50), latency:percentile(90), latency:percentile(99), extra))
 end
 """
 
@@ -37,7 +46,7 @@ def lua_script(
     and prints exact percentiles as one JSON line."""
     script = (
         f'wrk.method = "POST"\nwrk.body = {_long_string(body.decode())}\n'
-        f'wrk.headers["Content-Type"] = "{content_type}"\n' + _DONE_HOOK
+        f'wrk.headers["Content-Type"] = "{content_type}"\n' + DONE_HOOK
     )
     if rotate:
         items = ",\n".join(_long_string(b.decode()) for b in rotate)
@@ -71,7 +80,7 @@ def parse(output: str) -> dict[str, float]:
 
 
 def done_counts(output: str) -> dict[str, int]:
-    """Counters a script's ``done`` hook added to the JSON line beyond the standard ones."""
+    """The script's ``counts`` as the ``done`` hook summed them (beyond the standard fields)."""
     try:
         data = _done_line(output)
     except ValueError:
