@@ -94,9 +94,8 @@ def mlserver_repo(out: Path, models: Path, port: int) -> None:
         (out / name).mkdir(parents=True, exist_ok=True)
         settings = {"name": name, "implementation": impl, "parameters": {"uri": str(models / file)}}
         (out / name / "model-settings.json").write_text(json.dumps(settings))
-    settings = {"http_port": port, "grpc_port": procs.free_port(),
-                "metrics_port": procs.free_port(), "parallel_workers": 0}  # fmt: skip
-    (out / "settings.json").write_text(json.dumps(settings))
+    ports = {"http_port": port, "grpc_port": procs.free_port(), "metrics_port": procs.free_port()}
+    (out / "settings.json").write_text(json.dumps({**ports, "parallel_workers": 0}))
 
 
 FASTAPI_APP = """
