@@ -140,3 +140,71 @@ def test_bad_arguments_are_refused_naming_them(tmp_path: Path) -> None:
     ):
         with pytest.raises(RuntimeError, match=field):
             call(**change)
+
+
+def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(tmp_path: Path) -> None:
+    """Batch invariance: one sequence decoded alone and beside two others, the same bits
+    (what makes verified drafts equal plain decoding)."""
+    runner = _runner(build_llm(tmp_path, hidden=128), "int8", threads=2)
+    stack = runner.stack
+    alone, crowd = _sequences(runner, 0)[:1], _sequences(runner, 48)
+    for group in (alone, crowd):
+        for s in group:
+            s.tokens.append(int(_run(runner, [s], len(s.tokens), False, stack)[0].argmax()))
+    for _ in range(6):
+        a = _run(runner, alone, 1, True, stack)
+        b = _run(runner, crowd, 1, True, stack)
+        assert torch.equal(a[0], b[0])
+        for s, token in zip(crowd, b.argmax(dim=1).tolist(), strict=True):
+            s.tokens.append(token)
+        alone[0].tokens.append(crowd[0].tokens[-1])
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_prompt_lookup_verifies_drafts_in_the_stack_and_equals_plain_greedy(
+    tmp_path: Path, weights: str
+) -> None:
+    import asyncio
+
+    from rtserve.runtime.llm.engine import LlmEngine
+    from rtserve.runtime.llm.params import SamplingParams
+
+    version = build_llm(tmp_path, hidden=128)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def generate(spec: dict | None) -> tuple[list[list[int]], LlmEngine, int]:
+        opts: dict = {"device": "cpu", "kv_cache_bytes": 4 << 20, "threads": 2}
+        opts.update({"weights": weights, "block_size": 4})
+        if spec:
+            opts["speculative"] = spec
+        e = LlmEngine("tiny", "1", version, LlmOptions.parse(opts, "test"))
+        e.start()
+        calls = {"drafted": 0}
+        plain = e.runner._run_stack
+
+        def counted(step, rows, extra):  # type: ignore[no-untyped-def]
+            calls["drafted"] += sum(1 for _, n in step.items if n > 1)
+            return plain(step, rows, extra)
+
+        e.runner._run_stack = counted  # type: ignore[method-assign]
+        prompts = [e.encode_text("the cat sat on the mat " * (2 + i)) for i in range(2)]
+
+        async def one(ids: list[int]) -> list[int]:
+            out: list[int] = []
+            async for event in e.generate(ids, params):
+                out += event.token_ids
+            return out
+
+        async def both() -> list[list[int]]:
+            try:
+                return list(await asyncio.gather(*(one(p) for p in prompts)))
+            finally:
+                await e.stop()
+
+        return asyncio.run(both()), e, calls["drafted"]
+
+    want, _, _ = generate(None)
+    got, spec, drafted_in_stack = generate({"method": "prompt_lookup", "num_tokens": 4})
+    assert got == want
+    assert spec.metrics.accepted > 0 and drafted_in_stack > 0
+    assert spec.pool.num_used == 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -62,14 +63,28 @@ def quant_ops() -> Any | None:
         return _built["quant"]
 
 
+def _headers(source: Path) -> list[Path]:
+    """The local headers ``source`` includes (``#include "x.h"``), and theirs."""
+    found: list[Path] = []
+    todo = [source]
+    while todo:
+        text = todo.pop().read_text()
+        for name in re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE):
+            path = source.parent / name
+            if path not in found and path.is_file():
+                found.append(path)
+                todo.append(path)
+    return sorted(found)
+
+
 def _build(name: str = "rtserve_paged_attention", source: Path = SOURCE) -> Any:
     try:
         from torch.utils import cpp_extension
 
-        # torch's builder hashes the listed sources only: the name carries the headers' too
-        # (a changed header is a new build, not a stale cached one)
+        # torch's builder hashes the listed sources only: the name carries their headers'
+        # too (a changed header is a new build, not a stale cached one)
         digest = hashlib.sha256()
-        for header in sorted(source.parent.glob("*.h")):
+        for header in _headers(source):
             digest.update(header.read_bytes())
         return cpp_extension.load(
             f"{name}_{digest.hexdigest()[:10]}",

@@ -148,10 +148,12 @@ class ModelRunner:
         # A decode step of a few rows in one call (int8 / int4 weights, fused layers)
         self.stack: Any = None
         self.stack_rows = 0
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         if make is not None and self.fused and self.decode_kernel is not None:
             self.stack = decode_stack(self.model, kernels.quant_ops())
             if self.stack is not None:
                 self.stack_rows = int(self.stack.max_rows())
+                self.rope_table = rope_table(self.model, self.max_model_len)
                 log.info(
                     "llm %s: decode steps of up to %d rows in one call (decode stack)",
                     version_dir, self.stack_rows,
@@ -237,12 +239,10 @@ class ModelRunner:
         logprobs)."""
         if (
             self.stack is not None
-            and not extra
-            and not step.prefill_tokens
-            and len(step.items) <= self.stack_rows
-            and all(n == 1 for _, n in step.items)
-        ):
-            return self._stacked(step, rows)
+            and step.tokens <= self.stack_rows
+            and all(n == 1 or n == len(seq.draft) + 1 for seq, n in step.items)
+        ):  # decodes, and drafts verified: a few rows in one call
+            return self._run_stack(step, rows, extra)
         ctx, ids, positions, last = self._context(step)
         kept = [last[r] for r in rows]
         if extra:
@@ -273,39 +273,76 @@ class ModelRunner:
             attention.set_step(None)
         return out.logits[0]
 
-    def _stacked(self, step: Step, rows: list[int]) -> torch.Tensor:
-        """``forward`` for a step of single-token items only, its decoder layers in one
-        ``DecodeStack`` call: the embeddings and rotary positions here, then the final norm
-        and the head on the rows that sample."""
+    def _run_stack(
+        self, step: Step, rows: list[int], extra: list[tuple[int, int, int]] | None
+    ) -> torch.Tensor:
+        """``forward`` for a step of decodes and verified drafts (each token a row), its
+        decoder layers in one ``DecodeStack`` call: the embeddings and rotary positions
+        here, then the final norm and the head on the rows whose logits are asked for."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         tables: list[list[int]] = []
-        for seq, _ in step.items:
-            p = seq.computed
+        last: list[int] = []
+        for seq, n in step.items:
+            first = seq.computed
             blocks = seq.blocks
-            ids.append(seq.tokens[p])
-            positions.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
-            tables.append(blocks[: p // bs + 1])
+            ids.extend(seq.tokens[first : first + n])
+            for p in range(first, first + n):
+                positions.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+                tables.append(blocks[: p // bs + 1])
+            last.append(len(ids) - 1)
+        kept = [last[r] for r in rows]
+        for item, start, count in extra or ():
+            at = last[item] - step.items[item][1] + 1 + start
+            kept.extend(range(at, at + count))
         widest = max(len(t) for t in tables)
         inner = self.model.model
         x = inner.embed_tokens(torch.tensor(ids)).contiguous()
-        cos, sin = inner.rotary_emb(x[None], torch.tensor([positions]))
+        if self.rope_table is not None:
+            where = torch.tensor(positions)
+            cos, sin = (t.index_select(0, where) for t in self.rope_table)
+        else:
+            cos, sin = (
+                t[0].contiguous() for t in inner.rotary_emb(x[None], torch.tensor([positions]))
+            )
         self.stack.run(
             x,
-            cos[0].contiguous(),
-            sin[0].contiguous(),
+            cos,
+            sin,
             self.k_cache,
             self.v_cache,
             torch.tensor(slots),
             torch.tensor([t + [t[0]] * (widest - len(t)) for t in tables]),
             torch.tensor([p + 1 for p in positions]),
         )
-        if len(rows) != len(ids):
-            x = x[rows]
+        if kept != list(range(len(ids))):
+            x = x[kept]
         return self.model.lm_head(inner.norm(x))  # type: ignore[no-any-return]
+
+
+STATIC_ROPE = ("default", "linear", "llama3")  # rotary types whose angles depend on position only
+
+
+@torch.inference_mode()
+def rope_table(model: torch.nn.Module, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The model's rotary cos and sin at positions 0..length-1 ([length, head_dim] each,
+    the values its rotary module gives one position at a time), or None where they depend
+    on more than the position (dynamic scaling) or would take over 32 MB."""
+    inner: Any = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    config: Any = getattr(model, "config", None)
+    if rotary is None or getattr(rotary, "rope_type", "default") not in STATIC_ROPE:
+        return None
+    hidden = int(config.hidden_size)
+    dim = int(getattr(config, "head_dim", None) or hidden // config.num_attention_heads)
+    if 2 * length * dim * 4 > 32 << 20:
+        return None
+    x = torch.zeros(1, 1, hidden)
+    cos, sin = rotary(x, torch.arange(length)[None])
+    return cos[0].contiguous(), sin[0].contiguous()
 
 
 def decode_stack(model: torch.nn.Module, ops: Any) -> Any | None:

@@ -1,5 +1,6 @@
 // A whole decode step of a Llama / Qwen2 decoder stack in one call (included by
-// quant_linear.cpp, whose weight-only kernels it runs): for a few single-token rows, every
+// quant_linear.cpp, whose weight-only kernels it runs): for a few token rows (decodes, and
+// a sequence's last token with its drafts when speculation verifies them), every
 // layer's RMSNorm, fused q/k/v projection, RoPE and key/value store, paged attention, output
 // projection, SiLU-gated MLP and residual sums, on int8 / int4 weights.
 //
@@ -192,9 +193,9 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // The most rows a step may have: the weight formats' few-row (integer) paths.
+  // The most rows a step may have: the weight formats' few-row (integer) paths, at most 16.
   int64_t max_rows() const {
-    int64_t most = 8;
+    int64_t most = 16;
     for (const auto& l : layers_)
       for (const QLin* lin : {&l.qkv, &l.o, &l.gate_up, &l.down})
         most = std::min<int64_t>(most, float_rows(lin->fmt) - 1);
@@ -204,8 +205,10 @@ class DecodeStack {
   // x [m, hidden]: the step's rows after the embedding, replaced in place by the last
   // layer's output (before the final norm). cos, sin [m, head_dim]; k_caches, v_caches: per
   // layer [blocks, block_size, kv_heads, head_dim]; slots [m]: where each row's key and value
-  // go; tables [m, width], lengths [m]: each row's block table and context length (the new
-  // token included).
+  // go; tables [m, width], lengths [m]: each row's block table and context length (its own
+  // token included: a row attends to every slot of its table before that length, which
+  // holds the rows before it of one sequence, stored in this step). Each row's result is
+  // the same, bit for bit, whatever rows share its step.
   void run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
            std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
            torch::Tensor slots, torch::Tensor tables, torch::Tensor lengths) {
@@ -308,19 +311,24 @@ class DecodeStack {
       barrier.wait();
       float* kc = k_caches[l].data_ptr<float>();
       float* vc = v_caches[l].data_ptr<float>();
+      // Rows are tokens: a verified draft's rows attend to the keys and values of the rows
+      // before them, so every row's are stored before any row attends.
       for (int64_t item = tid; item < m * kv_heads_; item += team) {
         const int64_t r = item / kv_heads_, kh = item % kv_heads_;
         float* row = qkv + r * qkv_width;
-        float* q = row + kh * groups * dim_;
         float* k = row + q_width + kh * dim_;
         const float* v = row + q_width + kv_width + kh * dim_;
-        rt_attn::rope_heads(q, cs + r * dim_, sn + r * dim_, groups, dim_);
+        rt_attn::rope_heads(row + kh * groups * dim_, cs + r * dim_, sn + r * dim_, groups, dim_);
         rt_attn::rope_heads(k, cs + r * dim_, sn + r * dim_, 1, dim_);
         std::memcpy(kc + slot[r] * kv_width + kh * dim_, k, dim_ * sizeof(float));
         std::memcpy(vc + slot[r] * kv_width + kh * dim_, v, dim_ * sizeof(float));
-        attend_one(q, attn + r * q_width + kh * groups * dim_, kc + kh * dim_, vc + kh * dim_,
-                   table + r * width, length[r], groups, groups, dim_, block_size, kv_width,
-                   scale_, scores);
+      }
+      barrier.wait();
+      for (int64_t item = tid; item < m * kv_heads_; item += team) {
+        const int64_t r = item / kv_heads_, kh = item % kv_heads_;
+        attend_one(qkv + r * qkv_width + kh * groups * dim_, attn + r * q_width + kh * groups * dim_,
+                   kc + kh * dim_, vc + kh * dim_, table + r * width, length[r], groups, groups,
+                   dim_, block_size, kv_width, scale_, scores);
       }
       barrier.wait();
       quant.prepare(attn, m, q_width, layer.o);
