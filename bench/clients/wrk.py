@@ -39,14 +39,12 @@ def _long_string(text: str) -> str:
     return f"[{eq}[{text}]{eq}]"
 
 
-def lua_script(
-    body: bytes, content_type: str = "application/json", rotate: Sequence[bytes] = ()
-) -> str:
+def lua_script(body: bytes, rotate: Sequence[bytes] = ()) -> str:
     """A wrk script that POSTs ``body`` (or each of ``rotate`` in turn, for one wrk thread)
     and prints exact percentiles as one JSON line."""
     script = (
         f'wrk.method = "POST"\nwrk.body = {_long_string(body.decode())}\n'
-        f'wrk.headers["Content-Type"] = "{content_type}"\n' + DONE_HOOK
+        'wrk.headers["Content-Type"] = "application/json"\n' + DONE_HOOK
     )
     if rotate:
         items = ",\n".join(_long_string(b.decode()) for b in rotate)
@@ -98,28 +96,15 @@ def measure(
     connections: int,
     duration_s: float,
     base: Measurement,
-    threads: int = 1,
     script_args: Sequence[str] = (),
-    prefix: Sequence[str] = (),
 ) -> Measurement:
-    """Run wrk once; a failure becomes a Measurement with ``error`` set.
+    """Run wrk once (one thread); a failure becomes a Measurement with ``error`` set.
 
-    ``script_args`` go to the Lua script's ``init``; extra counters its ``done`` hook
-    prints land in ``base.extra["counts"]``; ``prefix`` goes before wrk (taskset).
+    ``script_args`` go to the Lua script's ``init``; the ``counts`` its ``done`` hook
+    prints land in ``base.extra["counts"]``.
     """
-    cmd = [
-        *prefix,
-        "wrk",
-        f"-t{min(threads, connections)}",
-        f"-c{connections}",
-        f"-d{max(1, round(duration_s))}s",
-        "--timeout",
-        "10s",
-        "--latency",
-        "-s",
-        str(script),
-        url,
-    ]
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration_s))}s", "--timeout",
+           "10s", "--latency", "-s", str(script), url]  # fmt: skip
     if script_args:
         cmd += ["--", *script_args]
     base.extra["command"] = " ".join(cmd)
