@@ -145,25 +145,28 @@ class ModelRunner:
         ):
             self.decode_kernel = kernels.paged_decode()
         self.bytes_per_token = per_token
-        # A decode step of a few rows in one call (int8 / int4 weights, fused layers)
-        self.stack: Any = None
-        self.stack_rows = 0
-        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        if make is not None and self.fused and self.decode_kernel is not None:
-            self.stack = decode_stack(self.model, kernels.quant_ops())
-            if self.stack is not None:
-                self.stack_rows = int(self.stack.max_rows())
-                self.rope_table = rope_table(self.model, self.max_model_len)
-                log.info(
-                    "llm %s: decode steps of up to %d rows in one call (decode stack)",
-                    version_dir, self.stack_rows,
-                )  # fmt: skip
+        self._build_stack(version_dir, make is not None)
         log.info(
             "llm %s: %d layers, %d KV blocks of %d tokens (%d MiB) on %s, %s",
             version_dir, layers, self.num_blocks, self.block_size,
             per_token * slots >> 20, self.device, options.dtype,
         )  # fmt: skip
         release_openmp()
+
+    def _build_stack(self, version_dir: Path, quantized: bool) -> None:
+        """A decode step of a few rows in one call (int8 / int4 weights, fused layers)."""
+        self.stack: Any = None
+        self.stack_rows = 0
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        if quantized and self.fused and self.decode_kernel is not None:
+            self.stack = decode_stack(self.model, kernels.quant_ops())
+        if self.stack is not None:
+            self.stack_rows = int(self.stack.max_rows())
+            self.rope_table = rope_table(self.model, self.max_model_len)
+            log.info(
+                "llm %s: decode steps of up to %d rows in one call (decode stack)",
+                version_dir, self.stack_rows,
+            )  # fmt: skip
 
     def _context(self, step: Step) -> tuple[StepContext, list[int], list[int], list[int]]:
         """The attention context, the packed token ids and positions, and the packed
