@@ -17,7 +17,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -298,6 +298,143 @@ void attend_simd(const float* qn, float* on, const float* kc, const float* vc,
 }
 #endif  // __AVX512F__
 
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// fast_exp on 8 lanes (the same steps).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y =
+      _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+// In place over s[0 .. len): the softmax (exp8 of each minus the largest, over their sum).
+inline void softmax8(float* s, int64_t len) {
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float m = *std::max_element(lanes, lanes + 8);
+  for (int64_t i = t; i < len; ++i) m = std::max(m, s[i]);
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= len; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+    _mm256_storeu_ps(s + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  _mm256_store_ps(lanes, total);
+  float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  for (; t < len; ++t) {
+    s[t] = fast_exp(s[t] - m);
+    sum += s[t];
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / sum);
+  for (t = 0; t + 8 <= len; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
+  for (; t < len; ++t) s[t] *= 1.f / sum;
+}
+
+// o[0 .. 8W) = sum_t p[t] * (the row at pool + at[t]); W <= 8 vectors in registers.
+template <int W>
+inline void values_avx2(const float* p, const float* pool, const int64_t* at, int64_t len,
+                        float* o) {
+  static_assert(W >= 1 && W <= 8, "one to eight vectors");
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t t = 0; t < len; ++t) {
+    const __m256 w = _mm256_set1_ps(p[t]);
+    const float* r = pool + at[t];
+    a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r), a0);
+    if constexpr (W > 1) a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8), a1);
+    if constexpr (W > 2) a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 16), a2);
+    if constexpr (W > 3) a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 24), a3);
+    if constexpr (W > 4) a4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 32), a4);
+    if constexpr (W > 5) a5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 40), a5);
+    if constexpr (W > 6) a6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 48), a6);
+    if constexpr (W > 7) a7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 56), a7);
+  }
+  _mm256_storeu_ps(o, a0);
+  if constexpr (W > 1) _mm256_storeu_ps(o + 8, a1);
+  if constexpr (W > 2) _mm256_storeu_ps(o + 16, a2);
+  if constexpr (W > 3) _mm256_storeu_ps(o + 24, a3);
+  if constexpr (W > 4) _mm256_storeu_ps(o + 32, a4);
+  if constexpr (W > 5) _mm256_storeu_ps(o + 40, a5);
+  if constexpr (W > 6) _mm256_storeu_ps(o + 48, a6);
+  if constexpr (W > 7) _mm256_storeu_ps(o + 56, a7);
+}
+
+// One sequence's decode attention with AVX2 + FMA, DIM a multiple of 8 (32, 64, 128), head
+// by head. Scores: eight cached tokens at a time, eight independent FMA chains (one per
+// token) then one transposing sum, instead of a dependent chain and a horizontal sum per
+// token. Values: the head's weighted sum stays in registers (up to 64 floats a pass) over
+// the whole context. Each token's key and value rows are found once per head (a group's
+// heads re-read them from cache).
+template <int DIM>
+void attend_avx2(const float* qn, float* on, const float* kc, const float* vc,
+                 const int64_t* blocks_of, int64_t len, int64_t heads, int64_t groups,
+                 int64_t /* dim: DIM */, int64_t block_size, int64_t row, float fscale,
+                 std::vector<float>& scores) {
+  constexpr int V = DIM / 8;
+  static_assert(DIM % 8 == 0 && V <= 16, "head sizes 8 to 128");
+  scores.resize(heads * len);
+  float* s = scores.data();
+  thread_local std::vector<int64_t> offsets;  // each token's row in the pool
+  offsets.resize(len);
+  int64_t* at = offsets.data();
+  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b)
+    for (int64_t i = 0, first = blocks_of[b] * block_size * row; i < block_size && t0 + i < len; ++i)
+      at[t0 + i] = first + i * row;
+  auto token = [&](const float* pool, int64_t t) { return pool + at[t]; };
+  for (int64_t hq = 0; hq < heads; ++hq) {
+    const float* q = qn + hq * DIM;
+    const int64_t off = (hq / groups) * DIM;
+    float* sh = s + hq * len;
+    for (int64_t t0 = 0; t0 < len; t0 += 8) {
+      const int n = static_cast<int>(std::min<int64_t>(8, len - t0));
+      const float* k[8];
+      for (int j = 0; j < 8; ++j) k[j] = token(kc, t0 + (j < n ? j : 0)) + off;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+             a7 = a0;
+      for (int v = 0; v < V; ++v) {
+        const __m256 qv = _mm256_loadu_ps(q + 8 * v);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + 8 * v), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + 8 * v), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + 8 * v), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + 8 * v), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + 8 * v), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + 8 * v), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + 8 * v), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + 8 * v), a7);
+      }
+      // lane j of the sum: token j's dot product
+      const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+      const __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                                        _mm256_permute2f128_ps(h0, h1, 0x31));
+      alignas(32) float out[8];
+      _mm256_store_ps(out, _mm256_mul_ps(dots, _mm256_set1_ps(fscale)));
+      for (int j = 0; j < n; ++j) sh[t0 + j] = out[j];
+    }
+    softmax8(sh, len);
+    // up to 64 floats of the output in registers a pass
+    values_avx2<(V < 8 ? V : 8)>(sh, vc + off, at, len, on + hq * DIM);
+    if constexpr (V > 8) values_avx2<V - 8>(sh, vc + off + 64, at, len, on + hq * DIM + 64);
+  }
+}
+#endif
+
 // One sequence's decode attention (the signature of ``attend`` and ``attend_simd``).
 using AttendFn = void (*)(const float*, float*, const float*, const float*, const int64_t*,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
@@ -308,6 +445,8 @@ using AttendFn = void (*)(const float*, float*, const float*, const float*, cons
 inline AttendFn attend_for(int64_t dim) {
 #if defined(__AVX512F__)
 #define RTSERVE_ATTEND(D) attend_simd<D>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RTSERVE_ATTEND(D) attend_avx2<D>
 #else
 #define RTSERVE_ATTEND(D) attend<D>
 #endif

@@ -324,11 +324,13 @@ class DecodeStack {
         std::memcpy(vc + slot[r] * kv_width + kh * dim_, v, dim_ * sizeof(float));
       }
       barrier.wait();
-      for (int64_t item = tid; item < m * kv_heads_; item += team) {
-        const int64_t r = item / kv_heads_, kh = item % kv_heads_;
-        attend_one(qkv + r * qkv_width + kh * groups * dim_, attn + r * q_width + kh * groups * dim_,
-                   kc + kh * dim_, vc + kh * dim_, table + r * width, length[r], groups, groups,
-                   dim_, block_size, kv_width, scale_, scores);
+      // (per query head: nine items for SmolLM2's one row, not three per kv head, so two
+      // threads share them evenly; a head's sums are the same either way)
+      for (int64_t item = tid; item < m * heads_; item += team) {
+        const int64_t r = item / heads_, hq = item % heads_, kh = hq / groups;
+        attend_one(qkv + r * qkv_width + hq * dim_, attn + r * q_width + hq * dim_,
+                   kc + kh * dim_, vc + kh * dim_, table + r * width, length[r], 1, 1, dim_,
+                   block_size, kv_width, scale_, scores);
       }
       barrier.wait();
       quant.prepare(attn, m, q_width, layer.o);
