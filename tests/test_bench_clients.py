@@ -173,3 +173,46 @@ def test_the_c_open_loop_client_sends_poisson_arrivals_and_times_each_answer(
     missing = openloop.post_request("127.0.0.1", server.http_port, "/v2/models/nope/infer", body)
     r = _c_client_run(server, tmp_path, missing, 200.0, 1.0)
     assert r["codes"] == {"404": r["scheduled"]} and r["latency_ms"] == []
+
+
+def test_sse_client_retries_a_pooled_connection_the_server_closed() -> None:
+    """A server that answers one SSE stream per connection and then closes it (as llama.cpp's
+    does): every request of a closed loop is answered, none counted as an error."""
+    import asyncio
+
+    from bench.clients import sse
+
+    answer = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"transfer-encoding: chunked\r\nconnection: keep-alive\r\n\r\n"
+    )
+    event = b'data: {"choices": [{"delta": {"content": "hi"}, "finish_reason": "length"}]}\n\n'
+    for part in (event, b"data: [DONE]\n\n"):
+        answer += f"{len(part):x}\r\n".encode() + part + b"\r\n"
+    answer += b"0\r\n\r\n"
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+        await reader.readexactly(length)
+        writer.write(answer)
+        await writer.drain()
+        writer.close()  # (after one answer, although it said keep-alive)
+
+    async def main() -> tuple[list[sse.Stream], float]:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            body = sse.chat_body("m", [{"role": "user", "content": "x"}], 4)
+            return await sse.closed_loop(
+                f"http://127.0.0.1:{port}/v1/chat/completions", [body] * 6, 2
+            )
+
+    streams, _ = asyncio.run(main())
+    assert len(streams) == 6
+    assert [s.error for s in streams] == [None] * 6
+    assert all(s.text == "hi" and s.finish_reason == "length" for s in streams)

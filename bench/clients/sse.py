@@ -73,7 +73,19 @@ def _apply(event: dict[str, Any], stream: Stream, now: float) -> None:
 
 
 async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Stream:
-    """POST ``body`` and read the SSE answer, stamping each chunk that carries content."""
+    """POST ``body`` and read the SSE answer, stamping each chunk that carries content. A
+    pooled connection the server had closed (the request never reached it) is retried once
+    on a new one: a server that closes after each stream is not charged an error."""
+    stream = await _stream_chat(session, url, body)
+    if stream.error and stream.error.startswith(_STALE) and not stream.chunks:
+        stream = await _stream_chat(session, url, body)
+    return stream
+
+
+_STALE = ("ClientOSError", "ServerDisconnectedError")
+
+
+async def _stream_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Stream:
     stream = Stream(sent=time.perf_counter())
     try:
         async with session.post(url, data=orjson.dumps(body)) as resp:
