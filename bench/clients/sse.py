@@ -108,7 +108,8 @@ async def _stream_chat(session: aiohttp.ClientSession, url: str, body: dict[str,
 
 def _session(limit: int) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=limit + 8),
+        # a new connection per request: servers differ in keeping one after a stream
+        connector=aiohttp.TCPConnector(limit=limit + 8, force_close=True),
         timeout=aiohttp.ClientTimeout(total=600),
         headers={"Content-Type": "application/json"},
     )
