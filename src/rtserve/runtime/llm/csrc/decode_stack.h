@@ -212,6 +212,7 @@ class DecodeStack {
   void run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
            std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
            torch::Tensor slots, torch::Tensor tables, torch::Tensor lengths) {
+    std::lock_guard<std::mutex> one_at_a_time(run_lock_);  // (its barriers are per stack)
     const int64_t layers = num_layers();
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2 &&
                     x.is_contiguous() && x.size(1) == hidden_,
@@ -264,9 +265,16 @@ class DecodeStack {
     const AttendFn attend_one = rt_attn::attend_for(dim_);
 
     // One task per thread of torch's team (its OpenMP pool: no second one); a body given the
-    // whole range (one thread, or a nested call) runs the step alone.
+    // whole range (one thread, or a nested call) runs the step alone. Only OpenMP runs every
+    // task of a parallel_for at once, which the barriers need: other backends (a task pool
+    // that may queue tasks behind each other) run the step on one thread.
     const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+#if AT_PARALLEL_OPENMP
     const int64_t want = at::in_parallel_region() ? 1 : nt;
+#else
+    const int64_t want = 1;
+    (void)nt;
+#endif
     at::parallel_for(0, want, 1, [&](int64_t b0, int64_t b1) {
       // (parallel_for gives thread t the t-th of equal chunks: their size tells the team)
       const int64_t chunk = b0 == 0 ? b1 - b0 : b0 / std::max<int64_t>(1, at::get_thread_num());
@@ -360,6 +368,6 @@ class DecodeStack {
   const float scale_;
   const bool simd_;
   std::vector<StackLayer> layers_;
-  std::mutex barrier_lock_;
+  std::mutex barrier_lock_, run_lock_;
   std::map<int, std::unique_ptr<SpinBarrier>> barriers_;
 };
