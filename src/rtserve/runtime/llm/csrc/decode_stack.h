@@ -69,55 +69,20 @@ struct StackLayer {
   QLin qkv, o, gate_up, down;
 };
 
-// One thread's activation rows, quantized per group of 32 for a product (qlinear's prologue).
-struct Quantized {
-  std::vector<int8_t> q8;
-  std::vector<int16_t> q16;
-  std::vector<float> scale, sumx;
+// A thread's activation rows for lin's product (qlinear's prologue).
+inline void prepare(Activations& rows, const float* x, int64_t m, const QLin& lin) {
+  if (lin.fmt == 1) rows.sums(x, m, lin.kp);
+  rows.quantize(x, m, lin.kp, lin.act);
+}
 
-  void prepare(const float* x, int64_t m, int64_t kp, const QLin& lin) {
-    const int64_t groups = kp / G;
-    scale.resize(m * groups);
-    if (lin.fmt == 1) {
-      sumx.resize(m * groups);
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t g = 0; g < groups; ++g) sumx[r * groups + g] = group_sum(x + r * kp + g * G);
-    }
-    if (lin.act == 1) q8.resize(m * kp);
-    else q16.resize(m * kp);
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t at = r * kp + g * G;
-        scale[r * groups + g] = lin.act == 1 ? quantize_group(x + at, q8.data() + at)
-                                             : quantize_group(x + at, q16.data() + at);
-      }
-  }
-
-  // Output columns n0..n1 of lin over these rows into out [m, lin.n].
-  void product(const QLin& lin, int64_t m, bool simd, float* out, int64_t n0, int64_t n1) const {
-    if (n0 >= n1) return;
-    const uint8_t* w = static_cast<const uint8_t*>(lin.w.data_ptr());
-    const float* s = lin.scales.data_ptr<float>();
-    const float* mins = lin.fmt == 1 ? lin.mins.data_ptr<float>() : nullptr;
-    const float* sx = lin.fmt == 1 ? sumx.data() : nullptr;
-    const float* bias = lin.bias.numel() ? lin.bias.data_ptr<float>() : nullptr;
-    const int f = lin.fmt;
-#ifdef RT_AVX2
-    if (simd) {
-      if (lin.act == 1)
-        rows_int(f, q8.data(), scale.data(), m, lin.kp, w, s, mins, sx, bias, out, lin.n, n0, n1);
-      else
-        rows_int(f, q16.data(), scale.data(), m, lin.kp, w, s, mins, sx, bias, out, lin.n, n0, n1);
-      return;
-    }
-#endif
-    (void)simd;
-    if (lin.act == 1)
-      rows_int_plain(f, q8.data(), scale.data(), m, lin.kp, w, s, mins, sx, bias, out, lin.n, n0, n1);
-    else
-      rows_int_plain(f, q16.data(), scale.data(), m, lin.kp, w, s, mins, sx, bias, out, lin.n, n0, n1);
-  }
-};
+// Output columns n0..n1 of lin over those rows into out [m, lin.n].
+inline void product(const Activations& rows, const QLin& lin, int64_t m, bool simd, float* out,
+                    int64_t n0, int64_t n1) {
+  if (n0 >= n1) return;
+  rows.product(lin.fmt, lin.act, simd, m, lin.kp, static_cast<const uint8_t*>(lin.w.data_ptr()),
+               lin.scales.data_ptr<float>(), lin.fmt == 1 ? lin.mins.data_ptr<float>() : nullptr,
+               lin.bias.numel() ? lin.bias.data_ptr<float>() : nullptr, out, lin.n, n0, n1);
+}
 
 // Thread tid's share of n output columns, in blocks of 16 (qlinear's split).
 inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int team) {
@@ -303,7 +268,7 @@ class DecodeStack {
                    int64_t q_width, int64_t kv_width) {
     SpinBarrier& barrier = barrier_for(team);
     thread_local std::vector<float> xn, act, scores;
-    thread_local Quantized quant;
+    thread_local Activations quant;
     const int64_t h = hidden_;
     xn.resize(m * h);
     act.resize(m * std::max(q_width, inter));
@@ -313,9 +278,9 @@ class DecodeStack {
       // attention: x += o(attend(rope(qkv(norm1(x)))))
       for (int64_t r = 0; r < m; ++r)
         rt_attn::rms_row(x + r * h, layer.norm1.data_ptr<float>(), xn.data() + r * h, h, layer.eps1);
-      quant.prepare(xn.data(), m, h, layer.qkv);
+      prepare(quant, xn.data(), m, layer.qkv);
       const auto [q0, q1] = share(qkv_width, tid, team);
-      quant.product(layer.qkv, m, simd_, qkv, q0, q1);
+      product(quant, layer.qkv, m, simd_, qkv, q0, q1);
       barrier.wait();
       float* kc = k_caches[l].data_ptr<float>();
       float* vc = v_caches[l].data_ptr<float>();
@@ -341,23 +306,23 @@ class DecodeStack {
                    block_size, kv_width, scale_, scores);
       }
       barrier.wait();
-      quant.prepare(attn, m, q_width, layer.o);
-      quant.product(layer.o, m, simd_, part, h0, h1);
+      prepare(quant, attn, m, layer.o);
+      product(quant, layer.o, m, simd_, part, h0, h1);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = h0; j < h1; ++j) x[r * h + j] = x[r * h + j] + part[r * h + j];
       barrier.wait();
       // MLP: x += down(silu(gate) * up) of norm2(x)
       for (int64_t r = 0; r < m; ++r)
         rt_attn::rms_row(x + r * h, layer.norm2.data_ptr<float>(), xn.data() + r * h, h, layer.eps2);
-      quant.prepare(xn.data(), m, h, layer.gate_up);
+      prepare(quant, xn.data(), m, layer.gate_up);
       const auto [g0, g1] = share(2 * inter, tid, team);
-      quant.product(layer.gate_up, m, simd_, gate_up, g0, g1);
+      product(quant, layer.gate_up, m, simd_, gate_up, g0, g1);
       barrier.wait();
       for (int64_t r = 0; r < m; ++r)
         rt_attn::silu_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, act.data() + r * inter,
                  inter);
-      quant.prepare(act.data(), m, inter, layer.down);
-      quant.product(layer.down, m, simd_, part, h0, h1);
+      prepare(quant, act.data(), m, layer.down);
+      product(quant, layer.down, m, simd_, part, h0, h1);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = h0; j < h1; ++j) x[r * h + j] += part[r * h + j];
       barrier.wait();

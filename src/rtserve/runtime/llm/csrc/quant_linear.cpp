@@ -548,6 +548,55 @@ float quantize_group(const float* x, T* q) {
 #endif
 }
 
+// Activation rows as the integer paths read them (qlinear's and the decode stack's): each
+// group's sum of each row (int4's minimum term), and the rows quantized per group of 32 to
+// int8 (act 1) or int16 (act 2) with their scales.
+struct Activations {
+  std::vector<int8_t> q8;
+  std::vector<int16_t> q16;
+  std::vector<float> scale, sumx;
+
+  void sums(const float* x, int64_t m, int64_t kp) {
+    const int64_t groups = kp / G;
+    sumx.resize(m * groups);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t g = 0; g < groups; ++g) sumx[r * groups + g] = group_sum(x + r * kp + g * G);
+  }
+
+  void quantize(const float* x, int64_t m, int64_t kp, int act) {
+    const int64_t groups = kp / G;
+    (act == 1 ? q8.resize(m * kp) : q16.resize(m * kp));
+    scale.resize(m * groups);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = r * kp + g * G;
+        scale[r * groups + g] = act == 1 ? quantize_group(x + at, q8.data() + at)
+                                         : quantize_group(x + at, q16.data() + at);
+      }
+  }
+
+  // Output columns n0..n1 of the quantized rows times weights w (fmt 0 / 1) into out.
+  void product(int fmt, int act, bool simd, int64_t m, int64_t kp, const uint8_t* w,
+               const float* scales, const float* mins, const float* bias, float* out,
+               int64_t n_out, int64_t n0, int64_t n1) const {
+    const float* sx = fmt == 1 ? sumx.data() : nullptr;
+#ifdef RT_AVX2
+    if (simd) {
+      if (act == 1)
+        rows_int(fmt, q8.data(), scale.data(), m, kp, w, scales, mins, sx, bias, out, n_out, n0, n1);
+      else
+        rows_int(fmt, q16.data(), scale.data(), m, kp, w, scales, mins, sx, bias, out, n_out, n0, n1);
+      return;
+    }
+#endif
+    (void)simd;
+    if (act == 1)
+      rows_int_plain(fmt, q8.data(), scale.data(), m, kp, w, scales, mins, sx, bias, out, n_out, n0, n1);
+    else
+      rows_int_plain(fmt, q16.data(), scale.data(), m, kp, w, scales, mins, sx, bias, out, n_out, n0, n1);
+  }
+};
+
 }  // namespace
 
 
@@ -606,29 +655,12 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale
   // Few rows of int8 / int4 weights (act 1, 2): each activation row quantized per group of 32
   // to int8 (1) or int16 (2), integer dot products. From float_rows(fmt) rows, bfloat16 weights,
   // or act 0: weights dequantized to float32 a few rows at a time (exact float32 sums).
-  const bool ints = fmt != 2 && act != 0 && m < float_rows(fmt);
-  const bool q8 = ints && act == 1, q16 = ints && act == 2;
-  std::vector<float> sumx;  // int4: each group's sum of each activation row (the minimum's term)
-  std::vector<int8_t> xq;
-  std::vector<int16_t> xq16;
-  std::vector<float> xscale;
   const bool few = m < float_rows(fmt);
-  if (fmt == 1 && few) {
-    sumx.resize(m * groups);
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t g = 0; g < groups; ++g) sumx[r * groups + g] = group_sum(xs + r * kp + g * G);
-  }
-  if (ints) {
-    (q8 ? xq.resize(m * kp) : xq16.resize(m * kp));
-    xscale.resize(m * groups);
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t at = r * kp + g * G;
-        xscale[r * groups + g] = q8 ? quantize_group(xs + at, xq.data() + at)
-                                    : quantize_group(xs + at, xq16.data() + at);
-      }
-  }
-  const float* sx = fmt == 1 && few ? sumx.data() : nullptr;
+  const bool ints = fmt != 2 && act != 0 && few;
+  Activations rows;
+  if (fmt == 1 && few) rows.sums(xs, m, kp);
+  if (ints) rows.quantize(xs, m, kp, static_cast<int>(act));
+  const float* sx = fmt == 1 && few ? rows.sumx.data() : nullptr;
   // Threads split the output columns in blocks of 16 (64 bytes of each output row: no two
   // threads write one cache line), about 64 KB of weights per task at least.
   const int64_t row_bytes = fmt == 1 ? kp / 2 : fmt == 0 ? kp : 2 * kp;
@@ -637,23 +669,19 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale
   const int f = static_cast<int>(fmt);
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * 16, n1 = std::min(n_out, b1 * 16);
+    if (ints) {
+      rows.product(f, static_cast<int>(act), simd, m, kp, w, sp, mp, bp, os, n_out, n0, n1);
+      return;
+    }
 #ifdef RT_AVX2
     if (simd) {
-      if (q16)
-        rows_int(f, xq16.data(), xscale.data(), m, kp, w, sp, mp, sx, bp, os, n_out, n0, n1);
-      else if (q8)
-        rows_int(f, xq.data(), xscale.data(), m, kp, w, sp, mp, sx, bp, os, n_out, n0, n1);
-      else if (few)
+      if (few)
         rows_avx2(f, xs, m, kp, w, sp, mp, sx, bp, os, n_out, n0, n1);
       else
         rows_tile(f, xs, m, kp, w, sp, mp, bp, os, n_out, n0, n1);
       return;
     }
 #endif
-    if (q16)
-      rows_int_plain(f, xq16.data(), xscale.data(), m, kp, w, sp, mp, sx, bp, os, n_out, n0, n1);
-    else if (q8)
-      rows_int_plain(f, xq.data(), xscale.data(), m, kp, w, sp, mp, sx, bp, os, n_out, n0, n1);
     else
       rows_plain(f, xs, m, kp, w, sp, mp, bp, os, n_out, n0, n1);
   });
