@@ -17,6 +17,7 @@ from rtserve.runtime.llm import attention, kernels, quant
 from rtserve.runtime.llm.attention import Chunk, StepContext
 from rtserve.runtime.llm.defaults import kv_pool_bytes
 from rtserve.runtime.llm.options import LlmOptions
+from rtserve.runtime.llm.quant import linear_children
 from rtserve.runtime.llm.scheduler import Step
 
 log = logging.getLogger(__name__)
@@ -168,27 +169,37 @@ class ModelRunner:
                 version_dir, self.stack_rows,
             )  # fmt: skip
 
-    def _context(self, step: Step) -> tuple[StepContext, list[int], list[int], list[int]]:
-        """The attention context, the packed token ids and positions, and the packed
-        index of each item's last token."""
+    def _packed(self, step: Step) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The step's tokens as one packed row: their ids, positions and KV slots, and the
+        packed index of each item's last token."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         last: list[int] = []
-        chunks: list[Chunk] = []
-        tables: list[list[int]] = []
-        lengths: list[int] = []
-        dev = self.device
         for seq, n in step.items:
-            start = len(ids)
             first = seq.computed
             ids.extend(seq.tokens[first : first + n])
             blocks = seq.blocks
             pos = range(first, first + n)
             positions.extend(pos)
             slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
-            last.append(start + n - 1)
+            last.append(len(ids) - 1)
+        return ids, positions, slots, last
+
+    def _context(self, step: Step) -> tuple[StepContext, list[int], list[int], list[int]]:
+        """The attention context, the packed token ids and positions, and the packed
+        index of each item's last token."""
+        bs = self.block_size
+        ids, positions, slots, last = self._packed(step)
+        chunks: list[Chunk] = []
+        tables: list[list[int]] = []
+        lengths: list[int] = []
+        dev = self.device
+        for (seq, n), end in zip(step.items, last, strict=True):
+            start = end - n + 1
+            first = seq.computed
+            blocks = seq.blocks
             context = first + n
             used = blocks[: -(-context // bs)]
             if n == 1:
@@ -247,20 +258,17 @@ class ModelRunner:
         ):  # decodes, and drafts verified: a few rows in one call
             return self._run_stack(step, rows, extra)
         ctx, ids, positions, last = self._context(step)
-        kept = [last[r] for r in rows]
+        kept = kept_rows(step, last, rows, extra)
         if extra:
             # (``extra_exact``: per extra entry, whether its rows need every logit; a
             # speculative greedy sequence's verified rows need only their argmax)
             flags = extra_exact or [True] * len(extra)
             more: list[int] = []
-            at = len(kept)
+            at = len(rows)
             for (_, _, count), flag in zip(extra, flags, strict=True):
                 more.extend(range(at, at + count) if flag else ())
                 at += count
             exact = None if exact is None else [*exact, *more]
-            for item, start, count in extra:
-                first = last[item] - step.items[item][1] + 1 + start
-                kept.extend(range(first, first + count))
         keep = torch.tensor(kept, dtype=torch.long, device=self.device)
         if self.screened_head is not None:
             self.screened_head.exact_rows = exact
@@ -283,24 +291,13 @@ class ModelRunner:
         decoder layers in one ``DecodeStack`` call: the embeddings and rotary positions
         here, then the final norm and the head on the rows whose logits are asked for."""
         bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        last: list[int] = []
-        for seq, n in step.items:
-            first = seq.computed
-            blocks = seq.blocks
-            ids.extend(seq.tokens[first : first + n])
-            for p in range(first, first + n):
-                positions.append(p)
-                slots.append(blocks[p // bs] * bs + p % bs)
-                tables.append(blocks[: p // bs + 1])
-            last.append(len(ids) - 1)
-        kept = [last[r] for r in rows]
-        for item, start, count in extra or ():
-            at = last[item] - step.items[item][1] + 1 + start
-            kept.extend(range(at, at + count))
+        ids, positions, slots, last = self._packed(step)
+        tables = [  # each row's blocks up to its own token
+            seq.blocks[: p // bs + 1]
+            for seq, n in step.items
+            for p in range(seq.computed, seq.computed + n)
+        ]
+        kept = kept_rows(step, last, rows, extra)
         widest = max(len(t) for t in tables)
         inner = self.model.model
         x = inner.embed_tokens(torch.tensor(ids)).contiguous()
@@ -324,6 +321,18 @@ class ModelRunner:
         if kept != list(range(len(ids))):
             x = x[kept]
         return self.model.lm_head(inner.norm(x))  # type: ignore[no-any-return]
+
+
+def kept_rows(
+    step: Step, last: list[int], rows: list[int], extra: list[tuple[int, int, int]] | None
+) -> list[int]:
+    """The packed indices whose logits ``forward`` returns: the last token of each item in
+    ``rows``, then ``count`` tokens of item ``item`` from its ``start``-th per ``extra``."""
+    kept = [last[r] for r in rows]
+    for item, start, count in extra or ():
+        first = last[item] - step.items[item][1] + 1 + start
+        kept.extend(range(first, first + count))
+    return kept
 
 
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary types whose angles depend on position only
@@ -761,17 +770,6 @@ def pack_linears(model: torch.nn.Module, batch_hint: int, make: Make = None) -> 
     for parent, name, child in swaps:
         setattr(parent, name, make(child) if make is not None else PackedLinear(child, batch_hint))
     return count + len(swaps)
-
-
-def linear_children(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
-    """Every plain ``nn.Linear`` in ``model`` with its parent and attribute name, listed before
-    any is replaced."""
-    return [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is torch.nn.Linear
-    ]
 
 
 def release_openmp() -> bool:
