@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from rtserve.runtime.llm import kernels, quant
-from rtserve.runtime.llm.runner import linear_children
 
 # The checkout's sentences, relative to the directory rtserve runs in (a checkout's root).
 SENTENCES = Path("examples") / "data" / "sentences.txt"
@@ -106,15 +105,9 @@ def quantized(model: torch.nn.Module, weights: str, ops: Any | None = None) -> t
     twin = copy.deepcopy(model)
     if weights == "fp32":
         return twin
-    quant.plan(twin, weights)
-    if weights == "int4":
-        quant.calibrate(twin)  # as the runner does at load
-    make = quant.maker(ops)
-    for parent, name, child in linear_children(twin):
-        new = make(child)
-        if isinstance(new, quant.QuantLinear):
-            new.kernel_rows = 1 << 30
-        setattr(parent, name, new)
+    for layer in quant.quantize_linears(twin, weights, ops):
+        if isinstance(layer, quant.QuantLinear):
+            layer.kernel_rows = 1 << 30
     return twin
 
 

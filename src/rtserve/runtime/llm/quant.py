@@ -231,6 +231,33 @@ def maker(ops: Any | None) -> Any:
     return make
 
 
+def linear_children(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """Every plain ``nn.Linear`` in ``model`` with its parent and attribute name, listed before
+    any is replaced."""
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear
+    ]
+
+
+def quantize_linears(
+    model: torch.nn.Module, weights: str, ops: Any | None
+) -> list[torch.nn.Module]:
+    """Every ``nn.Linear`` of ``model``, in place, in the format ``weights`` plans for it
+    (int4 calibrated first, as the runner does at load); the layers made."""
+    plan(model, weights)
+    if weights == "int4":
+        calibrate(model)
+    make = maker(ops)
+    made = []
+    for parent, name, child in linear_children(model):
+        made.append(make(child))
+        setattr(parent, name, made[-1])
+    return made
+
+
 def quantize_head(model: torch.nn.Module, make: Any) -> bool:
     """The LM head (tied to the input embedding or not) in its planned format; the input
     embedding keeps the checkpoint's weights (a step gathers a few rows of it)."""

@@ -301,14 +301,8 @@ class DraftModel:
         if weights != "fp32":
             from rtserve.runtime.llm import kernels, quant
 
-            quant.plan(self.model, weights)
-            if weights == "int4":
-                quant.calibrate(self.model)
-            make = quant.maker(kernels.quant_ops() if device.type == "cpu" else None)
-            for module in list(self.model.modules()):
-                for name, child in list(module.named_children()):
-                    if type(child) is torch.nn.Linear:
-                        setattr(module, name, make(child))
+            ops = kernels.quant_ops() if device.type == "cpu" else None
+            quant.quantize_linears(self.model, weights, ops)
         self.device = device
         self.states: dict[int, _DraftState] = {}
         params = inspect.signature(self.model.forward).parameters
