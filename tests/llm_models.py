@@ -101,3 +101,38 @@ def build_llm(
         cfg["slo"] = slo
     (root / name / "config.yaml").write_text(yaml.safe_dump(cfg))
     return version_dir
+
+
+def start_engine(version_dir: Path, **options: object):  # type: ignore[no-untyped-def]
+    """A started ``LlmEngine`` on the CPU (small pool, one thread unless ``options`` say)."""
+    from rtserve.runtime.llm.engine import LlmEngine
+    from rtserve.runtime.llm.options import LlmOptions
+
+    opts: dict = {"device": "cpu", "kv_cache_bytes": 8 << 20, "max_model_len": 512, "threads": 1}
+    opts.update(options)
+    e = LlmEngine("tiny", "1", version_dir, LlmOptions.parse(opts, "test"))
+    e.start()
+    return e
+
+
+def generate_greedy(e, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Every prompt's greedy tokens (``ignore_eos``), all at once; then the engine stops."""
+    import asyncio
+
+    from rtserve.runtime.llm.params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def one(ids: list[int]) -> list[int]:
+        out: list[int] = []
+        async for event in e.generate(ids, params):
+            out += event.token_ids
+        return out
+
+    async def all_at_once() -> list[list[int]]:
+        try:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+        finally:
+            await e.stop()
+
+    return asyncio.run(all_at_once())

@@ -6,6 +6,7 @@ arguments are refused naming the argument."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ from rtserve.runtime.llm import kernels  # noqa: E402
 from rtserve.runtime.llm.options import LlmOptions  # noqa: E402
 from rtserve.runtime.llm.runner import ModelRunner  # noqa: E402
 from rtserve.runtime.llm.scheduler import Sequence, Step  # noqa: E402
-from tests.llm_models import build_llm  # noqa: E402
+from tests.llm_models import build_llm, generate_greedy, start_engine  # noqa: E402
 
 PROMPTS = ["the cat sat on a warm mat", "rain fell", "a warm mat by the door of the house"]
 
@@ -164,21 +165,11 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(tmp_path: Path) -> No
 def test_prompt_lookup_verifies_drafts_in_the_stack_and_equals_plain_greedy(
     tmp_path: Path, weights: str
 ) -> None:
-    import asyncio
-
-    from rtserve.runtime.llm.engine import LlmEngine
-    from rtserve.runtime.llm.params import SamplingParams
-
     version = build_llm(tmp_path, hidden=128)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
-    def generate(spec: dict | None) -> tuple[list[list[int]], LlmEngine, int]:
-        opts: dict = {"device": "cpu", "kv_cache_bytes": 4 << 20, "threads": 2}
-        opts.update({"weights": weights, "block_size": 4})
-        if spec:
-            opts["speculative"] = spec
-        e = LlmEngine("tiny", "1", version, LlmOptions.parse(opts, "test"))
-        e.start()
+    def generate(spec: dict | None) -> tuple[list[list[int]], Any, int]:
+        options: dict = {"weights": weights, "block_size": 4, "kv_cache_bytes": 4 << 20}
+        e = start_engine(version, threads=2, speculative=spec, **options)
         calls = {"drafted": 0}
         plain = e.runner._run_stack
 
@@ -186,22 +177,9 @@ def test_prompt_lookup_verifies_drafts_in_the_stack_and_equals_plain_greedy(
             calls["drafted"] += sum(1 for _, n in step.items if n > 1)
             return plain(step, rows, extra)
 
-        e.runner._run_stack = counted  # type: ignore[method-assign]
+        e.runner._run_stack = counted
         prompts = [e.encode_text("the cat sat on the mat " * (2 + i)) for i in range(2)]
-
-        async def one(ids: list[int]) -> list[int]:
-            out: list[int] = []
-            async for event in e.generate(ids, params):
-                out += event.token_ids
-            return out
-
-        async def both() -> list[list[int]]:
-            try:
-                return list(await asyncio.gather(*(one(p) for p in prompts)))
-            finally:
-                await e.stop()
-
-        return asyncio.run(both()), e, calls["drafted"]
+        return generate_greedy(e, prompts, 24), e, calls["drafted"]
 
     want, _, _ = generate(None)
     got, spec, drafted_in_stack = generate({"method": "prompt_lookup", "num_tokens": 4})

@@ -5,7 +5,6 @@ FP32, and a bad value refused with the file and field named."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from pathlib import Path
 
@@ -17,12 +16,14 @@ pytest.importorskip("transformers")
 from rtserve.config import load_yaml, parse_model_config  # noqa: E402
 from rtserve.errors import ConfigError  # noqa: E402
 from rtserve.runtime.llm import kernels, quality, quant  # noqa: E402
-from rtserve.runtime.llm.engine import LlmEngine  # noqa: E402
 from rtserve.runtime.llm.options import LlmOptions  # noqa: E402
-from rtserve.runtime.llm.params import SamplingParams  # noqa: E402
-from rtserve.runtime.llm.quant import QuantLinear, quantize_int4, quantize_int8  # noqa: E402
-from rtserve.runtime.llm.runner import linear_children  # noqa: E402
-from tests.llm_models import build_llm  # noqa: E402
+from rtserve.runtime.llm.quant import (  # noqa: E402
+    QuantLinear,
+    linear_children,
+    quantize_int4,
+    quantize_int8,
+)
+from tests.llm_models import build_llm, generate_greedy, start_engine  # noqa: E402
 
 FORMATS = ["bf16", "int8", "int4"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,32 +163,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {arch: build_llm(root, name=arch, arch=arch, hidden=96) for arch in ("llama", "qwen2")}
 
 
-def _engine(version_dir: Path, **options: object) -> LlmEngine:
-    opts = {"device": "cpu", "kv_cache_bytes": 8 << 20, "max_model_len": 512, "threads": 1}
-    opts.update(options)
-    e = LlmEngine("tiny", "1", version_dir, LlmOptions.parse(opts, "test"))
-    e.start()
-    return e
-
-
-def _generate(e: LlmEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-    async def one(ids: list[int]) -> list[int]:
-        out: list[int] = []
-        async for event in e.generate(ids, params):
-            out += event.token_ids
-        return out
-
-    async def all_at_once() -> list[list[int]]:
-        try:
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
-        finally:
-            await e.stop()
-
-    return asyncio.run(all_at_once())
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_format_loads_and_generates_what_its_model_generates(
@@ -195,12 +170,12 @@ def test_each_format_loads_and_generates_what_its_model_generates(
 ) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    e = _engine(models[arch], weights=fmt, block_size=4)
+    e = start_engine(models[arch], weights=fmt, block_size=4)
     layers = [m for m in e.runner.model.modules() if isinstance(m, QuantLinear)]
     assert layers and {m.fmt for m in layers} >= {"int8" if fmt == "int4" else fmt}
     assert e.runner.model.lm_head.fmt == ("int8" if fmt == "int4" else fmt)
     prompts = [e.encode_text(t) for t in ("the cat", "rain fell", "a warm mat")]
-    got = _generate(e, prompts, 10)
+    got = generate_greedy(e, prompts, 10)
     assert e.pool.num_used == 0
     # the same model quantized the same way, one prompt at a time in transformers' generate
     ref = AutoModelForCausalLM.from_pretrained(models[arch]).eval()
@@ -235,7 +210,7 @@ SMOL_EQUAL = 16
 def test_int8_smollm2_greedy_text_agrees_with_fp32(ops) -> None:  # type: ignore[no-untyped-def]
     runs = {}
     for fmt in ("fp32", "int8"):
-        e = _engine(SMOLLM2, weights=fmt, threads=0, kv_cache_bytes=32 << 20)
+        e = start_engine(SMOLLM2, weights=fmt, threads=0, kv_cache_bytes=32 << 20)
         tok = e.tokenizer
         prompts = [
             e.encode_text(
@@ -245,7 +220,7 @@ def test_int8_smollm2_greedy_text_agrees_with_fp32(ops) -> None:  # type: ignore
             )
             for p in SMOL_PROMPTS
         ]
-        runs[fmt] = _generate(e, prompts, SMOL_EQUAL)
+        runs[fmt] = generate_greedy(e, prompts, SMOL_EQUAL)
     for a, b in zip(runs["fp32"], runs["int8"], strict=True):
         assert a == b
 
@@ -253,12 +228,12 @@ def test_int8_smollm2_greedy_text_agrees_with_fp32(ops) -> None:  # type: ignore
 def test_int8_preemption_and_prefix_cache_give_the_same_tokens(
     models: dict[str, Path], ops
 ) -> None:  # type: ignore[no-untyped-def]
-    roomy = _engine(models["llama"], weights="int8", block_size=4)
+    roomy = start_engine(models["llama"], weights="int8", block_size=4)
     prompts = [roomy.encode_text("the cat sat on a warm mat " * (1 + i % 3)) for i in range(12)]
-    want = _generate(roomy, prompts, 12)
+    want = generate_greedy(roomy, prompts, 12)
     # 160 token slots for 12 sequences of up to ~45 tokens: sequences are preempted
-    tight = _engine(models["llama"], weights="int8", block_size=4, kv_cache_bytes=80 << 10)
-    assert _generate(tight, prompts, 12) == want
+    tight = start_engine(models["llama"], weights="int8", block_size=4, kv_cache_bytes=80 << 10)
+    assert generate_greedy(tight, prompts, 12) == want
     assert tight.scheduler.preemptions > 0
     assert tight.pool.num_used == 0 and tight.pool.hits > 0
 
