@@ -316,7 +316,8 @@ def test_responses_stream_typed_events(client: Any, model: str) -> None:
     kinds = []
     text = []
     with client.responses.stream(
-        model=model, input="Say hello.", instructions="Be brief.", max_output_tokens=8
+        model=model, input="Say hello.", instructions="Be brief.", max_output_tokens=8,
+        temperature=0,
     ) as stream:
         for event in stream:
             kinds.append(event.type)
@@ -329,7 +330,12 @@ def test_responses_stream_typed_events(client: Any, model: str) -> None:
     )
     assert "response.output_text.delta" in kinds and "response.output_item.done" in kinds
     assert final.output_text == "".join(text)
-    assert final.usage.output_tokens == 8 and final.status == "incomplete"
+    # a real model may end its answer (EOS) inside the budget: then it is complete
+    if final.status == "incomplete":
+        assert final.usage.output_tokens == 8
+        assert final.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert final.status == "completed" and 0 < final.usage.output_tokens < 8
 
 
 # ---------------------------------------------------------------------- LangChain, instructor
