@@ -8,7 +8,9 @@ p50/p99 at half of that rate (the C open-loop client: Poisson arrivals, latency 
 scheduled send). Rounds alternate the servers. ``python -m bench.tabular --rounds 3``.
 ``--direct-ab``: a second rtserve with direct runs on (``RTSERVE_DIRECT_MAX_US=200``: an idle
 batcher runs a cheap model's request on arrival, see scheduling/batcher.py), measured in
-the same rounds as "rtserve-direct".
+the same rounds as "rtserve-direct". ``--workers-ab``: also an rtserve with ``--workers 2``
+("rtserve-w2"). ``--pin``: every server on CPU 0 and the load generators on CPU 1 (the load
+then does not take the server's core, as from another machine; with two CPUs).
 """
 
 from __future__ import annotations
@@ -197,8 +199,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=4)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tabular.json")
-    ap.add_argument("--direct-ab", action="store_true",
-                    help="also an rtserve with direct runs on (RTSERVE_DIRECT_MAX_US=200)")  # fmt: skip
+    ap.add_argument(
+        "--direct-ab",
+        action="store_true",
+        help="also an rtserve with direct runs on (RTSERVE_DIRECT_MAX_US=200)",
+    )
+    ap.add_argument(
+        "--workers-ab", action="store_true", help="also an rtserve with --workers 2 (rtserve-w2)"
+    )
+    ap.add_argument("--pin", action="store_true",
+                    help="servers on CPU 0, load generators on CPU 1")  # fmt: skip
     args = ap.parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
     models = WORK / "models"
@@ -217,9 +227,15 @@ def main(argv: list[str] | None = None) -> None:
     servers: list[procs.Server] = []
     bases: dict[str, str] = {}
     try:
-        direct = {"rtserve-direct": {"RTSERVE_DIRECT_MAX_US": "200"}} if args.direct_ab else {}
-        for label, env in {"rtserve": {}, **direct}.items():
-            server, ports = procs.rtserve(WORK / label, "--model-repository", str(repo), env=env)
+        pin = ["taskset", "-c", "0"] if args.pin else []
+        variants: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {"rtserve": ({}, ())}
+        if args.direct_ab:
+            variants["rtserve-direct"] = ({"RTSERVE_DIRECT_MAX_US": "200"}, ())
+        if args.workers_ab:
+            variants["rtserve-w2"] = ({}, ("--workers", "2"))
+        for label, (env, extra) in variants.items():
+            server, ports = procs.rtserve(WORK / label, "--model-repository", str(repo),
+                                          *extra, env=env, cpus="0" if args.pin else "")  # fmt: skip
             servers.append(server)
             bases[label] = f"http://127.0.0.1:{ports['http_port']}"
             server.wait_ready(bases[label] + "/v2/health/ready", 900)
@@ -229,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                 targets[f"{label} {n}"] = (f"{base}/v2/models/{n}/infer", body)
         (WORK / "naive_fastapi_tabular.py").write_text(FASTAPI_APP.format(models=models))
         port = procs.free_port()
-        argv = [sys.executable, "-m", "uvicorn", "naive_fastapi_tabular:app", "--port",
+        argv = [*pin, sys.executable, "-m", "uvicorn", "naive_fastapi_tabular:app", "--port",
                 str(port), "--log-level", "warning", "--app-dir", str(WORK)]  # fmt: skip
         servers.append(procs.Server("fastapi", argv, os.environ, WORK / "fastapi.log", ROOT))
         servers[-1].wait_ready(f"http://127.0.0.1:{port}/docs", 900)
@@ -239,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         if MLSERVER.exists():
             port, mrepo = procs.free_port(), WORK / "mlserver-repo"
             mlserver_repo(mrepo, models, port)
-            argv = [str(MLSERVER), "start", str(mrepo)]
+            argv = [*pin, str(MLSERVER), "start", str(mrepo)]
             servers.append(procs.Server("mlserver", argv, os.environ, WORK / "mlserver.log", ROOT))
             servers[-1].wait_ready(f"http://127.0.0.1:{port}/v2/health/ready", 900)
             for n in ("xgb", "lgb"):
@@ -249,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
                 )
         for name, (url, body) in targets.items():  # each answers before it is measured
             assert procs.http_post(url, body)[0] == 200, name
+        if args.pin:  # (wrk and the open-loop client inherit it)
+            os.sched_setaffinity(0, {1})
         results: dict[str, list[dict[str, float]]] = {k: [] for k in targets}
         for rnd in range(args.rounds):
             order = list(targets) if rnd % 2 == 0 else list(reversed(targets))
@@ -266,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "rounds": args.rounds, "seconds": args.seconds, "in_process_us": floor,
+        "rounds": args.rounds, "seconds": args.seconds, "pinned": args.pin, "in_process_us": floor,
         "servers": results,
     }, indent=2))  # fmt: skip
     print(f"wrote {args.out}")
