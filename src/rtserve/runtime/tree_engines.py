@@ -63,18 +63,20 @@ def file_digest(path: Path) -> str:
 
 def treelite_engine(framework: str, model: Any, path: Path, n_features: int, kind: str) -> Engine:
     """Compile (or reuse the cached) shared library of ``model`` (an ``xgboost.Booster`` or
-    ``lightgbm.Booster``, saved at ``path``)."""
+    ``lightgbm.Booster``, saved at ``path``). An XGBoost booster is compiled as it is in
+    memory (an early-stopped one holds only the file's first rounds: they key the cache)."""
     import tl2cgen
     import treelite
 
     if shutil.which("gcc") is None:
         raise RuntimeError("no gcc on PATH (treelite compiles the trees with it)")
     key = f"{framework}-{file_digest(path)}-tl{treelite.__version__}-tc{tl2cgen.__version__}"
+    if framework == "xgboost":
+        key += f"-r{model.num_boosted_rounds()}"
     lib = path.resolve().parent / CACHE_DIR / f"{key}.so"  # (beside the file a link names)
     if not lib.exists():
         if framework == "xgboost":
-            fmt = "ubjson" if path.suffix == ".ubj" else "json"
-            tmodel = treelite.frontend.load_xgboost_model(str(path), format_choice=fmt)
+            tmodel = treelite.frontend.from_xgboost_json(bytes(model.save_raw("json")))
         else:
             tmodel = treelite.frontend.from_lightgbm(model)
         try:

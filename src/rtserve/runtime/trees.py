@@ -176,6 +176,7 @@ class Adapter:
     proba_fn: Callable[[np.ndarray], np.ndarray] | None = None
     booster: Any = None  # for treelite / onnx conversion
     dtype: Any = np.float32
+    targets: int = 1  # a regressor's outputs per row (XGBoost's multi-target models)
 
 
 def _xgboost(path: Path, obj: Any = None) -> Adapter:
@@ -191,10 +192,12 @@ def _xgboost(path: Path, obj: Any = None) -> Adapter:
             ) from None
     else:
         booster = obj.get_booster() if hasattr(obj, "get_booster") else obj
+    booster = _xgboost_best_iteration(booster, path)
     booster.set_param({"nthread": 1})
     learner = json.loads(booster.save_config())["learner"]
     objective = learner["objective"]["name"]
     n_class = int(learner["learner_model_param"].get("num_class", "0") or 0)
+    targets = int(learner["learner_model_param"].get("num_target", "1") or 1)
     kind = "binary" if objective == "binary:logistic" else "regression"
     if objective.startswith("multi:"):
         kind = "multiclass"
@@ -218,7 +221,27 @@ def _xgboost(path: Path, obj: Any = None) -> Adapter:
 
     classes = tuple(range(max(n_class, 2))) if kind != "regression" else ()
     return Adapter("xgboost", kind, n, _names(booster.feature_names, n), classes, np.float32,
-                   value, margin, contributions, booster=booster, dtype=np.float32)  # fmt: skip
+                   value, margin, contributions, booster=booster, dtype=np.float32,
+                   targets=targets if kind == "regression" else 1)  # fmt: skip
+
+
+def _xgboost_best_iteration(booster: Any, path: Path) -> Any:
+    """The trees up to the early-stopping best iteration the file records, as XGBoost's
+    scikit-learn models predict (``XGBClassifier.predict``): the later rounds sliced off,
+    for every execution (treelite and ONNX convert the sliced booster)."""
+    best = booster.attr("best_iteration")
+    if best is None:
+        return booster
+    try:
+        rounds = int(best) + 1
+        if not 0 < rounds < booster.num_boosted_rounds():
+            return booster
+        sliced = booster[:rounds]
+    except Exception:  # (gblinear: no trees to slice; XGBoost uses all of it)
+        return booster
+    log.info("%s: early-stopped model: its first %d of %d rounds used (best_iteration %s)",
+             path, rounds, booster.num_boosted_rounds(), best)  # fmt: skip
+    return sliced
 
 
 def _first_line(exc: BaseException) -> str:
@@ -237,10 +260,11 @@ def _lightgbm(path: Path, obj: Any = None) -> Adapter:
             raise ConfigError(
                 f"{path}: lightgbm could not load the model: {_first_line(exc)}"
             ) from None
-        header = path.read_text(errors="replace").split("Tree=", 1)[0]
+        text = path.read_text(errors="replace")
     else:
         booster = obj.booster_ if hasattr(obj, "booster_") else obj
-        header = booster.model_to_string(num_iteration=0).split("Tree=", 1)[0]
+        text = booster.model_to_string()
+    header = text.split("Tree=", 1)[0]
     fields = dict(re.findall(r"^(\w+)=(.*)$", header, re.M))
     objective = fields.get("objective", "regression").split()[0]
     n_class = int(fields.get("num_class", "1"))
@@ -266,8 +290,18 @@ def _lightgbm(path: Path, obj: Any = None) -> Adapter:
         return c.reshape(x.shape[0], n_class, n + 1) if kind == "multiclass" else c
 
     classes = tuple(range(max(n_class, 2))) if kind != "regression" else ()
+    labels = getattr(obj, "classes_", None)  # (a pickled LGBMClassifier: its own labels)
+    if kind != "regression" and labels is not None and len(labels) == len(classes):
+        classes = tuple(labels)
     return Adapter("lightgbm", kind, n, _names(booster.feature_name(), n), classes, np.float64,
-                   value, margin, contributions, booster=booster, dtype=np.float64)  # fmt: skip
+                   value, margin, None if _lightgbm_linear(text) else contributions,
+                   booster=booster, dtype=np.float64)  # fmt: skip
+
+
+def _lightgbm_linear(text: str) -> bool:
+    """Whether a LightGBM model has linear trees (``linear_tree``): LightGBM computes no
+    SHAP contributions for them."""
+    return re.search(r"^is_linear=1$", text, re.M) is not None
 
 
 def _lightgbm_one_row(
@@ -365,9 +399,8 @@ def _catboost(path: Path, obj: Any = None) -> Adapter:
     else:
         model = obj
     loss = str(model.get_all_params().get("loss_function", "RMSE")).split(":")[0]
-    kind = {"Logloss": "binary", "CrossEntropy": "binary", "MultiClass": "multiclass"}.get(
-        loss, "regression"
-    )
+    kind = {"Logloss": "binary", "CrossEntropy": "binary", "MultiClass": "multiclass",
+            "MultiClassOneVsAll": "multiclass"}.get(loss, "regression")  # fmt: skip
     cats = list(model.get_cat_feature_indices())
     n = len(model.feature_names_)
 
@@ -474,7 +507,11 @@ def _sklearn(path: Path, options: Options, obj: Any = None) -> Adapter:
     if "n_jobs" in getattr(final, "get_params", dict)():
         final.set_params(n_jobs=1)  # (one request's rows: a thread pool costs more than it saves)
     booster = final.get_booster() if hasattr(final, "get_booster") else None
+    if booster is not None:  # (its predict uses the early-stopping best iteration)
+        booster = _xgboost_best_iteration(booster, path)
     lgbm: Any = getattr(final, "booster_", None) if booster is None else None
+    if lgbm is not None and _lightgbm_linear(lgbm.model_to_string()):
+        lgbm = None  # (no SHAP contributions for linear trees)
     if booster is not None or lgbm is not None:
         before = est[:-1] if steps else None
 
@@ -592,28 +629,34 @@ class TreeModel:
         batched = self.max_batch_size > 0
         rows: tuple[int, ...] = () if batched else (-1,)
 
-        # The predicted class: its index when classes are 0..C-1, else the label.
+        # The predicted class: its index when classes are 0..C-1, else the label (a string
+        # label is BYTES).
         sample = np.zeros((1, a.n_features), self.dtype)
         self.label_type = "INT64"
+        self._indices = classifier and a.classes == tuple(range(len(a.classes)))
         if a.labels_fn is not None:
             self.label_type = _numpy_type(a.labels_fn(sample).dtype)
         elif not classifier:
             self.label_type = _numpy_type(a.out_dtype)
+        elif not self._indices:
+            self.label_type = _numpy_type(np.asarray(a.classes).dtype)
         classes = len(a.classes)
         multi = a.kind == "multiclass"
+        # A multi-target regressor (XGBoost's): [targets] values per row.
+        width: tuple[int, ...] = (classes,) if multi else ()
+        if a.targets > 1:
+            width = (a.targets,)
         specs = {
-            "predict": TensorSpec("predict", self.label_type, rows),
+            "predict": TensorSpec("predict", self.label_type, rows if multi else (*rows, *width)),
             "predict_proba": TensorSpec(
                 "predict_proba", _numpy_type(a.out_dtype), (*rows, classes)
             ),
-            "margin": TensorSpec(
-                "margin", _numpy_type(a.out_dtype), (*rows, classes) if multi else rows
-            ),
+            "margin": TensorSpec("margin", _numpy_type(a.out_dtype), (*rows, *width)),
         }
         outputs = [specs[w] for w in self.wanted]
         self.row_parameters: tuple[RowParameter, ...] = ()
         if self.contributing:
-            shape = (classes, a.n_features + 1) if multi else (a.n_features + 1,)
+            shape = (*width, a.n_features + 1)
             outputs.append(TensorSpec(CONTRIBUTIONS, "FP64", (*rows, *shape)))
             outputs.append(TensorSpec(REASONS, "BYTES", (*rows, self.k)))
             self.row_parameters = (CONTRIBUTIONS_PARAMETER,)
@@ -705,8 +748,12 @@ class TreeModel:
     def run(self, instance: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         x = feeds[INPUT]
         batched = self.max_batch_size > 0
-        if not batched:
-            x = x.reshape(1, -1)
+        if x.ndim != 2 or x.shape[1] != self.adapter.n_features:
+            # (checked here too: XGBoost's contributions corrupt memory on a wider matrix)
+            raise InvalidInput(
+                f"input '{INPUT}': shape {list(x.shape)} does not match the model's "
+                f"[-1, {self.adapter.n_features}]"
+            )
         if x.dtype != self.dtype:
             x = x.astype(self.dtype)
         n = x.shape[0]
@@ -733,11 +780,7 @@ class TreeModel:
                 if "predict" in self.wanted and a.labels_fn is None:
                     idx = (v > 0.5).astype(np.int64) if self._binary else proba.argmax(axis=1)
                     assert self._classes is not None
-                    out["predict"] = (
-                        idx
-                        if self.label_type == "INT64" and a.framework != "catboost"
-                        else self._classes[idx]
-                    )
+                    out["predict"] = idx if self._indices else self._classes[idx]
         if "predict" in self.wanted and a.labels_fn is not None:
             out["predict"] = a.labels_fn(x)
         if "margin" in self.wanted and a.margin is not None:
@@ -749,13 +792,11 @@ class TreeModel:
                 out[CONTRIBUTIONS] = c
                 out[REASONS] = self._reasons(c, out)
             else:
-                shape = (n, *self.outputs[-2].shape[1:]) if batched else self.outputs[-2].shape
-                out[CONTRIBUTIONS] = np.zeros((n, *shape[1:]) if batched else shape)
+                shape = self.outputs[-2].shape[0 if batched else 1 :]  # (without the rows)
+                out[CONTRIBUTIONS] = np.zeros((n, *shape))
                 reasons = np.empty((n, self.k), dtype=object)
                 reasons.fill(b"")
                 out[REASONS] = reasons
-        if not batched:
-            out = {k: v[0] for k, v in out.items()}
         return out
 
     def _reasons(self, c: np.ndarray, out: dict[str, np.ndarray]) -> np.ndarray:
