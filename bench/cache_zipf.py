@@ -11,7 +11,6 @@ short round. Results: docs/benchmarks-cache.md, one section per model (``results
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import sys
@@ -23,11 +22,11 @@ from typing import Any
 import numpy as np
 import orjson
 
-from bench import machine, procs, servers
+from bench import machine, procs, results, servers
 from bench.clients import wrk
 from bench.procs import RedisServer, cpu_seconds
 from bench.report import fmt_ms, fmt_ratio, fmt_rps, markdown_table
-from bench.results import Measurement, write_section
+from bench.results import Measurement
 from bench.workloads import MINILM, MINILM_SEQ_LEN, MLP, ROOT, WORK, Workload
 
 WORKDIR = WORK / "cache"
@@ -375,15 +374,14 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> str:
     finally:
         redis.stop()
     # Per setup the round with the median throughput (its latencies and hits come with it).
-    results = [sorted(rs, key=lambda r: r.rps)[(len(rs) - 1) // 2] for rs in runs.values()]
-    (folder / "results.json").write_text(json.dumps([r.__dict__ for r in results], indent=2))
-    return report(results, args, rate, stream, spec)
+    medians = [sorted(rs, key=lambda r: r.rps)[(len(rs) - 1) // 2] for rs in runs.values()]
+    results.write_json(folder / "results.json", [r.__dict__ for r in medians])
+    return report(medians, args, rate, stream, spec)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m bench.cache_zipf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = results.parser("python -m bench cache", __doc__)
     parser.add_argument(
         "--model", choices=(*MODELS, "all"), default="mlp", help="one, or all in turn"
     )
@@ -401,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                                   exponent=EXPONENT)  # fmt: skip
         text = run_model(spec, plan)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_section(args.out, f"cache_zipf: {model}", text)
+        results.write_section(args.out, f"cache_zipf: {model}", text)
         print(text, flush=True)
     return 0
 

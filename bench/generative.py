@@ -14,7 +14,6 @@ loop at each concurrency; output tok/s, TTFT and ITL p50/p99 from each SSE chunk
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -30,10 +29,9 @@ from typing import Any
 import orjson
 import yaml
 
-from bench import machine, procs
+from bench import machine, procs, results
 from bench.clients.sse import Messages, Stream, chat_body, closed_loop
 from bench.peers import llamacpp, vllm
-from bench.results import write_section
 from bench.stats import percentile, rotated
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -284,42 +282,33 @@ def run(plan: Plan, names: list[str], out: Path, command: str) -> dict[str, Any]
                 entry[name] = measure_hf(work / f"r{r}" / name, plan)
             else:
                 entry[name] = measure_server(name, work / f"r{r}" / name, plan)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
+            results.write_json(out, result)
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench generative",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = results.parser("python -m bench generative", __doc__)
     parser.add_argument("--quick", action="store_true", help="16 tokens, 1 round, 1 and 8 streams")
     parser.add_argument("--servers", default=",".join([*SERVERS, IN_PROCESS]))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int)
     args = parser.parse_args(argv)
     names, workloads = args.servers.split(","), tuple(args.workloads.split(","))
-    unknown = [n for n in names if n not in SERVERS and n != IN_PROCESS]
-    if unknown:
-        parser.error(
-            f"--servers: unknown {', '.join(unknown)}; known: {', '.join(SERVERS)}, {IN_PROCESS}"
-        )
+    if unknown := [n for n in names if n not in SERVERS and n != IN_PROCESS]:
+        known = ", ".join([*SERVERS, IN_PROCESS])
+        parser.error(f"--servers: unknown {', '.join(unknown)}; known: {known}")
     if any(w not in WORKLOADS for w in workloads):
         parser.error(f"--workloads: expected some of {', '.join(WORKLOADS)}")
     plan = replace(QUICK if args.quick else Plan(), workloads=workloads)
-    plan = replace(plan, rounds=args.rounds) if args.rounds else plan
+    plan = replace(plan, rounds=args.rounds or plan.rounds)
     # the committed files come only from full runs; a quick run writes under bench/.work
     quick = ROOT / "bench" / ".work" / "generative"
     out, doc = (quick / "quick.json", quick / "quick.md") if args.quick else (RESULTS, DOC)
-    command = " ".join(
-        ["python -m bench generative", *(argv if argv is not None else sys.argv[1:])]
-    )
+    command = results.command_line("python -m bench generative", argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the server under test stops too
     result = run(plan, names, out, command)
     from bench.generative_report import render
 
     doc.parent.mkdir(parents=True, exist_ok=True)
-    write_section(doc, "generative", render(result))
+    results.write_section(doc, "generative", render(result))
     print(f"wrote {out} and {doc}")

@@ -22,23 +22,22 @@ Results: ``bench/results/openai-<workload>.json`` and a section of
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from bench import generative, machine, procs
+from bench import generative, machine, procs, results
 from bench.clients import wrk
 from bench.clients.sse import Stream, chat_body, closed_loop
 from bench.report import markdown_table
-from bench.results import Measurement, write_section
+from bench.results import Measurement
 from bench.stats import percentile, ratio, rotated
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -419,44 +418,32 @@ WORKLOADS = {"structured": measure_structured, "embeddings": measure_embeddings}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench openai",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = results.parser("python -m bench openai", __doc__)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--quick", action="store_true", help="a short end-to-end check")
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown:
+    if unknown := [n for n in names if n not in WORKLOADS]:
         parser.error(f"--workloads: unknown {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
     plan = QUICK if args.quick else Plan()
-    if args.rounds:
-        plan = Plan(**{**asdict(plan), "rounds": args.rounds})
-    doc = None if args.quick else DOC  # (a quick check leaves the page alone)
-    command = "python -m bench openai " + " ".join(argv if argv is not None else [])
+    plan = replace(plan, rounds=args.rounds or plan.rounds)
+    command = results.command_line("python -m bench openai", argv)
     for name in names:
         out = (WORK if args.quick else RESULTS) / f"openai-{name}.json"
         result: dict[str, Any] = {
-            "suite": "openai",
-            "workload": name,
-            "command": command.strip(),
-            "results": str(out.relative_to(ROOT)),
-            "plan": asdict(plan),
-            "machine": machine.facts(),
-            "source": machine.source_state(),
+            "suite": "openai", "workload": name, "command": command,
+            "results": str(out.relative_to(ROOT)), "plan": asdict(plan),
+            "machine": machine.facts(), "source": machine.source_state(),
             "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        }
+        }  # fmt: skip
         print(f"{name}:", flush=True)
         result["data"] = WORKLOADS[name](plan, WORK / name)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
+        results.write_json(out, result)
         print(f"  -> {out.relative_to(ROOT)}: median ratio {result['data']['median_ratio']}x")
-        if doc is not None:
-            write_section(doc, f"openai: {name}", SECTIONS[name](result))
-            print(f"  -> {doc}", flush=True)
+        if not args.quick:  # (a quick check leaves the page alone)
+            results.write_section(DOC, f"openai: {name}", SECTIONS[name](result))
+            print(f"  -> {DOC}", flush=True)
     return 0
 
 

@@ -1,11 +1,17 @@
-"""One measured point, as every client reports it and every report reads it."""
+"""One measured point, as every client reports it and every report reads it; a suite's
+parser, command line, JSON record and page section."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 
 @dataclass
@@ -84,3 +90,21 @@ def write_section(doc: Path, key: str, text: str) -> None:
     else:
         page = page.rstrip("\n") + f"\n\n{block}\n"
     doc.write_text(page)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """``data`` as JSON indented by two spaces with a final newline; the folder is made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
+
+
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A suite's argument parser: ``doc`` (its module's docstring) as the help text."""
+    return argparse.ArgumentParser(
+        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def command_line(prog: str, argv: Sequence[str] | None) -> str:
+    """The command a report names: ``prog`` and the arguments (sys.argv's when None)."""
+    return " ".join([prog, *(sys.argv[1:] if argv is None else argv)])

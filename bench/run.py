@@ -9,7 +9,6 @@ client, closed and open loop (docs/benchmarks.md and its plots).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -23,7 +22,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import baseline, envs, limits, machine, plots, servers
+from bench import baseline, envs, limits, machine, plots, results, servers
 from bench.clients import perf_analyzer, wrk
 from bench.procs import http_post
 from bench.report import RunRecord, render, render_details
@@ -386,8 +385,7 @@ def _command_line(args: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench serving|quick", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = results.parser("python -m bench serving|quick", __doc__)
     parser.add_argument("--quick", action="store_true", help="the core comparison only (~4 min)")
     parser.add_argument("--rounds", type=int, help="headline rounds (default 5)")
     parser.add_argument("--baseline-ref", metavar="GIT_REF", help="also rtserve as of this commit "

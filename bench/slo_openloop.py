@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from bench import machine, procs, servers
+from bench import machine, procs, results, servers
 from bench.clients import openloop, openloop_c
 from bench.peers.common import TensorSpec
 from bench.plots import plt, save
@@ -282,7 +282,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = results.parser("python -m bench slo", __doc__)
     add = parser.add_argument
     add("--workload", choices=sorted(MODELS), default="mlp")
     add("--seq", type=int, default=32, help="MiniLM tokens per request")

@@ -36,7 +36,7 @@ from typing import Any, cast
 import numpy as np
 import uvloop
 
-from bench import machine, procs
+from bench import machine, procs, results
 from bench.clients import wrk
 from bench.clients.openloop import _Client, _Connection
 from bench.procs import cpu_seconds
@@ -693,7 +693,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = results.parser("python -m bench soak", __doc__)
     add = parser.add_argument
     add("--minutes", type=float, default=30.0)
     add("--capacity-s", type=float, default=15.0, help="closed-loop capacity measurement")
@@ -713,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         uvloop.run(_run_hostile(args.port, args.stop_file, args.slow, args.report))
         return 0
-    args.command_line = "python -m bench.soak " + " ".join(argv or sys.argv[1:])
+    args.command_line = results.command_line("python -m bench.soak", argv)
     s = soak(args)["summary"]
     print(json.dumps({k: s[k] for k in ("passed", "checks", "sent", "answered", "shed", "lost", "unexpected")}))  # fmt: skip
     return 0 if s["passed"] else 1
