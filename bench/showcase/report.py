@@ -6,7 +6,6 @@ teacher/student, every variant, targets as ratios to FP32 ONNX Runtime of the sa
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import math
 import os
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bench import results
 from bench.report import markdown_table as table_lines
 from bench.showcase import zoo
 from bench.showcase.zoo import SENTENCES, Settings, options, version_of
@@ -357,33 +357,19 @@ def _models(settings: Settings, img_dir: pathlib.Path) -> list[Section]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.showcase",
-        description=__doc__.splitlines()[0] if __doc__ else None,
-    )
-    parser.add_argument(
-        "--out", default="docs/optimization.md", type=pathlib.Path,
-        help="report to write (default: %(default)s)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--only",
-        help=f"comma list of sections ({', '.join(SECTIONS)}) to run alone, written to --out",
-    )
-    parser.add_argument("--quick", action="store_true", help="small sets and few iterations")
+    parser = results.parser("python -m bench optimize", __doc__)
+    add = parser.add_argument
+    add("--out", default="docs/optimization.md", type=pathlib.Path,
+        help="report to write (default: %(default)s)")  # fmt: skip
+    add("--only", help=f"comma list of sections ({', '.join(SECTIONS)}) to run alone, written to --out")  # fmt: skip
+    add("--quick", action="store_true", help="small sets and few iterations")
     args = parser.parse_args(argv)
-    quick = args.quick
-    settings = Settings(
-        work=WORK,
-        iterations=20 if quick else 100,
-        max_seconds=1.0 if quick else 3.0,
-        n_eval_images=40 if quick else 300,
-        n_calib_images=24 if quick else 200,
-        n_sentences=60 if quick else 300,
-        progress=sys.stderr.isatty(),
-    )
+    q = args.quick
+    settings = Settings(work=WORK, iterations=20 if q else 100, max_seconds=1.0 if q else 3.0,
+                        n_eval_images=40 if q else 300, n_calib_images=24 if q else 200,
+                        n_sentences=60 if q else 300, progress=sys.stderr.isatty())  # fmt: skip
     only = args.only.split(",") if args.only else []
-    unknown = set(only) - set(SECTIONS)
-    if unknown:
+    if unknown := set(only) - set(SECTIONS):
         parser.error(
             f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}"
         )
