@@ -80,37 +80,25 @@ def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]
         return int(exc.code), exc.read()
 
 
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
+def _stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of ``/proc/<pid>/stat`` after the command name) of every process."""
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    return children
+        if entry.isdigit():
+            try:
+                yield int(entry), Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
 
 
 def same_session(sid: int) -> list[int]:
     """Processes whose session id is ``sid`` (orphans that kept the session are found too)."""
-    found: list[int] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:
-            found.append(int(entry))
-    return found
+    return [pid for pid, fields in _stats() if int(fields[3]) == sid]
 
 
 def descendants(pid: int) -> list[int]:
-    children = _children_map()
+    children: dict[int, list[int]] = {}
+    for child, fields in _stats():
+        children.setdefault(int(fields[1]), []).append(child)
     found: list[int] = []
     stack = [pid]
     while stack:
