@@ -37,39 +37,6 @@ def _style(peer: str) -> dict[str, object]:
     return {"marker": "o", "markersize": 4}
 
 
-def _draw(
-    points: Sequence[Measurement],
-    order: Sequence[str],
-    labels: dict[str, str],
-    x_of: Callable[[Measurement], float],
-    x_label: str,
-    title: str,
-    out: Path,
-) -> Path:
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-    for peer, items in _series(points, order):
-        ax.plot(
-            [x_of(m) for m in items],
-            [m.p99_ms for m in items],
-            label=labels.get(peer, peer),
-            **_style(peer),  # type: ignore[arg-type]
-        )
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    plain = FuncFormatter(lambda value, _pos: f"{value:g}")
-    for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter(plain)
-        axis.set_minor_locator(LogLocator(base=10, subs=(2.0, 5.0)))
-        axis.set_minor_formatter(plain)
-    ax.tick_params(which="minor", labelsize=7)
-    ax.set_xlabel(x_label)
-    ax.set_ylabel("p99 latency, ms (log)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    return save(fig, out)
-
-
 def save(fig: Any, out: Path, dpi: int | None = None) -> Path:
     """Lay out, write (its folder made) and close a figure."""
     fig.tight_layout()
@@ -103,4 +70,19 @@ def draw(
 ) -> Path:
     """``closed``: throughput against p99 per peer; ``open``: p99 against offered load."""
     x_of, x_label, hint = _KINDS[kind]
-    return _draw(points, order, labels, x_of, x_label, f"{title}\n({hint})", out)
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for peer, items in _series(points, order):
+        ax.plot([x_of(m) for m in items], [m.p99_ms for m in items], label=labels.get(peer, peer),
+                **_style(peer))  # type: ignore[arg-type]  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda value, _pos: f"{value:g}")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(plain)
+        axis.set_minor_locator(LogLocator(base=10, subs=(2.0, 5.0)))
+        axis.set_minor_formatter(plain)
+    ax.tick_params(which="minor", labelsize=7)
+    ax.set(xlabel=x_label, ylabel="p99 latency, ms (log)", title=f"{title}\n({hint})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    return save(fig, out)
