@@ -32,19 +32,8 @@ def model_alone(workload: Workload, seconds_per_size: float) -> list[Measurement
             start = time.perf_counter()
             run(sess, feeds, cfg)
             times.append(time.perf_counter() - start)
-        total = sum(times)
-        results.append(
-            Measurement(
-                PEER,
-                workload.name,
-                "in-process",
-                "limit",
-                size,
-                rps=size * len(times) / total,
-                p50_ms=percentile(times, 50) * 1000,
-                p90_ms=percentile(times, 90) * 1000,
-                p99_ms=percentile(times, 99) * 1000,
-                requests=len(times),
-            )
-        )
+        p50, p90, p99 = (percentile(times, q) * 1000 for q in (50, 90, 99))
+        results.append(Measurement(PEER, workload.name, "in-process", "limit", size,
+                                   rps=size * len(times) / sum(times), p50_ms=p50, p90_ms=p90,
+                                   p99_ms=p99, requests=len(times)))  # fmt: skip
     return results

@@ -90,19 +90,12 @@ def peer_settings(
 ) -> PeerSettings:
     """The settings every peer reads (from ``BENCH_PEER``), on ports the OS has free."""
     return PeerSettings(
-        model_name=workload.model_name,
-        model_path=str(workload.model_path()),
-        inputs=workload.inputs,
-        outputs=workload.outputs,
-        intra_op_threads=workload.intra_op_threads,
-        inter_op_threads=INTER_OP_THREADS,
-        max_batch_size=MAX_BATCH,
-        max_wait_ms=max_wait_ms,
-        workdir=str(workdir),
-        port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-    )
+        model_name=workload.model_name, model_path=str(workload.model_path()),
+        inputs=workload.inputs, outputs=workload.outputs,
+        intra_op_threads=workload.intra_op_threads, inter_op_threads=INTER_OP_THREADS,
+        max_batch_size=MAX_BATCH, max_wait_ms=max_wait_ms, workdir=str(workdir),
+        port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+    )  # fmt: skip
 
 
 @dataclass
@@ -131,20 +124,14 @@ def _rtserve_repository(
         shutil.copyfile(cfg.model_path, target)
     config = {
         "max_batch_size": cfg.max_batch_size,
-        "dynamic_batching": {
-            "max_queue_delay_us": round(cfg.max_wait_ms * 1000),
-            "preferred_batch_sizes": [cfg.max_batch_size],
-            "max_queue_size": 1024,
-        },
+        "dynamic_batching": {"max_queue_delay_us": round(cfg.max_wait_ms * 1000),
+                             "preferred_batch_sizes": [cfg.max_batch_size], "max_queue_size": 1024},
         "instance_count": 1,
-        "onnxruntime": {
-            "intra_op_threads": cfg.intra_op_threads,
-            "inter_op_threads": cfg.inter_op_threads,
-            "graph_optimization_level": "all",
-        },
+        "onnxruntime": {"intra_op_threads": cfg.intra_op_threads,
+                        "inter_op_threads": cfg.inter_op_threads, "graph_optimization_level": "all"},
         "warmup": {"batch_sizes": [1, cfg.max_batch_size], "iterations": 3},
-    }
-    config.update(extra or {})
+        **(extra or {}),
+    }  # fmt: skip
     # JSON is valid YAML: no YAML writer needed here.
     (repo / cfg.model_name / "config.yaml").write_text(json.dumps(config, indent=2) + "\n")
     return repo
@@ -154,32 +141,16 @@ def _mlserver_folder(cfg: PeerSettings, workdir: Path) -> Path:
     folder = workdir / "mlserver"
     model_dir = folder / cfg.model_name
     model_dir.mkdir(parents=True, exist_ok=True)
-    (folder / "settings.json").write_text(
-        json.dumps(
-            {
-                "host": cfg.host,
-                "http_port": cfg.port,
-                "grpc_port": cfg.grpc_port,
-                "metrics_port": cfg.metrics_port,
-                "metrics_endpoint": None,
-                "parallel_workers": 0,
-                "debug": False,
-                "gzip_enabled": False,
-                "load_models_at_startup": True,
-            }
-        )
-    )
-    (model_dir / "model-settings.json").write_text(
-        json.dumps(
-            {
-                "name": cfg.model_name,
-                "implementation": "bench.peers.mlserver_runtime.OnnxModel",
-                "max_batch_size": cfg.max_batch_size,
-                "max_batch_time": cfg.max_wait_ms / 1000,
-                "parameters": {"uri": cfg.model_path},
-            }
-        )
-    )
+    (folder / "settings.json").write_text(json.dumps({
+        "host": cfg.host, "http_port": cfg.port, "grpc_port": cfg.grpc_port,
+        "metrics_port": cfg.metrics_port, "metrics_endpoint": None, "parallel_workers": 0,
+        "debug": False, "gzip_enabled": False, "load_models_at_startup": True,
+    }))  # fmt: skip
+    (model_dir / "model-settings.json").write_text(json.dumps({
+        "name": cfg.model_name, "implementation": "bench.peers.mlserver_runtime.OnnxModel",
+        "max_batch_size": cfg.max_batch_size, "max_batch_time": cfg.max_wait_ms / 1000,
+        "parameters": {"uri": cfg.model_path},
+    }))  # fmt: skip
     return folder
 
 
