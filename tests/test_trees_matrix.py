@@ -127,6 +127,18 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
     ova.save_model(str(_model(repo, "cb_ova", "model.cbm", "backend: catboost\n")))
     refs["cb_ova"] = ova
 
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    frame = pd.DataFrame({"colour": rng.choice(["red", "green", "blue"], 300),
+                          "size": rng.normal(size=300)})  # fmt: skip
+    frame.loc[::5, "size"] = np.nan
+    text = cb.CatBoostClassifier(cat_features=["colour"], **kw)
+    text.fit(frame, (frame["colour"] == "red").astype(int))
+    text.save_model(str(_model(repo, "cb_text", "model.cbm",
+                               "backend: catboost\ncatboost: {datatype: BYTES}\n")))  # fmt: skip
+    refs["cb_text"], refs["frame"] = text, frame
+
     lg = lgb.LGBMClassifier(n_estimators=15, num_leaves=8, verbose=-1).fit(x, names)
     _model(repo, "lgb_pickle", "model.pkl",
            "backend: lightgbm\nlightgbm: {allow_pickle: true, execution: native}\n"
@@ -242,3 +254,26 @@ def test_unbatched_model_answers_every_row(served: Any) -> None:
         np.testing.assert_allclose(np.reshape(got["predict_proba"]["data"], (len(rows), 3)),
                                    ref.predict_proba(rows), atol=TOL)  # fmt: skip
         assert got["contributions"]["shape"] == [len(rows), 3, 7]
+
+
+def test_catboost_string_categories_sent_as_bytes(served: Any) -> None:
+    s, refs = served
+    meta = _meta(s.base, "cb_text")
+    assert meta["inputs"] == [{"name": "features", "datatype": "BYTES", "shape": [-1, 2]}]
+    frame, ref = refs["frame"][:7], refs["cb_text"]
+    want = ref.predict_proba(frame)
+    assert want[:, 1].max() - want[:, 1].min() > 0.5  # (the colour decides)
+    sizes = ["" if np.isnan(v) else str(float(v)) for v in frame["size"]]  # (empty: missing)
+    rows = [[c, v] for c, v in zip(frame["colour"], sizes, strict=True)]
+    got = _infer(s.base, "cb_text", np.array(rows, dtype=object), "BYTES")
+    np.testing.assert_allclose(np.reshape(got["predict_proba"]["data"], (7, 2)), want, atol=TOL)
+    status, doc = post_json(f"{s.base}/v2/models/cb_text/infer", {"inputs": [
+        {"name": "features", "datatype": "BYTES", "shape": [1, 2], "data": ["red", "big"]}]})  # fmt: skip
+    assert status == 400 and "feature 1 is numeric" in doc["error"], doc
+    import tritonclient.http as thttp
+
+    client = thttp.InferenceServerClient(s.http)
+    inp = thttp.InferInput("features", [7, 2], "BYTES")
+    inp.set_data_from_numpy(np.array(rows, dtype=object), binary_data=True)
+    res = client.infer("cb_text", [inp])
+    np.testing.assert_allclose(res.as_numpy("predict_proba"), want, atol=TOL)

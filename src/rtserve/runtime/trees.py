@@ -12,7 +12,8 @@ Files read from the version directory (the first present):
 - any of them: ``model.pkl`` / ``model.joblib``, only with ``allow_pickle: true`` in the
   backend's section of config.yaml (a pickle runs code when loaded; the load is logged).
 
-One input, ``features`` ``[n, F]`` (FP32 for xgboost, FP64 otherwise; NaN is missing).
+One input, ``features`` ``[n, F]`` (FP32 for xgboost, FP64 otherwise; NaN is missing; for
+catboost, ``datatype: BYTES``: every value as text, categorical features as their strings).
 Outputs (the section's ``outputs`` chooses; default ``predict`` and, for classifiers,
 ``predict_proba``): ``predict`` (the class or value, as the framework's ``predict``),
 ``predict_proba`` ``[classes]``, ``margin`` (raw score). Models whose framework computes
@@ -113,8 +114,12 @@ def parse_options(config: ModelConfig) -> Options:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"{where}.reason_codes: expected an integer >= 1, got {k!r:.100}")
     datatype = section.get("datatype")
-    if datatype not in (None, "FP32", "FP64"):
-        raise ConfigError(f"{where}.datatype: expected FP32 or FP64, got {datatype!r:.100}")
+    if datatype not in (None, "FP32", "FP64", "BYTES"):
+        raise ConfigError(f"{where}.datatype: expected FP32, FP64 or BYTES, got {datatype!r:.100}")
+    if datatype == "BYTES" and config.backend != "catboost":
+        raise ConfigError(
+            f"{where}.datatype: BYTES is for CatBoost models (categorical features as text)"
+        )
     return Options(
         tuple(outputs) if outputs else None, execution, allow, tuple(trusted), k, datatype
     )
@@ -405,6 +410,8 @@ def _catboost(path: Path, obj: Any = None) -> Adapter:
     n = len(model.feature_names_)
 
     def rows(x: np.ndarray) -> Any:
+        if x.dtype == object:  # (datatype: BYTES)
+            return catboost.Pool(_catboost_text(x, cats), cat_features=cats or None)
         if not cats:
             return x
         if np.isnan(x[:, cats]).any():
@@ -443,6 +450,35 @@ def _catboost(path: Path, obj: Any = None) -> Adapter:
         classes = tuple(names) if names is not None and len(names) else (0, 1)
     return Adapter("catboost", kind, n, _names(model.feature_names_, n), classes, np.float64,
                    value, margin, contributions, dtype=np.float64)  # fmt: skip
+
+
+def _catboost_text(x: np.ndarray, cats: list[int]) -> np.ndarray:
+    """Rows sent as BYTES: categorical columns as their text (the categories a model trained
+    on strings knows), the others parsed as numbers (empty or ``nan``: missing)."""
+    data = np.empty(x.shape, dtype=object)
+    numeric = [j for j in range(x.shape[1]) if j not in cats]
+    for j in cats:
+        data[:, j] = [v.decode() if isinstance(v, bytes) else str(v) for v in x[:, j]]
+    for j in numeric:
+        try:
+            data[:, j] = [
+                float(v) if (v.strip() if isinstance(v, (bytes, str)) else True) else np.nan
+                for v in x[:, j]
+            ]
+        except (TypeError, ValueError):
+            raise InvalidInput(
+                f"input '{INPUT}': feature {j} is numeric: expected a number as text, "
+                f"got {next(v for v in x[:, j] if not _number(v))!r:.60}"
+            ) from None
+    return data
+
+
+def _number(v: Any) -> bool:
+    try:
+        float(v)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _sklearn(path: Path, options: Options, obj: Any = None) -> Adapter:
@@ -615,6 +651,8 @@ class TreeModel:
         dtype = np.float64 if options.datatype == "FP64" else a.dtype
         if options.datatype == "FP32":
             dtype = np.float32
+        elif options.datatype == "BYTES":
+            dtype = object  # (CatBoost: categorical features as text)
         self.dtype = np.dtype(dtype)
         classifier = a.kind != "regression"
         wanted = options.outputs or (("predict", "predict_proba") if classifier else ("predict",))
@@ -716,9 +754,10 @@ class TreeModel:
                 f"{config.source}: {config.backend}.execution: {options.execution} is for "
                 "XGBoost and LightGBM files (model.json, model.ubj, model.txt)"
             )
-        check = tree_engines.check_batch(a.n_features, self.dtype)
+        check = tree_engines.check_batch(a.n_features, np.float64)
         if a.framework == "catboost" or a.framework == "sklearn":
             check = np.nan_to_num(check)  # (categorical columns, imputers: no NaN by default)
+        check = check.astype(self.dtype)
         if options.execution in ("treelite", "lleaves", "onnx") and not candidates:
             raise ConfigError(f"{config.source}: {config.backend}.execution: {options.execution} "
                               f"could not be built for {path} (see the log)")  # fmt: skip
