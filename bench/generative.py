@@ -112,15 +112,9 @@ def _rtserve(
     if speculative:
         config["llm"]["speculative"] = LOOKUP
     (model / "config.yaml").write_text(yaml.safe_dump(config))
-    argv = [
-        sys.executable, "-m", "rtserve.cli", "serve", "--model-repository", str(work / "repo"),
-        "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0",
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    if src:
-        env["PYTHONPATH"] = src
-        env["TORCH_EXTENSIONS_DIR"] = str(work / "torch-extensions-baseline")
-    return procs.Server("rtserve", argv, env, work / "rtserve.log", ROOT)
+    env = {"TORCH_EXTENSIONS_DIR": str(work / "torch-extensions-baseline")} if src else {}
+    return procs.rtserve(work, "--model-repository", str(work / "repo"), "--http-port", str(port),
+                         src=Path(src) if src else None, env=env, timeout_s=1200)[0]  # fmt: skip
 
 
 BASELINE_SRC = os.environ.get("BENCH_BASELINE_SRC")
