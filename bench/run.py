@@ -330,34 +330,27 @@ def versions(plan: Plan) -> dict[str, str]:
 
 
 def settings_table(plan: Plan) -> dict[str, str]:
+    threads = ", ".join(f"{w}: intra_op {WORKLOADS[w].intra_op_threads}, inter_op "
+                        f"{servers.INTER_OP_THREADS}" for w in plan.workloads)  # fmt: skip
+    sizes = ", ".join(f"{w}: {len(WORKLOADS[w].v2_body()):,} bytes" for w in plan.workloads)
+    pa = "every round" if plan.pa_rounds is None else f"the first {plan.pa_rounds} round(s)"
     rows = {
         "max batch size (every batching server)": str(servers.MAX_BATCH),
         "max batch wait (every batching server)": f"{servers.MAX_WAIT_MS:g} ms",
-        "onnxruntime threads": ", ".join(
-            f"{w}: intra_op {WORKLOADS[w].intra_op_threads}, inter_op {servers.INTER_OP_THREADS}"
-            for w in plan.workloads
-        ),
+        "onnxruntime threads": threads,
         "instances / workers": "1 per server",
-        "request": "one row per request; V2 JSON body for every HTTP peer; "
-        + ", ".join(f"{w}: {len(WORKLOADS[w].v2_body()):,} bytes" for w in plan.workloads),
+        "request": f"one row per request; V2 JSON body for every HTTP peer; {sizes}",
         "headline": f"{plan.rounds} alternating rounds x {plan.headline_s:g} s per server, "
-        "wrk -t1 -c32; perf_analyzer for rtserve in "
-        + ("every round" if plan.pa_rounds is None else f"the first {plan.pa_rounds} round(s)"),
+        f"wrk -t1 -c32; perf_analyzer for rtserve in {pa}",
     }
     if plan.matrix:
-        rows.update(
-            {
-                "closed loop": f"wrk -t1 -c{{{','.join(map(str, plan.concurrencies))}}} "
-                f"for {plan.wrk_s:g} s after a {plan.warmup_s:g} s warm-up; perf_analyzer "
-                f"{plan.pa_trials} windows of {plan.pa_window_ms} ms",
-                "open loop": "Poisson arrivals at "
-                + "; ".join(
-                    f"{w}: {', '.join(f'{r:g}' for r in WORKLOADS[w].open_loop_rates)} req/s"
-                    for w in plan.workloads
-                )  # fmt: skip
-                + f", {plan.open_s:g} s each; a sweep stops after the first saturated rate",
-            }
-        )
+        rates = "; ".join(f"{w}: {', '.join(f'{r:g}' for r in WORKLOADS[w].open_loop_rates)} req/s"
+                          for w in plan.workloads)  # fmt: skip
+        rows["closed loop"] = (f"wrk -t1 -c{{{','.join(map(str, plan.concurrencies))}}} for "
+                               f"{plan.wrk_s:g} s after a {plan.warmup_s:g} s warm-up; perf_analyzer "
+                               f"{plan.pa_trials} windows of {plan.pa_window_ms} ms")  # fmt: skip
+        rows["open loop"] = (f"Poisson arrivals at {rates}, {plan.open_s:g} s each; a sweep stops "
+                             "after the first saturated rate")  # fmt: skip
     return rows
 
 
