@@ -133,17 +133,11 @@ def _rtserve_recipe(weights: str, **options: Any) -> Recipe:
 SERVERS: dict[str, Recipe] = {
     **{f"rtserve-{w}": _rtserve_recipe(w) for w in WEIGHTS},
     **{f"rtserve-{w}-lookup": _rtserve_recipe(w, speculative=True) for w in ("fp32", "int8")},
-    **{
-        f"vllm-{d}": Recipe(
-            partial(vllm.start, dtype=d, model=MODEL, model_dir=MODEL_DIR), "/health"
-        )
-        for d in ("bfloat16", "float32")
-    },
-    **{
-        f"llamacpp-{q}": Recipe(partial(llamacpp.start, quant=q, model=MODEL), "/health")
-        for q in llamacpp.QUANTS
-    },
-}
+    **{f"vllm-{d}": Recipe(partial(vllm.start, dtype=d, model=MODEL, model_dir=MODEL_DIR), "/health")
+       for d in ("bfloat16", "float32")},
+    **{f"llamacpp-{q}": Recipe(partial(llamacpp.start, quant=q, model=MODEL), "/health")
+       for q in llamacpp.QUANTS},
+}  # fmt: skip
 if BASELINE_SRC:  # BENCH_BASELINE_SRC=<other checkout>/src adds that code (before/after)
     SERVERS["rtserve-fp32-baseline"] = _rtserve_recipe("fp32", src=BASELINE_SRC)
 IN_PROCESS = "transformers"  # static generate at batch = concurrency, stories only
@@ -161,19 +155,15 @@ def summarize(streams: list[Stream], wall: float) -> dict[str, Any]:
     itls = [gap for s in ok for gap in s.itls]
     tokens = sum(s.tokens for s in ok)
     row: dict[str, Any] = {
-        "requests": len(streams),
-        "errors": len(streams) - len(ok),
-        "tokens": tokens,
-        "seconds": round(wall, 3),
-        "tok_s": round(tokens / wall, 1) if wall and tokens else None,
+        "requests": len(streams), "errors": len(streams) - len(ok), "tokens": tokens,
+        "seconds": round(wall, 3), "tok_s": round(tokens / wall, 1) if wall and tokens else None,
         "short": sum(1 for s in ok if s.finish_reason != "length"),
-    }
+    }  # fmt: skip
     for name, values in (("ttft", ttfts), ("itl", itls)):
         if values:
             row[f"{name}_p50_ms"] = _ms(percentile(values, 50))
             row[f"{name}_p99_ms"] = _ms(percentile(values, 99))
-    first_error = next((s.error for s in streams if s.error), None)
-    if first_error:
+    if first_error := next((s.error for s in streams if s.error), None):
         row["first_error"] = first_error
     return row
 
@@ -186,11 +176,8 @@ def measure_workload(url: str, name: str, plan: Plan) -> dict[str, Any]:
         bodies = [chat_body(MODEL, workload.messages(i), plan.max_tokens) for i in range(n)]
         streams, wall = asyncio.run(closed_loop(url, bodies, c, plan.deadline_s))
         rows[str(c)] = row = summarize(streams, wall)
-        print(
-            f"    {name} x{c}: {row['tok_s']} tok/s, TTFT p50 {row.get('ttft_p50_ms')} ms,"
-            f" ITL p50 {row.get('itl_p50_ms')} ms, errors {row['errors']}",
-            flush=True,
-        )
+        print(f"    {name} x{c}: {row['tok_s']} tok/s, TTFT p50 {row.get('ttft_p50_ms')} ms,"
+              f" ITL p50 {row.get('itl_p50_ms')} ms, errors {row['errors']}", flush=True)  # fmt: skip
     return rows
 
 
@@ -212,9 +199,7 @@ def measure_server(name: str, work: Path, plan: Plan) -> dict[str, Any]:
             ready_s = round(time.monotonic() - started, 1)
             print(f"  {name}: ready in {ready_s:.0f} s", flush=True)
             asyncio.run(closed_loop(url, [chat_body(MODEL, story(i), 8) for i in range(4)], 4))
-            return {"ready_s": ready_s} | {
-                w: measure_workload(url, w, plan) for w in plan.workloads
-            }
+            return {"ready_s": ready_s} | {w: measure_workload(url, w, plan) for w in plan.workloads}  # fmt: skip
         except Exception as exc:
             print(f"  {name}: FAILED {exc}", flush=True)
             return {"error": f"{type(exc).__name__}: {exc}"[:500]}
@@ -242,10 +227,7 @@ def measure_hf(work: Path, plan: Plan, timeout_s: float = 600) -> dict[str, Any]
     rows = {}
     for line in out.read_text().splitlines():
         row = orjson.loads(line)
-        rows[str(row["batch"])] = {
-            "tok_s": round(row["tok_s"], 1),
-            "seconds": round(row["seconds"], 2),
-        }
+        rows[str(row["batch"])] = {"tok_s": round(row["tok_s"], 1), "seconds": round(row["seconds"], 2)}  # fmt: skip
         print(f"    stories batch {row['batch']}: {round(row['tok_s'], 1)} tok/s", flush=True)
     return {"stories": rows} | ({"error": error} if error else {})
 
@@ -256,15 +238,11 @@ def run(plan: Plan, names: list[str], out: Path, command: str) -> dict[str, Any]
     after each server so an interrupted run keeps what it measured."""
     work = ROOT / "bench" / ".work" / "generative"
     result: dict[str, Any] = {
-        "suite": "generative",
-        "command": command,
-        "plan": {k: v for k, v in plan.__dict__.items()},
+        "suite": "generative", "command": command, "plan": dict(plan.__dict__),
         "model": "SmolLM2-135M-Instruct (examples/llm-repository/smollm2/1)",
-        "machine": machine.facts(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "servers": names,
-        "rounds": [],
-    }
+        "machine": machine.facts(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "servers": names, "rounds": [],
+    }  # fmt: skip
     for r in range(plan.rounds):
         order = rotated(names, r)
         print(f"round {r + 1}/{plan.rounds}: {', '.join(order)}", flush=True)
