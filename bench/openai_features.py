@@ -38,7 +38,7 @@ from bench.clients import wrk
 from bench.clients.sse import Stream, chat_body, closed_loop
 from bench.report import markdown_table
 from bench.results import Measurement
-from bench.stats import percentile, ratio, rotated
+from bench.stats import middle, percentile, ratio, rotated
 
 ROOT = Path(__file__).resolve().parent.parent
 LLM_MODEL = ROOT / "examples" / "llm-repository" / "smollm2"
@@ -115,11 +115,8 @@ def _alternate(
         share = ratio(entry[sides[1]][key], entry[sides[0]][key])
         entry["ratio"] = None if share is None else round(share, 3)
         entries.append(entry)
-    shares = [e["ratio"] for e in entries if e["ratio"] is not None]
-    return {
-        "rounds": entries,
-        "median_ratio": round(statistics.median(shares), 3) if shares else None,
-    }
+    share = middle(e["ratio"] for e in entries)
+    return {"rounds": entries, "median_ratio": None if share is None else round(share, 3)}
 
 
 # --------------------------------------------------------------------------- structured
@@ -259,18 +256,11 @@ def mask_time(walks: int) -> dict[str, Any]:
     def us(values: list[float], q: float) -> float:
         return round(percentile(values, q) * 1e6, 1)
 
-    return {
-        "vocab": vocab,
-        "steps": steps,
-        "answer_tokens": len(ids),
-        "compile_ms": round(compile_ms, 1),
-        "mask_us_p50": us(masks, 50),
-        "mask_us_p99": us(masks, 99),
-        "mask_us_mean": round(statistics.fmean(masks) * 1e6, 1),
-        "first_walk_us_mean": round(statistics.fmean(first) * 1e6, 1),
-        "bitmask_us_p50": us(bitmasks, 50),
-        "bitmask_us_p99": us(bitmasks, 99),
-    }
+    return {"vocab": vocab, "steps": steps, "answer_tokens": len(ids),
+            "compile_ms": round(compile_ms, 1), "mask_us_p50": us(masks, 50),
+            "mask_us_p99": us(masks, 99), "mask_us_mean": round(statistics.fmean(masks) * 1e6, 1),
+            "first_walk_us_mean": round(statistics.fmean(first) * 1e6, 1),
+            "bitmask_us_p50": us(bitmasks, 50), "bitmask_us_p99": us(bitmasks, 99)}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- embeddings
@@ -345,16 +335,12 @@ def _header(result: dict[str, Any]) -> str:
 def structured_section(result: dict[str, Any]) -> str:
     plan, data = result["plan"], result["data"]
     mask = data["mask"]
-    lines = [
-        _header(result),
-        "",
+    lines = [_header(result), "",
         f"SmolLM2-135M-Instruct FP32 (the example's config), {plan['streams']} streams, "
         f"{plan['streams'] * plan['requests_per_stream']} requests per side and round, at most "
         f"{plan['max_tokens']} new tokens, greedy; the same prompts with the schema below as "
         "`response_format` (`json_schema`, strict) and without it (with `ignore_eos`); "
-        "tokens counted from `usage`. Rounds alternate which side goes first.",
-        "",
-    ]
+        "tokens counted from `usage`. Rounds alternate which side goes first.", ""]  # fmt: skip
     header = ["round", "unconstrained tok/s", "schema tok/s", "ratio", "schema tokens / answer",
               "schema answers ended / valid", "schema answers cut at max_tokens"]  # fmt: skip
     rows = [
@@ -365,10 +351,7 @@ def structured_section(result: dict[str, Any]) -> str:
         for i, e in enumerate(data["rounds"], 1)
     ]  # fmt: skip
     lines += markdown_table(header, rows, numeric_from=0)
-    lines += [
-        "",
-        f"**Median ratio (schema / unconstrained): {data['median_ratio']}x** (goal >= 0.9x).",
-        "",
+    lines += ["", f"**Median ratio (schema / unconstrained): {data['median_ratio']}x** (goal >= 0.9x).", "",
         f"Mask per decode step, one row (in-process: `llm/grammar.py`'s mask and the "
         f"sampler's `masked_fill_` on a {mask['vocab']:,}-token logits row, along a "
         f"{mask['steps']}-token answer, {plan['mask_walks']} walks after a first): p50 "
@@ -378,26 +361,19 @@ def structured_section(result: dict[str, Any]) -> str:
         f"{round(mask['mask_us_mean'] * plan['streams'] / 1000, 2)} ms a step. The first "
         f"answer under a new schema (its lexer states built as it goes; not in the figures "
         f"above): mean {mask['first_walk_us_mean']} us a step. First compile of the schema: "
-        f"{mask['compile_ms']} ms.",
-        "",
-        f"Schema: `{json.dumps(SCHEMA, separators=(',', ':'))}`",
-    ]
+        f"{mask['compile_ms']} ms.", "", f"Schema: `{json.dumps(SCHEMA, separators=(',', ':'))}`"]  # fmt: skip
     return "\n".join(lines)
 
 
 def embeddings_section(result: dict[str, Any]) -> str:
     plan, data = result["plan"], result["data"]
-    lines = [
-        _header(result),
-        "",
+    lines = [_header(result), "",
         f"The `text-embedding` pipeline (MiniLM tokenizer step + MiniLM INT8, "
         f"`examples/repository`), one sentence per request from `examples/data/sentences.txt` "
         f"({data['texts']}, rotating), wrk -t1 -c{plan['embed_concurrency']}, "
         f"{plan['embed_seconds']:g} s per side and round, `encoding_format: float` on `/v1`; "
         f"rounds alternate which route goes first. The two routes' vectors of one sentence "
-        f"differ by at most {data['max_vector_difference']:.2g}.",
-        "",
-    ]
+        f"differ by at most {data['max_vector_difference']:.2g}.", ""]  # fmt: skip
     header = ["round", "/v1/embeddings req/s", "p50 / p99 ms", "V2 infer req/s", "p50 / p99 ms",
               "ratio"]  # fmt: skip
     rows = [
