@@ -313,6 +313,8 @@ def embedding_models(dataplane: DataPlane) -> list[tuple[str, int]]:
 def _rows(em: Embedder, inputs: list[str] | list[list[int]]) -> tuple[list[Any], int]:
     """The rows to send (strings or id lists) and the prompt's tokens."""
     tok = em.tokenizer
+    if tok is not None and not isinstance(inputs[0], str):
+        _check_vocabulary(inputs, tok.get_vocab_size())  # type: ignore[arg-type]
     if em.kind == TEXT:
         if isinstance(inputs[0], str):
             texts: list[str] = inputs  # type: ignore[assignment]
@@ -343,6 +345,18 @@ def _rows(em: Embedder, inputs: list[str] | list[list[int]]) -> tuple[list[Any],
                     f"embedding.max_length), got {len(r)}"
                 )
     return rows, sum(len(r) for r in rows)
+
+
+def _check_vocabulary(rows: list[list[int]], vocab: int) -> None:
+    """Token ids the tokenizer knows (an unknown one would be dropped from the text, or
+    fail deep in the model)."""
+    for i, ids in enumerate(rows):
+        for j, token in enumerate(ids):
+            if token >= vocab:
+                raise InvalidInput(
+                    f"input[{i}]: token {j} is {token}, expected ids in [0, {vocab}) (the "
+                    "model's vocabulary)"
+                )
 
 
 def _request(em: Embedder, mv: ModelVersion, rows: list[Any]) -> InferRequest:
@@ -412,7 +426,12 @@ async def embed(
         def decode(version: ModelVersion) -> InferRequest:
             return _request(em, version, part)
 
-        answer = await dataplane.infer(mv.name, mv.version, part_timings, decode)
+        try:
+            answer = await dataplane.infer(mv.name, mv.version, part_timings, decode)
+        except InvalidInput as exc:  # (the runtime's words name no field: the ids are it)
+            if em.kind == TEXT or exc.message.startswith("input"):
+                raise
+            raise InvalidInput(f"input: the model refused these token ids: {exc.message}") from None
         for tensor in answer.outputs:
             if tensor.name == em.output and em.section is not None:
                 return _pooled_vectors(em, tensor.data, part, request.dimensions)

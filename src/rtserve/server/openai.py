@@ -50,6 +50,8 @@ _UNUSED: dict[str, Any] = {
 }
 _NOT_SAMPLING = frozenset((*structured.FIELDS, "tools", "tool_choice", "parallel_tool_calls"))
 _FIELD = re.compile(r"([A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*(?:\[\d+\])?)*): ")
+# The chat fields a Responses request's own fields are read as (error messages name the latter).
+_RESPONSES_FIELDS = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens"}
 
 
 @dataclass(slots=True)
@@ -482,10 +484,13 @@ def error_document(exc: BaseException, kind: str = TEXT) -> tuple[int, dict[str,
     status = err.http_status
     match = _FIELD.match(err.message)
     param = match.group(1) if match else None
+    message = err.message
     if kind == CHAT and param == "prompt":
         param = "messages"
-    elif kind == RESPONSES and param in ("prompt", "messages"):
-        param = "input"
+    elif kind == RESPONSES and param in _RESPONSES_FIELDS:
+        # (a Responses field read as a chat one: the message names the field it was sent as)
+        message = _RESPONSES_FIELDS[param] + message[len(param) :]
+        param = _RESPONSES_FIELDS[param]
     code: str | None = None
     if isinstance(err, ModelNotFound):
         param, code = "model", "model_not_found"
@@ -493,7 +498,7 @@ def error_document(exc: BaseException, kind: str = TEXT) -> tuple[int, dict[str,
         code = "rate_limit_exceeded"
     elif isinstance(err, Overloaded):
         code = "overloaded"
-    body = {"message": err.message, "type": _error_type(status), "param": param, "code": code}
+    body = {"message": message, "type": _error_type(status), "param": param, "code": code}
     return status, {"error": body}
 
 

@@ -46,6 +46,18 @@ def parse(doc: dict[str, Any]) -> openai.OpenAIRequest:
             "absent (rtserve stores no responses: send the conversation in input)",
             doc["previous_response_id"],
         )
+    if doc.get("conversation") is not None:
+        raise _fail(
+            "conversation",
+            "absent (rtserve stores no conversations: send the conversation in input)",
+            doc["conversation"],
+        )
+    if doc.get("prompt") is not None:  # ("prompt.id": a bare "prompt" reads as input's)
+        raise _fail(
+            "prompt.id",
+            "absent (rtserve stores no prompt templates: send instructions and input)",
+            doc["prompt"],
+        )
     if doc.get("background"):
         raise _fail("background", "false or absent", doc["background"])
     if doc.get("reasoning") not in (None, {}):
@@ -100,7 +112,7 @@ def parse(doc: dict[str, Any]) -> openai.OpenAIRequest:
 
 
 _RESPONSES_ONLY = ("input", "instructions", "text", "max_output_tokens", "previous_response_id",
-                   "reasoning", "n")  # fmt: skip
+                   "reasoning", "n", "conversation", "prompt")  # fmt: skip
 
 
 def _chat_format(value: dict[str, Any]) -> dict[str, Any]:
@@ -172,6 +184,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             continue  # (a model's reasoning summary: nothing for this model to read)
         else:
             raise _fail(f"{where}.type", "message, function_call or function_call_output", kind)
+    if not out:
+        raise _fail("input", "at least one message or function call item", value)
     return out
 
 
@@ -336,7 +350,7 @@ async def stream(
                 "response.completed", response=response.document("completed", last)
             )
         except Exception as exc:
-            _, error = openai.error_document(exc, openai.CHAT)
+            _, error = openai.error_document(exc, openai.RESPONSES)
             yield response.event(
                 "error",
                 code=error["error"]["code"],

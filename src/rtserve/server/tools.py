@@ -25,6 +25,9 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 NONE, AUTO, REQUIRED, NAMED = "none", "auto", "required", "named"
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_VALUES = ("enum", "const", "default", "examples")  # JSON values, not schemas
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,12 +132,17 @@ def closed(schema: Any, depth: int = 0) -> Any:
     answer ends (JSON Schema's default would let it add keys until ``max_tokens``)."""
     if depth > 64 or not isinstance(schema, dict):
         return schema
-    out = {k: closed(v, depth + 1) if isinstance(v, dict) else v for k, v in schema.items()}
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
-        if isinstance(out.get(key), list):
-            out[key] = [closed(v, depth + 1) for v in out[key]]
+    out: dict[str, Any] = {}
+    for key, value in schema.items():  # each subschema visited once: linear in its size
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: closed(v, depth + 1) for k, v in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [closed(v, depth + 1) for v in value]
+        elif key not in _VALUES and isinstance(value, dict):
+            out[key] = closed(value, depth + 1)
+        else:
+            out[key] = value
     if isinstance(out.get("properties"), dict):
-        out["properties"] = {k: closed(v, depth + 1) for k, v in out["properties"].items()}
         out.setdefault("additionalProperties", False)
     return out
 

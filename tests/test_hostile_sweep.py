@@ -1,0 +1,270 @@
+"""A hostile client against one live server (a random-weight LLM, ``digits`` and the
+``text-embedding`` pipeline): each bad request gets a 4xx (gRPC INVALID_ARGUMENT /
+NOT_FOUND / RESOURCE_EXHAUSTED) whose message names the field, fast, and a good request
+answers after it. Regressions of what such a sweep found: a tool schema nested a few dozen
+levels that held the event loop (its ``additionalProperties`` pass was exponential),
+Responses errors that named the chat field (``messages``, ``max_tokens``) instead of the one
+sent, stored conversations ignored, and embedding token ids out of the vocabulary taken or
+refused without naming ``input``."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tests.conftest import RunningServer, start_server  # noqa: E402
+from tests.llm_models import build_llm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "repository"
+EMBEDDING_STEPS = ("minilm-tokenizer", "minilm-int8", "text-embedding")
+HAVE_EMBEDDING = (EXAMPLES / "minilm-int8" / "1" / "model.onnx").is_file()
+needs_embedding = pytest.mark.skipif(not HAVE_EMBEDDING, reason="example models not built")
+ASK = [{"role": "user", "content": "hi"}]
+PIXELS = {"name": "pixels", "shape": [1, 64], "datatype": "FP32", "data": [0.0] * 64}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    root = tmp_path_factory.mktemp("hostile-sweep-repo")
+    build_llm(root, "tiny", llm={"max_model_len": 1024, "kv_cache_bytes": 8 << 20})
+    names = ["digits", *(EMBEDDING_STEPS if HAVE_EMBEDDING else ())]
+    for name in names:
+        (root / name).mkdir()
+        shutil.copy(EXAMPLES / name / "config.yaml", root / name / "config.yaml")
+        (root / name / "1").symlink_to(EXAMPLES / name / "1")
+    running = start_server(root, tmp_path_factory.mktemp("hostile-sweep"), timeout=300)
+    yield running
+    running.stop()
+
+
+def _post(
+    server: RunningServer, path: str, body: Any, timeout: float = 30.0
+) -> tuple[int, dict[str, Any]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def _refused(server: RunningServer, path: str, body: Any, field: str) -> str:
+    """The error message of a refused request (checks the status and the field named)."""
+    status, doc = _post(server, path, body)
+    assert 400 <= status < 500, (status, doc)
+    error = doc["error"]
+    message = error["message"] if isinstance(error, dict) else error
+    assert message.startswith(field) or f"'{field}'" in message, message
+    assert "Traceback" not in message
+    if isinstance(error, dict) and error.get("param") is not None:
+        assert error["param"].startswith(field.split("[")[0]), error
+    return str(message)
+
+
+def _serves(server: RunningServer) -> None:
+    status, doc = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": ASK,
+                                                           "max_tokens": 2})  # fmt: skip
+    assert status == 200, doc
+    status, doc = _post(server, "/v2/models/digits/infer", {"inputs": [PIXELS]})
+    assert status == 200, doc
+
+
+def _nested_properties(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+# ---------------------------------------------------------------------- regressions
+def test_closing_a_deep_tool_schema_is_linear() -> None:
+    from rtserve.server.tools import closed
+
+    started = time.perf_counter()
+    out = closed(_nested_properties(60))
+    assert time.perf_counter() - started < 1.0
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    # A property named "properties" is a schema, not a map; enum values are not schemas.
+    odd = closed({"type": "object", "properties": {"properties": {"enum": [{"properties": {}}]}}})
+    assert odd["properties"] == {"properties": {"enum": [{"properties": {}}]}}
+
+
+def test_a_deeply_nested_tool_schema_is_answered_at_once(server: RunningServer) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": _nested_properties(40)}}
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 4, "tools": [tool],
+            "tool_choice": "required"}  # fmt: skip
+    started = time.monotonic()
+    status, doc = _post(server, "/v1/chat/completions", body, timeout=30)
+    assert time.monotonic() - started < 20
+    assert status == 200 or 400 <= status < 500, doc
+    status, _ = _post_raw(server, "/v1/responses", {
+        "model": "tiny", "input": "hi", "max_output_tokens": 4, "tool_choice": "required",
+        "tools": [{"type": "function", "name": "f", "parameters": _nested_properties(40)}],
+    })  # fmt: skip
+    assert status == 200 or 400 <= status < 500
+    _serves(server)
+
+
+def _post_raw(server: RunningServer, path: str, body: Any) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode())
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def test_responses_errors_name_the_fields_sent(server: RunningServer) -> None:
+    base = {"model": "tiny", "input": "hi", "max_output_tokens": 4}
+    for value in (-1, "x", 1 << 30):
+        _refused(server, "/v1/responses", {**base, "max_output_tokens": value},
+                 "max_output_tokens")  # fmt: skip
+    message = _refused(server, "/v1/responses", {**base, "max_output_tokens": 100_000},
+                       "max_output_tokens")  # fmt: skip
+    assert "max_model_len" in message
+    message = _refused(
+        server, "/v1/responses", {**base, "input": [{"type": "reasoning", "summary": []}]}, "input"
+    )
+    assert "messages" not in message
+    _refused(server, "/v1/responses", {**base, "input": "x" * 100_000}, "input")
+    _serves(server)
+
+
+@pytest.mark.parametrize("field,value", [("conversation", "conv_1"), ("prompt.id", {"id": "p"})])
+def test_responses_refuse_stored_state(server: RunningServer, field: str, value: Any) -> None:
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, field.split(".")[0]: value}
+    _refused(server, "/v1/responses", body, field)
+
+
+@needs_embedding
+def test_embedding_token_ids_outside_the_vocabulary_name_input(server: RunningServer) -> None:
+    body = {"model": "text-embedding", "input": [[101, 2023, 99_999_999]]}
+    message = _refused(server, "/v1/embeddings", body, "input[0]")
+    assert "99999999" in message and "30522" in message
+    ok = {"model": "text-embedding", "input": [[101, 2023, 102]]}
+    assert _post(server, "/v1/embeddings", ok)[0] == 200
+    # A token-id model without a tokenizer: the runtime's refusal names the field.
+    _refused(
+        server, "/v1/embeddings", {"model": "minilm-int8", "input": [[1, 99_999_999]]}, "input"
+    )
+    _refused(server, "/v1/embeddings", {"model": "minilm-int8", "input": [[1] * 1000]}, "input")
+    assert (
+        _post(server, "/v1/embeddings", {"model": "minilm-int8", "input": [[101, 102]]})[0] == 200
+    )
+
+
+# ---------------------------------------------------------------------- the sweep
+CHAT = "/v1/chat/completions"
+BAD_CHAT = [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"n": 1000}, "n"),
+    ({"logprobs": True, "top_logprobs": 100}, "top_logprobs"),
+    ({"stop": ["x"] * 100}, "stop"),
+    ({"seed": 1.5}, "seed"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"stream": True, "stream_options": "x"}, "stream_options"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "string", "minLength": 5, "maxLength": 2}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "enum": [f"v{i}" for i in range(10_000)]}}}}, "response_format.json_schema.schema"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields,field", BAD_CHAT, ids=[f for _, f in BAD_CHAT])
+def test_chat_fields(server: RunningServer, fields: dict[str, Any], field: str) -> None:
+    _refused(server, CHAT, {"model": "tiny", "messages": ASK, "max_tokens": 4, **fields}, field)
+
+
+def test_completions_and_embeddings_fields(server: RunningServer) -> None:
+    text = {"model": "tiny", "max_tokens": 4}
+    _refused(server, "/v1/completions", {**text, "prompt": [1, 2, 999_999]}, "prompt[2]")
+    _refused(server, "/v1/completions", {**text, "prompt": [5] * 2000}, "prompt")
+    _refused(server, "/v1/completions", {**text, "prompt": "x", "echo": "yes"}, "echo")
+    _refused(server, "/v1/embeddings", {"model": "digits", "input": "x"}, "model")
+    _refused(server, "/v1/embeddings", {"model": "x", "input": "x", "dimensions": 0}, "dimensions")
+    _refused(server, "/v1/embeddings", {"model": "x", "input": ["a"] * 3000}, "input")
+    assert _post(server, "/v1/chat/completions", {"model": "nope", "messages": ASK})[0] == 404
+    _serves(server)
+
+
+def test_bodies(server: RunningServer) -> None:
+    for path in (CHAT, "/v1/embeddings", "/v1/responses", "/v2/models/digits/infer"):
+        for body in (b"{", b"[" * 100_000 + b"]" * 100_000, b'{"model": 1e400}', b'{"a":"\xff"}'):
+            status, _ = _post(server, path, body)
+            assert 400 <= status < 500, (path, body[:20], status)
+    _serves(server)
+
+
+def test_v2_tensors(server: RunningServer) -> None:
+    infer = "/v2/models/digits/infer"
+    _refused(server, infer, {"inputs": [{**PIXELS, "shape": [-1, 64]}]}, "pixels")
+    _refused(server, infer, {"inputs": [{**PIXELS, "shape": [1 << 40, 1 << 40]}]}, "pixels")
+    _refused(server, infer, {"inputs": [{**PIXELS, "datatype": "FP128"}]}, "pixels")
+    _refused(server, infer, {"inputs": [PIXELS], "outputs": [{"name": "nope"}]}, "outputs[0]")
+    classify = {"name": "logits", "parameters": {"classification": -1}}
+    _refused(server, infer, {"inputs": [PIXELS], "outputs": [classify]}, "outputs[0]")
+    _refused(server, infer, {"inputs": [PIXELS], "parameters": {"timeout": -5}}, "parameters")
+    status, doc = _post(server, "/v2/models/digits/versions/abc/infer", {"inputs": [PIXELS]})
+    assert status == 404 and "abc" in doc["error"]
+    _serves(server)
+
+
+def test_grpc_model_infer(server: RunningServer) -> None:
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    raw = np.zeros((1, 64), np.float32).tobytes()
+
+    def tensor(shape: list[int], datatype: str = "FP32") -> Any:
+        return pb.ModelInferRequest.InferInputTensor(name="pixels", datatype=datatype, shape=shape)
+
+    cases = [
+        ("digits", "", [tensor([1, 64])], [raw, raw], grpc.StatusCode.INVALID_ARGUMENT),
+        ("digits", "", [tensor([1, 64])], [raw[:100]], grpc.StatusCode.INVALID_ARGUMENT),
+        ("digits", "", [tensor([1 << 40, 1 << 40])], [raw], grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ("digits", "", [tensor([1, 64], "XX")], [raw], grpc.StatusCode.INVALID_ARGUMENT),
+        ("digits", "abc", [tensor([1, 64])], [raw], grpc.StatusCode.NOT_FOUND),
+        ("nope", "", [tensor([1, 64])], [raw], grpc.StatusCode.NOT_FOUND),
+    ]
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for model, version, inputs, raws, code in cases:
+            request = pb.ModelInferRequest(
+                model_name=model, model_version=version, inputs=inputs, raw_input_contents=raws
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(request, timeout=10)
+            assert info.value.code() == code, info.value.details()
+            details = info.value.details() or ""
+            assert any(w in details for w in ("pixels", "raw_input_contents", model, version))
+        good = pb.ModelInferRequest(model_name="digits", inputs=[tensor([1, 64])],
+                                    raw_input_contents=[raw])  # fmt: skip
+        assert stub.ModelInfer(good, timeout=10).outputs
