@@ -67,11 +67,13 @@ def save(path: Path, measurements: list[Measurement]) -> None:
 
 
 def load(path: Path) -> list[Measurement]:
-    return [
-        Measurement.from_dict(json.loads(line))
-        for line in path.read_text().splitlines()
-        if line.strip()
-    ]
+    return [Measurement.from_dict(data) for data in read_jsonl(path)]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """One dict per non-blank line of a JSON-lines file (none when it is missing)."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 MARK = "<!-- bench {} -->"

@@ -79,12 +79,6 @@ def _emit(report: Path, record: dict[str, Any]) -> None:
         fh.write(json.dumps(record) + "\n")
 
 
-def _records(report: Path) -> list[dict[str, Any]]:
-    if not report.exists():
-        return []
-    return [json.loads(line) for line in report.read_text().splitlines() if line.strip()]
-
-
 # ---------------------------------------------------------------------------- valid load
 class _ValidConnection(_Connection):
     """Reads the body and the keep-alive of each answer; ``outcome`` names how it ended."""
@@ -666,10 +660,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         server.stop(grace_s=40)
         stop_s = time.monotonic() - stop_began
     log = (work / "server.log").read_text(errors="replace").splitlines()
-    records = _records(valid_rec)
+    records = results.read_jsonl(valid_rec)
     windows = [r for r in records if not r.get("final") and not r.get("drain")]
     valid_totals = next((r for r in reversed(records) if r.get("final")), {"lost": -1})
-    hostile_final = (_records(hostile_rec) or [{}])[-1]
+    hostile_final = (results.read_jsonl(hostile_rec) or [{}])[-1]
     run = {
         "started": started, "command": args.command_line, "minutes": args.minutes, "t0": t0,
         "load": LOAD, "sample_s": args.sample_s, "machine": facts,
