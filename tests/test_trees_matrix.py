@@ -25,7 +25,7 @@ from sklearn.pipeline import make_pipeline  # noqa: E402
 from sklearn.preprocessing import StandardScaler  # noqa: E402
 
 from rtserve.config import parse_model_config  # noqa: E402
-from rtserve.errors import InvalidInput  # noqa: E402
+from rtserve.errors import ConfigError, InvalidInput  # noqa: E402
 from rtserve.runtime import trees  # noqa: E402
 from tests.conftest import post_json, start_server  # noqa: E402
 
@@ -100,6 +100,20 @@ def test_a_row_of_the_wrong_width_is_refused_not_run(tmp_path: Path) -> None:
     )  # (XGBoost's contributions would corrupt memory)
     with pytest.raises(InvalidInput, match=r"input 'features': shape \[1, 18\].*\[-1, 6\]"):
         model.run(0, {"features": wide, "contributions": np.ones(1, np.float32)})
+
+
+def test_truncated_ubj_refused_before_xgboost_reads_it(tmp_path: Path) -> None:
+    x, y = data()
+    xgb.XGBClassifier(n_estimators=10, max_depth=3).fit(x, y).save_model(tmp_path / "model.ubj")
+    whole = (tmp_path / "model.ubj").read_bytes()
+    assert trees._ubjson_problem(whole) == ""
+    # (XGBoost reads lengths from wherever a cut leaves it: a huge allocation, or a crash)
+    for cut in range(1, len(whole), len(whole) // 60):
+        d = tmp_path / f"cut{cut}"
+        d.mkdir()
+        (d / "model.ubj").write_bytes(whole[:cut])
+        with pytest.raises(ConfigError, match=rf"cut{cut}/model\.ubj: .*truncated"):
+            trees.load(config("xgboost"), d)
 
 
 # -- through a real server ------------------------------------------------------------------

@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import re
+import struct
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -188,6 +189,9 @@ def _xgboost(path: Path, obj: Any = None) -> Adapter:
     import xgboost as xgb
 
     if obj is None:
+        problem = _ubjson_problem(path.read_bytes()) if path.suffix == ".ubj" else ""
+        if problem:
+            raise ConfigError(f"{path}: xgboost could not load the model: {problem}")
         booster = xgb.Booster()
         try:
             booster.load_model(str(path))
@@ -388,6 +392,94 @@ def _check_lightgbm_text(path: Path) -> None:
             why = f"its trees take {end - start} bytes where the header says {expected}"
     if why:
         raise ConfigError(f"{path}: lightgbm could not load the model: {why}")
+
+
+_UBJ_SIZES = {b"i": 1, b"U": 1, b"I": 2, b"l": 4, b"L": 8, b"d": 4, b"D": 8, b"C": 1}
+_UBJ_INTS = {b"i": ">b", b"U": ">B", b"I": ">h", b"l": ">i", b"L": ">q"}
+
+
+def _ubjson_problem(data: bytes) -> str:
+    """Why ``data`` is not one whole UBJSON value ('' if it is): every length and count in
+    it must fit in the bytes that follow. XGBoost trusts them: a truncated ``model.ubj``
+    can make it allocate a count read from the wrong bytes (and be killed for memory)."""
+    end = len(data)
+
+    def need(pos: int, k: int) -> None:
+        if k < 0 or pos + k > end:
+            raise ValueError(f"it ends inside a value at byte {pos} (truncated?)")
+
+    def integer(pos: int, marker: bytes) -> tuple[int, int]:
+        fmt = _UBJ_INTS.get(marker)
+        if fmt is None:
+            raise ValueError(f"expected an integer at byte {pos - 1}, found {marker!r}")
+        k = _UBJ_SIZES[marker]
+        need(pos, k)
+        return struct.unpack_from(fmt, data, pos)[0], pos + k
+
+    def length(pos: int) -> tuple[int, int]:
+        need(pos, 1)
+        n, pos = integer(pos + 1, data[pos : pos + 1])
+        if n < 0:
+            raise ValueError(f"a negative length at byte {pos}")
+        return n, pos
+
+    def value(pos: int, marker: bytes) -> int:
+        if marker in (b"Z", b"T", b"F", b"N"):
+            return pos
+        if marker in _UBJ_SIZES:
+            need(pos, _UBJ_SIZES[marker])
+            return pos + _UBJ_SIZES[marker]
+        if marker in (b"S", b"H"):
+            n, pos = length(pos)
+            need(pos, n)
+            return pos + n
+        if marker in (b"[", b"{"):
+            return container(pos, marker == b"{")
+        raise ValueError(f"unknown marker {marker!r} at byte {pos - 1}")
+
+    def container(pos: int, is_object: bool) -> int:
+        typed = None
+        count = None
+        need(pos, 1)
+        if data[pos : pos + 1] == b"$":
+            need(pos + 1, 1)
+            typed = data[pos + 1 : pos + 2]
+            pos += 2
+            need(pos, 1)
+            if data[pos : pos + 1] != b"#":
+                raise ValueError(f"a typed container without a count at byte {pos}")
+        if data[pos : pos + 1] == b"#":
+            count, pos = length(pos + 1)
+        close = b"}" if is_object else b"]"
+        i = 0
+        while True:
+            if count is not None and i == count:
+                return pos
+            need(pos, 1)
+            if count is None and data[pos : pos + 1] == close:
+                return pos + 1
+            if is_object:
+                n, pos = length(pos)
+                need(pos, n)
+                pos += n
+            if typed is not None:
+                if not is_object and typed in _UBJ_SIZES:  # (a typed array: skipped at once)
+                    need(pos, _UBJ_SIZES[typed] * (count or 0))
+                    return pos + _UBJ_SIZES[typed] * (count or 0)
+                pos = value(pos, typed)
+            else:
+                need(pos, 1)
+                pos = value(pos + 1, data[pos : pos + 1])
+            i += 1
+
+    try:
+        need(0, 1)
+        pos = value(1, data[0:1])
+    except (ValueError, struct.error) as exc:
+        return str(exc)
+    if pos != end:
+        return f"{end - pos} bytes follow the model's end"
+    return ""
 
 
 def _catboost(path: Path, obj: Any = None) -> Adapter:
