@@ -199,7 +199,8 @@ def measure_server(name: str, work: Path, plan: Plan) -> dict[str, Any]:
             ready_s = round(time.monotonic() - started, 1)
             print(f"  {name}: ready in {ready_s:.0f} s", flush=True)
             asyncio.run(closed_loop(url, [chat_body(MODEL, story(i), 8) for i in range(4)], 4))
-            return {"ready_s": ready_s} | {w: measure_workload(url, w, plan) for w in plan.workloads}  # fmt: skip
+            rows = {w: measure_workload(url, w, plan) for w in plan.workloads}
+            return {"ready_s": ready_s} | rows
         except Exception as exc:
             print(f"  {name}: FAILED {exc}", flush=True)
             return {"error": f"{type(exc).__name__}: {exc}"[:500]}
@@ -227,7 +228,8 @@ def measure_hf(work: Path, plan: Plan, timeout_s: float = 600) -> dict[str, Any]
     rows = {}
     for line in out.read_text().splitlines():
         row = orjson.loads(line)
-        rows[str(row["batch"])] = {"tok_s": round(row["tok_s"], 1), "seconds": round(row["seconds"], 2)}  # fmt: skip
+        rows[str(row["batch"])] = {"tok_s": round(row["tok_s"], 1),
+                                   "seconds": round(row["seconds"], 2)}  # fmt: skip
         print(f"    stories batch {row['batch']}: {round(row['tok_s'], 1)} tok/s", flush=True)
     return {"stories": rows} | ({"error": error} if error else {})
 

@@ -212,19 +212,12 @@ class _Sweep:
             codes.update(r["codes"])
         lat = np.asarray([x for r in results for x in r["latency_ms"]])
         pct = (lambda q: float(np.percentile(lat, q))) if lat.size else (lambda q: float("nan"))
-        return {
-            "model": m,
-            "offered": rate,
-            "scheduled": sum(r["scheduled"] for r in results),
-            "ok": int(lat.size),
-            "codes": dict(codes),
-            "unfinished": sum(r["unfinished"] for r in results),
-            "elapsed": max(r["elapsed"] for r in results),
-            "client_lag_p99_ms": max(r["lag_p99_ms"] for r in results),
-            "latencies": lat,
-            "p50_ms": pct(50),
-            "p99_ms": pct(99),
-        }
+        return {"model": m, "offered": rate, "scheduled": sum(r["scheduled"] for r in results),
+                "ok": int(lat.size), "codes": dict(codes),
+                "unfinished": sum(r["unfinished"] for r in results),
+                "elapsed": max(r["elapsed"] for r in results),
+                "client_lag_p99_ms": max(r["lag_p99_ms"] for r in results),
+                "latencies": lat, "p50_ms": pct(50), "p99_ms": pct(99)}  # fmt: skip
 
     def load_point(self, m: str, load: float, i: int, capacity: float, within_s: float):
         """``m`` at ``load`` x capacity: goodput, latencies and the server's own counters."""
@@ -238,14 +231,11 @@ class _Sweep:
             r["server_within"] = delta["within"] / delta["answered"] if delta["answered"] else None
         if m == "slo":
             r["slo_factor"] = after["rtserve_slo_budget_factor"]
-            r["slo_batch_rows"] = delta["rtserve_batch_size_sum"] / max(
-                1.0, delta["rtserve_batch_size_count"]
-            )
+            total, batches = delta["rtserve_batch_size_sum"], delta["rtserve_batch_size_count"]
+            r["slo_batch_rows"] = total / max(1.0, batches)
         r["load"] = load
         r["goodput"] = int((r["latencies"] <= objective).sum()) / self.args.seconds
-        slo = (
-            f"  factor {r['slo_factor']:.2f}  batch {r['slo_batch_rows']:.1f}" if m == "slo" else ""
-        )
+        slo = f"  factor {r['slo_factor']:.2f}  batch {r['slo_batch_rows']:.1f}" if m == "slo" else ""  # fmt: skip
         print(f"load {load:>4}x {m:>6}: goodput {r['goodput']:8.0f}/s  ok {r['ok']:6d}  "
               f"p99 {r['p99_ms']:8.2f} ms  codes {r['codes']}  lost {r['unfinished']}  "
               f"client lag p99 {r['client_lag_p99_ms']:.1f} ms  drained {r['drained_s']:.1f} s{slo}",
@@ -316,14 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="slo-bench-"))
     model_file = _model_file(args.workload)
-    models = _repository(
-        work / "repo", model_file, args.objective_ms, _ints(args.windows), args.max_batch
-    )
+    windows, repo = _ints(args.windows), work / "repo"
+    models = _repository(repo, model_file, args.objective_ms, windows, args.max_batch)
     body = work / "body.json"
     body.write_bytes(_request_body(args.workload, args.seq))
-    server, ports = procs.rtserve(
-        work, "--model-repository", str(work / "repo"), cpus=args.server_cpus, src=args.src
-    )
+    server, ports = procs.rtserve(work, "--model-repository", str(repo), cpus=args.server_cpus,
+                                  src=args.src)  # fmt: skip
     port = ports["http_port"]
     urls = {m: f"http://127.0.0.1:{port}/v2/models/{m}/infer" for m in models}
     sweep = _Sweep(args, urls, body, port, {}, work)
@@ -373,10 +361,8 @@ def _plot(rows: list[dict], models: list[str], objective: float, path: Path, tit
         style: dict = {"marker": "o", "markersize": 4}
         label = f"rtserve fixed {m}" if m.startswith("w") else m
         if m == "slo":
-            style, label = (
-                {"marker": "o", "linewidth": 2.6, "color": "black", "zorder": 5},
-                "rtserve SLO controller",
-            )
+            style = {"marker": "o", "linewidth": 2.6, "color": "black", "zorder": 5}
+            label = "rtserve SLO controller"
         elif m.startswith("triton"):
             style = {"marker": "s", "markersize": 4, "linestyle": "--"}
         loads = [r["load"] for r in pts]
@@ -405,12 +391,7 @@ def _write(args, rows, models, capacity, took) -> None:  # type: ignore[no-untyp
     for load in sorted({r["load"] for r in rows}):
         at = [r for r in rows if r["load"] == load]
         s = next(r for r in at if r["model"] == "slo")
-        row = [
-            f"{load:g}x",
-            f"{s['goodput']:.0f}",
-            f"{s['p99_ms']:.1f}",
-            str(s["codes"].get("429", 0)),
-        ]
+        row = [f"{load:g}x", f"{s['goodput']:.0f}", f"{s['p99_ms']:.1f}", str(s["codes"].get("429", 0))]  # fmt: skip
         others = [0.0]
         for labels in groups.values():
             x = _best(at, labels)
@@ -423,9 +404,7 @@ def _write(args, rows, models, capacity, took) -> None:  # type: ignore[no-untyp
                f"{r['slo_factor']:.2f}, {r['slo_batch_rows']:.1f}" if "slo_factor" in r else ""]
               for r in rows]  # fmt: skip
     what = args.workload + (f" seq {args.seq}" if args.workload == "minilm" else "")
-    how = (
-        "given" if args.capacity else "measured first, the best configuration under heavy overload"
-    )
+    how = "given" if args.capacity else "measured first, the best configuration under heavy overload"  # fmt: skip
     pins = (f", pinned to CPUs {args.client_cpus}" if args.client_cpus else "") + (
         f"; server pinned to CPUs {args.server_cpus}" if args.server_cpus else "")  # fmt: skip
     png = args.out.with_suffix(".png")

@@ -97,7 +97,8 @@ def measure(cmd: list[str], csv_file: Path, base: Measurement, timeout_s: float)
     )
     csv_file.unlink(missing_ok=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=environment())  # fmt: skip
+        env = environment()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         base.error = f"perf_analyzer timed out after {timeout_s:.0f}s"
         return base
