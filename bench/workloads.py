@@ -41,19 +41,11 @@ class Workload:
 
     def v2_body(self) -> bytes:
         """The one-row V2 JSON request every HTTP peer gets."""
-        return orjson.dumps(
-            {
-                "inputs": [
-                    {
-                        "name": spec.name,
-                        "shape": list(array.shape),
-                        "datatype": spec.datatype,
-                        "data": _plain(array),
-                    }
-                    for spec, array in zip(self.inputs, self.sample().values(), strict=True)
-                ]
-            }
-        )
+        rows = zip(self.inputs, self.sample().values(), strict=True)
+        return orjson.dumps({"inputs": [
+            {"name": spec.name, "shape": list(array.shape), "datatype": spec.datatype,
+             "data": _plain(array)} for spec, array in rows
+        ]})  # fmt: skip
 
     def perf_analyzer_data(self) -> str:
         """The same row as a perf_analyzer ``--input-data`` file (shapes without the batch axis)."""
