@@ -404,30 +404,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(
-    plan: Plan,
-    run_dir: Path,
-    out: Path,
-    base: baseline.Baseline | None,
-    argv: list[str] | None,
+    plan: Plan, run_dir: Path, out: Path, base: baseline.Baseline | None, argv: list[str] | None
 ) -> int:
     started = time.monotonic()
     suite = Suite(plan, run_dir, base)
-    facts = machine.facts()
     order = list(MATRIX_ORDER)
     labels = {name: p.label for name, p in suite.peers.items()} | {limits.PEER: "onnxruntime alone"}
     if base is not None:
         order.insert(1, BASELINE)
     record = RunRecord(
-        mode="quick" if plan.quick else "full",
-        command=_command_line(sys.argv[1:] if argv is None else argv),
-        started=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        duration_s=0.0,
-        machine=facts,
-        versions={},
-        settings=settings_table(plan),
-        labels=labels,
-        order=order,
-        notes=[NOTES[3]] if plan.quick else list(NOTES),
+        mode="quick" if plan.quick else "full", command=_command_line(sys.argv[1:] if argv is None else argv),
+        started=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), duration_s=0.0,
+        machine=machine.facts(), versions={}, settings=settings_table(plan), labels=labels,
+        order=order, notes=[NOTES[3]] if plan.quick else list(NOTES),
     )  # fmt: skip
     raw: list[Measurement] = []
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,13 +45,10 @@ class Settings:
     progress: bool
 
 
-def options(settings: Settings, **kw: object) -> OptimizeOptions:
-    base = OptimizeOptions(
-        iterations=settings.iterations, max_seconds=settings.max_seconds, progress=settings.progress
-    )
-    for k, v in kw.items():
-        setattr(base, k, v)
-    return base
+def options(settings: Settings, **kw: Any) -> OptimizeOptions:
+    base = dict(iterations=settings.iterations, max_seconds=settings.max_seconds,
+                progress=settings.progress)  # fmt: skip
+    return OptimizeOptions(**{**base, **kw})
 
 
 def version_of(pkg: str) -> str:
