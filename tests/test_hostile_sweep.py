@@ -4,8 +4,8 @@ NOT_FOUND / RESOURCE_EXHAUSTED) whose message names the field, fast, and a good 
 answers after it. Regressions of what such a sweep found: a tool schema nested a few dozen
 levels that held the event loop (its ``additionalProperties`` pass was exponential),
 Responses errors that named the chat field (``messages``, ``max_tokens``) instead of the one
-sent, stored conversations ignored, and embedding token ids out of the vocabulary taken or
-refused without naming ``input``."""
+sent, stored conversations ignored, embedding token ids out of the vocabulary taken or
+refused without naming ``input``, and an unload whose body was malformed done anyway."""
 
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         (root / name).mkdir()
         shutil.copy(EXAMPLES / name / "config.yaml", root / name / "config.yaml")
         (root / name / "1").symlink_to(EXAMPLES / name / "1")
-    running = start_server(root, tmp_path_factory.mktemp("hostile-sweep"), timeout=300)
+    work = tmp_path_factory.mktemp("hostile-sweep")
+    control = ("--model-control-mode", "explicit", "--load-model", "*")
+    running = start_server(root, work, *control, timeout=300)
     yield running
     running.stop()
 
@@ -168,6 +170,22 @@ def test_embedding_token_ids_outside_the_vocabulary_name_input(server: RunningSe
     assert (
         _post(server, "/v1/embeddings", {"model": "minilm-int8", "input": [[101, 102]]})[0] == 200
     )
+
+
+def test_a_malformed_unload_body_unloads_nothing(server: RunningServer) -> None:
+    unload = "/v2/repository/models/digits/unload"
+    for body, field in [
+        (b"{", "unload request body"),
+        ([], "unload request body"),
+        ({"model": "mlp"}, "unload request body"),
+        ({"parameters": 5}, "unload request parameters"),
+        (
+            {"parameters": {"unload_dependents": "yes"}},
+            "unload request parameters.unload_dependents",
+        ),
+    ]:
+        _refused(server, unload, body, field)
+    _serves(server)
 
 
 # ---------------------------------------------------------------------- the sweep

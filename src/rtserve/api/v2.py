@@ -74,12 +74,39 @@ def model_control(app: Application, call: Call, peer: str) -> Pending:
             if parts[5] == "load":
                 await app.control.load(parts[4], config_from_body(call.body))
             else:
+                _check_unload_body(call.body)
                 await app.control.unload(parts[4])
         except Exception as exc:
             return error_reply(call.path, exc)
         return 200, b"", [JSON_TYPE]
 
     return Pending(answer, abort_on_lost=False)
+
+
+def _check_unload_body(body: bytes) -> None:
+    """An unload request's optional body, ``{"parameters": {"unload_dependents": bool}}``:
+    one that says something else is refused before the model is unloaded."""
+    if not body.strip():
+        return
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise InvalidInput("unload request body: not valid JSON") from None
+    if not isinstance(doc, dict) or set(doc) - {"parameters"}:
+        raise InvalidInput(
+            f'unload request body: expected {{"parameters": {{...}}}}, got {repr(doc)[:100]}'
+        )
+    parameters = doc.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise InvalidInput(
+            f"unload request parameters: expected an object, got {repr(parameters)[:100]}"
+        )
+    dependents = parameters.get("unload_dependents", False)
+    if not isinstance(dependents, bool):
+        raise InvalidInput(
+            "unload request parameters.unload_dependents: expected true or false, got "
+            f"{repr(dependents)[:100]}"
+        )
 
 
 def other(app: Application, call: Call, peer: str) -> Answer:
