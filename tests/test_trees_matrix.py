@@ -116,6 +116,25 @@ def test_truncated_ubj_refused_before_xgboost_reads_it(tmp_path: Path) -> None:
             trees.load(config("xgboost"), d)
 
 
+def test_refusals_name_the_file_and_the_reason(tmp_path: Path) -> None:
+    x, y = data()
+    clf = xgb.XGBClassifier(n_estimators=5, max_depth=2).fit(x, y)
+    (tmp_path / "model.pkl").write_bytes(pickle.dumps(clf)[:40])  # a damaged pickle
+    with pytest.raises(ConfigError, match=r"model\.pkl: xgboost could not load the model: Unp"):
+        trees.load(config("xgboost", allow_pickle=True), tmp_path)
+    (tmp_path / "model.pkl").write_bytes(pickle.dumps(clf))
+    with pytest.raises(
+        ConfigError, match=r"treelite compiles the framework's own file.*model\.pkl"
+    ):
+        trees.load(config("xgboost", allow_pickle=True, execution="treelite"), tmp_path)
+    (tmp_path / "model.pkl").unlink()
+    clf.save_model(tmp_path / "model.json")
+    with pytest.raises(ConfigError, match=r"execution: lleaves is for LightGBM models"):
+        trees.load(config("xgboost", execution="lleaves"), tmp_path)
+    with pytest.raises(ConfigError, match=r"datatype: BYTES is for CatBoost"):
+        trees.load(config("xgboost", datatype="BYTES"), tmp_path)
+
+
 # -- through a real server ------------------------------------------------------------------
 
 

@@ -812,6 +812,18 @@ class TreeModel:
         """The framework's own execution, or faster ones that give the same answers."""
         native = tree_engines.Engine("native", a.value)
         candidates = []
+        where = f"{config.source}: {config.backend}.execution: {options.execution}"
+        if options.execution == "lleaves" and a.framework != "lightgbm":
+            raise ConfigError(f"{where} is for LightGBM models (model.txt)")
+        if (
+            options.execution in ("treelite", "lleaves")
+            and a.booster is not None
+            and path.suffix not in (".json", ".ubj", ".txt")
+        ):
+            raise ConfigError(
+                f"{where} compiles the framework's own file (model.json, model.ubj, "
+                f"model.txt), not {path.name}"
+            )
         if a.booster is not None and options.execution in ("auto", "treelite", "lleaves", "onnx"):
             makers: list[tuple[str, Callable[[], tree_engines.Engine]]] = []
             if options.execution in ("auto", "treelite") and path.suffix in (
@@ -959,8 +971,8 @@ def load(config: ModelConfig, version_dir: Path) -> Any:
         from rtserve.runtime.onnx import OnnxRuntimeModel
 
         return OnnxRuntimeModel.load(config, version_dir)
-    obj = _load_pickle(path) if path.name in PICKLES else None
     try:
+        obj = _load_pickle(path) if path.name in PICKLES else None
         if framework == "xgboost":
             adapter = _xgboost(path, obj)
         elif framework == "lightgbm":
