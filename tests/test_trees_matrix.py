@@ -91,6 +91,21 @@ def test_sklearn_pipeline_with_an_early_stopped_xgboost(tmp_path: Path) -> None:
     np.testing.assert_allclose(out["contributions"], want, atol=TOL)
 
 
+def test_xgboost_gblinear_served(tmp_path: Path) -> None:
+    x, y = data(3)
+    x = np.nan_to_num(x).astype(np.float32)
+    clf = xgb.XGBClassifier(n_estimators=10, booster="gblinear").fit(x, y)
+    clf.save_model(tmp_path / "model.json")
+    model = trees.load(config("xgboost", outputs=["predict", "predict_proba", "margin"]), tmp_path)
+    assert model.execution == "native"  # (no trees to compile or convert)
+    out = model.run(0, {"features": x[:7], "contributions": np.ones(7, np.float32)})
+    np.testing.assert_allclose(out["predict_proba"], clf.predict_proba(x[:7]), atol=TOL)
+    np.testing.assert_array_equal(out["predict"], clf.predict(x[:7]))
+    np.testing.assert_allclose(out["margin"], clf.predict(x[:7], output_margin=True), atol=TOL)
+    want = clf.get_booster().predict(xgb.DMatrix(x[:7]), pred_contribs=True)
+    np.testing.assert_allclose(out["contributions"], want, atol=TOL)
+
+
 def test_a_row_of_the_wrong_width_is_refused_not_run(tmp_path: Path) -> None:
     clf, x = early_stopped()
     clf.save_model(tmp_path / "model.json")

@@ -212,16 +212,23 @@ def _xgboost(path: Path, obj: Any = None) -> Adapter:
         kind = "multiclass"
     n = booster.num_features()
     softmax = objective == "multi:softmax"
+    inplace = booster.inplace_predict
+    if learner.get("gradient_booster", {}).get("name") == "gblinear":
+
+        def inplace(x: np.ndarray, predict_type: str = "value") -> np.ndarray:
+            # (gblinear has no inplace_predict: through a DMatrix)
+            dm = xgb.DMatrix(x, feature_names=booster.feature_names, nthread=1)
+            return booster.predict(dm, output_margin=predict_type == "margin")
 
     def value(x: np.ndarray) -> np.ndarray:
         if softmax:
-            m = booster.inplace_predict(x, predict_type="margin")
+            m = inplace(x, predict_type="margin")
             e = np.exp(m - m.max(axis=1, keepdims=True))
             return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
-        return booster.inplace_predict(x)
+        return inplace(x)
 
     def margin(x: np.ndarray) -> np.ndarray:
-        return booster.inplace_predict(x, predict_type="margin")
+        return inplace(x, predict_type="margin")
 
     names = booster.feature_names
 
@@ -992,4 +999,11 @@ def load(config: ModelConfig, version_dir: Path) -> Any:
             f"{config.source}: inputs/outputs: a {framework} model's come from the model "
             f"(choose outputs with {framework}.outputs)"
         )
-    return TreeModel(adapter, config, options, path)
+    try:
+        return TreeModel(adapter, config, options, path)
+    except (ConfigError, InvalidInput):
+        raise
+    except Exception as exc:  # (the check batch at load: a model the framework cannot run)
+        raise ConfigError(
+            f"{path}: {framework} could not run the model: {type(exc).__name__}: {_first_line(exc)}"
+        ) from exc
