@@ -158,15 +158,9 @@ def choose_knee(rows: Sequence[Row], baseline_accuracy: float) -> Row | None:
 
 
 def _batch_modes(
-    directory: pathlib.Path,
-    rows_mode: Any,
-    plain: Any,
-    test: dict[str, np.ndarray],
-    names: Sequence[str],
-    knee: Row | None,
-    rounds: int,
-    seconds: float,
-) -> dict[str, float]:
+    directory: pathlib.Path, rows_mode: Any, plain: Any, test: dict[str, np.ndarray],
+    names: Sequence[str], knee: Row | None, rounds: int, seconds: float,
+) -> dict[str, float]:  # fmt: skip
     """Per-row milliseconds in batches of 32 at the knee: no exits, rows leave, all answer."""
     if knee is None:
         return {}
@@ -175,15 +169,9 @@ def _batch_modes(
     batches = [_feeds(test, names, slice(i, i + BATCH)) for i in range(0, total, BATCH)]
     t = knee.point.threshold
     try:
-        timed = _time_rounds(
-            {
-                "plain": _runs(plain, batches, None),
-                "rows": _runs(rows_mode, batches, t),
-                "all": _runs(all_mode, batches, t),
-            },
-            rounds,
-            seconds,
-        )
+        modes = {"plain": _runs(plain, batches, None), "rows": _runs(rows_mode, batches, t),
+                 "all": _runs(all_mode, batches, t)}  # fmt: skip
+        timed = _time_rounds(modes, rounds, seconds)
     finally:
         all_mode.close()
     return {k: v / total * 1e3 for k, v in timed.items()}
@@ -223,29 +211,18 @@ def _verdict(r: ModelResult) -> str:
 
 def render(results: Sequence[ModelResult], quick: bool) -> str:
     lines = [
-        "## Early exit: answer easy inputs at an early layer",
-        "",
+        "## Early exit: answer easy inputs at an early layer", "",
         "Exit heads after each layer (MiniLM) or block (CNN), trained with the final head as "
         "teacher (`rtserve early-exit`); a row answers at the first exit whose top-class "
         "probability exceeds the request's `exit_threshold`. Latency: the torch runtime's `run`, "
         f"one row per request, {THREADS} thread, median of alternating rounds, against the same "
-        "weights without exits. Knee: the fastest threshold within 1 accuracy point.",
-        "",
-    ]
+        "weights without exits. Knee: the fastest threshold within 1 accuracy point.", "",
+    ]  # fmt: skip
     for r in results:
         t = r.trained
-        lines += [
-            f"### {r.title}",
-            "",
-            f"Trained in {t.seconds:.0f} s on {len(t.data.y_train)} rows; "
-            f"test split {len(t.data.y_test)} rows; section {r.seconds:.0f} s"
-            f"{' (--quick)' if quick else ''}.",
-            "",
-            _table(r),
-            "",
-            _verdict(r),
-            "",
-        ]
+        lines += [f"### {r.title}", "", f"Trained in {t.seconds:.0f} s on {len(t.data.y_train)} rows; "
+                  f"test split {len(t.data.y_test)} rows; section {r.seconds:.0f} s"
+                  f"{' (--quick)' if quick else ''}.", "", _table(r), "", _verdict(r), ""]  # fmt: skip
     return "\n".join(lines)
 
 
