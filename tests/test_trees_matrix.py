@@ -106,6 +106,21 @@ def test_xgboost_gblinear_served(tmp_path: Path) -> None:
     np.testing.assert_allclose(out["contributions"], want, atol=TOL)
 
 
+@pytest.mark.parametrize("loss", ["MultiRMSE", "RMSEWithUncertainty"])
+def test_catboost_several_values_per_row(tmp_path: Path, loss: str) -> None:
+    x, y = make_regression(200, 5, n_targets=2, random_state=0)
+    reg = cb.CatBoostRegressor(iterations=10, depth=3, verbose=0, loss_function=loss,
+                               allow_writing_files=False)  # fmt: skip
+    reg.fit(x, y if loss == "MultiRMSE" else y[:, 0])
+    reg.save_model(str(tmp_path / "model.cbm"))
+    model = trees.load(config("catboost", outputs=["predict", "margin"]), tmp_path)
+    out = model.run(0, {"features": x[:7], "contributions": np.ones(7, np.float32)})
+    for spec in model.outputs:  # (the metadata's shapes are the answers')
+        assert out[spec.name].shape == (7, *spec.shape), spec
+    assert out["predict"].shape == (7, 2)
+    np.testing.assert_allclose(out["predict"], reg.predict(x[:7]), rtol=TOL, atol=TOL)
+
+
 def test_a_row_of_the_wrong_width_is_refused_not_run(tmp_path: Path) -> None:
     clf, x = early_stopped()
     clf.save_model(tmp_path / "model.json")

@@ -183,6 +183,7 @@ class Adapter:
     booster: Any = None  # for treelite / onnx conversion
     dtype: Any = np.float32
     targets: int = 1  # a regressor's outputs per row (XGBoost's multi-target models)
+    contributions_shape: tuple[int, ...] | None = None  # per row, if not [targets, F + 1]
 
 
 def _xgboost(path: Path, obj: Any = None) -> Adapter:
@@ -547,8 +548,15 @@ def _catboost(path: Path, obj: Any = None) -> Adapter:
     if kind != "regression":
         names = getattr(model, "classes_", None)
         classes = tuple(names) if names is not None and len(names) else (0, 1)
+    targets, each = 1, None  # (MultiRMSE, RMSEWithUncertainty: several values per row)
+    if kind == "regression":
+        shape = np.shape(value(np.zeros((1, n))))
+        targets = shape[1] if len(shape) == 2 else 1
+        if targets > 1:  # (RMSEWithUncertainty's contributions: of the mean only)
+            each = np.shape(contributions(np.zeros((1, n))))[1:]
     return Adapter("catboost", kind, n, _names(model.feature_names_, n), classes, np.float64,
-                   value, margin, contributions, dtype=np.float64)  # fmt: skip
+                   value, margin, contributions, dtype=np.float64, targets=targets,
+                   contributions_shape=each)  # fmt: skip
 
 
 def _catboost_text(x: np.ndarray, cats: list[int]) -> np.ndarray:
@@ -793,7 +801,7 @@ class TreeModel:
         outputs = [specs[w] for w in self.wanted]
         self.row_parameters: tuple[RowParameter, ...] = ()
         if self.contributing:
-            shape = (*width, a.n_features + 1)
+            shape = a.contributions_shape or (*width, a.n_features + 1)
             outputs.append(TensorSpec(CONTRIBUTIONS, "FP64", (*rows, *shape)))
             outputs.append(TensorSpec(REASONS, "BYTES", (*rows, self.k)))
             self.row_parameters = (CONTRIBUTIONS_PARAMETER,)
