@@ -5,7 +5,8 @@ answers after it. Regressions of what such a sweep found: a tool schema nested a
 levels that held the event loop (its ``additionalProperties`` pass was exponential),
 Responses errors that named the chat field (``messages``, ``max_tokens``) instead of the one
 sent, stored conversations ignored, embedding token ids out of the vocabulary taken or
-refused without naming ``input``, and an unload whose body was malformed done anyway."""
+refused without naming ``input``, an unload whose body was malformed done anyway, and
+Triton generate with ``n`` > 1 interleaving the answers in one text."""
 
 from __future__ import annotations
 
@@ -185,6 +186,28 @@ def test_a_malformed_unload_body_unloads_nothing(server: RunningServer) -> None:
         ),
     ]:
         _refused(server, unload, body, field)
+    _serves(server)
+
+
+def test_generate_refuses_n_answers_it_cannot_tell_apart(server: RunningServer) -> None:
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    for path in ("/v2/models/tiny/generate", "/v2/models/tiny/generate_stream"):
+        body = {"text_input": "hi", "parameters": {"n": 2, "max_tokens": 2}}
+        _refused(server, path, body, "n")
+    client = grpcclient.InferenceServerClient(server.grpc)
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"hi"], dtype=object))
+        client.async_stream_infer("tiny", [text], parameters={"n": 2, "max_tokens": 2})
+        result, error = answers.get(timeout=30)
+    finally:
+        client.stop_stream()
+    assert result is None and "parameters.n" in str(error)
     _serves(server)
 
 
