@@ -188,13 +188,10 @@ def measure_server(name: str, work: Path, plan: Plan) -> dict[str, Any]:
     url = f"{base}/v1/chat/completions"
     work.mkdir(parents=True, exist_ok=True)
     with procs.bench_lock():
+        server: procs.Server | None = None
         started = time.monotonic()
-        try:
+        try:  # a peer that fails leaves the others' rows
             server = recipe.start(work, port)
-        except Exception as exc:  # a peer that cannot be prepared leaves the others' rows
-            print(f"  {name}: FAILED to start: {exc}", flush=True)
-            return {"error": f"{type(exc).__name__}: {exc}"[:500]}
-        try:
             server.wait_ready(base + recipe.ready_path, timeout_s=1200)
             ready_s = round(time.monotonic() - started, 1)
             print(f"  {name}: ready in {ready_s:.0f} s", flush=True)
@@ -205,7 +202,8 @@ def measure_server(name: str, work: Path, plan: Plan) -> dict[str, Any]:
             print(f"  {name}: FAILED {exc}", flush=True)
             return {"error": f"{type(exc).__name__}: {exc}"[:500]}
         finally:
-            server.stop()
+            if server is not None:
+                server.stop()
 
 
 def measure_hf(work: Path, plan: Plan, timeout_s: float = 600) -> dict[str, Any]:
