@@ -165,14 +165,12 @@ class Suite:
             "--rate", f"{rate:g}", "--duration", f"{self.plan.open_s:g}",
             "--drain", f"{self.plan.open_drain_s:g}",
         ]  # fmt: skip
-        base.extra["command"] = "python -m bench.clients.openloop URL body.json " + " ".join(
-            cmd[5:]
+        base.extra["command"] = (
+            f"python -m bench.clients.openloop URL body.json {' '.join(cmd[5:])}"
         )
+        limit = self.plan.open_s + self.plan.open_drain_s + 30
         try:
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, cwd=ROOT,
-                timeout=self.plan.open_s + self.plan.open_drain_s + 30,
-            )  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=limit)
             data = json.loads(proc.stdout.strip().splitlines()[-1])
         except (subprocess.TimeoutExpired, ValueError, IndexError, OSError) as exc:
             base.error = f"open-loop client: {short_error(str(exc))}"
