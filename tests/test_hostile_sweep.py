@@ -3,10 +3,10 @@
 NOT_FOUND / RESOURCE_EXHAUSTED) whose message names the field, fast, and a good request
 answers after it. Regressions of what such a sweep found: a tool schema nested a few dozen
 levels that held the event loop (its ``additionalProperties`` pass was exponential),
-Responses errors that named the chat field (``messages``, ``max_tokens``) instead of the one
-sent, stored conversations ignored, embedding token ids out of the vocabulary taken or
-refused without naming ``input``, an unload whose body was malformed done anyway, and
-Triton generate with ``n`` > 1 interleaving the answers in one text."""
+Responses errors that named the chat field (``messages``, ``max_tokens``) instead of the
+one sent, stored conversations and logprobs ignored, embedding token ids out of the
+vocabulary taken or refused without naming ``input``, an unload whose body was malformed
+done anyway, and Triton generate with ``n`` > 1 interleaving the answers in one text."""
 
 from __future__ import annotations
 
@@ -150,8 +150,16 @@ def test_responses_errors_name_the_fields_sent(server: RunningServer) -> None:
     _serves(server)
 
 
-@pytest.mark.parametrize("field,value", [("conversation", "conv_1"), ("prompt.id", {"id": "p"})])
-def test_responses_refuse_stored_state(server: RunningServer, field: str, value: Any) -> None:
+UNANSWERABLE = [("conversation", "conv_1"), ("prompt.id", {"id": "p"}), ("top_logprobs", 3),
+                ("logprobs", True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("field,value", UNANSWERABLE, ids=[f for f, _ in UNANSWERABLE])
+def test_responses_refuse_what_they_cannot_answer(
+    server: RunningServer, field: str, value: Any
+) -> None:
+    """Stored state (a conversation, a prompt template) and logprobs, which these answers
+    never carry, are refused rather than ignored."""
     body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, field.split(".")[0]: value}
     _refused(server, "/v1/responses", body, field)
 

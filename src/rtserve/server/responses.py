@@ -58,6 +58,13 @@ def parse(doc: dict[str, Any]) -> openai.OpenAIRequest:
             "absent (rtserve stores no prompt templates: send instructions and input)",
             doc["prompt"],
         )
+    for key in ("top_logprobs", "logprobs"):
+        if doc.get(key) not in (None, 0, False):
+            raise _fail(
+                key,
+                "absent (these answers carry no logprobs: ask /v1/chat/completions for them)",
+                doc[key],
+            )
     if doc.get("background"):
         raise _fail("background", "false or absent", doc["background"])
     if doc.get("reasoning") not in (None, {}):
