@@ -86,7 +86,9 @@ def _mlp_bodies(hot: int, seed: int) -> tuple[list[str], str, str]:
     rng = np.random.default_rng(seed + 1)
     rows = rng.uniform(-1.0, 1.0, size=(hot + 1, 256)).astype(np.float32).astype(float).round(4)
     tensor = {"name": "input", "shape": [1, 256], "datatype": "FP32"}
-    lines = [orjson.dumps({"inputs": [{**tensor, "data": r.tolist()}]}).decode() for r in rows[:hot]]  # fmt: skip
+    lines = [
+        orjson.dumps({"inputs": [{**tensor, "data": r.tolist()}]}).decode() for r in rows[:hot]
+    ]
     rest = ",".join(f"{v:.4f}" for v in rows[hot][1:])
     prefix = '{"inputs":[{"name":"input","shape":[1,256],"datatype":"FP32","data":['
     return lines, prefix, f",{rest}]}}]}}"
@@ -98,7 +100,9 @@ def _minilm_body(feeds: dict[str, np.ndarray], i: int) -> str:
     for name in (spec.name for spec in MINILM.inputs):
         row = feeds[name][i] if name in feeds else [0] * MINILM_SEQ_LEN
         data = [int(v) for v in row]
-        tensors.append({"name": name, "shape": [1, MINILM_SEQ_LEN], "datatype": "INT64", "data": data})  # fmt: skip
+        tensors.append(
+            {"name": name, "shape": [1, MINILM_SEQ_LEN], "datatype": "INT64", "data": data}
+        )
     return orjson.dumps({"inputs": tensors}).decode()
 
 
@@ -281,8 +285,11 @@ def measure(
         counts = point.extra.get("counts")
         if point.error or not counts:
             raise RuntimeError(f"{setup.name}: wrk gave no result ({point.error or 'no counts'})")
-        redis_errors = sum(value for name, _, value in procs.metrics(running.base_url)
-                           if name == "rtserve_cache_redis_errors_total")  # fmt: skip
+        redis_errors = sum(
+            value
+            for name, _, value in procs.metrics(running.base_url)
+            if name == "rtserve_cache_redis_errors_total"
+        )
     finally:
         servers.stop(running)
     tiers = {k: int(counts.get(k, 0)) for k in ("memory", "redis", "miss", "bypass", "none")}
@@ -375,7 +382,9 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = results.parser("python -m bench cache", __doc__)
-    parser.add_argument("--model", choices=(*MODELS, "all"), default="mlp", help="one, or all in turn")  # fmt: skip
+    parser.add_argument(
+        "--model", choices=(*MODELS, "all"), default="mlp", help="one, or all in turn"
+    )
     parser.add_argument("--quick", action="store_true", help="short runs, one round")
     parser.add_argument("--out", type=Path, default=DOC, help="the page its sections go to")
     args = parser.parse_args(argv)

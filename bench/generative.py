@@ -113,8 +113,16 @@ def _rtserve(
         config["llm"]["speculative"] = LOOKUP
     (model / "config.yaml").write_text(yaml.safe_dump(config))
     env = {"TORCH_EXTENSIONS_DIR": str(work / "torch-extensions-baseline")} if src else {}
-    return procs.rtserve(work, "--model-repository", str(work / "repo"), "--http-port", str(port),
-                         src=Path(src) if src else None, env=env, timeout_s=1200)[0]  # fmt: skip
+    return procs.rtserve(
+        work,
+        "--model-repository",
+        str(work / "repo"),
+        "--http-port",
+        str(port),
+        src=Path(src) if src else None,
+        env=env,
+        timeout_s=1200,
+    )[0]
 
 
 BASELINE_SRC = os.environ.get("BENCH_BASELINE_SRC")
@@ -133,11 +141,17 @@ def _rtserve_recipe(weights: str, **options: Any) -> Recipe:
 SERVERS: dict[str, Recipe] = {
     **{f"rtserve-{w}": _rtserve_recipe(w) for w in WEIGHTS},
     **{f"rtserve-{w}-lookup": _rtserve_recipe(w, speculative=True) for w in ("fp32", "int8")},
-    **{f"vllm-{d}": Recipe(partial(vllm.start, dtype=d, model=MODEL, model_dir=MODEL_DIR), "/health")
-       for d in ("bfloat16", "float32")},
-    **{f"llamacpp-{q}": Recipe(partial(llamacpp.start, quant=q, model=MODEL), "/health")
-       for q in llamacpp.QUANTS},
-}  # fmt: skip
+    **{
+        f"vllm-{d}": Recipe(
+            partial(vllm.start, dtype=d, model=MODEL, model_dir=MODEL_DIR), "/health"
+        )
+        for d in ("bfloat16", "float32")
+    },
+    **{
+        f"llamacpp-{q}": Recipe(partial(llamacpp.start, quant=q, model=MODEL), "/health")
+        for q in llamacpp.QUANTS
+    },
+}
 if BASELINE_SRC:  # BENCH_BASELINE_SRC=<other checkout>/src adds that code (before/after)
     SERVERS["rtserve-fp32-baseline"] = _rtserve_recipe("fp32", src=BASELINE_SRC)
 IN_PROCESS = "transformers"  # static generate at batch = concurrency, stories only
@@ -155,10 +169,13 @@ def summarize(streams: list[Stream], wall: float) -> dict[str, Any]:
     itls = [gap for s in ok for gap in s.itls]
     tokens = sum(s.tokens for s in ok)
     row: dict[str, Any] = {
-        "requests": len(streams), "errors": len(streams) - len(ok), "tokens": tokens,
-        "seconds": round(wall, 3), "tok_s": round(tokens / wall, 1) if wall and tokens else None,
+        "requests": len(streams),
+        "errors": len(streams) - len(ok),
+        "tokens": tokens,
+        "seconds": round(wall, 3),
+        "tok_s": round(tokens / wall, 1) if wall and tokens else None,
         "short": sum(1 for s in ok if s.finish_reason != "length"),
-    }  # fmt: skip
+    }
     for name, values in (("ttft", ttfts), ("itl", itls)):
         if values:
             row[f"{name}_p50_ms"] = _ms(percentile(values, 50))
@@ -176,8 +193,11 @@ def measure_workload(url: str, name: str, plan: Plan) -> dict[str, Any]:
         bodies = [chat_body(MODEL, workload.messages(i), plan.max_tokens) for i in range(n)]
         streams, wall = asyncio.run(closed_loop(url, bodies, c, plan.deadline_s))
         rows[str(c)] = row = summarize(streams, wall)
-        print(f"    {name} x{c}: {row['tok_s']} tok/s, TTFT p50 {row.get('ttft_p50_ms')} ms,"
-              f" ITL p50 {row.get('itl_p50_ms')} ms, errors {row['errors']}", flush=True)  # fmt: skip
+        print(
+            f"    {name} x{c}: {row['tok_s']} tok/s, TTFT p50 {row.get('ttft_p50_ms')} ms,"
+            f" ITL p50 {row.get('itl_p50_ms')} ms, errors {row['errors']}",
+            flush=True,
+        )
     return rows
 
 
@@ -226,8 +246,10 @@ def measure_hf(work: Path, plan: Plan, timeout_s: float = 600) -> dict[str, Any]
     rows = {}
     for line in out.read_text().splitlines():
         row = orjson.loads(line)
-        rows[str(row["batch"])] = {"tok_s": round(row["tok_s"], 1),
-                                   "seconds": round(row["seconds"], 2)}  # fmt: skip
+        rows[str(row["batch"])] = {
+            "tok_s": round(row["tok_s"], 1),
+            "seconds": round(row["seconds"], 2),
+        }
         print(f"    stories batch {row['batch']}: {round(row['tok_s'], 1)} tok/s", flush=True)
     return {"stories": rows} | ({"error": error} if error else {})
 
@@ -238,11 +260,15 @@ def run(plan: Plan, names: list[str], out: Path, command: str) -> dict[str, Any]
     after each server so an interrupted run keeps what it measured."""
     work = ROOT / "bench" / ".work" / "generative"
     result: dict[str, Any] = {
-        "suite": "generative", "command": command, "plan": dict(plan.__dict__),
+        "suite": "generative",
+        "command": command,
+        "plan": dict(plan.__dict__),
         "model": "SmolLM2-135M-Instruct (examples/llm-repository/smollm2/1)",
-        "machine": machine.facts(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "servers": names, "rounds": [],
-    }  # fmt: skip
+        "machine": machine.facts(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "servers": names,
+        "rounds": [],
+    }
     for r in range(plan.rounds):
         order = rotated(names, r)
         print(f"round {r + 1}/{plan.rounds}: {', '.join(order)}", flush=True)

@@ -34,8 +34,15 @@ def _cells(result: dict[str, Any], server: str, workload: str, level: str, key: 
 
 
 def workload_table(result: dict[str, Any], workload: str) -> list[str]:
-    levels = sorted({lv for rnd in result["rounds"] for row in rnd.values()
-                     for lv in (row.get(workload) or {})}, key=int)  # fmt: skip
+    levels = sorted(
+        {
+            lv
+            for rnd in result["rounds"]
+            for row in rnd.values()
+            for lv in (row.get(workload) or {})
+        },
+        key=int,
+    )
     if not levels:
         return []
     header = ["server"] + [h for lv in levels for h in (

@@ -33,7 +33,18 @@ def model_alone(workload: Workload, seconds_per_size: float) -> list[Measurement
             run(sess, feeds, cfg)
             times.append(time.perf_counter() - start)
         p50, p90, p99 = (percentile(times, q) * 1000 for q in (50, 90, 99))
-        results.append(Measurement(PEER, workload.name, "in-process", "limit", size,
-                                   rps=size * len(times) / sum(times), p50_ms=p50, p90_ms=p90,
-                                   p99_ms=p99, requests=len(times)))  # fmt: skip
+        results.append(
+            Measurement(
+                PEER,
+                workload.name,
+                "in-process",
+                "limit",
+                size,
+                rps=size * len(times) / sum(times),
+                p50_ms=p50,
+                p90_ms=p90,
+                p99_ms=p99,
+                requests=len(times),
+            )
+        )
     return results

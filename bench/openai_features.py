@@ -256,11 +256,18 @@ def mask_time(walks: int) -> dict[str, Any]:
     def us(values: list[float], q: float) -> float:
         return round(percentile(values, q) * 1e6, 1)
 
-    return {"vocab": vocab, "steps": steps, "answer_tokens": len(ids),
-            "compile_ms": round(compile_ms, 1), "mask_us_p50": us(masks, 50),
-            "mask_us_p99": us(masks, 99), "mask_us_mean": round(statistics.fmean(masks) * 1e6, 1),
-            "first_walk_us_mean": round(statistics.fmean(first) * 1e6, 1),
-            "bitmask_us_p50": us(bitmasks, 50), "bitmask_us_p99": us(bitmasks, 99)}  # fmt: skip
+    return {
+        "vocab": vocab,
+        "steps": steps,
+        "answer_tokens": len(ids),
+        "compile_ms": round(compile_ms, 1),
+        "mask_us_p50": us(masks, 50),
+        "mask_us_p99": us(masks, 99),
+        "mask_us_mean": round(statistics.fmean(masks) * 1e6, 1),
+        "first_walk_us_mean": round(statistics.fmean(first) * 1e6, 1),
+        "bitmask_us_p50": us(bitmasks, 50),
+        "bitmask_us_p99": us(bitmasks, 99),
+    }
 
 
 # --------------------------------------------------------------------------- embeddings
@@ -335,12 +342,16 @@ def _header(result: dict[str, Any]) -> str:
 def structured_section(result: dict[str, Any]) -> str:
     plan, data = result["plan"], result["data"]
     mask = data["mask"]
-    lines = [_header(result), "",
+    lines = [
+        _header(result),
+        "",
         f"SmolLM2-135M-Instruct FP32 (the example's config), {plan['streams']} streams, "
         f"{plan['streams'] * plan['requests_per_stream']} requests per side and round, at most "
         f"{plan['max_tokens']} new tokens, greedy; the same prompts with the schema below as "
         "`response_format` (`json_schema`, strict) and without it (with `ignore_eos`); "
-        "tokens counted from `usage`. Rounds alternate which side goes first.", ""]  # fmt: skip
+        "tokens counted from `usage`. Rounds alternate which side goes first.",
+        "",
+    ]
     header = ["round", "unconstrained tok/s", "schema tok/s", "ratio", "schema tokens / answer",
               "schema answers ended / valid", "schema answers cut at max_tokens"]  # fmt: skip
     rows = [
@@ -351,7 +362,10 @@ def structured_section(result: dict[str, Any]) -> str:
         for i, e in enumerate(data["rounds"], 1)
     ]  # fmt: skip
     lines += markdown_table(header, rows, numeric_from=0)
-    lines += ["", f"**Median ratio (schema / unconstrained): {data['median_ratio']}x** (goal >= 0.9x).", "",
+    lines += [
+        "",
+        f"**Median ratio (schema / unconstrained): {data['median_ratio']}x** (goal >= 0.9x).",
+        "",
         f"Mask per decode step, one row (in-process: `llm/grammar.py`'s mask and the "
         f"sampler's `masked_fill_` on a {mask['vocab']:,}-token logits row, along a "
         f"{mask['steps']}-token answer, {plan['mask_walks']} walks after a first): p50 "
@@ -361,19 +375,26 @@ def structured_section(result: dict[str, Any]) -> str:
         f"{round(mask['mask_us_mean'] * plan['streams'] / 1000, 2)} ms a step. The first "
         f"answer under a new schema (its lexer states built as it goes; not in the figures "
         f"above): mean {mask['first_walk_us_mean']} us a step. First compile of the schema: "
-        f"{mask['compile_ms']} ms.", "", f"Schema: `{json.dumps(SCHEMA, separators=(',', ':'))}`"]  # fmt: skip
+        f"{mask['compile_ms']} ms.",
+        "",
+        f"Schema: `{json.dumps(SCHEMA, separators=(',', ':'))}`",
+    ]
     return "\n".join(lines)
 
 
 def embeddings_section(result: dict[str, Any]) -> str:
     plan, data = result["plan"], result["data"]
-    lines = [_header(result), "",
+    lines = [
+        _header(result),
+        "",
         f"The `text-embedding` pipeline (MiniLM tokenizer step + MiniLM INT8, "
         f"`examples/repository`), one sentence per request from `examples/data/sentences.txt` "
         f"({data['texts']}, rotating), wrk -t1 -c{plan['embed_concurrency']}, "
         f"{plan['embed_seconds']:g} s per side and round, `encoding_format: float` on `/v1`; "
         f"rounds alternate which route goes first. The two routes' vectors of one sentence "
-        f"differ by at most {data['max_vector_difference']:.2g}.", ""]  # fmt: skip
+        f"differ by at most {data['max_vector_difference']:.2g}.",
+        "",
+    ]
     header = ["round", "/v1/embeddings req/s", "p50 / p99 ms", "V2 infer req/s", "p50 / p99 ms",
               "ratio"]  # fmt: skip
     rows = [
@@ -408,11 +429,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         out = (WORK if args.quick else RESULTS) / f"openai-{name}.json"
         result: dict[str, Any] = {
-            "suite": "openai", "workload": name, "command": command,
-            "results": str(out.relative_to(ROOT)), "plan": asdict(plan),
-            "machine": machine.facts(), "source": machine.source_state(),
+            "suite": "openai",
+            "workload": name,
+            "command": command,
+            "results": str(out.relative_to(ROOT)),
+            "plan": asdict(plan),
+            "machine": machine.facts(),
+            "source": machine.source_state(),
             "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        }  # fmt: skip
+        }
         print(f"{name}:", flush=True)
         result["data"] = WORKLOADS[name](plan, WORK / name)
         results.write_json(out, result)

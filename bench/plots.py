@@ -72,8 +72,12 @@ def draw(
     x_of, x_label, hint = _KINDS[kind]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     for peer, items in _series(points, order):
-        ax.plot([x_of(m) for m in items], [m.p99_ms for m in items], label=labels.get(peer, peer),
-                **_style(peer))  # type: ignore[arg-type]  # fmt: skip
+        ax.plot(
+            [x_of(m) for m in items],
+            [m.p99_ms for m in items],
+            label=labels.get(peer, peer),
+            **_style(peer),
+        )  # type: ignore[arg-type]
     ax.set_xscale("log")
     ax.set_yscale("log")
     plain = FuncFormatter(lambda value, _pos: f"{value:g}")

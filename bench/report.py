@@ -166,16 +166,20 @@ def limits_section(record: RunRecord, workload: str) -> list[str]:
         best = max((m for m in model if m.ok), key=lambda m: m.rps, default=None)
         lines += ["", "#### Limits", ""]
         if best is not None:
-            lines.append(f"- The model alone, in-process through onnxruntime: **{fmt_rps(best.rps)} "
-                         f"rows/s** at batch {best.load:g} ({fmt_ms(best.p50_ms)} ms per batch, p50).")  # fmt: skip
+            lines.append(
+                f"- The model alone, in-process through onnxruntime: **{fmt_rps(best.rps)} "
+                f"rows/s** at batch {best.load:g} ({fmt_ms(best.p50_ms)} ms per batch, p50)."
+            )
         sizes = ", ".join(f"{m.load:g}: {fmt_rps(m.rps)} rows/s" for m in model if m.ok)
         lines.append(f"- Per batch size: {sizes}.")
     bare = [m for m in record.matrix if m.workload == workload and m.peer == "bare_asgi"]
     wrk32 = next((m for m in bare if m.client == "wrk" and m.load == 32 and m.ok), None)
     if wrk32 is not None:
-        lines.append(f"- The HTTP layer alone (bare ASGI on uvicorn, orjson parse, fixed answer): "
-                     f"**{fmt_rps(wrk32.rps)} req/s** with wrk at 32 connections "
-                     f"(p99 {fmt_ms(wrk32.p99_ms)} ms).")  # fmt: skip
+        lines.append(
+            f"- The HTTP layer alone (bare ASGI on uvicorn, orjson parse, fixed answer): "
+            f"**{fmt_rps(wrk32.rps)} req/s** with wrk at 32 connections "
+            f"(p99 {fmt_ms(wrk32.p99_ms)} ms)."
+        )
     return lines
 
 
@@ -223,10 +227,14 @@ def headline_section(record: RunRecord) -> list[str]:
         return []
     points = record.headline
     reference = _rtserve_reference(points)
-    lines = ["", "## The core serving comparison (MLP, one row per request, 32 connections)", "",
-             "Medians of alternating rounds (the order rotates each round; `rounds`: each round's "
-             "req/s). wrk sends V2 JSON; perf_analyzer times rtserve's binary HTTP and gRPC paths.",
-             ""]  # fmt: skip
+    lines = [
+        "",
+        "## The core serving comparison (MLP, one row per request, 32 connections)",
+        "",
+        "Medians of alternating rounds (the order rotates each round; `rounds`: each round's "
+        "req/s). wrk sends V2 JSON; perf_analyzer times rtserve's binary HTTP and gRPC paths.",
+        "",
+    ]
     rows = []
     rank = {name: i for i, name in enumerate(record.order)}
     for m in sorted(points, key=lambda m: (m.client != "wrk", rank.get(m.peer, 99), m.client)):
@@ -261,13 +269,21 @@ def headline_summary(
     """The headline sentence: median per-round ratios of rtserve's JSON throughput."""
     if not rows:
         return []
-    parts = [f"{fmt_ratio(median_ratio(rows, ref))} of {record.labels.get(ref, ref)}" for ref in refs]  # fmt: skip
-    lines = ["", f"**Headline (MLP, V2 JSON, wrk -c32; median of {len(rows)} per-round ratios): "
-             f"rtserve reaches {'; '.join(parts)}.**"]  # fmt: skip
+    parts = [
+        f"{fmt_ratio(median_ratio(rows, ref))} of {record.labels.get(ref, ref)}" for ref in refs
+    ]
+    lines = [
+        "",
+        f"**Headline (MLP, V2 JSON, wrk -c32; median of {len(rows)} per-round ratios): "
+        f"rtserve reaches {'; '.join(parts)}.**",
+    ]
     if record.baseline:
-        lines += ["", f"Baseline: {record.labels.get(BASELINE, BASELINE)} is rtserve as of "
-                  f"{record.baseline}, run from a git worktree with the same venv, in the same rounds; "
-                  "its ratio is this tree's rtserve over it (1.00x: no change)."]  # fmt: skip
+        lines += [
+            "",
+            f"Baseline: {record.labels.get(BASELINE, BASELINE)} is rtserve as of "
+            f"{record.baseline}, run from a git worktree with the same venv, in the same rounds; "
+            "its ratio is this tree's rtserve over it (1.00x: no change).",
+        ]
     return lines
 
 
@@ -287,9 +303,13 @@ def round_ratio_section(
         table.append([str(round_no + 1), rps] + [fmt_ratio(row[r]) for r in refs])
     medians = [fmt_ratio(median_ratio(rows, r)) for r in refs]
     table.append(["**median**", ""] + [f"**{m}**" for m in medians])
-    return ["", "rtserve's JSON req/s over each server's, round by round (the headline is the "
-            "median of these, not the ratio of the medians above):", "",
-            *markdown_table(header, table)]  # fmt: skip
+    return [
+        "",
+        "rtserve's JSON req/s over each server's, round by round (the headline is the "
+        "median of these, not the ratio of the medians above):",
+        "",
+        *markdown_table(header, table),
+    ]
 
 
 SLO_DIR = Path(__file__).resolve().parent / "results" / "slo"
@@ -302,10 +322,15 @@ def slo_section(slo_dir: Path = SLO_DIR) -> list[str]:
     plots = sorted(slo_dir.glob("*.png")) if slo_dir.is_dir() else []
     if not plots:
         return []
-    lines = ["", "## Latency objectives: SLO controller vs fixed windows and Triton", "",
-             "Open loop (Poisson), 0.2x to 3x of capacity; goodput = answers within the objective "
-             "per second; `slo: {p99_ms: ...}` against fixed windows and Triton's batcher. Tables "
-             "and commands: [benchmarks-slo.md](benchmarks-slo.md).", ""]  # fmt: skip
+    lines = [
+        "",
+        "## Latency objectives: SLO controller vs fixed windows and Triton",
+        "",
+        "Open loop (Poisson), 0.2x to 3x of capacity; goodput = answers within the objective "
+        "per second; `slo: {p99_ms: ...}` against fixed windows and Triton's batcher. Tables "
+        "and commands: [benchmarks-slo.md](benchmarks-slo.md).",
+        "",
+    ]
     for png in plots:
         lines += [f"![{png.stem}]({SLO_LINK}/{png.name})", "", f"*{png.stem}*", ""]
     return lines
@@ -315,14 +340,21 @@ def render(record: RunRecord, title: str, details: str | None = None) -> str:
     """The report page. ``details``: where the evidence sections (each workload's tables at
     every load, the plots, the client commands, the load averages) are written instead, by
     ``render_details``; the page then links there (None: one page with everything)."""
-    lines = [f"# {title}", "",
+    lines = [
+        f"# {title}",
+        "",
         f"Generated by `{record.command}` ({record.mode} mode) on {record.started}, "
-        f"{record.duration_s / 60:.1f} minutes. Raw points: `bench/results/raw/` (not committed).", "",
+        f"{record.duration_s / 60:.1f} minutes. Raw points: `bench/results/raw/` (not committed).",
+        "",
         "Each server ran alone on 127.0.0.1, the load client on the same cores, started, warmed "
-        "up, measured and stopped before the next. Differences under ~15% are run-to-run swing.", "",
+        "up, measured and stopped before the next. Differences under ~15% are run-to-run swing.",
+        "",
         "Related: [benchmarks-cache.md](benchmarks-cache.md) (`python -m bench.cache_zipf`), "
-        "[optimization.md](optimization.md) (`make optimize-report`), [serving.md](serving.md).", "",
-        "## Machine", ""]  # fmt: skip
+        "[optimization.md](optimization.md) (`make optimize-report`), [serving.md](serving.md).",
+        "",
+        "## Machine",
+        "",
+    ]
     lines += markdown_table(["fact", "value"], list(record.machine.items()))
     lines += ["", "## Settings", ""]
     lines += markdown_table(["setting", "value"], list(record.settings.items()))
@@ -331,9 +363,13 @@ def render(record: RunRecord, title: str, details: str | None = None) -> str:
     if details is None:
         lines += _evidence(record)
     else:
-        lines += ["", "## Every load point", "",
-                  f"Each workload's tables at every concurrency and offered load, the plots, the "
-                  f"client commands and the load average before each server: [{details}]({details})."]  # fmt: skip
+        lines += [
+            "",
+            "## Every load point",
+            "",
+            f"Each workload's tables at every concurrency and offered load, the plots, the "
+            f"client commands and the load average before each server: [{details}]({details}).",
+        ]
     lines += ["", "## Versions", ""]
     lines += markdown_table(["component", "version"], list(record.versions.items()))
     if record.notes:
@@ -344,8 +380,12 @@ def render(record: RunRecord, title: str, details: str | None = None) -> str:
 
 def render_details(record: RunRecord, title: str) -> str:
     """The evidence behind ``render(..., details=...)``: every load point, plots, commands."""
-    lines = [f"# {title}: every load point", "", f"Generated by `{record.command}` on "
-             f"{record.started}; the summary, machine and settings are on the report page."]  # fmt: skip
+    lines = [
+        f"# {title}: every load point",
+        "",
+        f"Generated by `{record.command}` on "
+        f"{record.started}; the summary, machine and settings are on the report page.",
+    ]
     # The page lies in bench/results/, the plots in docs/img/.
     return "\n".join([*lines, *_evidence(record, "../../docs/")]).rstrip() + "\n"
 
@@ -367,5 +407,7 @@ def _evidence(record: RunRecord, plot_prefix: str = "") -> list[str]:
             lines += [f"- {client}: `{cmd}`"]
     if record.loads:
         lines += ["", "## Load average before each server started", ""]
-        lines += markdown_table(["workload", "server", "1 / 5 / 15 min"], [list(x) for x in record.loads])  # fmt: skip
+        lines += markdown_table(
+            ["workload", "server", "1 / 5 / 15 min"], [list(x) for x in record.loads]
+        )
     return lines

@@ -328,8 +328,10 @@ def versions(plan: Plan) -> dict[str, str]:
 
 
 def settings_table(plan: Plan) -> dict[str, str]:
-    threads = ", ".join(f"{w}: intra_op {WORKLOADS[w].intra_op_threads}, inter_op "
-                        f"{servers.INTER_OP_THREADS}" for w in plan.workloads)  # fmt: skip
+    threads = ", ".join(
+        f"{w}: intra_op {WORKLOADS[w].intra_op_threads}, inter_op {servers.INTER_OP_THREADS}"
+        for w in plan.workloads
+    )
     sizes = ", ".join(f"{w}: {len(WORKLOADS[w].v2_body()):,} bytes" for w in plan.workloads)
     pa = "every round" if plan.pa_rounds is None else f"the first {plan.pa_rounds} round(s)"
     rows = {
@@ -342,13 +344,19 @@ def settings_table(plan: Plan) -> dict[str, str]:
         f"wrk -t1 -c32; perf_analyzer for rtserve in {pa}",
     }
     if plan.matrix:
-        rates = "; ".join(f"{w}: {', '.join(f'{r:g}' for r in WORKLOADS[w].open_loop_rates)} req/s"
-                          for w in plan.workloads)  # fmt: skip
-        rows["closed loop"] = (f"wrk -t1 -c{{{','.join(map(str, plan.concurrencies))}}} for "
-                               f"{plan.wrk_s:g} s after a {plan.warmup_s:g} s warm-up; perf_analyzer "
-                               f"{plan.pa_trials} windows of {plan.pa_window_ms} ms")  # fmt: skip
-        rows["open loop"] = (f"Poisson arrivals at {rates}, {plan.open_s:g} s each; a sweep stops "
-                             "after the first saturated rate")  # fmt: skip
+        rates = "; ".join(
+            f"{w}: {', '.join(f'{r:g}' for r in WORKLOADS[w].open_loop_rates)} req/s"
+            for w in plan.workloads
+        )
+        rows["closed loop"] = (
+            f"wrk -t1 -c{{{','.join(map(str, plan.concurrencies))}}} for "
+            f"{plan.wrk_s:g} s after a {plan.warmup_s:g} s warm-up; perf_analyzer "
+            f"{plan.pa_trials} windows of {plan.pa_window_ms} ms"
+        )
+        rows["open loop"] = (
+            f"Poisson arrivals at {rates}, {plan.open_s:g} s each; a sweep stops "
+            "after the first saturated rate"
+        )
     return rows
 
 

@@ -90,12 +90,19 @@ def peer_settings(
 ) -> PeerSettings:
     """The settings every peer reads (from ``BENCH_PEER``), on ports the OS has free."""
     return PeerSettings(
-        model_name=workload.model_name, model_path=str(workload.model_path()),
-        inputs=workload.inputs, outputs=workload.outputs,
-        intra_op_threads=workload.intra_op_threads, inter_op_threads=INTER_OP_THREADS,
-        max_batch_size=MAX_BATCH, max_wait_ms=max_wait_ms, workdir=str(workdir),
-        port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-    )  # fmt: skip
+        model_name=workload.model_name,
+        model_path=str(workload.model_path()),
+        inputs=workload.inputs,
+        outputs=workload.outputs,
+        intra_op_threads=workload.intra_op_threads,
+        inter_op_threads=INTER_OP_THREADS,
+        max_batch_size=MAX_BATCH,
+        max_wait_ms=max_wait_ms,
+        workdir=str(workdir),
+        port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+    )
 
 
 @dataclass
@@ -141,16 +148,32 @@ def _mlserver_folder(cfg: PeerSettings, workdir: Path) -> Path:
     folder = workdir / "mlserver"
     model_dir = folder / cfg.model_name
     model_dir.mkdir(parents=True, exist_ok=True)
-    (folder / "settings.json").write_text(json.dumps({
-        "host": cfg.host, "http_port": cfg.port, "grpc_port": cfg.grpc_port,
-        "metrics_port": cfg.metrics_port, "metrics_endpoint": None, "parallel_workers": 0,
-        "debug": False, "gzip_enabled": False, "load_models_at_startup": True,
-    }))  # fmt: skip
-    (model_dir / "model-settings.json").write_text(json.dumps({
-        "name": cfg.model_name, "implementation": "bench.peers.mlserver_runtime.OnnxModel",
-        "max_batch_size": cfg.max_batch_size, "max_batch_time": cfg.max_wait_ms / 1000,
-        "parameters": {"uri": cfg.model_path},
-    }))  # fmt: skip
+    (folder / "settings.json").write_text(
+        json.dumps(
+            {
+                "host": cfg.host,
+                "http_port": cfg.port,
+                "grpc_port": cfg.grpc_port,
+                "metrics_port": cfg.metrics_port,
+                "metrics_endpoint": None,
+                "parallel_workers": 0,
+                "debug": False,
+                "gzip_enabled": False,
+                "load_models_at_startup": True,
+            }
+        )
+    )
+    (model_dir / "model-settings.json").write_text(
+        json.dumps(
+            {
+                "name": cfg.model_name,
+                "implementation": "bench.peers.mlserver_runtime.OnnxModel",
+                "max_batch_size": cfg.max_batch_size,
+                "max_batch_time": cfg.max_wait_ms / 1000,
+                "parameters": {"uri": cfg.model_path},
+            }
+        )
+    )
     return folder
 
 

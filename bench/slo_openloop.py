@@ -212,12 +212,19 @@ class _Sweep:
             codes.update(r["codes"])
         lat = np.asarray([x for r in results for x in r["latency_ms"]])
         pct = (lambda q: float(np.percentile(lat, q))) if lat.size else (lambda q: float("nan"))
-        return {"model": m, "offered": rate, "scheduled": sum(r["scheduled"] for r in results),
-                "ok": int(lat.size), "codes": dict(codes),
-                "unfinished": sum(r["unfinished"] for r in results),
-                "elapsed": max(r["elapsed"] for r in results),
-                "client_lag_p99_ms": max(r["lag_p99_ms"] for r in results),
-                "latencies": lat, "p50_ms": pct(50), "p99_ms": pct(99)}  # fmt: skip
+        return {
+            "model": m,
+            "offered": rate,
+            "scheduled": sum(r["scheduled"] for r in results),
+            "ok": int(lat.size),
+            "codes": dict(codes),
+            "unfinished": sum(r["unfinished"] for r in results),
+            "elapsed": max(r["elapsed"] for r in results),
+            "client_lag_p99_ms": max(r["lag_p99_ms"] for r in results),
+            "latencies": lat,
+            "p50_ms": pct(50),
+            "p99_ms": pct(99),
+        }
 
     def load_point(self, m: str, load: float, i: int, capacity: float, within_s: float):
         """``m`` at ``load`` x capacity: goodput, latencies and the server's own counters."""
@@ -235,7 +242,9 @@ class _Sweep:
             r["slo_batch_rows"] = total / max(1.0, batches)
         r["load"] = load
         r["goodput"] = int((r["latencies"] <= objective).sum()) / self.args.seconds
-        slo = f"  factor {r['slo_factor']:.2f}  batch {r['slo_batch_rows']:.1f}" if m == "slo" else ""  # fmt: skip
+        slo = (
+            f"  factor {r['slo_factor']:.2f}  batch {r['slo_batch_rows']:.1f}" if m == "slo" else ""
+        )
         print(f"load {load:>4}x {m:>6}: goodput {r['goodput']:8.0f}/s  ok {r['ok']:6d}  "
               f"p99 {r['p99_ms']:8.2f} ms  codes {r['codes']}  lost {r['unfinished']}  "
               f"client lag p99 {r['client_lag_p99_ms']:.1f} ms  drained {r['drained_s']:.1f} s{slo}",
@@ -310,8 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     models = _repository(repo, model_file, args.objective_ms, windows, args.max_batch)
     body = work / "body.json"
     body.write_bytes(_request_body(args.workload, args.seq))
-    server, ports = procs.rtserve(work, "--model-repository", str(repo), cpus=args.server_cpus,
-                                  src=args.src)  # fmt: skip
+    server, ports = procs.rtserve(
+        work, "--model-repository", str(repo), cpus=args.server_cpus, src=args.src
+    )
     port = ports["http_port"]
     urls = {m: f"http://127.0.0.1:{port}/v2/models/{m}/infer" for m in models}
     sweep = _Sweep(args, urls, body, port, {}, work)
@@ -391,7 +401,12 @@ def _write(args, rows, models, capacity, took) -> None:  # type: ignore[no-untyp
     for load in sorted({r["load"] for r in rows}):
         at = [r for r in rows if r["load"] == load]
         s = next(r for r in at if r["model"] == "slo")
-        row = [f"{load:g}x", f"{s['goodput']:.0f}", f"{s['p99_ms']:.1f}", str(s["codes"].get("429", 0))]  # fmt: skip
+        row = [
+            f"{load:g}x",
+            f"{s['goodput']:.0f}",
+            f"{s['p99_ms']:.1f}",
+            str(s["codes"].get("429", 0)),
+        ]
         others = [0.0]
         for labels in groups.values():
             x = _best(at, labels)
@@ -404,7 +419,9 @@ def _write(args, rows, models, capacity, took) -> None:  # type: ignore[no-untyp
                f"{r['slo_factor']:.2f}, {r['slo_batch_rows']:.1f}" if "slo_factor" in r else ""]
               for r in rows]  # fmt: skip
     what = args.workload + (f" seq {args.seq}" if args.workload == "minilm" else "")
-    how = "given" if args.capacity else "measured first, the best configuration under heavy overload"  # fmt: skip
+    how = (
+        "given" if args.capacity else "measured first, the best configuration under heavy overload"
+    )
     pins = (f", pinned to CPUs {args.client_cpus}" if args.client_cpus else "") + (
         f"; server pinned to CPUs {args.server_cpus}" if args.server_cpus else "")  # fmt: skip
     png = args.out.with_suffix(".png")

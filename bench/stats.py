@@ -58,11 +58,19 @@ def combine_rounds(measurements: Sequence[Measurement]) -> list[Measurement]:
             combined.append(Measurement(peer, workload, client, mode, load, error=items[-1].error))
             continue
         merged = Measurement(
-            peer, workload, client, mode, load, rps=middle(m.rps for m in good) or 0.0,
-            p50_ms=middle(m.p50_ms for m in good), p90_ms=middle(m.p90_ms for m in good),
-            p99_ms=middle(m.p99_ms for m in good), errors=sum(m.errors for m in items),
-            requests=sum(m.requests for m in good), round=len(good),
-        )  # fmt: skip
+            peer,
+            workload,
+            client,
+            mode,
+            load,
+            rps=middle(m.rps for m in good) or 0.0,
+            p50_ms=middle(m.p50_ms for m in good),
+            p90_ms=middle(m.p90_ms for m in good),
+            p99_ms=middle(m.p99_ms for m in good),
+            errors=sum(m.errors for m in items),
+            requests=sum(m.requests for m in good),
+            round=len(good),
+        )
         merged.extra = {"rounds_rps": [round(m.rps, 1) for m in good]}
         if len(good) < len(items):
             merged.extra["failed_rounds"] = len(items) - len(good)

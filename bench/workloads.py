@@ -42,10 +42,19 @@ class Workload:
     def v2_body(self) -> bytes:
         """The one-row V2 JSON request every HTTP peer gets."""
         rows = zip(self.inputs, self.sample().values(), strict=True)
-        return orjson.dumps({"inputs": [
-            {"name": spec.name, "shape": list(array.shape), "datatype": spec.datatype,
-             "data": _plain(array)} for spec, array in rows
-        ]})  # fmt: skip
+        return orjson.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": spec.name,
+                        "shape": list(array.shape),
+                        "datatype": spec.datatype,
+                        "data": _plain(array),
+                    }
+                    for spec, array in rows
+                ]
+            }
+        )
 
     def perf_analyzer_data(self) -> str:
         """The same row as a perf_analyzer ``--input-data`` file (shapes without the batch axis)."""

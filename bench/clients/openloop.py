@@ -212,10 +212,19 @@ async def run(
         return {"elapsed": elapsed, "lag_p99_ms": pct(lag, 99) if lag.size else 0.0,
                 "scheduled": int(len(offsets)), "unfinished": unfinished, "errors": stats.errors,
                 "codes": {str(k): v for k, v in stats.codes.items()}, "latency_ms": lat.tolist()}  # fmt: skip
-    return {"offered": rate, "scheduled": int(len(offsets)), "sent": stats.sent,
-            "completed": int(lat.size), "errors": stats.errors + unfinished,
-            "unfinished": unfinished, "rps": lat.size / elapsed, "p50_ms": pct(lat, 50),
-            "p90_ms": pct(lat, 90), "p99_ms": pct(lat, 99), "send_lag_p99_ms": pct(lag, 99)}  # fmt: skip
+    return {
+        "offered": rate,
+        "scheduled": int(len(offsets)),
+        "sent": stats.sent,
+        "completed": int(lat.size),
+        "errors": stats.errors + unfinished,
+        "unfinished": unfinished,
+        "rps": lat.size / elapsed,
+        "p50_ms": pct(lat, 50),
+        "p90_ms": pct(lat, 90),
+        "p99_ms": pct(lat, 99),
+        "send_lag_p99_ms": pct(lag, 99),
+    }
 
 
 def command(url: str, body: Path, rate: float, seconds: float, seed: int, conns: int,

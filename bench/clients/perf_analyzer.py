@@ -34,22 +34,59 @@ def environment() -> dict[str, str]:
 
 
 def command(
-    client: str, model: str, address: str, data_file: Path, csv_file: Path, window_ms: int, *,
-    concurrency: int | None = None, rate: float | None = None, trials: int = 3,
-) -> list[str]:  # fmt: skip
+    client: str,
+    model: str,
+    address: str,
+    data_file: Path,
+    csv_file: Path,
+    window_ms: int,
+    *,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    trials: int = 3,
+) -> list[str]:
     """The perf_analyzer argv for one load point: a concurrency (closed) or a Poisson rate (open).
 
     ``--stability-percentage 999`` with a trial cap makes every point take a fixed number of
     windows, so a point's time is bounded whatever the server's variance.
     """
     protocol, flags = PROTOCOLS[client]
-    cmd = [str(BINARY), "-m", model, "-u", address, "-i", protocol, "-b", "1",
-           "--input-data", str(data_file), "--measurement-mode", "time_windows",
-           "--measurement-interval", str(window_ms), "--max-trials", str(trials),
-           "--stability-percentage", "999", "--percentile", "99", "-f", str(csv_file), *flags]  # fmt: skip
+    cmd = [
+        str(BINARY),
+        "-m",
+        model,
+        "-u",
+        address,
+        "-i",
+        protocol,
+        "-b",
+        "1",
+        "--input-data",
+        str(data_file),
+        "--measurement-mode",
+        "time_windows",
+        "--measurement-interval",
+        str(window_ms),
+        "--max-trials",
+        str(trials),
+        "--stability-percentage",
+        "999",
+        "--percentile",
+        "99",
+        "-f",
+        str(csv_file),
+        *flags,
+    ]
     if rate is not None:
-        cmd += ["--request-rate-range", f"{rate:g}", "--request-distribution", "poisson",
-                "--async", "--max-threads", "16"]  # fmt: skip
+        cmd += [
+            "--request-rate-range",
+            f"{rate:g}",
+            "--request-distribution",
+            "poisson",
+            "--async",
+            "--max-threads",
+            "16",
+        ]
     else:
         cmd += ["--concurrency-range", str(concurrency or 1)]
     return cmd

@@ -46,9 +46,14 @@ def chat_body(
     model: str, messages: Messages, max_tokens: int, ignore_eos: bool = True
 ) -> dict[str, Any]:
     """A greedy streaming chat request that asks for the usage chunk at the end."""
-    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens,
-                            "temperature": 0.0, "stream": True,
-                            "stream_options": {"include_usage": True}}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if ignore_eos:
         body["ignore_eos"] = True
     return body

@@ -158,9 +158,15 @@ def choose_knee(rows: Sequence[Row], baseline_accuracy: float) -> Row | None:
 
 
 def _batch_modes(
-    directory: pathlib.Path, rows_mode: Any, plain: Any, test: dict[str, np.ndarray],
-    names: Sequence[str], knee: Row | None, rounds: int, seconds: float,
-) -> dict[str, float]:  # fmt: skip
+    directory: pathlib.Path,
+    rows_mode: Any,
+    plain: Any,
+    test: dict[str, np.ndarray],
+    names: Sequence[str],
+    knee: Row | None,
+    rounds: int,
+    seconds: float,
+) -> dict[str, float]:
     """Per-row milliseconds in batches of 32 at the knee: no exits, rows leave, all answer."""
     if knee is None:
         return {}
@@ -169,8 +175,11 @@ def _batch_modes(
     batches = [_feeds(test, names, slice(i, i + BATCH)) for i in range(0, total, BATCH)]
     t = knee.point.threshold
     try:
-        modes = {"plain": _runs(plain, batches, None), "rows": _runs(rows_mode, batches, t),
-                 "all": _runs(all_mode, batches, t)}  # fmt: skip
+        modes = {
+            "plain": _runs(plain, batches, None),
+            "rows": _runs(rows_mode, batches, t),
+            "all": _runs(all_mode, batches, t),
+        }
         timed = _time_rounds(modes, rounds, seconds)
     finally:
         all_mode.close()
@@ -220,9 +229,18 @@ def render(results: Sequence[ModelResult], quick: bool) -> str:
     ]  # fmt: skip
     for r in results:
         t = r.trained
-        lines += [f"### {r.title}", "", f"Trained in {t.seconds:.0f} s on {len(t.data.y_train)} rows; "
-                  f"test split {len(t.data.y_test)} rows; section {r.seconds:.0f} s"
-                  f"{' (--quick)' if quick else ''}.", "", _table(r), "", _verdict(r), ""]  # fmt: skip
+        lines += [
+            f"### {r.title}",
+            "",
+            f"Trained in {t.seconds:.0f} s on {len(t.data.y_train)} rows; "
+            f"test split {len(t.data.y_test)} rows; section {r.seconds:.0f} s"
+            f"{' (--quick)' if quick else ''}.",
+            "",
+            _table(r),
+            "",
+            _verdict(r),
+            "",
+        ]
     return "\n".join(lines)
 
 

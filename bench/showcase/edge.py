@@ -42,11 +42,18 @@ def _request(
     fmt: str, out: pathlib.Path, data: dict[str, Any], settings: Settings, python: str | None
 ) -> EdgeRequest:
     return EdgeRequest(
-        fmt=fmt, out=out, example={k: v[:1] for k, v in data["eval"].items()},
-        output_names=["logits"], eval_data=data["eval"], labels=data.get("labels"),
-        calibration=data["calib"], converter_python=python or None, threads=(THREADS,),
-        iterations=max(60, settings.iterations), rounds=5,
-    )  # fmt: skip
+        fmt=fmt,
+        out=out,
+        example={k: v[:1] for k, v in data["eval"].items()},
+        output_names=["logits"],
+        eval_data=data["eval"],
+        labels=data.get("labels"),
+        calibration=data["calib"],
+        converter_python=python or None,
+        threads=(THREADS,),
+        iterations=max(60, settings.iterations),
+        rounds=5,
+    )
 
 
 def _digits(settings: Settings) -> tuple[Any, dict[str, Any]]:
@@ -55,7 +62,11 @@ def _digits(settings: Settings) -> tuple[Any, dict[str, Any]]:
     data = zoo.digits_data(seed=0)
     torch.manual_seed(0)
     teacher = zoo.train_digits_teacher(data, epochs=10)  # the edge table needs no more
-    return teacher, {"eval": {"x": data["x_test"]}, "labels": data["y_test"], "calib": {"x": data["x_calib"]}}  # fmt: skip
+    return teacher, {
+        "eval": {"x": data["x_test"]},
+        "labels": data["y_test"],
+        "calib": {"x": data["x_calib"]},
+    }
 
 
 def _efficientnet(settings: Settings) -> tuple[Any, dict[str, Any]]:
@@ -105,7 +116,9 @@ def table(name: str, results: Sequence[EdgeResult], data: dict[str, Any], second
 
 
 def _runtime(fmt: str) -> str:
-    return {"litert": "LiteRT interpreter", "ort": "ONNX Runtime (.ort)"}.get(fmt, "ONNX Runtime (.onnx)")  # fmt: skip
+    return {"litert": "LiteRT interpreter", "ort": "ONNX Runtime (.ort)"}.get(
+        fmt, "ONNX Runtime (.onnx)"
+    )
 
 
 def section(settings: Settings) -> str:

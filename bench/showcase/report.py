@@ -259,7 +259,9 @@ def render(
         lines += ["", "Missed targets:"]
         for t in missed:
             short = (t.threshold - t.value) if not math.isnan(t.value) else math.nan
-            lines.append(f"- {t.what}: {t.value:.3f}, short by {short:.3f}. Why: {t.why_if_missed}.")  # fmt: skip
+            lines.append(
+                f"- {t.what}: {t.value:.3f}, short by {short:.3f}. Why: {t.why_if_missed}."
+            )
     for s in sections:
         r = s.result
         img = img_dir / f"optimization-{s.slug}.png"
@@ -328,15 +330,28 @@ def _models(settings: Settings, img_dir: pathlib.Path) -> list[Section]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = results.parser("python -m bench optimize", __doc__)
     add = parser.add_argument
-    add("--out", default="docs/optimization.md", type=pathlib.Path,
-        help="report to write (default: %(default)s)")  # fmt: skip
-    add("--only", help=f"comma list of sections ({', '.join(SECTIONS)}) to run alone, written to --out")  # fmt: skip
+    add(
+        "--out",
+        default="docs/optimization.md",
+        type=pathlib.Path,
+        help="report to write (default: %(default)s)",
+    )
+    add(
+        "--only",
+        help=f"comma list of sections ({', '.join(SECTIONS)}) to run alone, written to --out",
+    )
     add("--quick", action="store_true", help="small sets and few iterations")
     args = parser.parse_args(argv)
     q = args.quick
-    settings = Settings(work=WORK, iterations=20 if q else 100, max_seconds=1.0 if q else 3.0,
-                        n_eval_images=40 if q else 300, n_calib_images=24 if q else 200,
-                        n_sentences=60 if q else 300, progress=sys.stderr.isatty())  # fmt: skip
+    settings = Settings(
+        work=WORK,
+        iterations=20 if q else 100,
+        max_seconds=1.0 if q else 3.0,
+        n_eval_images=40 if q else 300,
+        n_calib_images=24 if q else 200,
+        n_sentences=60 if q else 300,
+        progress=sys.stderr.isatty(),
+    )
     only = args.only.split(",") if args.only else []
     if unknown := set(only) - set(SECTIONS):
         parser.error(

@@ -46,8 +46,9 @@ class Settings:
 
 
 def options(settings: Settings, **kw: Any) -> OptimizeOptions:
-    base = dict(iterations=settings.iterations, max_seconds=settings.max_seconds,
-                progress=settings.progress)  # fmt: skip
+    base = dict(
+        iterations=settings.iterations, max_seconds=settings.max_seconds, progress=settings.progress
+    )
     return OptimizeOptions(**{**base, **kw})
 
 
