@@ -161,7 +161,7 @@ def test_refusals_name_the_file_and_the_reason(tmp_path: Path) -> None:
     clf.save_model(tmp_path / "model.json")
     with pytest.raises(ConfigError, match=r"execution: lleaves is for LightGBM models"):
         trees.load(config("xgboost", execution="lleaves"), tmp_path)
-    with pytest.raises(ConfigError, match=r"datatype: BYTES is for CatBoost"):
+    with pytest.raises(ConfigError, match=r"datatype: BYTES is for CatBoost and scikit-learn"):
         trees.load(config("xgboost", datatype="BYTES"), tmp_path)
 
 
@@ -201,6 +201,23 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
     text.save_model(str(_model(repo, "cb_text", "model.cbm",
                                "backend: catboost\ncatboost: {datatype: BYTES}\n")))  # fmt: skip
     refs["cb_text"], refs["frame"] = text, frame
+
+    from sklearn.compose import ColumnTransformer
+    from sklearn.impute import SimpleImputer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import OneHotEncoder
+
+    prep = ColumnTransformer([("c", OneHotEncoder(handle_unknown="ignore"), ["colour"]),
+                              ("n", make_pipeline(SimpleImputer(), StandardScaler()), ["size"])])  # fmt: skip
+    pipe = make_pipeline(prep, LogisticRegression())
+    pipe.fit(frame, np.where(frame["colour"] == "red", "hot", "cold"))
+    path = _model(repo, "sk_text", "model.skops", "")
+    sio.dump(pipe, path)
+    trusted = json.dumps(sio.get_untrusted_types(file=str(path)))
+    (repo / "sk_text" / "config.yaml").write_text(
+        f"backend: sklearn\nsklearn: {{datatype: BYTES, trusted_types: {trusted}}}\n"
+    )
+    refs["sk_text"] = pipe
 
     lg = lgb.LGBMClassifier(n_estimators=15, num_leaves=8, verbose=-1).fit(x, names)
     _model(repo, "lgb_pickle", "model.pkl",
@@ -340,3 +357,15 @@ def test_catboost_string_categories_sent_as_bytes(served: Any) -> None:
     inp.set_data_from_numpy(np.array(rows, dtype=object), binary_data=True)
     res = client.infer("cb_text", [inp])
     np.testing.assert_allclose(res.as_numpy("predict_proba"), want, atol=TOL)
+
+
+def test_sklearn_string_columns_sent_as_bytes(served: Any) -> None:
+    s, refs = served
+    assert _meta(s.base, "sk_text")["inputs"][0]["datatype"] == "BYTES"
+    frame, pipe = refs["frame"][:7], refs["sk_text"]
+    sizes = ["" if np.isnan(v) else str(float(v)) for v in frame["size"]]
+    rows = np.array([[c, v] for c, v in zip(frame["colour"], sizes, strict=True)], dtype=object)
+    got = _infer(s.base, "sk_text", rows, "BYTES")
+    assert got["predict"]["data"] == pipe.predict(frame).tolist()
+    np.testing.assert_allclose(np.reshape(got["predict_proba"]["data"], (7, 2)),
+                               pipe.predict_proba(frame), atol=TOL)  # fmt: skip

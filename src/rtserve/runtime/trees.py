@@ -13,7 +13,7 @@ Files read from the version directory (the first present):
   backend's section of config.yaml (a pickle runs code when loaded; the load is logged).
 
 One input, ``features`` ``[n, F]`` (FP32 for xgboost, FP64 otherwise; NaN is missing; for
-catboost, ``datatype: BYTES``: every value as text, categorical features as their strings).
+catboost and sklearn, ``datatype: BYTES``: every value as text, categories as their strings).
 Outputs (the section's ``outputs`` chooses; default ``predict`` and, for classifiers,
 ``predict_proba``): ``predict`` (the class or value, as the framework's ``predict``),
 ``predict_proba`` ``[classes]``, ``margin`` (raw score). Models whose framework computes
@@ -117,9 +117,10 @@ def parse_options(config: ModelConfig) -> Options:
     datatype = section.get("datatype")
     if datatype not in (None, "FP32", "FP64", "BYTES"):
         raise ConfigError(f"{where}.datatype: expected FP32, FP64 or BYTES, got {datatype!r:.100}")
-    if datatype == "BYTES" and config.backend != "catboost":
+    if datatype == "BYTES" and config.backend not in ("catboost", "sklearn"):
         raise ConfigError(
-            f"{where}.datatype: BYTES is for CatBoost models (categorical features as text)"
+            f"{where}.datatype: BYTES is for CatBoost and scikit-learn models (features as "
+            "text: string categories)"
         )
     return Options(
         tuple(outputs) if outputs else None, execution, allow, tuple(trusted), k, datatype
@@ -588,6 +589,15 @@ def _number(v: Any) -> bool:
     return True
 
 
+def _text_rows(x: np.ndarray) -> np.ndarray:
+    """Rows sent as BYTES to a scikit-learn model: every value as text (its numeric steps
+    parse their columns, its encoders see the strings they were fitted on), empty: NaN."""
+    flat = [v.decode() if isinstance(v, bytes) else str(v) for v in x.ravel()]
+    out = np.array(flat, dtype=object).reshape(x.shape)
+    out[out == ""] = np.nan
+    return out
+
+
 def _sklearn(path: Path, options: Options, obj: Any = None) -> Adapter:
     if obj is None:
         import skops.io as sio
@@ -616,14 +626,17 @@ def _sklearn(path: Path, options: Options, obj: Any = None) -> Adapter:
     if not n:
         raise ConfigError(f"{path}: the model has no n_features_in_ (is it fitted?)")
     columns = getattr(est, "feature_names_in_", None)
-    as_frame: Callable[[np.ndarray], Any] = lambda x: x  # noqa: E731
+
+    def as_frame(x: np.ndarray) -> Any:
+        return _text_rows(x) if x.dtype == object else x
+
     if columns is not None:  # fitted on a DataFrame: its columns select by name
         import pandas as pd
 
         names = list(columns)
 
         def as_frame(x: np.ndarray) -> Any:
-            return pd.DataFrame(x, columns=names)
+            return pd.DataFrame(_text_rows(x) if x.dtype == object else x, columns=names)
 
     classes = tuple(getattr(est, "classes_", ()))
     has_proba = hasattr(est, "predict_proba") and bool(classes)
@@ -659,7 +672,7 @@ def _sklearn(path: Path, options: Options, obj: Any = None) -> Adapter:
         before = est[:-1] if steps else None
 
         def transformed(x: np.ndarray) -> np.ndarray:
-            t = before.transform(as_frame(x)) if before is not None else x
+            t = before.transform(as_frame(x)) if before is not None else as_frame(x)
             return np.asarray(t, dtype=np.float64)
 
         if booster is not None:
@@ -683,7 +696,12 @@ def _sklearn(path: Path, options: Options, obj: Any = None) -> Adapter:
     adapter = Adapter("sklearn", kind, n, feature_names, classes, np.float64, value, None,
                       contributions, labels_fn=labels_fn, proba_fn=proba if has_proba else None,
                       dtype=np.float64)  # fmt: skip
-    if booster is not None and kind != "regression" and classes == tuple(range(len(classes))):
+    if (
+        booster is not None
+        and kind != "regression"
+        and classes == tuple(range(len(classes)))
+        and options.datatype != "BYTES"
+    ):
         _fuse_scaler_xgboost(adapter, est, booster, path)
     return adapter
 
@@ -779,7 +797,11 @@ class TreeModel:
         sample = np.zeros((1, a.n_features), self.dtype)
         self.label_type = "INT64"
         self._indices = classifier and a.classes == tuple(range(len(a.classes)))
-        if a.labels_fn is not None:
+        if a.labels_fn is not None and self.dtype == object and classifier:
+            self.label_type = _numpy_type(np.asarray(a.classes).dtype)  # (its predict's)
+        elif a.labels_fn is not None and self.dtype == object:
+            self.label_type = "FP64"
+        elif a.labels_fn is not None:
             self.label_type = _numpy_type(a.labels_fn(sample).dtype)
         elif not classifier:
             self.label_type = _numpy_type(a.out_dtype)
@@ -880,7 +902,10 @@ class TreeModel:
         if options.execution in ("treelite", "lleaves", "onnx") and not candidates:
             raise ConfigError(f"{config.source}: {config.backend}.execution: {options.execution} "
                               f"could not be built for {path} (see the log)")  # fmt: skip
-        choice = tree_engines.choose(candidates, native, check, str(path))
+        if self.dtype == object:  # (text features: no check rows to make; native only)
+            choice = tree_engines.Choice(native, native, "native only (BYTES features)", [native])
+        else:
+            choice = tree_engines.choose(candidates, native, check, str(path))
         if options.execution in ("treelite", "lleaves", "onnx"):
             forced = [e for e in choice.valid if e.name == options.execution]
             if not forced:
@@ -941,6 +966,8 @@ class TreeModel:
                     out["predict"] = idx if self._indices else self._classes[idx]
         if "predict" in self.wanted and a.labels_fn is not None:
             out["predict"] = a.labels_fn(x)
+            if self.label_type == "FP64":  # (as declared: a regressor's predict may be FP32)
+                out["predict"] = out["predict"].astype(np.float64, copy=False)
         if "margin" in self.wanted and a.margin is not None:
             out["margin"] = a.margin(x)
         if self.contributing:
