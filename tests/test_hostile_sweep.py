@@ -6,7 +6,9 @@ levels that held the event loop (its ``additionalProperties`` pass was exponenti
 Responses errors that named the chat field (``messages``, ``max_tokens``) instead of the
 one sent, stored conversations and logprobs ignored, embedding token ids out of the
 vocabulary taken or refused without naming ``input``, an unload whose body was malformed
-done anyway, and Triton generate with ``n`` > 1 interleaving the answers in one text."""
+done anyway, Triton generate with ``n`` > 1 interleaving the answers in one text, a V2
+infer on an LLM refused for its own default max_tokens, and a gRPC stream's scalar
+sampling inputs refused by the element budget."""
 
 from __future__ import annotations
 
@@ -217,6 +219,50 @@ def test_generate_refuses_n_answers_it_cannot_tell_apart(server: RunningServer) 
         client.stop_stream()
     assert result is None and "parameters.n" in str(error)
     _serves(server)
+
+
+def test_v2_infer_on_an_llm_fits_its_default_answer_to_the_context(server: RunningServer) -> None:
+    """A V2 infer request sets no max_tokens: llm.default_max_tokens (256) is cut to what a
+    900-token prompt leaves of max_model_len (1024), not refused naming max_tokens."""
+    text = {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["a " * 900]}
+    status, doc = _post(server, "/v2/models/tiny/infer", {"inputs": [text]})
+    assert status == 200, doc
+
+
+def _stream(server: RunningServer, request: Any) -> list[Any]:
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    answers = []
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for answer in stub.ModelStreamInfer(iter([request]), timeout=30):
+            answers.append(answer)
+            final = answer.infer_response.parameters["triton_final_response"].bool_param
+            if answer.error_message or final:
+                break
+    return answers
+
+
+def test_grpc_stream_takes_sampling_parameters_as_scalar_inputs(server: RunningServer) -> None:
+    from tritonclient.grpc import service_pb2 as pb
+
+    def request(name: str, datatype: str, raw: bytes) -> Any:
+        tensor = pb.ModelInferRequest.InferInputTensor
+        return pb.ModelInferRequest(
+            model_name="tiny",
+            inputs=[
+                tensor(name="text_input", datatype="BYTES", shape=[1]),
+                tensor(name=name, datatype=datatype, shape=[1]),
+            ],  # fmt: skip
+            raw_input_contents=[(2).to_bytes(4, "little") + b"hi", raw],
+        )
+
+    answers = _stream(server, request("max_tokens", "INT32", (3).to_bytes(4, "little")))
+    assert answers and not any(a.error_message for a in answers)
+    answers = _stream(server, request("max_tokens", "BYTES", (1).to_bytes(4, "little") + b"x"))
+    assert "max_tokens" in answers[-1].error_message
+    answers = _stream(server, request("stream", "BOOL", b"\x01"))
+    assert answers and not any(a.error_message for a in answers)
 
 
 # ---------------------------------------------------------------------- the sweep

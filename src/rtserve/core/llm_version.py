@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 TEXT_INPUT = TensorSpec("text_input", "BYTES", (1,))
 TEXT_OUTPUT = TensorSpec("text_output", "BYTES", (1,))
+# A stream request's scalar inputs besides text_input (sampling parameters, "stream", ...).
+SCALAR_INPUTS = 32
 
 
 def _text_input(feeds: dict[str, np.ndarray]) -> str:
@@ -80,8 +82,13 @@ class GenerateScheduler:
     async def _run(self, feeds: dict[str, np.ndarray], future: asyncio.Future[Outputs]) -> None:
         try:
             ids = self.engine.encode_text(_text_input(feeds))
+            # (llm.default_max_tokens, within what the context leaves after the prompt)
+            room = max(1, self.engine.max_model_len - len(ids))
+            params = self.params
+            if params.max_tokens is not None and params.max_tokens > room:
+                params = dataclasses.replace(params, max_tokens=room)
             parts = []
-            async for event in self.engine.generate(ids, self.params):
+            async for event in self.engine.generate(ids, params):
                 parts.append(event.text)
             out = np.array(["".join(parts).encode()], dtype=np.object_)
             if not future.done():
@@ -161,7 +168,11 @@ async def build_llm_version(
         metrics=metrics,
         inputs={TEXT_INPUT.name: TEXT_INPUT},
         outputs={TEXT_OUTPUT.name: TEXT_OUTPUT},
-        decode_limits=limits_for_model((TEXT_INPUT,), 1, ctx.decode_limits),
+        decode_limits=limits_for_model(
+            (TEXT_INPUT, *[TensorSpec(f"scalar{i}", "BYTES", (1,)) for i in range(SCALAR_INPUTS)]),
+            1,
+            ctx.decode_limits,
+        ),
         capabilities={GENERATE: engine},
     )
     engine.on_failed = lambda: setattr(mv, "ready", False)
