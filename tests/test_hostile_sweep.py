@@ -153,15 +153,15 @@ def test_responses_errors_name_the_fields_sent(server: RunningServer) -> None:
 
 
 UNANSWERABLE = [("conversation", "conv_1"), ("prompt.id", {"id": "p"}), ("top_logprobs", 3),
-                ("logprobs", True)]  # fmt: skip
+                ("logprobs", True), ("n", 2)]  # fmt: skip
 
 
 @pytest.mark.parametrize("field,value", UNANSWERABLE, ids=[f for f, _ in UNANSWERABLE])
 def test_responses_refuse_what_they_cannot_answer(
     server: RunningServer, field: str, value: Any
 ) -> None:
-    """Stored state (a conversation, a prompt template) and logprobs, which these answers
-    never carry, are refused rather than ignored."""
+    """Stored state (a conversation, a prompt template), logprobs and more than one answer,
+    which these answers never carry, are refused rather than ignored."""
     body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, field.split(".")[0]: value}
     _refused(server, "/v1/responses", body, field)
 

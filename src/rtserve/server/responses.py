@@ -119,7 +119,7 @@ def parse(doc: dict[str, Any]) -> openai.OpenAIRequest:
 
 
 _RESPONSES_ONLY = ("input", "instructions", "text", "max_output_tokens", "previous_response_id",
-                   "reasoning", "n", "conversation", "prompt")  # fmt: skip
+                   "reasoning", "conversation", "prompt")  # fmt: skip
 
 
 def _chat_format(value: dict[str, Any]) -> dict[str, Any]:
