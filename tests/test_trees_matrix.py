@@ -121,6 +121,20 @@ def test_catboost_several_values_per_row(tmp_path: Path, loss: str) -> None:
     np.testing.assert_allclose(out["predict"], reg.predict(x[:7]), rtol=TOL, atol=TOL)
 
 
+def test_sklearn_classifier_without_predict_proba(tmp_path: Path) -> None:
+    from sklearn.linear_model import RidgeClassifier
+
+    x, y = data(3)
+    x = np.nan_to_num(x)
+    clf = RidgeClassifier().fit(x, np.array(["a", "b", "c"])[y])
+    sio.dump(clf, tmp_path / "model.skops")
+    model = trees.load(config("sklearn"), tmp_path)  # (no made-up probabilities)
+    assert [(o.name, o.datatype) for o in model.outputs] == [("predict", "BYTES")]
+    np.testing.assert_array_equal(model.run(0, {"features": x[:7]})["predict"], clf.predict(x[:7]))
+    with pytest.raises(ConfigError, match="predict_proba: the model has no predict_proba"):
+        trees.load(config("sklearn", outputs=["predict", "predict_proba"]), tmp_path)
+
+
 def test_a_row_of_the_wrong_width_is_refused_not_run(tmp_path: Path) -> None:
     clf, x = early_stopped()
     clf.save_model(tmp_path / "model.json")

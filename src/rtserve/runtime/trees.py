@@ -185,6 +185,7 @@ class Adapter:
     dtype: Any = np.float32
     targets: int = 1  # a regressor's outputs per row (XGBoost's multi-target models)
     contributions_shape: tuple[int, ...] | None = None  # per row, if not [targets, F + 1]
+    probabilities: bool = True  # False: a classifier without predict_proba (LinearSVC)
 
 
 def _xgboost(path: Path, obj: Any = None) -> Adapter:
@@ -654,6 +655,8 @@ def _sklearn(path: Path, options: Options, obj: Any = None) -> Adapter:
         if has_proba:
             p = proba(x)
             return p[:, 1] if kind == "binary" else p
+        if classes:  # (no probabilities: the class's index, for the timing at load only)
+            return np.searchsorted(np.asarray(classes), labels_fn(x)).astype(np.float64)
         return labels_fn(x).astype(np.float64)
 
     contributions = None
@@ -695,7 +698,7 @@ def _sklearn(path: Path, options: Options, obj: Any = None) -> Adapter:
                 feature_names = tuple(str(f) for f in before.get_feature_names_out())
     adapter = Adapter("sklearn", kind, n, feature_names, classes, np.float64, value, None,
                       contributions, labels_fn=labels_fn, proba_fn=proba if has_proba else None,
-                      dtype=np.float64)  # fmt: skip
+                      dtype=np.float64, probabilities=has_proba or not classes)  # fmt: skip
     if (
         booster is not None
         and kind != "regression"
@@ -780,10 +783,15 @@ class TreeModel:
             dtype = object  # (CatBoost: categorical features as text)
         self.dtype = np.dtype(dtype)
         classifier = a.kind != "regression"
-        wanted = options.outputs or (("predict", "predict_proba") if classifier else ("predict",))
+        probabilities = classifier and a.probabilities
+        wanted = options.outputs or (
+            ("predict", "predict_proba") if probabilities else ("predict",)
+        )
         where = f"{config.source}: {config.backend}.outputs"
         if "predict_proba" in wanted and not classifier:
             raise ConfigError(f"{where}: predict_proba: the model is not a classifier")
+        if "predict_proba" in wanted and not probabilities:
+            raise ConfigError(f"{where}: predict_proba: the model has no predict_proba")
         if "margin" in wanted and a.margin is None:
             raise ConfigError(f"{where}: margin: a scikit-learn model has no raw score")
         self.wanted = tuple(wanted)
