@@ -177,6 +177,10 @@ def test_refusals_name_the_file_and_the_reason(tmp_path: Path) -> None:
         trees.load(config("xgboost", execution="lleaves"), tmp_path)
     with pytest.raises(ConfigError, match=r"datatype: BYTES is for CatBoost and scikit-learn"):
         trees.load(config("xgboost", datatype="BYTES"), tmp_path)
+    text = lgb.LGBMClassifier(n_estimators=3, verbose=-1).fit(x, y).booster_.model_to_string()
+    (tmp_path / "model.txt").write_bytes(text.replace("\n", "\r\n").encode())  # (aborts LightGBM)
+    with pytest.raises(ConfigError, match=r"model\.txt: lightgbm could not .* CRLF"):
+        trees.load(config("lightgbm"), tmp_path)
 
 
 # -- through a real server ------------------------------------------------------------------

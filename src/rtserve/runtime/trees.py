@@ -388,7 +388,9 @@ def _check_lightgbm_text(path: Path) -> None:
     why = ""
     header, _, rest = data.partition(b"\nTree=0\n")
     sizes = re.search(rb"^tree_sizes=([\d ]*)$", header, re.M)
-    if not data.startswith(b"tree\n"):
+    if data.startswith(b"tree\r\n"):  # (LightGBM aborts on them: the sizes count \n only)
+        why = "it has CRLF (Windows) line endings; LightGBM reads only '\\n' ones"
+    elif not data.startswith(b"tree\n"):
         why = "it does not start with LightGBM's 'tree' header"
     elif sizes is None or not rest:
         why = "its header or first tree is missing"
