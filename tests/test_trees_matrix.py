@@ -24,16 +24,10 @@ from sklearn.datasets import make_classification, make_regression  # noqa: E402
 from sklearn.pipeline import make_pipeline  # noqa: E402
 from sklearn.preprocessing import StandardScaler  # noqa: E402
 
-from rtserve.config import parse_model_config  # noqa: E402
 from rtserve.errors import ConfigError, InvalidInput  # noqa: E402
 from rtserve.runtime import trees  # noqa: E402
 from tests.conftest import post_json, start_server  # noqa: E402
-
-TOL = 1e-6
-
-
-def config(backend: str, **options: Any) -> Any:
-    return parse_model_config({"backend": backend, backend: options}, "m", "m/config.yaml")
+from tests.test_trees import TOL, config  # noqa: E402
 
 
 def data(classes: int = 2, n: int = 300, features: int = 6) -> tuple[np.ndarray, np.ndarray]:
