@@ -208,6 +208,24 @@ def test_bad_schema_refused_by_name(tiny: LlmEngine) -> None:
     assert e.pool.num_used == 0 and not e.scheduler.running
 
 
+def test_grammar_failing_while_generating_is_an_error_not_a_cut_answer(tiny: LlmEngine) -> None:
+    """A schema with no finite instance compiles, then hits the parser's limits after a
+    token or two: the request fails naming the field (not a cut JSON ending "stop"), its
+    blocks are freed and the next request is served."""
+    e = tiny
+    ids = e.encode_text("x")
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+
+    async def main() -> Any:
+        with pytest.raises(InvalidInput, match="^response_format: the constraint failed after"):
+            await collect(e, ids, schema_params(endless, temperature=0.0))
+        return await collect(e, ids, SamplingParams(max_tokens=3, temperature=0.0))
+
+    after = asyncio.run(main())
+    assert after[0][1] == "length"
+    assert e.pool.num_used == 0 and not e.scheduler.running
+
+
 def test_compiled_once_and_cache_bounded(tiny: LlmEngine) -> None:
     e = tiny
     g = e.grammars

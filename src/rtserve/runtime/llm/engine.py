@@ -29,6 +29,7 @@ from rtserve.errors import InferenceFailed, InvalidInput, ObjectiveRefused, Over
 from rtserve.runtime.llm import chat
 from rtserve.runtime.llm.defaults import SamplingDefaults
 from rtserve.runtime.llm.detok import Detokenizer, text_offsets
+from rtserve.runtime.llm.grammar import FIELD as GRAMMAR_FIELD
 from rtserve.runtime.llm.grammar import Grammars
 from rtserve.runtime.llm.kv import BlockPool
 from rtserve.runtime.llm.metrics import LlmMetrics, token_objectives
@@ -729,6 +730,11 @@ class LlmEngine:
         for seq in sampled:
             reason = seq.finish_reason
             if reason is not None:
+                failed = _grammar_failure(seq) if reason == "stop" else None
+                if failed is not None:  # (the answer would end cut, not complete)
+                    self._finish(seq, "abort")
+                    _send(seq, failed)
+                    continue
                 self._finish(seq, reason)
             if seq.sink is None:
                 continue
@@ -838,6 +844,19 @@ def _sample(logits: Any, seqs: list[Sequence]) -> list[int]:
     if any(c is not None for c in changes):
         return sample(logits, params, generators, changes)
     return sample(logits, params, generators)
+
+
+def _grammar_failure(seq: Sequence) -> InvalidInput | None:
+    """The error to answer when the sequence's grammar failed instead of completing."""
+    grammar = getattr(seq.logits, "grammar", None)
+    why = getattr(grammar, "error", None)
+    if why is None:
+        return None
+    return InvalidInput(
+        f"{GRAMMAR_FIELD}: the constraint failed after {seq.generated} generated tokens "
+        f"({why}); expected one an answer can complete (a schema with a finite instance, a "
+        "bounded pattern)"
+    )
 
 
 def _send(seq: Sequence, error: BaseException) -> None:

@@ -186,6 +186,13 @@ class GrammarState:
         """It can take no more tokens (complete, or failed)."""
         return bool(self.matcher.is_stopped() or self.matcher.is_error())
 
+    @property
+    def error(self) -> str | None:
+        """Why the grammar failed while generating (e.g. a schema with no finite instance
+        reaching the parser's limits), or None."""
+        m = self.matcher
+        return str(m.get_error())[:300] if m.is_error() else None
+
     def fork(self) -> GrammarState:
         return GrammarState(self.matcher.deep_copy())
 
