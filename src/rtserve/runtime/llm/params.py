@@ -124,6 +124,16 @@ class SamplingParams:
         the runner computes every logit of its row exactly)."""
         return bool(self.penalized or self.logit_bias or self.min_tokens or self.constraint)
 
+    def check_vocabulary(self, vocab: int) -> None:
+        """InvalidInput naming ``stop_token_ids`` when one is not a token of the model's
+        ``vocab`` ids (``from_mapping`` cannot know the model)."""
+        for token in self.stop_token_ids:
+            if not 0 <= token < vocab:
+                raise InvalidInput(
+                    f"stop_token_ids: token id {token} is not in the vocabulary, expected ids "
+                    f"in [0, {vocab})"
+                )
+
     @classmethod
     def from_mapping(
         cls, data: Mapping[str, Any], *, default_max_tokens: int | None = 16, where: str = ""
@@ -189,7 +199,11 @@ class SamplingParams:
             or len(ids) > MAX_STOP_TOKEN_IDS
             or any(type(t) is not int or not 0 <= t < 1 << 31 for t in ids)
         ):
-            raise fail("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+            raise fail(
+                "stop_token_ids",
+                f"a list of at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0 within the "
+                "model's vocabulary)",
+            )
         n = integer("n", 1, MAX_N)
         return cls(
             max_tokens=max_tokens,
