@@ -423,4 +423,4 @@ def test_n_choices_sampling_fields_and_guided_outputs(client: Any, model: str) -
             model=model, messages=ASK, max_tokens=4,
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
         )  # fmt: skip
-    assert info.value.body["param"] == "response_format"
+    assert info.value.body["param"] == "response_format.json_schema.schema.type"

@@ -18,6 +18,7 @@ from typing import Any
 
 from rtserve.errors import InvalidInput
 from rtserve.runtime.llm.params import SamplingParams
+from rtserve.server.tools import check_schema
 
 JSON_OBJECT, JSON_SCHEMA, REGEX, CHOICE = "json_object", "json_schema", "regex", "choice"
 MAX_SCHEMA_BYTES = 64 << 10
@@ -46,6 +47,7 @@ def _schema(value: Any, field: str) -> dict[str, Any]:
         raise InvalidInput(
             f"{field}: a schema of {size} bytes, expected at most {MAX_SCHEMA_BYTES}"
         )
+    check_schema(value, field)
     return value
 
 

@@ -83,6 +83,8 @@ def _function(tool: Any, where: str) -> dict[str, Any]:
         not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
     ):
         raise _fail(f"{where}.function.parameters", "a JSON schema of type object", parameters)
+    if parameters is not None:
+        check_schema(parameters, f"{where}.function.parameters")
     out: dict[str, Any] = {"name": name}
     if description:
         out["description"] = description
@@ -124,6 +126,101 @@ def parse_tools(doc: dict[str, Any]) -> ToolChoice | None:
             choice,
         )
     return ToolChoice(checked, mode, name, parallel is not False)
+
+
+_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
+_COUNTS = frozenset({
+    "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+    "minContains", "maxContains",
+})  # fmt: skip
+_NUMBERS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+_STRINGS = frozenset({"pattern", "format", "$ref", "$id", "$schema", "title", "description"})
+_SCHEMAS = frozenset({
+    "items", "additionalItems", "additionalProperties", "contains", "not", "if", "then",
+    "else", "propertyNames", "unevaluatedItems", "unevaluatedProperties",
+})  # fmt: skip
+
+
+def _keyword_error(key: str, value: Any) -> str | None:
+    """What keyword ``key`` of a schema expects when ``value`` is not that (None: fine)."""
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if key == "type":
+        names = value if isinstance(value, list) else [value]
+        if not names or any(not isinstance(t, str) or t not in _TYPES for t in names):
+            return f"one of {sorted(_TYPES)} or a non-empty list of them"
+    elif key in _COUNTS:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return "an integer >= 0"
+    elif key in _NUMBERS:
+        if not number and not (key.startswith("exclusive") and isinstance(value, bool)):
+            return "a number"
+    elif key == "multipleOf":
+        if not number or not value > 0:
+            return "a number > 0"
+    elif key == "required":
+        if not isinstance(value, list) or any(not isinstance(k, str) for k in value):
+            return "a list of property names (strings)"
+    elif key == "enum":
+        if not isinstance(value, list):
+            return "a list of values"
+    elif key == "uniqueItems":
+        if not isinstance(value, bool):
+            return "true or false"
+    elif key in _STRINGS:
+        if not isinstance(value, str):
+            return "a string"
+    elif key in _SCHEMA_MAPS or key == "dependentSchemas":
+        if not isinstance(value, dict) or any(
+            not isinstance(v, dict | bool) for v in value.values()
+        ):
+            return "an object of schemas"
+    elif key in _SCHEMA_LISTS:
+        if (
+            not isinstance(value, list)
+            or not value
+            or any(not isinstance(v, dict | bool) for v in value)
+        ):
+            return "a non-empty list of schemas"
+    elif key in _SCHEMAS:  # (items: a list of schemas too, draft 4's tuple form)
+        kinds = (dict, bool, list) if key == "items" else (dict, bool)
+        return None if isinstance(value, kinds) else "a schema (an object or a boolean)"
+    return None
+
+
+_Path = tuple[Any, str] | None  # (parent, segment): shared by siblings, built on failure
+
+
+def _where(field: str, path: _Path) -> str:
+    parts: list[str] = []
+    while path is not None:
+        path, segment = path
+        parts.append(segment)
+    text = "".join(reversed(parts))
+    return field + (text if len(text) <= 200 else "..." + text[-200:])
+
+
+def check_schema(schema: Any, field: str) -> None:
+    """InvalidInput naming ``field`` and the keyword when a keyword of the JSON schema has a
+    value of the wrong kind (``{"minimum": "x"}``, ``{"maxLength": -1}``, ``{"required":
+    "a"}``), which the grammar engine would ignore. Each subschema is visited once, without
+    recursion: linear in the schema's size (bounded where it is read)."""
+    stack: list[tuple[Any, _Path]] = [(schema, None)]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, bool):
+            continue
+        if not isinstance(node, dict):
+            raise _fail(_where(field, path), "a schema (an object or a boolean)", node)
+        for key, value in node.items():
+            expected = _keyword_error(key, value)
+            if expected is not None:
+                raise _fail(_where(field, (path, f".{key}")), expected, value)
+            if key in _SCHEMA_MAPS or key == "dependentSchemas":
+                stack.extend((v, (path, f".{key}.{k}")) for k, v in value.items())
+            elif key in _SCHEMA_LISTS or (key == "items" and isinstance(value, list)):
+                stack.extend((v, (path, f".{key}[{i}]")) for i, v in enumerate(value))
+            elif key in _SCHEMAS:
+                stack.append((value, (path, f".{key}")))
 
 
 def closed(schema: Any, depth: int = 0) -> Any:
