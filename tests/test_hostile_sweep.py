@@ -363,3 +363,122 @@ def test_grpc_model_infer(server: RunningServer) -> None:
         good = pb.ModelInferRequest(model_name="digits", inputs=[tensor([1, 64])],
                                     raw_input_contents=[raw])  # fmt: skip
         assert stub.ModelInfer(good, timeout=10).outputs
+
+
+# ------------------------------------------------ stop ids, schema keywords, names, index
+def test_stop_token_ids_outside_the_vocabulary_are_refused(server: RunningServer) -> None:
+    for ids in ([99_999_999], [1, -1]):
+        for path, body in (
+            (CHAT, {"model": "tiny", "messages": ASK}),
+            ("/v1/completions", {"model": "tiny", "prompt": "hi"}),
+        ):
+            message = _refused(server, path, {**body, "max_tokens": 2, "stop_token_ids": ids},
+                               "stop_token_ids")  # fmt: skip
+            assert "vocabulary" in message, message
+    message = _refused(server, CHAT, {"model": "tiny", "messages": ASK, "max_tokens": 2,
+                                      "stop_token_ids": [2, 99_999_999]}, "stop_token_ids")  # fmt: skip
+    assert "99999999" in message and "[0, " in message, message  # (the vocabulary's size)
+    status, doc = _post(server, CHAT, {"model": "tiny", "messages": ASK, "max_tokens": 2,
+                                       "stop_token_ids": [2]})  # fmt: skip
+    assert status == 200, doc
+    _serves(server)
+
+
+BAD_KEYWORDS = [
+    ({"type": "integer", "minimum": "x"}, "minimum"),
+    ({"type": "string", "maxLength": -1}, "maxLength"),
+    ({"type": "object", "required": "a"}, "required"),
+    ({"type": "object", "properties": {"a": {"type": "strin"}}}, "properties.a.type"),
+    ({"anyOf": [{"type": "integer"}, {"type": "array", "minItems": 1.5}]}, "anyOf[1].minItems"),
+    ({"type": "number", "multipleOf": 0}, "multipleOf"),
+]
+
+
+@pytest.mark.parametrize("schema,keyword", BAD_KEYWORDS, ids=[k for _, k in BAD_KEYWORDS])
+def test_schema_keywords_of_the_wrong_type_are_refused(
+    server: RunningServer, schema: dict[str, Any], keyword: str
+) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 2, "response_format": fmt}
+    message = _refused(server, CHAT, body, "response_format")
+    assert f"response_format.json_schema.schema.{keyword}:" in message, message
+    parameters = {"type": "object", "properties": {"x": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 2, "tools": [tool]}
+    message = _refused(server, CHAT, body, "tools[0].function.parameters")
+    assert f"tools[0].function.parameters.properties.x.{keyword}:" in message, message
+
+
+def test_checking_schema_keywords_is_linear_and_takes_usual_schemas() -> None:
+    from rtserve.errors import InvalidInput
+    from rtserve.server.tools import check_schema
+
+    deep = _nested_properties(900)  # (no recursion: deeper than Python's stack would go)
+    started = time.perf_counter()
+    check_schema(deep, "s")
+    assert time.perf_counter() - started < 1.0
+    inner = deep
+    for _ in range(800):
+        inner = inner["properties"]["a"]
+    inner["maxItems"] = -3
+    with pytest.raises(InvalidInput, match=r"^s\.\.\..*\.maxItems: expected an integer >= 0"):
+        check_schema(deep, "s")
+    usual = {  # (as pydantic writes them; draft 4's boolean exclusiveMinimum; tuple items)
+        "$defs": {"A": {"properties": {"x": {"title": "X", "type": "integer", "default": 1,
+                                             "exclusiveMinimum": 0}},
+                        "required": ["x"], "title": "A", "type": "object"}},
+        "properties": {"a": {"$ref": "#/$defs/A"},
+                       "b": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+                       "c": {"type": "number", "minimum": 0, "exclusiveMinimum": True},
+                       "d": {"type": "array", "items": [{"type": "string"}], "uniqueItems": True},
+                       "e": {"enum": [1, "x", None], "description": "free text"}},
+        "required": ["a"], "type": ["object"], "additionalProperties": False,
+    }  # fmt: skip
+    check_schema(usual, "s")
+
+
+def test_duplicate_tensor_names_are_refused(server: RunningServer) -> None:
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    infer = "/v2/models/digits/infer"
+    message = _refused(server, infer, {"inputs": [PIXELS, PIXELS]}, "inputs[1].name")
+    assert "'pixels'" in message, message
+    binary = {**PIXELS, "data": [0.5] * 64}  # (not the fast path: a parameters entry)
+    binary["parameters"] = {"binary_data": False}
+    _refused(server, infer, {"inputs": [binary, binary]}, "inputs[1].name")
+    twice = [{"name": "label"}, {"name": "logits"}, {"name": "label"}]
+    message = _refused(server, infer, {"inputs": [PIXELS], "outputs": twice}, "outputs[2].name")
+    assert "'label'" in message, message
+    raw = np.zeros((1, 64), np.float32).tobytes()
+    tensor = pb.ModelInferRequest.InferInputTensor(name="pixels", datatype="FP32", shape=[1, 64])
+    out = pb.ModelInferRequest.InferRequestedOutputTensor
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for inputs, raws, outputs, field in (
+            ([tensor, tensor], [raw, raw], [], "inputs[1].name"),
+            ([tensor], [raw], [out(name="label"), out(name="label")], "outputs[1].name"),
+        ):
+            request = pb.ModelInferRequest(model_name="digits", inputs=inputs,
+                                           raw_input_contents=raws, outputs=outputs)  # fmt: skip
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            details = info.value.details() or ""
+            assert details.startswith(field) and "more than once" in details, details
+        good = pb.ModelInferRequest(model_name="digits", inputs=[tensor], raw_input_contents=[raw],
+                                    outputs=[out(name="label"), out(name="logits")])  # fmt: skip
+        assert len(stub.ModelInfer(good, timeout=10).outputs) == 2
+    _serves(server)
+
+
+def test_repository_index_ready_must_be_a_boolean(server: RunningServer) -> None:
+    index = "/v2/repository/index"
+    message = _refused(server, index, {"ready": "x"}, "ready")
+    assert "true or false" in message, message
+    _refused(server, index, {"ready": 1}, "ready")
+    _refused(server, index, [{"ready": True}], "repository index body")
+    for body in (b"", b"{}", b"null", {"ready": False}, {"ready": True}):
+        status, doc = _post(server, index, body)
+        assert status == 200 and any(e["name"] == "digits" for e in doc), (body, doc)
+    _serves(server)

@@ -14,6 +14,7 @@ from rtserve.api.call import Answer, Call, FutureResponder, Pending
 from rtserve.api.context import error_reply
 from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.errors import InvalidInput, RouteNotFound
+from rtserve.protocol.limits import shown
 from rtserve.protocol.load_request import config_from_body
 from rtserve.protocol.shared_memory import Region, cuda_refusal, disabled
 from rtserve.server.errors import JSON_TYPE, http_error
@@ -192,7 +193,7 @@ def _model(app: Application, method: bytes, name: str, tail: list[str]) -> Answe
 
 def _index(app: Application, body: bytes) -> list[dict[str, Any]]:
     """The repository index; ``{"ready": true}`` lists only the ready versions."""
-    ready_only = b'"ready"' in body and _ready_only(body)
+    ready_only = _ready_only(body) if body.strip() else False
     return [
         {"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
         for e in app.dataplane.repository_index()
@@ -201,12 +202,23 @@ def _index(app: Application, body: bytes) -> list[dict[str, Any]]:
 
 
 def _ready_only(body: bytes) -> bool:
-    """The repository index request's ``{"ready": true}``."""
+    """The repository index request's ``{"ready": true}`` (a body of another shape, or a
+    ``ready`` that is not a boolean, is refused)."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
         raise InvalidInput("repository index body: not valid JSON") from None
-    return isinstance(doc, dict) and doc.get("ready") is True
+    if doc is None:
+        return False
+    if not isinstance(doc, dict):
+        raise InvalidInput(
+            'repository index body: expected a JSON object such as {"ready": true}, got '
+            f"{shown(repr(doc))}"
+        )
+    ready = doc.get("ready")
+    if ready is not None and not isinstance(ready, bool):
+        raise InvalidInput(f"ready: expected true or false, got {shown(repr(ready))}")
+    return ready is True
 
 
 # ---------------------------------------------------------------------- shared memory
