@@ -164,3 +164,27 @@ def test_bad_inputs_are_refused_naming_the_flag(tmp_path: Path, capsys: Any) -> 
     assert "expected a tree model file" in capsys.readouterr().err
     assert cli_main([*args, "--max-accuracy-drop", "-1"]) == 2
     assert "--max-accuracy-drop" in capsys.readouterr().err
+
+
+def test_optimize_early_stopped_xgboost_serves_its_best_iteration(tmp_path: Path) -> None:
+    """An XGBoost model saved after early stopping: every measured choice and the written
+    variant answer ``XGBClassifier.predict_proba`` (the trees up to ``best_iteration``)."""
+    x, y = load_breast_cancer(return_X_y=True)
+    clf = xgb.XGBClassifier(n_estimators=200, max_depth=3, learning_rate=0.5,
+                            early_stopping_rounds=3, eval_metric="logloss")  # fmt: skip
+    clf.fit(x[:400], y[:400], eval_set=[(x[400:], y[400:])], verbose=False)
+    assert 0 < clf.best_iteration < 150  # (it stopped early: the later trees must not count)
+    clf.save_model(tmp_path / "model.json")
+    out = tmp_path / "repo" / "x"
+    code = cli_main(["optimize-trees", str(tmp_path / "model.json"), "--out", str(out),
+                     "--work", str(tmp_path / "w"), "--variants", "treelite,onnx", *FAST])  # fmt: skip
+    assert code == 0
+    record = json.loads((out / "optimization.json").read_text())
+    assert {"native", "treelite", "onnx"} <= {m["name"] for m in record["measurements"]}
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    want = clf.predict_proba(x[:60])
+    for execution in ("native", "treelite", "onnx"):
+        config["xgboost"]["execution"] = execution
+        model = trees.load(parse_model_config(config, "x", str(out / "config.yaml")), out / "1")
+        got = model.run(0, {"features": x[:60].astype(np.float32)})
+        np.testing.assert_allclose(got["predict_proba"], want, atol=1e-6, err_msg=execution)
