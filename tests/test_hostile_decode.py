@@ -103,6 +103,25 @@ def test_json_bytes_and_numeric_shapes_are_bounded_by_the_data_present() -> None
         assert peak < 1 << 20
 
 
+def test_empty_shape_with_huge_other_dimensions_is_400_naming_the_shape() -> None:
+    """[0, 2**21, 2**21, 2**21] holds no elements, but numpy cannot shape it: refused by name
+    (JSON, binary and gRPC), not a ValueError from numpy."""
+    shape = [0, 1 << 21, 1 << 21, 1 << 21]
+    for datatype in ("BOOL", "FP32", "BYTES"):
+        with pytest.raises(InvalidInput, match=r"^input 'x'\.shape: .*max_elements"):
+            decode(body_of(tensor(datatype=datatype, shape=shape, data=[])))
+        header = body_of(tensor(datatype=datatype, shape=shape, data=None,
+                                parameters={"binary_data_size": 0}))  # fmt: skip
+        with pytest.raises(InvalidInput, match=r"^input 'x'\.shape: "):
+            decode(header, len(header))
+        msg = pb.ModelInferRequest(model_name="m")
+        msg.inputs.add(name="x", datatype=datatype, shape=shape)
+        msg.raw_input_contents.append(b"")
+        with pytest.raises(InvalidInput, match=r"^input 'x'\.shape: "):
+            decode_model_infer(msg)
+    assert decode(body_of(tensor(shape=[0, 3], data=[]))).inputs[0].data.shape == (0, 3)
+
+
 def test_ten_million_empty_bytes_elements_are_refused_quickly() -> None:
     header = body_of(
         {

@@ -123,6 +123,16 @@ class ElementBudget:
 
     def charge(self, where: str, shape: tuple[int, ...], count: int, is_bytes: bool) -> None:
         limits = self.limits
+        if count == 0:  # (a 0 beside huge dimensions: numpy cannot even shape it)
+            n = 1
+            for d in shape:
+                n *= d or 1
+                if n > limits.max_elements:
+                    raise InvalidInput(
+                        f"{where}.shape: {list(shape)[:8]} has no elements, but its other "
+                        f"dimensions multiply to over {limits.max_elements} (max_elements); "
+                        "expected smaller dimensions"
+                    )
         self.elements += count
         if self.elements > limits.max_elements:
             raise PayloadTooLarge(
