@@ -316,7 +316,10 @@ def test_responses_stream_typed_events(client: Any, model: str) -> None:
     kinds = []
     text = []
     with client.responses.stream(
-        model=model, input="Say hello.", instructions="Be brief.", max_output_tokens=8,
+        model=model,
+        input="Say hello.",
+        instructions="Be brief.",
+        max_output_tokens=8,
         temperature=0,
     ) as stream:
         for event in stream:
