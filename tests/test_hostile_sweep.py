@@ -229,6 +229,25 @@ def test_v2_infer_on_an_llm_fits_its_default_answer_to_the_context(server: Runni
     assert status == 200, doc
 
 
+def test_v2_infer_on_an_llm_refuses_sampling_it_would_ignore(server: RunningServer) -> None:
+    """V2 infer answers with the model's default sampling: ``parameters.max_tokens`` there
+    is a 400 naming it and the generate route, not silently ignored; other V2 parameters
+    (priority) still pass."""
+    text = {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["hello"]}
+    for params in ({"max_tokens": 3}, {"priority": 1, "temperature": 0.5}):
+        status, doc = _post(
+            server, "/v2/models/tiny/infer", {"inputs": [text], "parameters": params}
+        )
+        assert status == 400, doc
+        name = "max_tokens" if "max_tokens" in params else "temperature"
+        assert f"parameters.{name}:" in doc["error"] and "/v2/models/tiny/generate" in doc["error"]
+    status, doc = _post(
+        server, "/v2/models/tiny/infer", {"inputs": [text], "parameters": {"priority": 1}}
+    )
+    assert status == 200, doc
+    _serves(server)
+
+
 def _stream(server: RunningServer, request: Any) -> list[Any]:
     from tritonclient.grpc import service_pb2_grpc as pb_grpc
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from rtserve import __version__
 from rtserve.config import SLO
+from rtserve.core.capabilities import GENERATE
 from rtserve.core.info import (
     ConfigTensor,
     ModelConfigInfo,
@@ -48,6 +49,7 @@ from rtserve.observability.metrics import Metrics, VersionStatistics, outcome_of
 from rtserve.observability.tracing import Tracer
 from rtserve.observability.workers import WorkerView
 from rtserve.protocol.types import InferRequest, InferResponse, Tensor, Timings
+from rtserve.runtime.llm.params import SAMPLING_NAMES
 from rtserve.runtime.parameters import add_row_parameters
 
 EXTENSIONS = (
@@ -128,6 +130,19 @@ def _timeout_s(request: InferRequest, mv: ModelVersion) -> float:
             f"got {value!r:.100}"
         )
     return float(value) / 1e6
+
+
+def _refuse_sampling(request: InferRequest, mv: ModelVersion) -> None:
+    """V2 ``infer`` on a generative model answers with the model's default sampling: a
+    sampling parameter there would be ignored, so it is refused, pointing to the routes
+    that take it."""
+    given = sorted(k for k in request.parameters if k in SAMPLING_NAMES)
+    if given:
+        raise InvalidInput(
+            f"parameters.{given[0]}: infer on generative model '{mv.name}' uses its default "
+            f"sampling; send sampling parameters to /v2/models/{mv.name}/generate (or gRPC "
+            "ModelStreamInfer, or the OpenAI API)"
+        )
 
 
 def _check_priority(request: InferRequest, mv: ModelVersion) -> None:
@@ -420,6 +435,8 @@ class DataPlane:
             wanted = self._check_outputs(request, mv)
             timeout_s = _timeout_s(request, mv)
             _check_priority(request, mv)
+            if request.parameters and mv.capability(GENERATE) is not None:
+                _refuse_sampling(request, mv)
             if mv.row_parameters:
                 feeds = add_row_parameters(mv.row_parameters, request, feeds, rows)
             cache = mv.cache

@@ -2,7 +2,8 @@
 
 The version's ``llm`` engine serves the generative APIs (OpenAI, Triton generate, gRPC
 streaming). Plain V2 ``infer`` works too: ``text_input`` (BYTES) in, the whole answer as
-``text_output`` out, with the config's default sampling (greedy unless set).
+``text_output`` out, with the config's default sampling (greedy unless set; a sampling
+parameter in the request is refused, naming it).
 """
 
 from __future__ import annotations
