@@ -24,7 +24,10 @@ SUITES = {
     "quick": Suite("bench.run", (("--quick",),), "~4 min: MLP over HTTP, rtserve vs the ASGI floors and FastAPI -> docs/benchmarks-quick.md"),
     "serving": Suite("bench.run", ((),), "~30 min: every peer, both workloads, every client -> docs/benchmarks.md"),
     "cache": Suite("bench.cache_zipf", (("--model", "all"),), "the response cache under a Zipf key mix"),
-    "tabular": Suite("bench.tabular", ((),), "trees (XGBoost, LightGBM) vs MLServer and FastAPI -> bench/results/tabular.json"),
+    "tabular": Suite("bench.tabular", (
+        ("--rounds", "3", "--seconds", "3", "--direct-ab", "--workers-ab"),
+        ("--rounds", "3", "--seconds", "3", "--pin", "--out", "bench/results/tabular-pinned.json"),
+    ), "~20 min: trees (XGBoost, LightGBM) vs MLServer and FastAPI, shared and pinned CPUs -> bench/results/tabular*.json"),
     "slo": Suite("bench.slo_openloop", (
         ("--workload", "minilm", "--seq", "32", "--objective-ms", "250", *_SLO, "--windows", "0,2000,10000",
          "--triton-windows", "0,5000", "--seconds", "6", "--probe-rate", "1500", "--out", "bench/results/slo/minilm-seq32.md"),
