@@ -250,7 +250,6 @@ def _checked(
     chat: bool,
     tenant: str = "",
 ) -> Generation:
-    params.check_vocabulary(llm.runner.vocab_size)
     # What the request left unset: the model's sampling (generation_config.json) and an
     # answer of at most llm.default_max_tokens, within what the context leaves.
     params = llm.sampling_defaults.apply(

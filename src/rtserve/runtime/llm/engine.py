@@ -230,7 +230,7 @@ class LlmEngine:
                     f"n: {params.n} answers of up to {total - n_prompt} tokens exceed the KV "
                     "pool; ask for fewer choices or fewer tokens"
                 )
-        self.check_logit_bias(params)
+        self.check_vocabulary(params)
         sched = self.scheduler
         if len(sched.waiting) >= self.options.max_waiting:
             self.metrics.refused += 1
@@ -247,14 +247,20 @@ class LlmEngine:
                     retry_after_s=max(1.0, wait - slo.ttft_p99_ms / 1000),
                 )
 
-    def check_logit_bias(self, params: SamplingParams) -> None:
+    def check_vocabulary(self, params: SamplingParams) -> None:
+        """InvalidInput naming ``logit_bias`` or ``stop_token_ids`` when a token id there is
+        not one of the model's (the request's parser cannot know the model)."""
         vocab = self.runner.vocab_size
-        for token, _ in params.logit_bias:
-            if token >= vocab:
-                raise InvalidInput(
-                    f"logit_bias: token id {token} is not in the vocabulary, expected ids "
-                    f"in [0, {vocab})"
-                )
+        for field, tokens in (
+            ("logit_bias", (token for token, _ in params.logit_bias)),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            for token in tokens:
+                if token >= vocab:
+                    raise InvalidInput(
+                        f"{field}: token id {token} is not in the vocabulary, expected ids "
+                        f"in [0, {vocab})"
+                    )
 
     async def check_constraint(self, params: SamplingParams) -> None:
         """Compile the request's constraint (structured output) off the event loop, cached;
@@ -343,7 +349,7 @@ class LlmEngine:
         and its KV blocks are shared by the choices (forked when its prefill ends)."""
         if not checked:
             self.check_prompt(len(prompt_ids), params, tenant=tenant)
-        self.check_logit_bias(params)
+        self.check_vocabulary(params)
         vocab = self.runner.vocab_size
         if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidInput(f"prompt: expected token ids in [0, {vocab}), at least one")
