@@ -538,11 +538,7 @@ def _generation_request(request: Any, mv: ModelVersion) -> tuple[str, SamplingPa
         raise InvalidInput("inputs: expected 'text_input' (BYTES, the prompt)")
     empty_final = settings.pop("triton_enable_empty_final_response", False) is True
     params = SamplingParams.from_mapping(settings, where="parameters.")
-    if params.n != 1:  # (n answers would interleave in the one text_output stream)
-        raise InvalidInput(
-            f"parameters.n: expected 1 or absent (a stream answers one text), got {params.n}"
-        )
-    return text, params, empty_final
+    return text, params.one_answer("parameters.n"), empty_final
 
 
 def _text_response(request: Any, mv: ModelVersion, text: str | None, final: bool) -> Any:

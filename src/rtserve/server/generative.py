@@ -447,10 +447,7 @@ def parse_triton(body: bytes) -> tuple[str, SamplingParams]:
         raise InvalidInput("parameters: expected an object of sampling parameters")
     merged = {k: v for k, v in doc.items() if k not in _TRITON_KEYS}
     merged.update(parameters)
-    params = SamplingParams.from_mapping(merged)
-    if params.n != 1:  # (n answers would interleave in the one text_output)
-        raise InvalidInput(f"n: expected 1 or absent (generate answers one text), got {params.n}")
-    return text, params
+    return text, SamplingParams.from_mapping(merged).one_answer()
 
 
 async def collect_text(events: AsyncGenerator[GenerationEvent, None]) -> str:

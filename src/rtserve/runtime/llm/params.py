@@ -124,15 +124,14 @@ class SamplingParams:
         the runner computes every logit of its row exactly)."""
         return bool(self.penalized or self.logit_bias or self.min_tokens or self.constraint)
 
-    def check_vocabulary(self, vocab: int) -> None:
-        """InvalidInput naming ``stop_token_ids`` when one is not a token of the model's
-        ``vocab`` ids (``from_mapping`` cannot know the model)."""
-        for token in self.stop_token_ids:
-            if not 0 <= token < vocab:
-                raise InvalidInput(
-                    f"stop_token_ids: token id {token} is not in the vocabulary, expected ids "
-                    f"in [0, {vocab})"
-                )
+    def one_answer(self, field: str = "n") -> SamplingParams:
+        """These parameters, when they ask one answer: Triton's generate routes send one
+        text, which ``n`` answers would interleave into (InvalidInput naming ``field``)."""
+        if self.n != 1:
+            raise InvalidInput(
+                f"{field}: expected 1 or absent (generate answers one text), got {self.n}"
+            )
+        return self
 
     @classmethod
     def from_mapping(
