@@ -48,6 +48,7 @@ from rtserve.observability.logs import access_line
 from rtserve.observability.metrics import Metrics, VersionStatistics, outcome_of
 from rtserve.observability.tracing import Tracer
 from rtserve.observability.workers import WorkerView
+from rtserve.protocol.limits import shown_name
 from rtserve.protocol.types import InferRequest, InferResponse, Tensor, Timings
 from rtserve.runtime.llm.params import SAMPLING_NAMES
 from rtserve.runtime.parameters import add_row_parameters
@@ -143,6 +144,12 @@ def _refuse_sampling(request: InferRequest, mv: ModelVersion) -> None:
             f"sampling; send sampling parameters to /v2/models/{mv.name}/generate (or gRPC "
             "ModelStreamInfer, or the OpenAI API)"
         )
+
+
+def _given_twice(where: str, i: int, name: str) -> InvalidInput:
+    return InvalidInput(
+        f"{where}[{i}].name: {shown_name(name)} is given more than once, expected distinct names"
+    )
 
 
 def _check_priority(request: InferRequest, mv: ModelVersion) -> None:
@@ -597,7 +604,7 @@ class DataPlane:
         for out in request.outputs:
             if out.name in on_request and on_request[out.name] not in request.parameters:
                 request.parameters[on_request[out.name]] = True
-        wanted = []
+        wanted: list[Wanted] = []
         for i, out in enumerate(request.outputs):
             spec = mv.outputs.get(out.name)
             if spec is None:
@@ -605,6 +612,8 @@ class DataPlane:
                     f"outputs[{i}].name: model '{mv.name}' has no output '{out.name:.100}' "
                     f"(expected one of: {', '.join(mv.outputs)})"
                 )
+            if any(name == out.name for name, _ in wanted):  # (distinct: at most one each)
+                raise _given_twice("outputs", i, out.name)
             if out.classification and spec.datatype in ("BYTES", "BOOL"):
                 raise InvalidInput(
                     f"outputs[{i}].parameters.classification: output '{out.name}' is "
@@ -619,7 +628,7 @@ class DataPlane:
         max_batch = mv.config.max_batch_size
         feeds: dict[str, np.ndarray] = {}
         rows = 1
-        for t in request.inputs:
+        for i, t in enumerate(request.inputs):
             spec = specs.get(t.name)
             if spec is None:
                 raise InvalidInput(
@@ -627,7 +636,7 @@ class DataPlane:
                     f"(expected: {', '.join(specs)})"
                 )
             if t.name in feeds:
-                raise InvalidInput(f"input '{t.name}': given more than once")
+                raise _given_twice("inputs", i, t.name)
             if t.datatype != spec.datatype:
                 raise InvalidInput(
                     f"input '{t.name}': datatype {t.datatype} does not match the model's {spec.datatype}"

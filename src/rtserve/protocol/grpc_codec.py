@@ -25,7 +25,6 @@ from rtserve.protocol.limits import (
     ElementBudget,
     check_bools,
     check_name,
-    check_unique,
     shown,
     shown_name,
 )
@@ -186,7 +185,6 @@ def _decode(
         else:
             arr = _from_contents(inp, datatype, count, where)
         inputs.append(Tensor(name, datatype, shape, arr.reshape(shape)))
-    check_unique((t.name for t in inputs), "inputs")
     if next_raw != len(raw) and raw:
         raise InvalidInput(
             f"raw_input_contents: {len(raw)} entries for {next_raw} inputs not in shared "
@@ -212,7 +210,6 @@ def _decode(
                 region = shm.output_region(parameters_to_dict(o.parameters), where)
             name = check_name(o.name, f"outputs[{i}].name")
             outputs.append(RequestedOutput(name, None, top, region))
-        check_unique((o.name for o in outputs), "outputs")
     return InferRequest(
         model_name=request.model_name,
         model_version=request.model_version,

@@ -39,7 +39,6 @@ from rtserve.protocol.limits import (
     ElementBudget,
     check_bools,
     check_name,
-    check_unique,
     shown,
     shown_name,
 )
@@ -416,7 +415,6 @@ def decode_infer_request(
     if header_length == len(body) and len(doc) == 1:
         fast = _fast_inputs(raw_inputs, limits, (body, header_length))
         if fast is not None:
-            check_unique((t.name for t in fast), "inputs")
             return InferRequest(model_name, model_version, fast)
     binary = memoryview(body)[header_length:]
     offset = 0
@@ -426,7 +424,6 @@ def decode_infer_request(
         tensor, used = _input(item, i, binary[offset:], budget, limits, shm, (body, header_length))
         inputs.append(tensor)
         offset += used
-    check_unique((t.name for t in inputs), "inputs")
     if offset != len(binary):
         raise InvalidInput(
             f"binary data: {len(binary) - offset} bytes after the last input's binary_data_size"
@@ -599,7 +596,6 @@ def _requested_outputs(
         outputs.append(
             RequestedOutput(out["name"], flag if type(flag) is bool else None, top, region)
         )
-    check_unique((o.name for o in outputs), "outputs")
     return outputs
 
 

@@ -61,19 +61,6 @@ def check_name(value: str, where: str, limit: int = MAX_NAME_CHARS) -> str:
     return value
 
 
-def check_unique(names: Iterable[str], where: str) -> None:
-    """InvalidInput naming ``where[i].name`` and the name when a name comes twice (tensors
-    of a request: ``inputs``, ``outputs``)."""
-    seen: set[str] = set()
-    for i, name in enumerate(names):
-        if name in seen:
-            raise InvalidInput(
-                f"{where}[{i}].name: {shown_name(name)} is given more than once, expected "
-                "distinct names"
-            )
-        seen.add(name)
-
-
 def shown_name(name: str, limit: int = SHOWN_CHARS) -> str:
     """A client-supplied name for an error message: quoted, cut to ``limit`` characters."""
     if len(name) > limit:
