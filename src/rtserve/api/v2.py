@@ -15,7 +15,7 @@ from rtserve.api.context import error_reply
 from rtserve.core.info import ModelConfigInfo, ModelInfo
 from rtserve.errors import InvalidInput, RouteNotFound
 from rtserve.protocol.limits import shown
-from rtserve.protocol.load_request import config_from_body
+from rtserve.protocol.load_request import body_parameters, config_from_body
 from rtserve.protocol.shared_memory import Region, cuda_refusal, disabled
 from rtserve.server.errors import JSON_TYPE, http_error
 from rtserve.server.stats import statistics_json
@@ -87,26 +87,12 @@ def model_control(app: Application, call: Call, peer: str) -> Pending:
 def _check_unload_body(body: bytes) -> None:
     """An unload request's optional body, ``{"parameters": {"unload_dependents": bool}}``:
     one that says something else is refused before the model is unloaded."""
-    if not body.strip():
-        return
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise InvalidInput("unload request body: not valid JSON") from None
-    if not isinstance(doc, dict) or set(doc) - {"parameters"}:
-        raise InvalidInput(
-            f'unload request body: expected {{"parameters": {{...}}}}, got {repr(doc)[:100]}'
-        )
-    parameters = doc.get("parameters", {})
-    if not isinstance(parameters, dict):
-        raise InvalidInput(
-            f"unload request parameters: expected an object, got {repr(parameters)[:100]}"
-        )
-    dependents = parameters.get("unload_dependents", False)
+    params = body_parameters(body, "unload request", '"unload_dependents": ...', null=False)
+    dependents = (params or {}).get("unload_dependents", False)
     if not isinstance(dependents, bool):
         raise InvalidInput(
             "unload request parameters.unload_dependents: expected true or false, got "
-            f"{repr(dependents)[:100]}"
+            f"{shown(repr(dependents))}"
         )
 
 

@@ -216,11 +216,15 @@ def merge(base: Any, over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def config_from_body(body: bytes) -> dict[str, Any] | None:
-    """The config of an HTTP load request's body (None: load as the files say)."""
+def body_parameters(
+    body: bytes, what: str, expected: str = "...", null: bool = True
+) -> dict[str, Any] | None:
+    """The ``parameters`` object of a model-control request's body,
+    ``{"parameters": {...}}`` (None: no body or no parameters; ``null``: whether
+    ``"parameters": null`` means none); ``what`` names the request in errors."""
     if len(body) > MAX_LOAD_BODY_BYTES:
         raise PayloadTooLarge(
-            f"load request body of {len(body)} bytes exceeds the limit of "
+            f"{what} body of {len(body)} bytes exceeds the limit of "
             f"{MAX_LOAD_BODY_BYTES} bytes (the size limit of a config file)"
         )
     if not body.strip():
@@ -228,23 +232,26 @@ def config_from_body(body: bytes) -> dict[str, Any] | None:
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"load request body: not valid JSON ({exc})") from None
+        raise InvalidInput(f"{what} body: not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise InvalidInput(
-            f'load request body: expected an object {{"parameters": {{"config": ...}}}}, '
-            f"got {_shown(doc)}"
+            f'{what} body: expected an object {{"parameters": {{{expected}}}}}, got {_shown(doc)}'
         )
     for key in doc:
         if key != "parameters":
-            raise InvalidInput(
-                f"load request body: {shown(key)}: unknown field (expected: parameters)"
-            )
+            raise InvalidInput(f"{what} body: {shown(key)}: unknown field (expected: parameters)")
     params = doc.get("parameters")
-    if params is None:
+    if params is None and (null or "parameters" not in doc):
         return None
     if not isinstance(params, dict):
-        raise InvalidInput(f"load request parameters: expected an object, got {_shown(params)}")
-    return config_from_parameters(params)
+        raise InvalidInput(f"{what} parameters: expected an object, got {_shown(params)}")
+    return params
+
+
+def config_from_body(body: bytes) -> dict[str, Any] | None:
+    """The config of an HTTP load request's body (None: load as the files say)."""
+    params = body_parameters(body, "load request", '"config": ...')
+    return None if params is None else config_from_parameters(params)
 
 
 def config_from_parameters(params: Mapping[str, Any]) -> dict[str, Any] | None:
