@@ -115,24 +115,28 @@ def start_engine(version_dir: Path, **options: object):  # type: ignore[no-untyp
     return e
 
 
-def generate_greedy(e, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    """Every prompt's greedy tokens (``ignore_eos``), all at once; then the engine stops."""
+def run_all(e, prompts: list[list[int]], params, **kw):  # type: ignore[no-untyped-def]
+    """Every prompt's events (``e.generate(ids, params, **kw)``), all prompts at once; then
+    the engine stops."""
     import asyncio
 
-    from rtserve.runtime.llm.params import SamplingParams
+    async def one(ids: list[int]) -> list:  # type: ignore[type-arg]
+        return [event async for event in e.generate(ids, params, **kw)]
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-    async def one(ids: list[int]) -> list[int]:
-        out: list[int] = []
-        async for event in e.generate(ids, params):
-            out += event.token_ids
-        return out
-
-    async def all_at_once() -> list[list[int]]:
+    async def all_at_once() -> list:  # type: ignore[type-arg]
         try:
             return list(await asyncio.gather(*(one(p) for p in prompts)))
         finally:
             await e.stop()
 
     return asyncio.run(all_at_once())
+
+
+def generate_greedy(e, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Every prompt's greedy tokens (``ignore_eos``), all at once; then the engine stops."""
+    from rtserve.runtime.llm.params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [
+        [t for event in events for t in event.token_ids] for events in run_all(e, prompts, params)
+    ]

@@ -23,7 +23,7 @@ from rtserve.runtime.llm.tokens import (  # noqa: E402
     TokenBytes,
     gpt2_bytes_of_chars,
 )
-from tests.llm_models import build_llm, build_tokenizer  # noqa: E402
+from tests.llm_models import build_llm, build_tokenizer, run_all  # noqa: E402
 
 EMOJI = "the cat 😀 sat é"
 
@@ -50,17 +50,7 @@ def events(
     e: LlmEngine, prompts: list[list[int]], params: SamplingParams, **kw: Any
 ) -> list[list[GenerationEvent]]:
     """Every prompt's events, run at once; the engine stopped after."""
-
-    async def one(ids: list[int]) -> list[GenerationEvent]:
-        return [event async for event in e.generate(ids, params, **kw)]
-
-    async def go() -> list[list[GenerationEvent]]:
-        try:
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
-        finally:
-            await e.stop()
-
-    return asyncio.run(go())
+    return run_all(e, prompts, params, **kw)  # type: ignore[no-any-return]
 
 
 def test_gpt2_table_maps_each_byte_from_one_printable_character() -> None:
